@@ -1,0 +1,188 @@
+"""HiSparseConfig: the one frozen configuration of vllm-hisparse, validated at load.
+
+Loaded from a dict (vLLM's ``--additional-config '{"hisparse": {...}}'``) or a JSON file
+(``--hisparse-config FILE.json``). Every error is one line naming the field, the value and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+GIB = 1 << 30
+
+# Registered names; the policy registry in core/policies checks the same list at use.
+INDEXERS = ("quest", "dsa")
+
+
+class HiSparseConfigError(ValueError):
+    """A configuration value is wrong; the message names the field, the value and the fix."""
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    """All knobs of HiSparse. Sizes in tokens unless the name says bytes/GiB.
+
+    top_k: tokens attended per decode step per layer (Quest: rounded up to whole pages).
+    device_buffer_size: B, hot-buffer tokens kept on the GPU per request per layer; >= top_k and a
+        multiple of the selection unit (page_size for page indexers, 1 for token indexers).
+    page_size: tokens per selection unit for page/block indexers (Quest/NSA) and per host-pool page.
+    indexer: "quest" (page-level, any Llama/Qwen-style model) or "dsa" (token-level).
+    host_pool_gib: pinned host memory for the authoritative KV of every request.
+    io_chunk_bytes: bytes one GPU thread moves per load loop when fetching misses from host.
+    policy: hot-buffer replacement policy (see vllm_hisparse.core.policies.available()).
+    dense_layers: layers kept fully resident and dense (Quest skips the first two).
+    min_context: requests shorter than this stay fully resident (no sparsity, no host tier).
+    prefetch: overlap miss IO with the previous layer when layers share a selection.
+    host_tier: False = every token resident on the GPU with the same selection and kernels (the
+        exactness reference).
+    trace_dir: when set, selections are appended per request to trace files there.
+    """
+
+    top_k: int = 2048
+    device_buffer_size: int = 4096
+    page_size: int = 16
+    indexer: str = "quest"
+    host_pool_gib: float = 16.0
+    io_chunk_bytes: int = 64
+    policy: str = "lru"
+    dense_layers: tuple = (0, 1)
+    min_context: int = 0
+    prefetch: bool = False
+    host_tier: bool = True
+    trace_dir: Optional[str] = None
+
+    def __post_init__(self):
+        _check_types(self)
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            _fail("page_size", self.page_size, "use a power of two such as 16 or 64")
+        if self.indexer not in INDEXERS:
+            _fail("indexer", self.indexer, f"choose one of {', '.join(INDEXERS)}")
+        if self.top_k < 1:
+            _fail("top_k", self.top_k, "use a positive token count such as 2048")
+        if self.device_buffer_size < self.top_k:
+            _fail("device_buffer_size", self.device_buffer_size,
+                  f"must be >= top_k={self.top_k}; 2*top_k={2 * self.top_k} is a good start")
+        unit = self.unit_tokens
+        if self.device_buffer_size % unit:
+            up = -(-self.device_buffer_size // unit) * unit
+            _fail("device_buffer_size", self.device_buffer_size,
+                  f"must be a multiple of the selection unit ({unit} tokens, page_size); try {up}")
+        if self.host_pool_gib <= 0:
+            _fail("host_pool_gib", self.host_pool_gib, "use a positive size in GiB such as 16")
+        c = self.io_chunk_bytes
+        if c < 16 or c > 4096 or c & (c - 1):
+            _fail("io_chunk_bytes", c, "use a power of two from 16 to 4096 (64 is a good start)")
+        if any(x < 0 for x in self.dense_layers) or len(set(self.dense_layers)) != len(self.dense_layers):
+            _fail("dense_layers", list(self.dense_layers), "list distinct layer indices >= 0, e.g. [0, 1]")
+        if self.min_context < 0:
+            _fail("min_context", self.min_context, "use 0 (all requests sparse) or a token count")
+        from vllm_hisparse.core.policies import available  # local: policies import nothing of ours
+
+        if self.policy not in available():
+            _fail("policy", self.policy, f"choose one of {', '.join(available())}")
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def unit_tokens(self) -> int:
+        """Tokens per selection unit: a page for Quest, one token for DSA."""
+        return self.page_size if self.indexer == "quest" else 1
+
+    @property
+    def top_k_units(self) -> int:
+        return -(-self.top_k // self.unit_tokens)
+
+    @property
+    def num_slots(self) -> int:
+        """Hot-buffer slots per request per layer (one slot holds one selection unit)."""
+        return self.device_buffer_size // self.unit_tokens
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return int(self.host_pool_gib * GIB)
+
+    def check_host_pool(self, max_model_len: int, bytes_per_token_per_layer: int,
+                        num_sparse_layers: int) -> None:
+        """Fail at load if one request of max_model_len tokens cannot fit in the host pool."""
+        pages = -(-max_model_len // self.page_size)
+        need = pages * self.page_size * bytes_per_token_per_layer * num_sparse_layers
+        if need > self.host_pool_bytes:
+            _fail("host_pool_gib", self.host_pool_gib,
+                  f"one request of max_model_len={max_model_len} needs {need / GIB:.2f} GiB; "
+                  f"raise host_pool_gib or lower max_model_len")
+
+    def check_layers(self, num_layers: int) -> None:
+        bad = [x for x in self.dense_layers if x >= num_layers]
+        if bad:
+            _fail("dense_layers", list(self.dense_layers),
+                  f"the model has {num_layers} layers; drop {bad}")
+
+    # ---- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "HiSparseConfig":
+        if not isinstance(d, Mapping):
+            raise HiSparseConfigError(f"hisparse config must be a JSON object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise HiSparseConfigError(
+                f"unknown hisparse config key(s) {unknown}; known keys: {', '.join(sorted(names))}")
+        kw = dict(d)
+        if isinstance(kw.get("dense_layers"), list):
+            kw["dense_layers"] = tuple(kw["dense_layers"])
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "HiSparseConfig":
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise HiSparseConfigError(f"hisparse config file {path} is not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, src: "HiSparseConfig | Mapping[str, Any] | str | os.PathLike | None") -> "HiSparseConfig":
+        """Accept a config, a dict, a JSON file path or a JSON string; None gives the defaults."""
+        if src is None:
+            return cls()
+        if isinstance(src, HiSparseConfig):
+            return src
+        if isinstance(src, Mapping):
+            return cls.from_dict(src)
+        s = os.fspath(src)
+        if s.lstrip().startswith("{"):
+            return cls.from_dict(json.loads(s))
+        return cls.from_json(s)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["dense_layers"] = list(self.dense_layers)
+        return d
+
+
+_TYPES = {
+    "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
+    "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
+    "min_context": int, "prefetch": bool, "host_tier": bool, "trace_dir": (str, type(None)),
+}
+
+
+def _check_types(cfg: HiSparseConfig) -> None:
+    for name, typ in _TYPES.items():
+        v = getattr(cfg, name)
+        bad = not isinstance(v, typ) or (typ is not bool and isinstance(v, bool) and bool not in
+                                         (typ if isinstance(typ, tuple) else (typ,)))
+        if name == "dense_layers" and not bad:
+            bad = not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        if bad:
+            want = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+            if name == "dense_layers":
+                want = "list of int"
+            _fail(name, v, f"expected {want}")
+
+
+def _fail(name: str, value: Any, fix: str):
+    raise HiSparseConfigError(f"hisparse config: {name}={value!r} is invalid: {fix}")

@@ -1,0 +1,101 @@
+"""HostKVPool: the authoritative KV of every request, in paged host memory (pinned when CUDA is up).
+
+Layout ``data: (layers, pages, page_size, row_elems)``: one host page holds ``page_size`` tokens of
+one layer, and one token's row (K and V of all KV heads, or an MLA latent) is contiguous, so one
+selection unit of one layer is one contiguous run of bytes — what fast GPU-side gathers need.
+A request owns a list of page ids shared by all of its layers; pages are handed out from a free
+list, never twice, and all come back on ``free``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class HostPoolFull(RuntimeError):
+    """Not enough free host pages; the caller decides whether the request waits or is rejected."""
+
+
+class HostKVPool:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, row_elems: int,
+                 dtype: torch.dtype = torch.bfloat16, pin: bool | None = None):
+        if pin is None:
+            pin = torch.cuda.is_available()
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.data = torch.empty((num_layers, num_pages, page_size, row_elems), dtype=dtype,
+                                pin_memory=pin)
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))   # pop() hands out 0, 1, ...
+        self._owned: dict[object, list[int]] = {}
+
+    # ---- accounting --------------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_hold(self, key, num_tokens: int) -> bool:
+        return self.pages_for(num_tokens) - len(self._owned.get(key, ())) <= len(self._free)
+
+    def page_table(self, key) -> list[int]:
+        return self._owned.get(key, [])
+
+    def owners(self) -> list:
+        return list(self._owned)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def ensure(self, key, num_tokens: int) -> list[int]:
+        """Grow ``key``'s page list to hold ``num_tokens`` tokens; all or nothing."""
+        pages = self._owned.setdefault(key, [])
+        need = self.pages_for(num_tokens) - len(pages)
+        if need > len(self._free):
+            if not pages:
+                del self._owned[key]
+            raise HostPoolFull(f"host KV pool full: request {key!r} needs {need} more pages of "
+                               f"{self.page_size} tokens, {len(self._free)} free of {self.num_pages}")
+        for _ in range(max(need, 0)):
+            pages.append(self._free.pop())
+        return pages
+
+    def free(self, key) -> int:
+        """Return every page of ``key``; returns how many (0 if it held none)."""
+        pages = self._owned.pop(key, [])
+        self._free.extend(reversed(pages))
+        return len(pages)
+
+    # ---- data --------------------------------------------------------------------------------
+    def _addr(self, key, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pt = torch.tensor(self._owned[key], dtype=torch.int64)
+        pos = positions.to("cpu", torch.int64)
+        if len(pos) and int(pos.max()) >= len(pt) * self.page_size:
+            raise IndexError(f"position {int(pos.max())} beyond the {len(pt)} pages of {key!r}")
+        return pt[pos // self.page_size], pos % self.page_size
+
+    def write_rows(self, key, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows: (n, row_elems) for token positions (n,); the pages must exist (``ensure``)."""
+        page, off = self._addr(key, positions)
+        self.data[layer, page, off] = rows.to("cpu", self.data.dtype)
+
+    def gather_rows(self, key, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        page, off = self._addr(key, positions)
+        return self.data[layer, page, off]
+
+    def gather_units(self, key, layer: int, units: torch.Tensor, unit: int) -> torch.Tensor:
+        """(m, unit, row_elems) rows of whole selection units (unit divides page_size)."""
+        assert self.page_size % unit == 0
+        pos = (units.to("cpu", torch.int64)[:, None] * unit + torch.arange(unit)).reshape(-1)
+        return self.gather_rows(key, layer, pos).view(len(units), unit, -1)
+
+    def page_table_tensor(self, keys: list, width: int) -> torch.Tensor:
+        """(len(keys), width) int32 host page ids, -1 beyond each key's pages (for the kernel)."""
+        out = torch.full((len(keys), width), -1, dtype=torch.int32)
+        for i, key in enumerate(keys):
+            pages = self._owned.get(key, [])
+            if pages:
+                out[i, :len(pages)] = torch.tensor(pages[:width], dtype=torch.int32)
+        return out

@@ -1,0 +1,93 @@
+"""The policy interface used by the resolve engine (core/hot_buffer.py).
+
+A policy owns per-slot state tensors of shape (rows, slots) and answers two questions per step:
+which slots to evict first (``evict_order``) and how its state changes once the step's hits and
+misses are known (``update``). The engine never evicts a slot that is hit in the same step, fills
+empty slots first, and hands the i-th miss (in selection order) the i-th victim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class StepInfo:
+    """What one resolve step tells the policy.
+
+    selection: (R, k) int32 logical units, best first, -1 = padding.
+    locs: (R, k) int64 local slot of each selected unit after the step, -1 for padding.
+    hit / miss: (R, k) bool.
+    rows: (R,) int64 indices of the state rows these selections belong to.
+    scores: optional (R, k) float, the indexer's scores of the selected units.
+    step: the caller's decode-step counter (used by offline policies).
+    """
+
+    selection: torch.Tensor
+    locs: torch.Tensor
+    hit: torch.Tensor
+    miss: torch.Tensor
+    rows: torch.Tensor
+    scores: Optional[torch.Tensor] = None
+    step: int = 0
+
+
+class Policy:
+    name = "base"
+    offline = False      # True: needs future knowledge (simulator only)
+    retain = True        # False: slots not selected this step are dropped (vanilla)
+
+    def init_state(self, rows: int, slots: int, device) -> dict:
+        """Return fresh per-row state tensors, each with leading dims (rows, slots)."""
+        return {}
+
+    def reset_rows(self, state: dict, rows: torch.Tensor) -> None:
+        """Return the given rows to their initial state (request finished / new request)."""
+        fresh = self.init_state(len(rows), next(iter(state.values())).shape[1] if state else 0,
+                                rows.device)
+        for key, t in state.items():
+            t[rows] = fresh[key]
+
+    def evict_order(self, state: dict, rows: torch.Tensor, slot_unit: torch.Tensor,
+                    step: int) -> torch.Tensor:
+        """(R, S) int64 local slot ids of the given rows, the first to evict first."""
+        raise NotImplementedError
+
+    def update(self, state: dict, info: StepInfo) -> None:
+        """Advance the state of ``info.rows`` after the step (in place)."""
+
+
+def positions_of(order: torch.Tensor) -> torch.Tensor:
+    """Inverse permutation per row: pos[r, order[r, p]] = p."""
+    pos = torch.empty_like(order)
+    ar = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    pos.scatter_(1, order, ar)
+    return pos
+
+
+def reorder(order: torch.Tensor, info: StepInfo, hit_key: bool, miss_key: bool) -> torch.Tensor:
+    """New MRU-first order: hits first, fetched misses right after them, then the rest in their
+    previous order. Within hits and within misses, a later selection entry counts as the more recent
+    access (as if the units were touched one by one in selection order): after selecting A B C D
+    (all misses) the order is D C B A, so a later step selecting A E evicts B for E.
+    ``hit_key``/``miss_key`` say whether hits/misses move to the front at all."""
+    R, S = order.shape
+    k = info.selection.shape[1]
+    key = positions_of(order) + 2 * k                       # the rest keep their old order
+    i = torch.arange(k - 1, -1, -1, device=order.device).expand(R, k)     # later = more recent
+    loc = info.locs.clamp(min=0)
+    if hit_key:
+        _scatter_masked(key, loc, i, info.hit)
+    if miss_key:
+        _scatter_masked(key, loc, i + k, info.miss)
+    return torch.argsort(key, dim=1)                         # keys are distinct: slot ids by key
+
+
+def _scatter_masked(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, mask: torch.Tensor):
+    # Write src where mask, by routing masked-out entries to a scratch column.
+    R, S = dst.shape
+    tmp = torch.cat([dst, dst.new_zeros(R, 1)], dim=1)
+    tmp.scatter_(1, torch.where(mask, index, S), src.to(dst.dtype))
+    dst.copy_(tmp[:, :S])

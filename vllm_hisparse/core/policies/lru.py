@@ -1,0 +1,24 @@
+"""Least recently used: hits move to the MRU end in selection order, fetched misses right after
+them; victims come from the LRU end. Identical to the CUDA RESOLVE kernel's metadata update."""
+from __future__ import annotations
+
+import torch
+
+from . import register
+from .base import Policy, StepInfo, reorder
+
+
+@register
+class LRU(Policy):
+    name = "lru"
+
+    def init_state(self, rows, slots, device):
+        # order[r, p] = local slot at recency position p, MRU first.
+        return {"order": torch.arange(slots, device=device, dtype=torch.int64).repeat(rows, 1)}
+
+    def evict_order(self, state, rows, slot_unit, step):
+        return state["order"][rows].flip(1)
+
+    def update(self, state, info: StepInfo):
+        order = state["order"]
+        order[info.rows] = reorder(order[info.rows], info, hit_key=True, miss_key=True)

@@ -1,0 +1,141 @@
+"""Plain-torch references of every kernel, same signatures as the CUDA ops in ops/kernels.py.
+
+They are the tests' oracle, the simulator's engine and the CPU path of the vLLM backend.
+Layouts (per layer):
+  kv buffer   (N, unit, 2, Hkv, D)   physical slot -> unit rows; [:, :, 0] = K, [:, :, 1] = V
+  host pool   (P, page_size, row_elems) with row_elems = 2*Hkv*D (same row layout)
+  quest meta  kmin/kmax (R, U, Hkv, D) per-unit elementwise min/max of keys
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_hisparse.core.hot_buffer import HotBufferState, resolve
+from vllm_hisparse.core.policies import make
+
+
+# ---- RESOLVE ------------------------------------------------------------------------------------
+def resolve_lru(selection: torch.Tensor, slot_unit: torch.Tensor, unit_slot: torch.Tensor,
+                lru_order: torch.Tensor, slot_map: torch.Tensor, buffer: torch.Tensor,
+                host: torch.Tensor, host_page_table: torch.Tensor, device_locs: torch.Tensor) -> None:
+    """One LRU resolve step for a batch of rows, everything updated in place.
+
+    selection: (R, k) int32 unique logical units, best first, -1 = padding (an all -1 row is a no-op)
+    slot_unit: (R, S) int32 unit held by each local slot, -1 = empty
+    unit_slot: (R, U) int32 page table, unit -> local slot, -1 = not resident
+    lru_order: (R, S) int32 local slots, MRU first
+    slot_map:  (R, S) int32 physical slot (row of ``buffer``) of each local slot
+    buffer:    (N, unit, row_elems) device hot buffer; missing units are copied into it
+    host:      (P, page_size, row_elems) host pool of this layer (pinned)
+    host_page_table: (R, Pmax) int32 host page ids of each row's tokens
+    device_locs: (R, k) int32 out: physical slot of each selected unit, -1 for padding
+    """
+    R, S = slot_unit.shape
+    state = HotBufferState.__new__(HotBufferState)
+    state.rows, state.slots, state.max_units = R, S, unit_slot.shape[1]
+    state.policy = make("lru")
+    state.slot_unit, state.unit_slot = slot_unit, unit_slot
+    state.pstate = {"order": lru_order.long()}
+    locs, miss = resolve(state, selection)
+    lru_order.copy_(state.pstate["order"])
+    unit, page = buffer.shape[1], host.shape[1]
+    r, j = torch.nonzero(miss, as_tuple=True)
+    if len(r):
+        tok = (selection[r, j].long()[:, None] * unit + torch.arange(unit, device=r.device)).cpu()
+        hp = host_page_table[r.cpu()].to(torch.int64).gather(1, tok // page)
+        rows = host[hp, tok % page]
+        buffer[slot_map[r, locs[r, j]].long()] = rows.to(buffer.device, buffer.dtype)
+    phys = torch.gather(slot_map.long(), 1, locs.clamp(min=0))
+    device_locs.copy_(torch.where(locs >= 0, phys, -1).to(device_locs.dtype))
+
+
+# ---- sparse decode attention -------------------------------------------------------------------
+def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor, units: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, extra_kv: torch.Tensor | None = None,
+                            extra_lens: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per row over the selected units' rows, in selection order.
+
+    q: (R, Hq, D); kv: (N, unit, 2, Hkv, D); locs: (R, k) int32 physical slots, -1 = padding;
+    units: (R, k) int32 logical units of ``locs`` (row j of unit u is token u*unit+j, attended only
+    if < seq_lens[r]); seq_lens: (R,) int32; extra_kv: (R, E, 2, Hkv, D) always-attended rows after
+    the selected ones, the first extra_lens[r] valid. fp32 accumulation; rows with nothing to attend
+    give zeros. Returns out (R, Hq, D) in q's dtype.
+    """
+    R, Hq, D = q.shape
+    unit, Hkv = kv.shape[1], kv.shape[3]
+    k = locs.shape[1]
+    g = kv[locs.clamp(min=0).long()]                                   # (R, k, unit, 2, Hkv, D)
+    pos = units.long()[:, :, None] * unit + torch.arange(unit, device=q.device)
+    valid = (locs[:, :, None] >= 0) & (pos < seq_lens.long()[:, None, None])
+    g = g.reshape(R, k * unit, 2, Hkv, D)
+    valid = valid.reshape(R, k * unit)
+    if extra_kv is not None:
+        E = extra_kv.shape[1]
+        g = torch.cat([g, extra_kv], 1)
+        ev = torch.arange(E, device=q.device)[None] < extra_lens.long()[:, None]
+        valid = torch.cat([valid, ev], 1)
+    kf, vf = g[:, :, 0].float(), g[:, :, 1].float()                    # (R, T, Hkv, D)
+    qf = q.float().view(R, Hkv, Hq // Hkv, D)
+    s = torch.einsum("rhgd,rthd->rhgt", qf, kf) * scale
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    o = torch.einsum("rhgt,rthd->rhgd", p, vf).reshape(R, Hq, D)
+    if out is None:
+        return o.to(q.dtype)
+    out.copy_(o)
+    return out
+
+
+# ---- Quest -------------------------------------------------------------------------------------
+def quest_update(kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                 keys: torch.Tensor, page_size: int) -> None:
+    """Fold new keys into the per-page min/max; a page restarts at its first token.
+
+    kmin/kmax: (R, U, Hkv, D); rows/positions: (n,) int; keys: (n, Hkv, D).
+    """
+    R, U = kmin.shape[:2]
+    flat = rows.long() * U + positions.long() // page_size
+    mn, mx = kmin.view(R * U, *kmin.shape[2:]), kmax.view(R * U, *kmax.shape[2:])
+    first = (positions.long() % page_size) == 0
+    if bool(first.any()):
+        mn[flat[first]] = float("inf")
+        mx[flat[first]] = float("-inf")
+    mn.index_reduce_(0, flat, keys.to(mn.dtype), "amin")
+    mx.index_reduce_(0, flat, keys.to(mx.dtype), "amax")
+
+
+def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                 num_units: torch.Tensor) -> torch.Tensor:
+    """(R, U) fp32 upper bounds of q.k per page: sum_d max(q*min, q*max), summed over the query heads
+    of each KV group and over the groups; -inf for units >= num_units[r].
+
+    q: (R, Hq, D); kmin/kmax: (R, U, Hkv, D); num_units: (R,) int.
+    """
+    R, Hq, D = q.shape
+    U, Hkv = kmin.shape[1], kmin.shape[2]
+    qf = q.float().view(R, 1, Hkv, Hq // Hkv, D)
+    a = qf * kmin.float()[:, :, :, None, :]
+    b = qf * kmax.float()[:, :, :, None, :]
+    s = torch.maximum(a, b).sum(dim=(2, 3, 4))
+    live = torch.arange(U, device=q.device)[None] < num_units.long()[:, None]
+    return s.masked_fill(~live, float("-inf"))
+
+
+def quest_select(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """Top pages per row into out (R, k_units) int32, best first; the newest (possibly partial) page
+    always first; -1 padding when a row has fewer pages than k_units (or seq_lens[r] == 0).
+    """
+    R, U = scores.shape
+    k = out.shape[1]
+    n = (seq_lens.long() + page_size - 1) // page_size                 # pages in use
+    s = scores.clone()
+    newest = (n - 1).clamp(min=0)
+    s.scatter_(1, newest[:, None], float("inf"))
+    kk = min(k, U)
+    val, idx = torch.topk(s, kk, dim=1)
+    idx = torch.where(torch.arange(kk, device=s.device)[None] < n[:, None], idx, -1)
+    out.fill_(-1)
+    out[:, :kk] = idx.to(out.dtype)
+    return out

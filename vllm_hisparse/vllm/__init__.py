@@ -1,0 +1,1 @@
+"""The vLLM adapter: the only package of vllm_hisparse that imports vLLM."""
