@@ -181,7 +181,7 @@ def _check_types(cfg: HiSparseConfig) -> None:
             want = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
             if name == "dense_layers":
                 want = "list of int"
-            _fail(name, v, f"expected {want}")
+            _fail(name, list(v) if isinstance(v, tuple) else v, f"expected {want}")
 
 
 def _fail(name: str, value: Any, fix: str):

@@ -1,8 +1,9 @@
 """HostKVPool: the authoritative KV of every request, in paged host memory (pinned when CUDA is up).
 
-Layout ``data: (layers, pages, page_size, row_elems)``: one host page holds ``page_size`` tokens of
-one layer, and one token's row (K and V of all KV heads, or an MLA latent) is contiguous, so one
-selection unit of one layer is one contiguous run of bytes — what fast GPU-side gathers need.
+Layout ``data: (layers, pages, 2, page_size, Hkv, D)``: one host page holds ``page_size`` tokens of
+one layer, K block then V block (FlashInfer's NHD paged layout, the same as a hot-buffer slot), so
+one page-level selection unit of one layer is one contiguous run of bytes — what fast GPU-side
+gathers need (rows >= 4 KB reach ~90% of the pinned H2D ceiling).
 A request owns a list of page ids shared by all of its layers; pages are handed out from a free
 list, never twice, and all come back on ``free``.
 """
@@ -16,16 +17,21 @@ class HostPoolFull(RuntimeError):
 
 
 class HostKVPool:
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, row_elems: int,
-                 dtype: torch.dtype = torch.bfloat16, pin: bool | None = None):
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None):
         if pin is None:
             pin = torch.cuda.is_available()
         self.page_size = page_size
         self.num_pages = num_pages
-        self.data = torch.empty((num_layers, num_pages, page_size, row_elems), dtype=dtype,
-                                pin_memory=pin)
+        self.data = torch.empty((num_layers, num_pages, 2, page_size, num_kv_heads, head_dim),
+                                dtype=dtype, pin_memory=pin)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))   # pop() hands out 0, 1, ...
         self._owned: dict[object, list[int]] = {}
+
+    @staticmethod
+    def page_bytes(page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one page of one layer (K and V)."""
+        return 2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     # ---- accounting --------------------------------------------------------------------------
     @property
@@ -70,32 +76,28 @@ class HostKVPool:
 
     # ---- data --------------------------------------------------------------------------------
     def _addr(self, key, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pt = torch.tensor(self._owned[key], dtype=torch.int64)
+        pt = torch.tensor(self._owned.get(key, []), dtype=torch.int64)
         pos = positions.to("cpu", torch.int64)
         if len(pos) and int(pos.max()) >= len(pt) * self.page_size:
             raise IndexError(f"position {int(pos.max())} beyond the {len(pt)} pages of {key!r}")
         return pt[pos // self.page_size], pos % self.page_size
 
-    def write_rows(self, key, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """rows: (n, row_elems) for token positions (n,); the pages must exist (``ensure``)."""
+    def write(self, key, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write tokens' K and V, each (n, Hkv, D), at positions (n,); pages must exist (``ensure``)."""
         page, off = self._addr(key, positions)
-        self.data[layer, page, off] = rows.to("cpu", self.data.dtype)
+        self.data[layer, page, 0, off] = k.to("cpu", self.data.dtype)
+        self.data[layer, page, 1, off] = v.to("cpu", self.data.dtype)
 
-    def gather_rows(self, key, layer: int, positions: torch.Tensor) -> torch.Tensor:
+    def read(self, key, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V, each (n, Hkv, D), of tokens at positions (n,)."""
         page, off = self._addr(key, positions)
-        return self.data[layer, page, off]
-
-    def gather_units(self, key, layer: int, units: torch.Tensor, unit: int) -> torch.Tensor:
-        """(m, unit, row_elems) rows of whole selection units (unit divides page_size)."""
-        assert self.page_size % unit == 0
-        pos = (units.to("cpu", torch.int64)[:, None] * unit + torch.arange(unit)).reshape(-1)
-        return self.gather_rows(key, layer, pos).view(len(units), unit, -1)
+        return self.data[layer, page, 0, off], self.data[layer, page, 1, off]
 
     def page_table_tensor(self, keys: list, width: int) -> torch.Tensor:
-        """(len(keys), width) int32 host page ids, -1 beyond each key's pages (for the kernel)."""
+        """(len(keys), width) int32 host page ids, -1 beyond each key's pages (None = padding row)."""
         out = torch.full((len(keys), width), -1, dtype=torch.int32)
         for i, key in enumerate(keys):
-            pages = self._owned.get(key, [])
+            pages = self._owned.get(key, []) if key is not None else []
             if pages:
                 out[i, :len(pages)] = torch.tensor(pages[:width], dtype=torch.int32)
         return out

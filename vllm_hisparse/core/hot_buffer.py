@@ -135,3 +135,25 @@ def fetch_misses(buffer: torch.Tensor, slot_map: torch.Tensor, locs: torch.Tenso
     phys = slot_map[r, locs[r, j]].long()
     buffer[phys] = gather_units(r, selection[r, j].long()).to(buffer.device, buffer.dtype)
     return len(r)
+
+
+def write_resident(state: HotBufferState, buffer: torch.Tensor, slot_map: torch.Tensor,
+                   rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Write-through of new tokens into the hot buffer where their unit is resident, so a resident
+    slot always equals its host page. Non-resident tokens are left to the host pool (a later
+    selection fetches them with the rest of their page).
+
+    buffer: (N, 2, unit, Hkv, D); slot_map: (R, S); rows/positions: (n,) int; k/v: (n, Hkv, D).
+    Returns (n,) bool: which tokens were written to the buffer.
+    """
+    unit = buffer.shape[2]
+    rows = rows.to(state.unit_slot.device, torch.int64)
+    pos = positions.to(state.unit_slot.device, torch.int64)
+    slot = state.unit_slot[rows, pos // unit].long()
+    hit = slot >= 0
+    if bool(hit.any()):
+        phys = slot_map[rows[hit], slot[hit]].long().to(buffer.device)
+        off = (pos[hit] % unit).to(buffer.device)
+        buffer[phys, 0, off] = k[hit.to(k.device)].to(buffer.dtype)
+        buffer[phys, 1, off] = v[hit.to(v.device)].to(buffer.dtype)
+    return hit

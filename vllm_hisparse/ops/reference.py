@@ -1,9 +1,10 @@
 """Plain-torch references of every kernel, same signatures as the CUDA ops in ops/kernels.py.
 
 They are the tests' oracle, the simulator's engine and the CPU path of the vLLM backend.
-Layouts (per layer):
-  kv buffer   (N, unit, 2, Hkv, D)   physical slot -> unit rows; [:, :, 0] = K, [:, :, 1] = V
-  host pool   (P, page_size, row_elems) with row_elems = 2*Hkv*D (same row layout)
+Layouts (per layer; a selection unit is one page of ``unit`` tokens):
+  kv buffer   (N, 2, unit, Hkv, D)   physical slot -> K block [:, 0] and V block [:, 1]
+              (FlashInfer's NHD paged layout; a vLLM block of block_size == unit is one slot)
+  host pool   (P, 2, unit, Hkv, D)   the same layout, one host page per unit, pinned
   quest meta  kmin/kmax (R, U, Hkv, D) per-unit elementwise min/max of keys
 """
 from __future__ import annotations
@@ -25,9 +26,10 @@ def resolve_lru(selection: torch.Tensor, slot_unit: torch.Tensor, unit_slot: tor
     unit_slot: (R, U) int32 page table, unit -> local slot, -1 = not resident
     lru_order: (R, S) int32 local slots, MRU first
     slot_map:  (R, S) int32 physical slot (row of ``buffer``) of each local slot
-    buffer:    (N, unit, row_elems) device hot buffer; missing units are copied into it
-    host:      (P, page_size, row_elems) host pool of this layer (pinned)
-    host_page_table: (R, Pmax) int32 host page ids of each row's tokens
+    buffer:    (N, *unit_shape) device hot buffer (GQA: unit_shape = (2, unit, Hkv, D)); missing
+               units are copied into it, byte for byte
+    host:      (P, *unit_shape) host pool of this layer (pinned); one host page holds one unit
+    host_page_table: (R, Umax) int32 host page of each logical unit of each row
     device_locs: (R, k) int32 out: physical slot of each selected unit, -1 for padding
     """
     R, S = slot_unit.shape
@@ -38,13 +40,10 @@ def resolve_lru(selection: torch.Tensor, slot_unit: torch.Tensor, unit_slot: tor
     state.pstate = {"order": lru_order.long()}
     locs, miss = resolve(state, selection)
     lru_order.copy_(state.pstate["order"])
-    unit, page = buffer.shape[1], host.shape[1]
     r, j = torch.nonzero(miss, as_tuple=True)
     if len(r):
-        tok = (selection[r, j].long()[:, None] * unit + torch.arange(unit, device=r.device)).cpu()
-        hp = host_page_table[r.cpu()].to(torch.int64).gather(1, tok // page)
-        rows = host[hp, tok % page]
-        buffer[slot_map[r, locs[r, j]].long()] = rows.to(buffer.device, buffer.dtype)
+        hp = host_page_table[r.cpu(), selection[r, j].long().cpu()].long()
+        buffer[slot_map[r, locs[r, j]].long()] = host[hp].to(buffer.device)
     phys = torch.gather(slot_map.long(), 1, locs.clamp(min=0))
     device_locs.copy_(torch.where(locs >= 0, phys, -1).to(device_locs.dtype))
 
@@ -56,16 +55,16 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per row over the selected units' rows, in selection order.
 
-    q: (R, Hq, D); kv: (N, unit, 2, Hkv, D); locs: (R, k) int32 physical slots, -1 = padding;
+    q: (R, Hq, D); kv: (N, 2, unit, Hkv, D); locs: (R, k) int32 physical slots, -1 = padding;
     units: (R, k) int32 logical units of ``locs`` (row j of unit u is token u*unit+j, attended only
     if < seq_lens[r]); seq_lens: (R,) int32; extra_kv: (R, E, 2, Hkv, D) always-attended rows after
     the selected ones, the first extra_lens[r] valid. fp32 accumulation; rows with nothing to attend
     give zeros. Returns out (R, Hq, D) in q's dtype.
     """
     R, Hq, D = q.shape
-    unit, Hkv = kv.shape[1], kv.shape[3]
+    unit, Hkv = kv.shape[2], kv.shape[3]
     k = locs.shape[1]
-    g = kv[locs.clamp(min=0).long()]                                   # (R, k, unit, 2, Hkv, D)
+    g = kv[locs.clamp(min=0).long()].transpose(2, 3)                   # (R, k, unit, 2, Hkv, D)
     pos = units.long()[:, :, None] * unit + torch.arange(unit, device=q.device)
     valid = (locs[:, :, None] >= 0) & (pos < seq_lens.long()[:, None, None])
     g = g.reshape(R, k * unit, 2, Hkv, D)
