@@ -74,7 +74,10 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
         g = torch.cat([g, extra_kv], 1)
         ev = torch.arange(E, device=q.device)[None] < extra_lens.long()[:, None]
         valid = torch.cat([valid, ev], 1)
-    kf, vf = g[:, :, 0].float(), g[:, :, 1].float()                    # (R, T, Hkv, D)
+    # Rows past seq_len (or padding) may hold anything, NaN included: never let them reach the sum.
+    keep = valid[:, :, None, None]
+    kf = g[:, :, 0].float().masked_fill(~keep, 0.0)                    # (R, T, Hkv, D)
+    vf = g[:, :, 1].float().masked_fill(~keep, 0.0)
     qf = q.float().view(R, Hkv, Hq // Hkv, D)
     s = torch.einsum("rhgd,rthd->rhgt", qf, kf) * scale
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -100,8 +103,9 @@ def quest_update(kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor, pos
     if bool(first.any()):
         mn[flat[first]] = float("inf")
         mx[flat[first]] = float("-inf")
-    mn.index_reduce_(0, flat, keys.to(mn.dtype), "amin")
-    mx.index_reduce_(0, flat, keys.to(mx.dtype), "amax")
+    idx = flat.to(mn.device)[:, None, None].expand(keys.shape)
+    mn.scatter_reduce_(0, idx, keys.to(mn.dtype), "amin")
+    mx.scatter_reduce_(0, idx, keys.to(mx.dtype), "amax")
 
 
 def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
@@ -129,7 +133,8 @@ def quest_select(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
     R, U = scores.shape
     k = out.shape[1]
     n = (seq_lens.long() + page_size - 1) // page_size                 # pages in use
-    s = scores.clone()
+    live = torch.arange(U, device=scores.device)[None] < n[:, None]
+    s = scores.masked_fill(~live, float("-inf"))
     newest = (n - 1).clamp(min=0)
     s.scatter_(1, newest[:, None], float("inf"))
     kk = min(k, U)
