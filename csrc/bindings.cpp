@@ -3,13 +3,22 @@
 #include <torch/library.h>
 
 void add_one(const torch::Tensor& x, torch::Tensor& out);
+void resolve_lru(const torch::Tensor& selection, torch::Tensor& slot_unit, torch::Tensor& unit_slot,
+                 torch::Tensor& lru_order, const torch::Tensor& slot_map, torch::Tensor& buffer,
+                 const torch::Tensor& host, const torch::Tensor& host_page_table,
+                 torch::Tensor& device_locs, int64_t io_chunk_bytes);
 
 TORCH_LIBRARY(hisparse, m) {
   m.def("add_one(Tensor x, Tensor(a!) out) -> ()");
+  m.def(
+      "resolve_lru(Tensor selection, Tensor(a!) slot_unit, Tensor(b!) unit_slot, Tensor(c!) lru_order, "
+      "Tensor slot_map, Tensor(d!) buffer, Tensor host, Tensor host_page_table, Tensor(e!) device_locs, "
+      "int io_chunk_bytes=64) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hisparse, CUDA, m) {
   m.impl("add_one", &add_one);
+  m.impl("resolve_lru", &resolve_lru);
 }
 
 // Importing the module registers the ops above; pybind11 module has no functions of its own.

@@ -33,3 +33,51 @@ def add_one(x: torch.Tensor) -> torch.Tensor:
         torch.ops.hisparse.add_one(x, out)
         return out
     return x + 1
+
+
+if _ext is not None:
+    @torch.library.register_fake("hisparse::resolve_lru")
+    def _resolve_lru_fake(selection, slot_unit, unit_slot, lru_order, slot_map, buffer, host,
+                          host_page_table, device_locs, io_chunk_bytes=64):
+        return None
+
+
+def resolve_lru(selection: torch.Tensor, slot_unit: torch.Tensor, unit_slot: torch.Tensor,
+                lru_order: torch.Tensor, slot_map: torch.Tensor, buffer: torch.Tensor,
+                host: torch.Tensor, host_page_table: torch.Tensor, device_locs: torch.Tensor,
+                io_chunk_bytes: int = 64) -> None:
+    """One LRU resolve step for a batch of rows, in place (contract: reference.resolve_lru).
+
+    selection: (R, k) int32 unique logical units, -1 = padding anywhere; all -1 rows are no-ops
+    slot_unit, lru_order, slot_map: (R, S) int32 (-1 = empty slot; order MRU first); S <= 32768
+    unit_slot: (R, U) int32 page table (-1 = not resident); every selected unit must be < U
+    buffer: (N, *unit_shape) device hot buffer, any dtype, contiguous; one unit = one opaque byte row
+    host: (P, *unit_shape) pinned CPU (or CUDA) pool, contiguous; host_page_table: (R, Umax) int32
+    device_locs: (R, k) int32 out, physical slot of each selected unit, -1 for padding
+    io_chunk_bytes: bytes each thread has in flight per IO step (16..256), CUDA only.
+    CUDA path: two launches, no host sync, no allocation (CUDA-graph capturable).
+    """
+    if use_cuda(selection):
+        torch.ops.hisparse.resolve_lru(selection, slot_unit, unit_slot, lru_order, slot_map, buffer,
+                                       host, host_page_table, device_locs, io_chunk_bytes)
+        return
+    reference.resolve_lru(selection, slot_unit, unit_slot, lru_order, slot_map, buffer, host,
+                          host_page_table, device_locs)
+
+
+def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor, units: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, extra_kv: torch.Tensor | None = None,
+                            extra_lens: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sparse GQA decode attention (contract: reference.sparse_decode_attention).
+
+    q: (R, Hq, D) bf16/fp16, D in {64, 128, 256}; kv: (N, 2, unit, Hkv, D); locs, units: (R, k)
+    int32 (-1 = padding); seq_lens: (R,) int32; extra_kv: (R, E, 2, Hkv, D) + extra_lens (R,) int32;
+    out: (R, Hq, D) q's dtype. CUDA: the Triton kernel (ops/triton_attention.py), whose result depends
+    only on the gathered values and their order (HiSparse == resident, bit for bit).
+    """
+    if q.is_cuda:
+        from . import triton_attention
+        return triton_attention.sparse_decode_attention(q, kv, locs, units, seq_lens, scale, extra_kv,
+                                                        extra_lens, out)
+    return reference.sparse_decode_attention(q, kv, locs, units, seq_lens, scale, extra_kv, extra_lens, out)

@@ -1,0 +1,150 @@
+"""Sparse GQA decode attention in Triton (split-KV "flash decoding" + a fixed-order combine).
+
+The token sequence of a row is the selected units' rows in selection order (unit j holds tokens
+j*unit .. j*unit+unit-1 of the sequence) followed by the extra rows. Each program takes one row,
+one KV head (its whole query group, padded to 16 for the tensor cores) and one contiguous split
+of that sequence; the split count depends only on the shapes (R, Hkv, tokens), never on the data
+or the physical slots, and the combine reduces the splits in a fixed order. So the output is a
+function of the gathered values and their order alone: HiSparse (locs into the hot buffer) and the
+resident mode (locs into a full cache) are bit-identical for the same selection.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64          # tokens per inner step (a guess, good for D=128 on Hopper; see bench)
+TARGET_PROGRAMS = 528  # ~4 programs per H200 SM across (R, Hkv, splits) (a guess)
+MIN_SPLIT_TOKENS = 256
+
+
+@triton.jit
+def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
+                  scale, n_sel, n_tok, split_tokens, n_splits,
+                  s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
+                  UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                  D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    og = tl.arange(0, GP)
+    od = tl.arange(0, D)
+    gmask = og < G
+    q = tl.load(Q + r * s_qr + (h * G + og)[:, None] * s_qh + od[None, :], mask=gmask[:, None], other=0.0)
+    seq = tl.load(SEQ + r)
+    if HAS_EXTRA:
+        elen = tl.load(ELEN + r)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    start = sp * split_tokens
+    end = tl.minimum(start + split_tokens, n_tok)
+    for t0 in range(start, end, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        live = t < end
+        is_sel = live & (t < n_sel)
+        j = t // UNIT
+        off = t - j * UNIT
+        loc = tl.load(LOCS + r * s_lr + j, mask=is_sel, other=-1)
+        u = tl.load(UNITS + r * s_ur + j, mask=is_sel, other=0)
+        valid = is_sel & (loc >= 0) & (u * UNIT + off < seq)
+        kp = KV + loc.to(tl.int64) * s_kn + off * s_ku + h * s_kh
+        kt = tl.load(kp[:, None] + od[None, :], mask=valid[:, None], other=0.0)
+        vt = tl.load(kp[:, None] + s_kc + od[None, :], mask=valid[:, None], other=0.0)
+        if HAS_EXTRA:
+            e = t - n_sel
+            is_ext = live & (e >= 0) & (e < elen)
+            ep = EXTRA + r * s_er + e.to(tl.int64) * s_et + h * s_eh
+            kt = tl.where(is_ext[:, None], tl.load(ep[:, None] + od[None, :], mask=is_ext[:, None], other=0.0), kt)
+            vt = tl.where(is_ext[:, None],
+                          tl.load(ep[:, None] + s_ec + od[None, :], mask=is_ext[:, None], other=0.0), vt)
+            valid = valid | is_ext
+        s = tl.dot(q, tl.trans(kt)) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    hq = h * G + og
+    base = (r * (HKV * G) + hq) * n_splits + sp
+    tl.store(PO + base[:, None] * D + od[None, :], acc, mask=gmask[:, None])
+    tl.store(PML + base * 2, m_i, mask=gmask)
+    tl.store(PML + base * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _combine_kernel(PO, PML, OUT, n_splits, s_or, s_oh, HQ: tl.constexpr, D: tl.constexpr,
+                    SP: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    os_ = tl.arange(0, SP)
+    od = tl.arange(0, D)
+    smask = os_ < n_splits
+    base = (r * HQ + h) * n_splits
+    m = tl.load(PML + (base + os_) * 2, mask=smask, other=float("-inf"))
+    l = tl.load(PML + (base + os_) * 2 + 1, mask=smask, other=0.0)
+    mx = tl.max(m, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(m - mx)
+    den = tl.sum(w * l, 0)
+    o = tl.load(PO + (base + os_)[:, None] * D + od[None, :], mask=smask[:, None], other=0.0)
+    num = tl.sum(o * w[:, None], 0)
+    res = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(OUT + r * s_or + h * s_oh + od, res.to(OUT.dtype.element_ty))
+
+
+def num_splits(R: int, Hkv: int, n_tok: int) -> int:
+    """Splits per (row, KV head): a function of the shapes only (exactness depends on it)."""
+    want = max(1, -(-TARGET_PROGRAMS // max(1, R * Hkv)))
+    most = max(1, -(-n_tok // MIN_SPLIT_TOKENS))
+    return min(want, most, 64)
+
+
+def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor, units: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, extra_kv: torch.Tensor | None = None,
+                            extra_lens: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton implementation of ops.reference.sparse_decode_attention (same contract).
+
+    q: (R, Hq, D) bf16/fp16/fp32, D in {64, 128, 256}; kv: (N, 2, unit, Hkv, D) q's dtype, last dim
+    contiguous; locs, units: (R, k) int32 (-1 = padding); seq_lens: (R,) int32; extra_kv:
+    (R, E, 2, Hkv, D); extra_lens: (R,) int32; out: (R, Hq, D) q's dtype. Hq % Hkv == 0.
+    """
+    R, Hq, D = q.shape
+    unit, Hkv = kv.shape[2], kv.shape[3]
+    k = locs.shape[1]
+    assert Hq % Hkv == 0 and D in (64, 128, 256) and kv.shape[4] == D and kv.dtype == q.dtype
+    assert q.stride(2) == 1 and kv.stride(4) == 1 and locs.stride(1) == 1 and units.stride(1) == 1
+    if out is None:
+        out = torch.empty(R, Hq, D, dtype=q.dtype, device=q.device)
+    if R == 0:
+        return out
+    G = Hq // Hkv
+    E = 0 if extra_kv is None else extra_kv.shape[1]
+    n_sel = k * unit
+    n_tok = n_sel + E
+    ns = num_splits(R, Hkv, n_tok)
+    split = -(-max(n_tok, 1) // ns)
+    split = -(-split // BLOCK_N) * BLOCK_N
+    ns = max(1, -(-n_tok // split))
+    po = torch.empty(R, Hq, ns, D, dtype=torch.float32, device=q.device)
+    pml = torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=q.device)
+    has_extra = E > 0
+    ex = extra_kv if has_extra else kv
+    el = extra_lens if has_extra else seq_lens
+    es = extra_kv.stride() if has_extra else (0, 0, 0, 0, 0)
+    block = BLOCK_N if D <= 128 else 32
+    _split_kernel[(R, Hkv, ns)](
+        q, kv, locs, units, seq_lens, ex, el, po, pml,
+        float(scale), n_sel, n_tok, split, ns,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        locs.stride(0), units.stride(0), es[0], es[1], es[2], es[3],
+        UNIT=unit, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=block,
+        HAS_EXTRA=has_extra, num_warps=4, num_stages=2)
+    _combine_kernel[(R, Hq)](po, pml, out, ns, out.stride(0), out.stride(1), HQ=Hq, D=D,
+                             SP=max(2, triton.next_power_of_2(ns)))
+    return out
