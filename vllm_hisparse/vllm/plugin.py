@@ -1,5 +1,110 @@
-"""vLLM general-plugin entry point (``vllm.general_plugins``: hisparse)."""
+"""vLLM general-plugin entry point (``vllm.general_plugins``: hisparse = ...plugin:register).
+
+``register()`` runs in every vLLM process (API server / LLM, EngineCore, workers); it is idempotent
+and only acts when a run selects the backend (``--attention-backend hisparse``): stock runs in the
+same environment are untouched. What it installs (see patches/README.md for the three runtime
+wraps that vLLM 0.26 has no extension point for):
+  * the backend as ``AttentionBackendEnum.CUSTOM`` plus the alias ``HISPARSE``;
+  * ``HiSparseSpec`` -> ``HiSparseManager`` in the KV-cache spec registry;
+  * a wrap of ``Attention.get_kv_cache_spec`` (hisparse layers get ``HiSparseSpec``);
+  * a wrap of the platform's ``check_and_update_config`` (validates the setup, block_size ==
+    page_size, prefix caching off, our KV connector on);
+  * on CPU, a wrap of ``CpuPlatform.get_attn_backend_cls`` (it otherwise always picks CPU_ATTN).
+"""
+from __future__ import annotations
+
+import json
+
+BACKEND_PATH = "vllm_hisparse.vllm.backend.HiSparseBackend"
+CONNECTOR = ("HiSparseConnector", "vllm_hisparse.vllm.connector")
+_done = False
 
 
 def register() -> None:
-    """Idempotent and lazy; filled in by the adapter."""
+    global _done
+    if _done:
+        return
+    _done = True
+    from . import compat as c
+
+    c.register_backend(c.AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    c.AttentionBackendEnum._member_map_.setdefault("HISPARSE", c.AttentionBackendEnum.CUSTOM)
+
+    from .spec import HiSparseManager, HiSparseSpec
+
+    c.KVCacheSpecRegistry._ensure_registered()    # else the built-ins are never registered
+    c.KVCacheSpecRegistry.register(HiSparseSpec, HiSparseManager,
+                                   uniform_type_base_spec=c.FullAttentionSpec)
+    _wrap_get_kv_cache_spec(c)
+    _wrap_platform(c)
+
+
+def selected(vllm_config) -> bool:
+    """True when this run uses the hisparse backend."""
+    from . import compat as c
+
+    be = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return be == c.AttentionBackendEnum.CUSTOM and c.AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
+
+
+def _is_ours(backend_cls) -> bool:
+    return getattr(backend_cls, "is_hisparse", False)
+
+
+def _wrap_get_kv_cache_spec(c) -> None:
+    orig = c.Attention.get_kv_cache_spec
+    if getattr(orig, "_hisparse", False):
+        return
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = orig(self, vllm_config)
+        if spec is None or not _is_ours(getattr(self, "attn_backend", None)):
+            return spec
+        if type(spec) is not c.FullAttentionSpec or spec.sliding_window is not None:
+            raise ValueError(f"hisparse supports full-attention decoder layers only; layer "
+                             f"{getattr(self, 'layer_name', '?')} has {type(spec).__name__}")
+        from dataclasses import asdict
+
+        from .spec import HiSparseSpec
+
+        cfg = c.hisparse_config_of(vllm_config)
+        fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+        return HiSparseSpec(**fields, hisparse_config=json.dumps(cfg.to_dict(), sort_keys=True))
+
+    get_kv_cache_spec._hisparse = True
+    c.Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _wrap_platform(c) -> None:
+    plat = c.current_platform_cls()
+    orig_check = plat.__dict__.get("check_and_update_config")
+    if orig_check is None or getattr(orig_check, "_hisparse", False):
+        return
+    orig_fn = orig_check.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        if selected(vllm_config):
+            from .setup_check import prepare_config
+
+            prepare_config(vllm_config)
+        return orig_fn(cls, vllm_config)
+
+    check_and_update_config._hisparse = True
+    plat.check_and_update_config = classmethod(check_and_update_config)
+
+    if plat.__name__ == "CpuPlatform":
+        orig_sel = plat.__dict__["get_attn_backend_cls"].__func__
+
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            if selected_backend == c.AttentionBackendEnum.CUSTOM and \
+                    c.AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH:
+                from .backend import HiSparseBackend
+
+                why = HiSparseBackend.validate_configuration(
+                    device_capability=None, **attn_selector_config._asdict())
+                if why:
+                    raise ValueError("hisparse cannot run this model: " + "; ".join(why))
+                return BACKEND_PATH
+            return orig_sel(cls, selected_backend, attn_selector_config, num_heads)
+
+        plat.get_attn_backend_cls = classmethod(get_attn_backend_cls)

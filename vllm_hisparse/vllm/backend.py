@@ -1,0 +1,152 @@
+"""The hisparse attention backend for vLLM 0.26 (registered as AttentionBackendEnum.CUSTOM).
+
+KV cache per layer: (num_blocks, 2, block_size, Hkv, D), FlashInfer's NHD paged layout, with
+block_size == HiSparseConfig.page_size (one block = one page = one hot slot). The backend writes
+K/V itself (``forward_includes_kv_cache_update``) and forwards every layer to the vLLM-free
+``core.sparse_runtime.SparseRuntime``; the metadata builder only copies what that needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from . import worker_state
+from .compat import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+    extract_layer_index,
+)
+
+
+class HiSparseBackend(AttentionBackend):
+    is_hisparse: ClassVar[bool] = True
+    forward_includes_kv_cache_update: ClassVar[bool] = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"            # must be an AttentionBackendEnum member (attention.py:434)
+
+    @staticmethod
+    def get_impl_cls():
+        return HiSparseImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return HiSparseMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []                  # any head size (the reference ops are generic)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+    @classmethod
+    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
+                               has_sink, use_sparse, use_mm_prefix, use_per_head_quant_scales,
+                               device_capability, attn_type, has_sliding_window=False,
+                               use_non_causal=False, use_batch_invariant=False,
+                               use_kv_connector=False, use_pcp=False) -> list[str]:
+        why = []
+        if use_mla:
+            why.append("MLA models are not supported (hisparse supports GQA/MHA decoder models)")
+        if use_sparse:
+            why.append("models with their own sparse indexer are not supported (Quest only)")
+        if has_sink or has_sliding_window or use_non_causal:
+            why.append("attention sinks / sliding windows / non-causal layers are not supported")
+        if attn_type != AttentionType.DECODER:
+            why.append("only decoder self-attention is supported (no encoder-decoder)")
+        if dtype not in cls.supported_dtypes:
+            why.append(f"dtype {dtype} not supported")
+        if kv_cache_dtype not in (None, "auto"):
+            why.append("quantized KV caches are not supported")
+        return why
+
+
+@dataclass
+class HiSparseMetadata:
+    num_actual_tokens: int
+    query_start_loc: list[int]        # (B+1,) token offsets
+    seq_lens: list[int]               # (B,) including this step's tokens
+    first_blocks: list[int]           # (B,) block 0 of each request = its identity
+    block_table: torch.Tensor         # (B, W) int32
+    slot_mapping: torch.Tensor        # (T,) int64, -1 = padding
+    plan: Any = None                  # core.sparse_runtime.StepPlan, made by the first layer
+
+
+class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> HiSparseMetadata:
+        cm = common_attn_metadata
+        B = cm.num_reqs
+        bt = cm.block_table_tensor[:B]
+        return HiSparseMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            query_start_loc=cm.query_start_loc_cpu[:B + 1].tolist(),
+            seq_lens=cm.seq_lens[:B].cpu().tolist(),
+            first_blocks=bt[:, 0].cpu().tolist(),
+            block_table=bt,
+            slot_mapping=cm.slot_mapping[:cm.num_actual_tokens],
+        )
+
+
+class HiSparseImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes, sliding_window, kv_cache_dtype: str, logits_soft_cap=None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                 **extra):
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
+            raise NotImplementedError("hisparse: ALiBi, sliding windows and logit soft-capping "
+                                      "are not supported")
+        if kv_sharing_target_layer_name is not None:
+            raise NotImplementedError("hisparse: cross-layer KV sharing is not supported")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if attn_metadata is None:                 # profile / warm-up run
+            return output
+        md: HiSparseMetadata = attn_metadata
+        rt = worker_state.get_runtime()
+        if md.plan is None:
+            md.plan = rt.plan(worker_state.req_ids_of(md.first_blocks), md.query_start_loc,
+                              md.seq_lens, md.block_table, md.slot_mapping)
+        T = md.num_actual_tokens
+        q = query[:T].view(T, self.num_heads, self.head_size)
+        k = key[:T].view(T, self.num_kv_heads, self.head_size)
+        v = value[:T].view(T, self.num_kv_heads, self.head_size)
+        out = output[:T].view(T, self.num_heads, self.head_size)
+        rt.forward_layer(extract_layer_index(layer.layer_name), md.plan, q, k, v, kv_cache,
+                         self.scale, out)
+        return output

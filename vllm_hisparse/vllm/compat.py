@@ -1,0 +1,61 @@
+"""Every version-dependent vLLM import of the adapter, in one place (vLLM 0.26.x).
+
+Importing this module fails with one clear line on any other vLLM version.
+"""
+from __future__ import annotations
+
+import vllm
+
+SUPPORTED = "0.26."
+VERSION = getattr(vllm, "__version__", "unknown")
+if not VERSION.startswith(SUPPORTED):
+    raise ImportError(f"vllm-hisparse supports vLLM 0.26.x; found {VERSION}")
+
+from vllm.config import VllmConfig  # noqa: E402
+from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.logger import init_logger  # noqa: E402
+from vllm.model_executor.layers.attention.attention import Attention  # noqa: E402
+from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
+from vllm.v1.attention.backend import (  # noqa: E402
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
+
+__all__ = [
+    "VERSION", "VllmConfig", "KVTransferConfig", "KVConnectorBase_V1", "KVConnectorMetadata",
+    "KVConnectorRole", "SupportsHMA", "init_logger", "Attention", "extract_layer_index",
+    "AttentionBackend", "AttentionCGSupport", "AttentionImpl", "AttentionMetadataBuilder",
+    "AttentionType", "CommonAttentionMetadata", "MultipleOf", "AttentionBackendEnum",
+    "register_backend", "FullAttentionManager", "FullAttentionSpec", "KVCacheSpecRegistry",
+    "current_platform_cls", "hisparse_config_of",
+]
+
+
+def current_platform_cls():
+    from vllm.platforms import current_platform
+
+    return type(current_platform)
+
+
+def hisparse_config_of(vllm_config):
+    """The HiSparseConfig in ``additional_config["hisparse"]`` (a dict, a JSON string or the path
+    of a JSON file); defaults when absent."""
+    from vllm_hisparse.config import HiSparseConfig
+
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return HiSparseConfig.load(extra.get("hisparse") if isinstance(extra, dict) else None)

@@ -1,0 +1,163 @@
+"""HiSparseConnector: the request lifecycle of the host KV pool, through vLLM's KV connector API.
+
+Scheduler process (role SCHEDULER):
+  * admission: a request reserves the host pages of its whole life (prompt + max_tokens) before
+    it is scheduled; when the pool cannot hold it the request *waits* (``None`` from
+    ``get_num_new_matched_tokens``) until finished requests give pages back;
+  * ``build_connector_meta`` ships each newly scheduled (or resumed) request's prompt length and
+    first GPU block to the worker;
+  * finish: GPU blocks are freed only after the worker has dropped the request (delayed free,
+    ``request_finished`` -> True, the worker reports it through ``get_finished``).
+Worker process (role WORKER): owns the ``SparseRuntime`` (host pool + hot-slot state) that the
+attention backend forwards to; registers requests and frees their host pages.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_hisparse.core.residency import is_sparse_request
+from vllm_hisparse.core.host_pool import HostKVPool
+from vllm_hisparse.core.sparse_runtime import SparseRuntime
+
+from . import worker_state
+from .compat import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+    hisparse_config_of,
+    init_logger,
+)
+
+logger = init_logger(__name__)
+STATS_ENV = "HISPARSE_STATS_FILE"      # worker writes hit-rate stats there (the demo reads it)
+
+
+@dataclass
+class HiSparseConnectorMetadata(KVConnectorMetadata):
+    new: dict[str, tuple[int, int]] = field(default_factory=dict)   # req -> (prompt len, block 0)
+
+
+def host_pages_capacity(cfg, model_config, parallel_config) -> int:
+    L = model_config.get_num_layers(parallel_config)
+    pb = HostKVPool.page_bytes(cfg.page_size, model_config.get_num_kv_heads(parallel_config),
+                               model_config.get_head_size(), model_config.dtype)
+    return cfg.host_pool_bytes // (pb * L)
+
+
+class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = hisparse_config_of(vllm_config)
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        self.capacity = host_pages_capacity(self.cfg, mc, pc)
+        self.max_model_len = mc.max_model_len
+        # scheduler side
+        self._reserved: dict[str, int] = {}
+        self._reserved_total = 0
+        self._prompt: dict[str, int] = {}
+        self._sent: set[str] = set()
+        self._waiting_logged: set[str] = set()
+        if role == KVConnectorRole.WORKER:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+            worker_state.runtime = SparseRuntime(
+                self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
+                mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
+                host_pages=self.capacity)
+            self._stats_path = os.environ.get(STATS_ENV)
+
+    # ---- scheduler side ----------------------------------------------------------------------
+    def _pages_needed(self, request) -> int:
+        if not self.cfg.host_tier or not is_sparse_request(self.cfg, request.num_prompt_tokens):
+            return 0
+        max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
+        n = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
+        return -(-n // self.cfg.page_size)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        rid = request.request_id
+        self._prompt[rid] = request.num_prompt_tokens
+        if rid in self._reserved:
+            return 0, False
+        need = self._pages_needed(request)
+        if self._reserved_total + need > self.capacity:
+            if rid not in self._waiting_logged:
+                self._waiting_logged.add(rid)
+                logger.info("hisparse: host pool full (%d of %d pages reserved); request %s "
+                            "(%d pages) waits", self._reserved_total, self.capacity, rid, need)
+            return None, False
+        self._waiting_logged.discard(rid)
+        self._reserved[rid] = need
+        self._reserved_total += need
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        return None
+
+    def build_connector_meta(self, scheduler_output) -> HiSparseConnectorMetadata:
+        md = HiSparseConnectorMetadata()
+        for r in scheduler_output.scheduled_new_reqs:
+            md.new[r.req_id] = (self._prompt.get(r.req_id, len(r.prompt_token_ids or ())),
+                                r.block_ids[0][0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                md.new[rid] = (self._prompt[rid], cached.new_block_ids[i][0][0])
+        self._sent.update(md.new)
+        return md
+
+    def _release(self, rid: str) -> None:
+        self._reserved_total -= self._reserved.pop(rid, 0)
+        self._prompt.pop(rid, None)
+        self._sent.discard(rid)
+        self._waiting_logged.discard(rid)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        if rid in self._sent:
+            return True, None            # freed once the worker has dropped it (get_finished)
+        self._release(rid)
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output) -> None:
+        for rid in connector_output.finished_sending or ():
+            self._release(rid)
+
+    # ---- worker side -------------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        rt = worker_state.get_runtime()
+        for rid, (num_prompt, first_block) in connector_metadata.new.items():
+            rt.add(rid, num_prompt)
+            worker_state.bind_request(rid, first_block)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None                       # write-through happens inside the attention backend
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]):
+        rt = worker_state.get_runtime()
+        done = set()
+        for rid in finished_req_ids:
+            if rt.finish(rid):
+                worker_state.unbind_request(rid)
+                done.add(rid)
+        if done:
+            rt.dump_stats(self._stats_path)
+        return (done or None), None

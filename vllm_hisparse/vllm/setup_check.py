@@ -1,0 +1,48 @@
+"""Startup validation and the config changes a hisparse run needs (called from the platform's
+``check_and_update_config`` while vLLM builds its VllmConfig, in the front-end process)."""
+from __future__ import annotations
+
+from .compat import KVTransferConfig, hisparse_config_of, init_logger
+
+logger = init_logger(__name__)
+SUPPORTED = ("hisparse supports decoder-only GQA/MHA models (Llama, Qwen, Mistral style) with "
+             "tensor parallelism only")
+
+
+def prepare_config(vllm_config) -> None:
+    cfg = hisparse_config_of(vllm_config)          # validated: errors name field, value and fix
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if cfg.indexer != "quest":
+        raise ValueError(f"hisparse: indexer={cfg.indexer!r} is not wired into vLLM yet; use "
+                         f"\"quest\"")
+    if mc is not None:
+        if getattr(mc, "use_mla", False):
+            raise ValueError(f"hisparse: MLA models are not supported; {SUPPORTED}")
+        if getattr(mc, "is_encoder_decoder", False):
+            raise ValueError(f"hisparse: encoder-decoder models are not supported; {SUPPORTED}")
+        cfg.check_layers(mc.get_num_layers(pc))
+    if pc.pipeline_parallel_size > 1:
+        raise ValueError(f"hisparse: pipeline parallelism is not supported; {SUPPORTED}")
+    if getattr(cc, "user_specified_block_size", False) and cc.block_size not in (None, cfg.page_size):
+        raise ValueError(f"hisparse: --block-size {cc.block_size} must equal the hisparse "
+                         f"page_size={cfg.page_size} (one vLLM block = one Quest page = one slot)")
+    cc.block_size = cfg.page_size
+    cc.user_specified_block_size = True
+    if cc.enable_prefix_caching:
+        logger.warning("hisparse: prefix caching is switched off (not compatible yet)")
+        cc.enable_prefix_caching = False
+    if cfg.host_tier and mc is not None:
+        from vllm_hisparse.core.host_pool import HostKVPool
+
+        pb = HostKVPool.page_bytes(cfg.page_size, mc.get_num_kv_heads(pc), mc.get_head_size(),
+                                   mc.dtype)
+        cfg.check_host_pool(mc.max_model_len, pb // cfg.page_size, mc.get_num_layers(pc))
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None or ktc.kv_connector is None:
+        vllm_config.kv_transfer_config = KVTransferConfig(
+            kv_connector="HiSparseConnector", kv_connector_module_path="vllm_hisparse.vllm.connector",
+            kv_role="kv_both")
+    elif ktc.kv_connector != "HiSparseConnector":
+        raise ValueError(f"hisparse brings its own KV connector; drop --kv-transfer-config "
+                         f"({ktc.kv_connector})")
+    logger.info("hisparse: %s", cfg.to_dict())

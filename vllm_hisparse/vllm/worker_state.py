@@ -1,0 +1,41 @@
+"""Worker-process state shared by the connector (request lifecycle) and the attention backend.
+
+The backend's batch rows carry no request ids; the connector learns each request's first GPU
+block from the scheduler (block 0 is a hot slot, never freed while the request lives), so a batch
+row maps to its request through ``block_table[row, 0]``.
+"""
+from __future__ import annotations
+
+from vllm_hisparse.core.sparse_runtime import SparseRuntime
+
+runtime: SparseRuntime | None = None
+_block_to_req: dict[int, str] = {}
+_req_to_block: dict[str, int] = {}
+
+
+def get_runtime() -> SparseRuntime:
+    if runtime is None:
+        raise RuntimeError("hisparse: the attention backend runs without its KV connector; start "
+                           "vLLM with --attention-backend hisparse so the plugin configures both")
+    return runtime
+
+
+def bind_request(req_id: str, first_block: int) -> None:
+    old = _req_to_block.pop(req_id, None)
+    if old is not None and _block_to_req.get(old) == req_id:
+        del _block_to_req[old]
+    _req_to_block[req_id] = first_block
+    _block_to_req[first_block] = req_id
+
+
+def unbind_request(req_id: str) -> None:
+    old = _req_to_block.pop(req_id, None)
+    if old is not None and _block_to_req.get(old) == req_id:
+        del _block_to_req[old]
+
+
+def req_ids_of(first_blocks: list[int]) -> list[str]:
+    try:
+        return [_block_to_req[b] for b in first_blocks]
+    except KeyError as e:
+        raise RuntimeError(f"hisparse: batch row with first block {e} has no request") from None
