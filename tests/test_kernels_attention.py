@@ -31,7 +31,7 @@ def _inputs(R, Hq, Hkv, D, unit, k, E, dt, gen):
     ok = (locs[:, :, None] >= 0) & (pos < seq.long()[:, None, None])
     flat = (locs.clamp(min=0).long()[:, :, None] * unit + torch.arange(unit))[ok]
     attended = torch.zeros(N * unit).index_add_(0, flat, torch.ones(len(flat))).view(N, unit) > 0
-    kv[~attended.cuda()] = float("nan")
+    kv.transpose(1, 2)[~attended.cuda()] = float("nan")     # (N, unit) mask over (N, 2, unit, ...)
     extra = elen = None
     if E:
         extra = torch.randn(R, E, 2, Hkv, D, generator=gen).to(dt).cuda()

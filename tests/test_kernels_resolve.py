@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.ext]
 POISON = 0x7F7F7F7F
 # (rows, k, S): k and S at 1, 31, 32, 33, warp/block multiples, S == k, S > k.
 SIZES = [(1, 1, 1), (3, 1, 4), (2, 31, 31), (3, 32, 33), (2, 33, 64), (4, 32, 32), (2, 64, 100),
-         (5, 1023, 1024), (2, 1024, 1025), (2, 1025, 4096), (3, 2048, 4096), (1, 4096, 4096)]
+         (5, 1023, 1024), (2, 1024, 1025), (2, 1025, 4096), (3, 2048, 4096), (1, 4096, 4096), (2, 4096, 8192)]
 # unit shapes of the byte rows: MLA-like 1152 B, GQA page (2, unit, Hkv, D), odd sizes (narrow vectors)
 ROWS = [((576,), torch.bfloat16), ((2, 4, 2, 64), torch.bfloat16), ((3,), torch.int16),
         ((5,), torch.uint8), ((16,), torch.float32), ((2, 1, 8, 128), torch.float16)]
@@ -108,7 +108,7 @@ def test_resolve_row_shapes(shape, dtype, io_chunk_bytes):
 def test_resolve_all_hits_then_all_misses():
     gen = _gen()
     ep = Episode(2, 64, 128, 1000, (32,), torch.float32)
-    sel = ep.selection(gen, p_pad=0.0)
+    sel = _selection(gen, 2, 64, 500, 0.0)
     ep.step(sel)
     ep.step(sel.flip(1).contiguous())                         # all hits, reversed order
     ep.step((sel + 500).contiguous())                         # all misses: evicts everything
@@ -142,7 +142,6 @@ def test_resolve_attention_cuda_graph():
     sel_static = torch.full((R, k), -1, dtype=torch.int32, device="cuda")
     dl = torch.full((R, k), POISON, dtype=torch.int32, device="cuda")
     out = torch.empty(R, Hq, D, dtype=dt, device="cuda")
-    kernels.sparse_decode_attention(q, ep.buf, dl.clamp(min=-1), sel_static, seq, 0.125, extra, elen, out)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):                                 # warm-up (Triton compile) off-graph

@@ -19,7 +19,7 @@ namespace hisparse {
 constexpr int kPlanThreads = 1024;
 constexpr int kIoThreads = 256;
 constexpr int kMaxSlots = 32768;           // slots fit the uint16 order copy and 16-bit scan halves
-constexpr uint8_t kHit = 1, kVictim = 2;
+constexpr uint8_t kHit = 1, kVictim = 2, kEmpty = 4;
 
 // Exclusive block-wide scan of one uint32 per thread; *total gets the block sum. scratch: 33 words.
 __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* scratch, uint32_t* total) {
@@ -52,7 +52,7 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* s
 
 // Dynamic shared memory of the plan kernel for k selected units and S slots.
 __host__ __device__ inline size_t resolve_plan_smem_bytes(int k, int S) {
-  return (size_t)k * 4 + (size_t)S * 2 + (size_t)k * 2 + (size_t)S;
+  return (size_t)k * 8 + (size_t)S * 2 + (size_t)k * 2 + (size_t)S;
 }
 
 // Per row r (blockIdx.x): selection (R, k); slot_unit, lru_order, slot_map (R, S); unit_slot (R, U);
@@ -72,26 +72,29 @@ __global__ void __launch_bounds__(kPlanThreads) resolve_plan_kernel(
   int32_t* dl = device_locs + (int64_t)r * k;
 
   int32_t* jslot = reinterpret_cast<int32_t*>(smem);          // k: hit slot, -2 miss, -1 padding
-  uint16_t* ord = reinterpret_cast<uint16_t*>(jslot + k);      // S: previous lru_order
+  int32_t* ju = jslot + k;                                     // k: the selection row
+  uint16_t* ord = reinterpret_cast<uint16_t*>(ju + k);         // S: previous lru_order
   uint16_t* vict = ord + S;                                    // k: victim slot by rank
-  uint8_t* flag = reinterpret_cast<uint8_t*>(vict + k);        // S: kHit | kVictim
+  uint8_t* flag = reinterpret_cast<uint8_t*>(vict + k);        // S: kHit | kVictim | kEmpty
 
+  // All independent global reads first, coalesced, so their latencies overlap.
   for (int p = t; p < S; p += T) {
     ord[p] = (uint16_t)lo[p];
-    flag[p] = 0;
+    flag[p] = su[p] < 0 ? kEmpty : 0;
   }
+  for (int j = t; j < k; j += T) ju[j] = sel[j];
   __syncthreads();
 
   // A: hits through the page table; per-thread contiguous chunks keep selection order for the scans.
   const int cj = (k + T - 1) / T, j0 = min(k, t * cj), j1 = min(k, j0 + cj);
   uint32_t cnt = 0;  // hits in the low half, misses in the high half
   for (int j = j0; j < j1; ++j) {
-    const int32_t u = sel[j];
+    const int32_t u = ju[j];
     int32_t s = -1;
     if (u >= 0) {
       s = us[u];
       if (s >= 0) {
-        flag[s] = kHit;
+        flag[s] = kHit;  // a resident slot: kEmpty was not set
         cnt += 1u;
       } else {
         s = -2;
@@ -114,24 +117,24 @@ __global__ void __launch_bounds__(kPlanThreads) resolve_plan_kernel(
   if (m > 0) {
     cnt = 0;
     for (int q = q0; q < q1; ++q) {
-      const int s = ord[S - 1 - q];
-      if (su[s] < 0) cnt += 1u;
-      else if (!(flag[s] & kHit)) cnt += 1u << 16;
+      const uint8_t f = flag[ord[S - 1 - q]];
+      if (f & kEmpty) cnt += 1u;
+      else if (!(f & kHit)) cnt += 1u << 16;
     }
     const uint32_t pre_q = block_exclusive_scan(cnt, scan_scratch, &tot);
     const int n_empty = (int)(tot & 0xffffu);
     int e_rank = (int)(pre_q & 0xffffu), o_rank = n_empty + (int)(pre_q >> 16);
     for (int q = q0; q < q1; ++q) {
       const int s = ord[S - 1 - q];
-      const int32_t old = su[s];
+      const uint8_t f = flag[s];
       int rank;
-      if (old < 0) rank = e_rank++;
-      else if (!(flag[s] & kHit)) rank = o_rank++;
+      if (f & kEmpty) rank = e_rank++;
+      else if (!(f & kHit)) rank = o_rank++;
       else continue;
       if (rank < m) {
         vict[rank] = (uint16_t)s;
         flag[s] = kVictim;
-        if (old >= 0) us[old] = -1;  // the victim forgets its unit (never a unit selected now)
+        if (!(f & kEmpty)) us[su[s]] = -1;  // the victim forgets its unit (never one selected now)
       }
     }
     __syncthreads();
@@ -149,7 +152,7 @@ __global__ void __launch_bounds__(kPlanThreads) resolve_plan_kernel(
     } else {
       s = vict[miss_i];
       lo[h + m - 1 - miss_i++] = s;
-      const int32_t u = sel[j];
+      const int32_t u = ju[j];
       su[s] = u;
       us[u] = s;
       dl[j] = -2 - sm[s];
@@ -158,12 +161,12 @@ __global__ void __launch_bounds__(kPlanThreads) resolve_plan_kernel(
 
   // D: the rest keep their previous relative order after the h + m touched slots.
   cnt = 0;
-  for (int p = q0; p < q1; ++p) cnt += flag[ord[p]] == 0;
+  for (int p = q0; p < q1; ++p) cnt += (flag[ord[p]] & (kHit | kVictim)) == 0;
   const uint32_t pre_p = block_exclusive_scan(cnt, scan_scratch, &tot);
   int pos = h + m + (int)pre_p;
   for (int p = q0; p < q1; ++p) {
     const int s = ord[p];
-    if (flag[s] == 0) lo[pos++] = s;
+    if ((flag[s] & (kHit | kVictim)) == 0) lo[pos++] = s;
   }
 }
 

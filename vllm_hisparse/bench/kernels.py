@@ -167,7 +167,7 @@ def sweeps(quick: bool):
         rows.append(("miss", 32, 2048, 4096, miss, 4096, 64, True))
     for rb in (256, 512, 1152, 4096, 16384, 65536):
         batch = max(1, min(64, (256 << 20) // (2048 * rb)))
-        chunks = [16, 64, 256] if rb in (1152, 4096) else [64]
+        chunks = [16, 64, 128, 256] if rb <= 4096 else [64]
         if not quick:
             chunks = [16, 32, 64, 128, 256]
         for c in chunks:
