@@ -1,10 +1,21 @@
-"""`hisparse demo --core`: the core on a built-in example, no vLLM needed.
+"""`hisparse demo`: serve a tiny model with hisparse through `vllm serve` on this machine (CPU or
+GPU), send one long request with the OpenAI client, print the answer and the hot-buffer stats.
+`hisparse demo --core`: the core alone on a built-in example, no vLLM needed.
 
-A few requests of one layer decode with Quest selection through host pool + hot buffer + resolve;
-every step's attention is checked bit for bit against the same attention over a fully resident KV,
-and the hot-buffer hit rate is printed.
+The vLLM demo builds a tiny random Llama offline (vllm_hisparse.tiny_model), so its answer is
+gibberish; what it shows is the path: `--attention-backend hisparse`, Quest selection, misses
+fetched from the host pool, GPU blocks shrinking to the hot buffer, the host pool empty at the end.
 """
 from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
 
 import torch
 
@@ -13,18 +24,124 @@ from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.hot_buffer import HotBufferState, fetch_misses, resolve, write_resident
 from vllm_hisparse.ops import reference as ref
 
+SERVE_CONFIG = {"top_k": 64, "device_buffer_size": 128, "page_size": 16, "dense_layers": [0],
+                "host_pool_gib": 0.1}
+
 
 def add_arguments(p):
     p.add_argument("--core", action="store_true", help="run the core-only example (no vLLM)")
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--context", type=int, default=2048, help="prompt tokens per request")
-    p.add_argument("--steps", type=int, default=32, help="decode steps")
-    p.add_argument("--config", default='{"top_k": 256, "device_buffer_size": 512, "page_size": 16}',
-                   help="hisparse config (JSON string or file)")
+    p.add_argument("--requests", type=int, default=4, help="--core: requests")
+    p.add_argument("--context", type=int, default=2048, help="--core: prompt tokens per request")
+    p.add_argument("--steps", type=int, default=32, help="--core: decode steps")
+    p.add_argument("--config", default=None,
+                   help="hisparse config (JSON string or file); default: a small one per mode")
+    p.add_argument("--model", default=None, help="serve this HF model folder instead of the tiny one")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--port", type=int, default=0, help="0 = any free port")
 
 
 def run(args) -> int:
-    return run_core(args)
+    if args.core:
+        if args.config is None:
+            args.config = '{"top_k": 256, "device_buffer_size": 512, "page_size": 16}'
+        return run_core(args)
+    return run_serve(args)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompt_text() -> str:
+    for path in ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0"):
+        if os.path.exists(path):
+            with open(path, errors="ignore") as f:
+                return f.read()[:6000] + "\n\nIn one sentence, what is this text about?"
+    return "The quick brown fox jumps over the lazy dog. " * 150 + "\nWhat did the fox do?"
+
+
+def run_serve(args) -> int:
+    from vllm_hisparse import tiny_model
+
+    cfg = HiSparseConfig.load(args.config or SERVE_CONFIG)
+    model = args.model or tiny_model.build(tiny_model.DEFAULT_OUT)
+    port = args.port or _free_port()
+    work = tempfile.mkdtemp(prefix="hisparse-demo-")
+    stats_path = os.path.join(work, "stats.json")
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    cmd = [vllm, "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           "--attention-backend", "hisparse", "--additional-config",
+           json.dumps({"hisparse": cfg.to_dict()}), "--max-model-len", "4096",
+           "--max-num-seqs", "8", "--enforce-eager"]
+    if not torch.cuda.is_available():
+        cmd += ["--dtype", "float32"]
+    env = dict(os.environ, HISPARSE_STATS_FILE=stats_path)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    log_path = os.path.join(work, "serve.log")
+    print(f"demo: {' '.join(cmd[:3])} ... --attention-backend hisparse  (log: {log_path})")
+    print(f"demo: hisparse config {json.dumps(cfg.to_dict())}")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            return _talk(proc, port, model, args.max_tokens, stats_path, log_path, cfg)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _talk(proc, port, model, max_tokens, stats_path, log_path, cfg) -> int:
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None:
+            print(f"demo: vllm serve exited ({proc.returncode}); last lines of {log_path}:")
+            with open(log_path) as f:
+                print("".join(f.readlines()[-30:]))
+            return 1
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(2)
+        if time.time() - t0 > 600:
+            print("demo: vllm serve did not start within 10 minutes")
+            return 1
+    print(f"demo: server up after {time.time() - t0:.0f} s")
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    t1 = time.time()
+    r = client.completions.create(model=model, prompt=_prompt_text(), max_tokens=max_tokens,
+                                  temperature=0.0, extra_body={"ignore_eos": True})
+    u = r.usage
+    print(f"demo: {u.prompt_tokens} prompt tokens -> {u.completion_tokens} generated in "
+          f"{time.time() - t1:.1f} s")
+    print(f"demo: answer: {r.choices[0].text!r}")
+    st = {}
+    for _ in range(40):                  # the worker writes its stats once the request is dropped
+        if os.path.exists(stats_path):
+            with open(stats_path) as f:
+                st = json.load(f)
+            if st.get("live_requests") == 0:
+                break
+        time.sleep(0.5)
+    if not st:
+        print("demo: no stats from the worker")
+        return 1
+    rate = st["hit_rate"]
+    print(f"demo: decode steps {st['decode_rows']}, pages resolved {st['resolved_units']}, "
+          f"hits {st['hits']}, misses fetched from host {st['misses']}, hit rate "
+          f"{'n/a' if rate is None else f'{rate:.1%}'}")
+    print(f"demo: GPU keeps {cfg.num_slots} hot pages + the newest page per request per layer "
+          f"(top_k={cfg.top_k} tokens, B={cfg.device_buffer_size}); host pool pages still used "
+          f"after the request: {st['host_pages_used']}")
+    return 0
 
 
 def run_core(args) -> int:

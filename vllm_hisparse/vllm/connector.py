@@ -40,6 +40,7 @@ STATS_ENV = "HISPARSE_STATS_FILE"      # worker writes hit-rate stats there (the
 @dataclass
 class HiSparseConnectorMetadata(KVConnectorMetadata):
     new: dict[str, tuple[int, int]] = field(default_factory=dict)   # req -> (prompt len, block 0)
+    finished: list[str] = field(default_factory=list)   # dropped before ``new`` takes their rows
 
 
 def host_pages_capacity(cfg, model_config, parallel_config) -> int:
@@ -61,6 +62,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._reserved_total = 0
         self._prompt: dict[str, int] = {}
         self._sent: set[str] = set()
+        self._finishing: list[str] = []
+        self._done: set[str] = set()
         self._waiting_logged: set[str] = set()
         if role == KVConnectorRole.WORKER:
             device = (torch.device("cuda", torch.cuda.current_device())
@@ -100,7 +103,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def build_connector_meta(self, scheduler_output) -> HiSparseConnectorMetadata:
-        md = HiSparseConnectorMetadata()
+        md = HiSparseConnectorMetadata(finished=self._finishing)
+        self._finishing = []
         for r in scheduler_output.scheduled_new_reqs:
             md.new[r.req_id] = (self._prompt.get(r.req_id, len(r.prompt_token_ids or ())),
                                 r.block_ids[0][0])
@@ -120,6 +124,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         if rid in self._sent:
+            self._finishing.append(rid)
             return True, None            # freed once the worker has dropped it (get_finished)
         self._release(rid)
         return False, None
@@ -135,6 +140,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         rt = worker_state.get_runtime()
+        for rid in connector_metadata.finished:
+            self._drop(rt, rid)
         for rid, (num_prompt, first_block) in connector_metadata.new.items():
             rt.add(rid, num_prompt)
             worker_state.bind_request(rid, first_block)
@@ -151,13 +158,16 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         return None
 
+    def _drop(self, rt, rid: str) -> None:
+        if rt.finish(rid):
+            worker_state.unbind_request(rid)
+            self._done.add(rid)
+
     def get_finished(self, finished_req_ids: set[str]):
         rt = worker_state.get_runtime()
-        done = set()
         for rid in finished_req_ids:
-            if rt.finish(rid):
-                worker_state.unbind_request(rid)
-                done.add(rid)
+            self._drop(rt, rid)
+        done, self._done = self._done, set()
         if done:
             rt.dump_stats(self._stats_path)
         return (done or None), None
