@@ -89,8 +89,7 @@ def resolve(state: HotBufferState, selection: torch.Tensor, rows: torch.Tensor |
     hit_slot = torch.zeros(R, S + 1, dtype=torch.bool, device=dev)
     hit_slot.scatter_(1, torch.where(hit, cur, S), True)
     evict = state.policy.evict_order(state.pstate, rows, state.slot_unit, step)
-    evict = torch.gather(evict, 1, torch.argsort(
-        (torch.gather(slot_unit, 1, evict) >= 0).to(torch.int8), dim=1, stable=True))
+    evict = _empty_first(evict, torch.gather(slot_unit, 1, evict) < 0)
     ok = ~torch.gather(hit_slot[:, :S], 1, evict)
     rank = ok.long().cumsum(1) - 1                             # candidate rank in eviction order
     victims = torch.full((R, S + 1), -1, dtype=torch.int64, device=dev)
@@ -119,6 +118,14 @@ def resolve(state: HotBufferState, selection: torch.Tensor, rows: torch.Tensor |
     state.slot_unit[rows] = su[:, :S]
     state.policy.update(state.pstate, StepInfo(sel.to(torch.int32), locs, hit, miss, rows, scores, step))
     return locs, miss
+
+
+def _empty_first(order: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """Stable partition of each row of ``order`` (R, S): entries where ``empty`` first, then the rest,
+    both in their previous order (same result as a stable argsort on ``~empty``, without a sort)."""
+    n_empty = empty.sum(1, keepdim=True)
+    dest = torch.where(empty, empty.cumsum(1) - 1, n_empty + (~empty).cumsum(1) - 1)
+    return torch.empty_like(order).scatter_(1, dest, order)
 
 
 def fetch_misses(buffer: torch.Tensor, slot_map: torch.Tensor, locs: torch.Tensor, miss: torch.Tensor,

@@ -35,10 +35,16 @@ def make(name: str, **kw) -> Policy:
     return _REGISTRY[name](**kw)
 
 
+_LOADED = []
+
+
 def _load_builtin():
-    if _REGISTRY:
+    # A flag, not "is the registry empty": importing one policy module directly (e.g. belady's NEVER)
+    # registers it before the others are loaded.
+    if _LOADED:
         return
-    from . import lru, fifo, random_policy, vanilla, belady  # noqa: F401  (they register themselves)
+    _LOADED.append(True)
+    from . import lru, fifo, random_policy, vanilla, belady, crf  # noqa: F401  (they register themselves)
 
 
 __all__ = ["Policy", "StepInfo", "register", "available", "online", "make"]

@@ -74,20 +74,20 @@ def reorder(order: torch.Tensor, info: StepInfo, hit_key: bool, miss_key: bool) 
     (all misses) the order is D C B A, so a later step selecting A E evicts B for E.
     ``hit_key``/``miss_key`` say whether hits/misses move to the front at all."""
     R, S = order.shape
-    k = info.selection.shape[1]
-    key = positions_of(order) + 2 * k                       # the rest keep their old order
-    i = torch.arange(k - 1, -1, -1, device=order.device).expand(R, k)     # later = more recent
+    zero = torch.zeros_like(info.hit)
+    hit = info.hit if hit_key else zero
+    miss = info.miss if miss_key else zero
+    # Destination position of every slot, computed with prefix sums instead of a sort (same result
+    # as sorting the keys hit: k-1-j, miss: 2k-1-j, rest: 2k + old position).
+    n_hit = hit.sum(1, keepdim=True)
+    n_front = n_hit + miss.sum(1, keepdim=True)
     loc = info.locs.clamp(min=0)
-    if hit_key:
-        _scatter_masked(key, loc, i, info.hit)
-    if miss_key:
-        _scatter_masked(key, loc, i + k, info.miss)
-    return torch.argsort(key, dim=1)                         # keys are distinct: slot ids by key
+    moved = torch.zeros(R, S + 1, dtype=torch.bool, device=order.device)
+    moved.scatter_(1, torch.where(hit | miss, loc, S), True)
+    stay = ~torch.gather(moved[:, :S], 1, order)                # by old position
+    new = torch.empty(R, S + 1, dtype=order.dtype, device=order.device)
+    new.scatter_(1, torch.where(stay, n_front + stay.cumsum(1) - 1, S), order)
+    new.scatter_(1, torch.where(hit, n_hit - hit.cumsum(1), S), loc)
+    new.scatter_(1, torch.where(miss, n_front - miss.cumsum(1), S), loc)
+    return new[:, :S].contiguous()
 
-
-def _scatter_masked(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, mask: torch.Tensor):
-    # Write src where mask, by routing masked-out entries to a scratch column.
-    R, S = dst.shape
-    tmp = torch.cat([dst, dst.new_zeros(R, 1)], dim=1)
-    tmp.scatter_(1, torch.where(mask, index, S), src.to(dst.dtype))
-    dst.copy_(tmp[:, :S])
