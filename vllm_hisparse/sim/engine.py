@@ -1,0 +1,144 @@
+"""Replay a selection trace through the runtime's own resolve engine and policies.
+
+Nothing here re-implements caching: every step calls ``core.hot_buffer.resolve`` on a
+``HotBufferState`` built by ``core.policies.make``. To stay fast on a CPU, one resolve call per step
+covers every trace row (layer, or layer x KV head) of every configuration that has the same slot
+count (e.g. k=64,B=4k and k=128,B=2k), for write-allocate on and off: rows of a smaller k are padded
+with -1 (a no-op in resolve).
+
+Write-allocate: the runtime writes each decoded token's KV into the hot buffer as it is produced.
+Modelled by appending the unit of the current token (position context_len[t] - 1) as one extra,
+last column to step t's selection (-1 when the selection already holds it): it takes a slot like
+any miss and, being the latest entry, enters as the most recent of its group (MRU when resident,
+right behind the step's hits when new). It is written, not fetched, so it never counts as a miss,
+also when the indexer selects it. The one call per step also serves non-retaining policies
+(vanilla keeps the selection plus the new unit). Needs B > k.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_hisparse.core.hot_buffer import HotBufferState, resolve
+from vllm_hisparse.core.policies import make
+from vllm_hisparse.core.policies.belady import NEVER
+
+from .trace import Trace
+
+
+@dataclass(frozen=True)
+class Config:
+    """One simulated buffer: top-k size ``k`` (units), ``slots`` = B (units), write-allocate on/off."""
+    k: int
+    slots: int
+    write_allocate: bool = True
+
+
+@dataclass
+class Replay:
+    """Misses of one (trace, policy) replay.
+
+    misses[c]: (steps, rows) int32 fetched units per step and trace row for configs[c];
+    selected[c]: (steps, rows) int32 valid selected units (the miss-rate denominator).
+    """
+    trace: Trace
+    policy: str
+    configs: list
+    misses: list
+    selected: list
+
+
+class NextUse:
+    """Bélády's oracle for a batch of rows: ``table[r, u]`` = the next step (> the current one) at
+    which row r selects unit u, NEVER if none; advanced after every step with ``advance(t)``.
+
+    sel: (steps, R, k) int64 selections, -1 = padding; U: page-table width.
+    """
+
+    def __init__(self, sel: np.ndarray, U: int):
+        steps, R, K = sel.shape
+        t = np.broadcast_to(np.arange(steps)[:, None, None], sel.shape).ravel()
+        r = np.broadcast_to(np.arange(R)[None, :, None], sel.shape).ravel()
+        u = sel.ravel()
+        key = np.where(u >= 0, r * U + u, -1)
+        order = np.lexsort((t, key))
+        ks, ts = key[order], t[order]
+        same = ks[1:] == ks[:-1]
+        nxt = np.full(ks.shape, NEVER, np.int64)
+        nxt[:-1][same] = ts[1:][same]
+        after = np.empty_like(nxt)
+        after[order] = nxt
+        self.after = torch.from_numpy(after.reshape(steps, R, K))
+        first = np.ones(ks.shape, bool)
+        first[1:] = ~same
+        first &= ks >= 0
+        table = np.full(R * U, NEVER, np.int64)
+        table[ks[first]] = ts[first]
+        self.table = torch.from_numpy(table.reshape(R, U))
+        self.sel = torch.from_numpy(sel)
+
+    def __call__(self, rows: torch.Tensor, units: torch.Tensor, step: int) -> torch.Tensor:
+        return self.table[rows[:, None], units]
+
+    def advance(self, t: int) -> None:
+        s = self.sel[t]
+        ok = s >= 0
+        r = torch.arange(s.shape[0])[:, None].expand_as(s)
+        self.table[r[ok], s[ok]] = self.after[t][ok]
+
+
+def replay(trace: Trace, policy: str, configs: list[Config], seed: int = 0, bar=None) -> Replay:
+    """Run every config through ``policy``; ``bar`` (tqdm-like) is advanced by steps x groups."""
+    misses = [None] * len(configs)
+    selected = [None] * len(configs)
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(configs):
+        if c.k + c.write_allocate > c.slots:
+            raise ValueError(f"buffer B={c.slots} too small for k={c.k}: the hot buffer must hold one "
+                             f"selection{' plus the new token (write-allocate)' if c.write_allocate else ''}"
+                             f"; use --buffer 2k or more")
+        groups.setdefault(c.slots, []).append(i)
+    for slots, idx in groups.items():
+        m, n = _replay_group(trace, policy, [configs[i] for i in idx], slots, seed, bar)
+        for j, i in enumerate(idx):
+            misses[i], selected[i] = m[j], n[j]
+    return Replay(trace, policy, list(configs), misses, selected)
+
+
+def _replay_group(trace, policy, cfgs, slots, seed, bar):
+    L, T = trace.layers, trace.steps
+    kg = max(c.k for c in cfgs)
+    U = trace.max_units()
+    sel = np.full((T, len(cfgs) * L, kg), -1, np.int64)
+    for j, c in enumerate(cfgs):
+        sel[:, j * L:(j + 1) * L, :c.k] = trace.first_k(c.k)
+    R = sel.shape[1]
+    kw = {}
+    oracle = None
+    if policy == "belady":
+        oracle = kw["next_use"] = NextUse(sel, U)
+    elif policy == "random":
+        kw["seed"] = seed
+    state = HotBufferState.create(R, slots, U, make(policy, **kw))
+    wa = torch.zeros(R, 1, dtype=torch.bool)
+    for j, c in enumerate(cfgs):
+        wa[j * L:(j + 1) * L] = c.write_allocate
+    new_unit = torch.from_numpy((trace.context_len.astype(np.int64) - 1) // trace.unit)
+    sel_t = torch.from_numpy(sel)
+    miss_count = torch.zeros(T, R, dtype=torch.int32)
+    for t in range(T):
+        s = sel_t[t]
+        is_new = wa & (s == new_unit[t])                          # selected and written this step
+        extra = torch.where(wa & ~is_new.any(1, keepdim=True), new_unit[t], -1)
+        _, miss = resolve(state, torch.cat([s, extra], 1).to(torch.int32), step=t)
+        miss_count[t] = (miss[:, :kg] & ~is_new).sum(1, dtype=torch.int32)
+        if oracle is not None:
+            oracle.advance(t)
+        if bar is not None:
+            bar.update(1)
+    valid = (sel >= 0).sum(-1).astype(np.int32)
+    mc = miss_count.numpy()
+    return ([mc[:, j * L:(j + 1) * L] for j in range(len(cfgs))],
+            [valid[:, j * L:(j + 1) * L] for j in range(len(cfgs))])
