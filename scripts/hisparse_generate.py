@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 
 def main(argv=None) -> int:
@@ -29,6 +30,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights (GPU runs)")
+    p.add_argument("--skip-tokenizer", action="store_true", help="model folder has no tokenizer")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="no --enforce-eager: vLLM's piecewise CUDA graphs around attention")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -38,6 +44,9 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
 
     from vllm_hisparse.config import HiSparseConfig
+    from vllm_hisparse.vllm.plugin import register
+
+    register()                     # also where the package is not pip-installed (no entry point)
     from vllm_hisparse.vllm import worker_state
     from vllm_hisparse.vllm.spec import HiSparseManager
 
@@ -53,11 +62,16 @@ def main(argv=None) -> int:
 
     HiSparseManager.remove_skipped_blocks = spy
     llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-              max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=True, seed=0,
-              attention_backend="hisparse", additional_config={"hisparse": cfg.to_dict()})
+              max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=not a.cuda_graphs,
+              seed=0, attention_backend="hisparse", additional_config={"hisparse": cfg.to_dict()},
+              load_format=a.load_format, skip_tokenizer_init=a.skip_tokenizer,
+              gpu_memory_utilization=a.gpu_memory_utilization,
+              **({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}
+                 if a.cuda_graphs else {}))
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, logprobs=a.logprobs,
-                        ignore_eos=True)
+                        ignore_eos=True, detokenize=not a.skip_tokenizer)
     batches = []
+    t0 = time.time()
     for path in a.prompts:
         with open(path) as f:
             prompts = [{"prompt_token_ids": x} if isinstance(x, list) else x for x in json.load(f)]
@@ -72,7 +86,7 @@ def main(argv=None) -> int:
             break
         llm.llm_engine.step()
     res = {"batches": batches, "stats": rt.stats_dict(), "peak_decode_blocks": peak["blocks"],
-           "config": cfg.to_dict()}
+           "config": cfg.to_dict(), "elapsed_s": time.time() - t0}
     with open(a.out, "w") as f:
         json.dump(res, f)
     print(json.dumps(res["stats"]))

@@ -134,6 +134,6 @@ def sparse_decode(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor, sel: to
     are attended after the selected ones.
     """
     P = kv.shape[2]
-    extra = kv[newest_blocks.long()].transpose(1, 2)                    # (R, P, 2, Hkv, D)
-    extra_lens = (seq_lens.long() - 1) % P + 1
+    extra = kv[newest_blocks.long()].transpose(1, 2).contiguous()       # (R, P, 2, Hkv, D)
+    extra_lens = ((seq_lens.long() - 1) % P + 1).to(torch.int32)
     _sparse_attention(q, kv, locs, sel, seq_lens, scale, extra, extra_lens, out)

@@ -59,6 +59,7 @@ class StepPlan:
     dec_seq: torch.Tensor | None = None        # (Rd,) seq lens
     dec_newest_blk: torch.Tensor | None = None  # (Rd,) block of the newest page
     dec_full: torch.Tensor | None = None       # (Rd,) complete pages
+    dec_bt: torch.Tensor | None = None         # (Rd, W) int64 block tables of the decode rows
     hot: torch.Tensor | None = None            # (Rh,) indices into the decode rows using RESOLVE
     hot_slot_map: torch.Tensor | None = None   # (Rh, S) blocks [0, S) of the hot rows
     hot_pt: torch.Tensor | None = None         # (Rh, U) int32 host page of each logical page
@@ -168,13 +169,14 @@ class SparseRuntime:
         newest = torch.tensor([(s.seq_len - 1) // self.P for s in d], dtype=torch.int64, device=dev)
         idx = torch.tensor([s.idx for s in d], dtype=torch.int64, device=plan.block_table.device)
         bt = plan.block_table[idx].to(dev)
+        plan.dec_bt = bt.long()
         plan.dec_newest_blk = torch.gather(bt.long(), 1, newest[:, None])[:, 0]
         plan.dec_full = newest
         hot = [j for j, s in enumerate(d) if s.freed[1] > s.freed[0]]
         if hot:
             plan.hot = torch.tensor(hot, dtype=torch.int64, device=dev)
             plan.hot_slot_map = bt[plan.hot, :self.S]
-            plan.hot_pt = self.pool.page_table_tensor([d[j].req_id for j in hot], self.U)
+            plan.hot_pt = self.pool.page_table_tensor([d[j].req_id for j in hot], self.U).to(dev)
 
     # ---- per layer -----------------------------------------------------------------------------
     def forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
@@ -199,8 +201,7 @@ class SparseRuntime:
         rows = plan.dec_rows
         sel = sl.quest_topk(qd, self.kmin[layer][rows], self.kmax[layer][rows], plan.dec_full,
                             self.k_sel)
-        bt = plan.block_table[torch.tensor([s.idx for s in plan.dec])].to(kv.device).long()
-        locs = torch.where(sel >= 0, torch.gather(bt, 1, sel.long().clamp(min=0)), -1).to(torch.int32)
+        locs = torch.where(sel >= 0, torch.gather(plan.dec_bt, 1, sel.long().clamp(min=0)), -1).to(torch.int32)
         if plan.hot is not None:
             hot_locs, hits, misses = sl.resolve_hot(sel[plan.hot], self.hot[layer], rows[plan.hot],
                                                     plan.hot_slot_map, kv, host, plan.hot_pt)

@@ -140,8 +140,11 @@ class HiSparseImpl(AttentionImpl):
         md: HiSparseMetadata = attn_metadata
         rt = worker_state.get_runtime()
         if md.plan is None:
-            md.plan = rt.plan(worker_state.req_ids_of(md.first_blocks), md.query_start_loc,
-                              md.seq_lens, md.block_table, md.slot_mapping)
+            ids = worker_state.req_ids_of(md.first_blocks)
+            if ids is None:                       # dummy batch: nothing to attend to
+                return output
+            md.plan = rt.plan(ids, md.query_start_loc, md.seq_lens, md.block_table,
+                              md.slot_mapping)
         T = md.num_actual_tokens
         q = query[:T].view(T, self.num_heads, self.head_size)
         k = key[:T].view(T, self.num_kv_heads, self.head_size)

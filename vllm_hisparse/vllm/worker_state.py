@@ -34,8 +34,13 @@ def unbind_request(req_id: str) -> None:
         del _block_to_req[old]
 
 
-def req_ids_of(first_blocks: list[int]) -> list[str]:
-    try:
-        return [_block_to_req[b] for b in first_blocks]
-    except KeyError as e:
-        raise RuntimeError(f"hisparse: batch row with first block {e} has no request") from None
+def req_ids_of(first_blocks: list[int]) -> list[str] | None:
+    """Request ids of the batch rows; None for a dummy batch (profiling, warm-up, graph capture)
+    in which no row belongs to a live request."""
+    ids = [_block_to_req.get(b) for b in first_blocks]
+    if all(i is None for i in ids):
+        return None
+    if any(i is None for i in ids):
+        bad = [b for b, i in zip(first_blocks, ids) if i is None]
+        raise RuntimeError(f"hisparse: batch rows with first blocks {bad} have no request")
+    return ids
