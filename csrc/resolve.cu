@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/all.h>
 
+#include <cstdlib>
+
 #include "kernels/resolve.cuh"
 
 namespace {
@@ -28,14 +30,33 @@ const uint8_t* device_address(const torch::Tensor& host) {
   return static_cast<const uint8_t*>(dptr);
 }
 
+// Programmatic dependent launch of the IO kernel (its launch overlaps the plan kernel's run);
+// HISPARSE_PDL=0 turns it off (for comparison in the benchmark).
+bool use_pdl() {
+  static const bool on = [] {
+    const char* e = std::getenv("HISPARSE_PDL");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+
 template <typename V>
 void launch_io(int unroll, dim3 grid, size_t smem, cudaStream_t st, const int32_t* sel, int32_t* dl,
                int64_t n, int k, const int32_t* hpt, int umax, const uint8_t* host, uint8_t* buf,
                int64_t row_bytes, int ent) {
-#define HS_IO(U)                                                                                  \
-  hisparse::resolve_io_kernel<V, U><<<grid, hisparse::kIoThreads, smem, st>>>(sel, dl, n, k, hpt, \
-                                                                             umax, host, buf,     \
-                                                                             row_bytes, ent)
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(hisparse::kIoThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = use_pdl() ? 1 : 0;
+#define HS_IO(U)                                                                               \
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, hisparse::resolve_io_kernel<V, U>, sel, dl, n, k, hpt, \
+                                    umax, host, buf, row_bytes, ent))
   switch (unroll) {
     case 1: HS_IO(1); break;
     case 2: HS_IO(2); break;

@@ -63,6 +63,10 @@ __global__ void __launch_bounds__(kPlanThreads) resolve_plan_kernel(
     const int32_t* __restrict__ slot_map, int S, int32_t* __restrict__ device_locs) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ uint32_t scan_scratch[33];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // PDL: the IO kernel may be scheduled now; it still waits for this grid's completion.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int r = blockIdx.x, t = threadIdx.x, T = blockDim.x;
   const int32_t* sel = selection + (int64_t)r * k;
   int32_t* su = slot_unit + (int64_t)r * S;
@@ -182,6 +186,10 @@ __global__ void __launch_bounds__(kIoThreads) resolve_io_kernel(
   int64_t* src = io_smem;          // ent: host byte offsets
   int64_t* dst = io_smem + ent;    // ent: buffer byte offsets
   __shared__ int n_miss;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // PDL: wait for the plan kernel's writes (a no-op when launched without the PDL attribute).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const int64_t e0 = (int64_t)blockIdx.x * ent;
   if (threadIdx.x == 0) n_miss = 0;
   __syncthreads();

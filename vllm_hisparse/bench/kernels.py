@@ -179,6 +179,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer points (one device call)")
     ap.add_argument("--out", default="bench-out", help="folder for kernels.csv / kernels.png")
+    ap.add_argument("--only", default="", help="comma-separated sweeps to run (batch,k,B,miss,row)")
+    ap.add_argument("--tag", default="kernels", help="file name stem of the CSV / PNG")
     a = ap.parse_args(argv)
     assert torch.cuda.is_available() and kernels.available(), kernels.import_error()
     os.makedirs(a.out, exist_ok=True)
@@ -187,7 +189,10 @@ def main(argv=None):
     fields = ["sweep", "batch", "k", "S", "miss", "row_bytes", "io_chunk", "resolve_us", "miss_MB",
               "io_GBps", "pct_ceiling", "host_GBps", "attn_us", "resolve_pct_attn"]
     results = []
+    only = set(filter(None, a.only.split(",")))
     for sw, b, k, S, miss, rb, chunk, att in sweeps(a.quick):
+        if only and sw not in only:
+            continue
         c = ResolveCase(b, k, S, miss, rb, chunk)
         t = c.time_us()
         mb = c.miss_bytes()
@@ -203,11 +208,11 @@ def main(argv=None):
         c.free()
         del c
         torch.cuda.empty_cache()
-    with open(os.path.join(a.out, "kernels.csv"), "w", newline="") as f:
+    with open(os.path.join(a.out, f"{a.tag}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(results)
-    _plot(results, ceil, os.path.join(a.out, "kernels.png"))
+    _plot(results, ceil, os.path.join(a.out, f"{a.tag}.png"))
     _table(results, ceil)
 
 
@@ -235,7 +240,7 @@ def _plot(results, ceil, path):
         pts = [r for r in results if r["sweep"] == "batch" and r["miss"] == miss]
         ax[1].plot([r["batch"] for r in pts], [r["resolve_pct_attn"] for r in pts], "o-", label=f"miss {miss:.0%}")
     ax[1].axhline(5, color="k", lw=0.8, label="5% bar")
-    ax[1].set(xscale="log", xlabel="batch", ylabel="resolve / attention (%)", title="k=2048, B=4096, 4 KB rows")
+    ax[1].set(xscale="log", yscale="log", xlabel="batch", ylabel="resolve / attention (%)", title="k=2048, B=4096, 4 KB rows")
     ax[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
