@@ -59,7 +59,7 @@ def parse_policies(spec: str) -> list[str]:
     names = policies.available() if spec.strip() == "all" else [p.strip() for p in spec.split(",") if p.strip()]
     bad = [p for p in names if p not in policies.available()]
     if bad or not names:
-        raise SystemExit(f"--policies: unknown {', '.join(bad) or spec!r}; choose from "
+        raise SystemExit(f"--policies: unknown {', '.join(bad) if bad else repr(spec)}; choose from "
                          f"{', '.join(policies.available())} or 'all'")
     return names
 
