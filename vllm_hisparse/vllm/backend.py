@@ -138,13 +138,14 @@ class HiSparseImpl(AttentionImpl):
         if attn_metadata is None:                 # profile / warm-up run
             return output
         md: HiSparseMetadata = attn_metadata
-        rt = worker_state.get_runtime()
         if md.plan is None:
             ids = worker_state.req_ids_of(md.first_blocks)
             if ids is None:                       # dummy batch: nothing to attend to
                 return output
+            rt = worker_state.get_runtime()
             md.plan = rt.plan(ids, md.query_start_loc, md.seq_lens, md.block_table,
                               md.slot_mapping)
+        rt = worker_state.get_runtime()
         T = md.num_actual_tokens
         q = query[:T].view(T, self.num_heads, self.head_size)
         k = key[:T].view(T, self.num_kv_heads, self.head_size)

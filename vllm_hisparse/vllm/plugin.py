@@ -77,23 +77,22 @@ def _wrap_get_kv_cache_spec(c) -> None:
 
 def _wrap_platform(c) -> None:
     plat = c.current_platform_cls()
-    orig_check = plat.__dict__.get("check_and_update_config")
-    if orig_check is None or getattr(orig_check, "_hisparse", False):
+    orig_check = plat.check_and_update_config          # bound to plat; may live on a base class
+    if getattr(orig_check, "_hisparse", False):
         return
-    orig_fn = orig_check.__func__
 
     def check_and_update_config(cls, vllm_config):
         if selected(vllm_config):
             from .setup_check import prepare_config
 
             prepare_config(vllm_config)
-        return orig_fn(cls, vllm_config)
+        return orig_check(vllm_config)
 
     check_and_update_config._hisparse = True
     plat.check_and_update_config = classmethod(check_and_update_config)
 
     if plat.__name__ == "CpuPlatform":
-        orig_sel = plat.__dict__["get_attn_backend_cls"].__func__
+        orig_sel = plat.get_attn_backend_cls.__func__
 
         def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
             if selected_backend == c.AttentionBackendEnum.CUSTOM and \
