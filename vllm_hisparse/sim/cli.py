@@ -56,7 +56,10 @@ def parse_ints(flag: str, spec: str) -> list[int]:
 
 
 def parse_policies(spec: str) -> list[str]:
-    names = policies.available() if spec.strip() == "all" else [p.strip() for p in spec.split(",") if p.strip()]
+    if spec.strip() == "all":
+        names = policies.available()
+    else:
+        names = [p.strip() for p in spec.split(",") if p.strip()]
     bad = [p for p in names if p not in policies.available()]
     if bad or not names:
         raise SystemExit(f"--policies: unknown {', '.join(bad) if bad else repr(spec)}; choose from "

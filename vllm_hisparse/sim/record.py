@@ -179,7 +179,8 @@ def main(argv=None) -> int:
     if len(ctxs) == 1:
         ctxs = ctxs * len(names)
     if len(ctxs) != len(names):
-        raise SystemExit(f"--context has {len(ctxs)} values for {len(names)} --texts; give one or one per text")
+        raise SystemExit(f"--context has {len(ctxs)} values for {len(names)} --texts; "
+                         f"give one, or one per text")
     if max(ctxs) + a.steps > 8192:
         raise SystemExit(f"--context {max(ctxs)} + --steps {a.steps} exceeds SmolLM2's 8192-token window")
     tok, model = load_model()

@@ -33,7 +33,8 @@ def tables(rows: list[dict], new: str = "crf") -> str:
             cell = {(r["trace"], r["policy"]): 100 * float(r["steady_miss_rate"])
                     for r in sub if int(r["k"]) == k and int(r["buffer"]) == b}
             traces = sorted({t for t, _ in cell})
-            pols = sorted({p for _, p in cell}, key=lambda p: -np.mean([cell.get((t, p), np.nan) for t in traces]))
+            pols = sorted({p for _, p in cell},
+                          key=lambda p: -np.mean([cell.get((t, p), np.nan) for t in traces]))
             mean = {p: float(np.mean([cell[(t, p)] for t in traces if (t, p) in cell])) for p in pols}
             out.append(f"\n**k={k}, B={b} ({b / k:g}k), write-allocate {wa}** — steady miss rate %\n")
             out.append("| trace | " + " | ".join(pols) + " |")
@@ -49,6 +50,29 @@ def tables(rows: list[dict], new: str = "crf") -> str:
                 gain = mean["lru"] - mean[new]
                 out.append(f"; {new} vs lru: {gain:+.2f} points, {100 * gain / gap:.1f}% of the "
                            f"LRU->Bélády gap ({gap:.2f} points)")
+    return "\n".join(out)
+
+
+def compact(rows: list[dict], new: str = "crf") -> str:
+    """One table: a line per (k, B, write-allocate) with the mean over traces of every policy, the new
+    policy's gain over LRU (points) and its share of the LRU -> Bélády gap."""
+    agg: dict = {}
+    for r in rows:
+        key = (int(r["k"]), int(r["buffer"]), r["write_allocate"])
+        agg.setdefault(key, {}).setdefault(r["policy"], []).append(100 * float(r["steady_miss_rate"]))
+    pols = sorted({p for v in agg.values() for p in v},
+                  key=lambda p: -np.mean([np.mean(v[p]) for v in agg.values() if p in v]))
+    head = ["k", "B", "write-alloc"] + pols + [f"{new} gain (pts)", "% of LRU->Bélády gap"]
+    out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for (k, b, wa), v in sorted(agg.items(), key=lambda kv: (kv[0][2] != "on", kv[0][:2])):
+        mean = {p: float(np.mean(v[p])) for p in v}
+        cells = [str(k), f"{b} ({b / k:g}k)", wa] + [f"{mean[p]:.2f}" if p in mean else "-" for p in pols]
+        if {new, "lru", "belady"} <= set(mean) and mean["lru"] > mean["belady"]:
+            gain = mean["lru"] - mean[new]
+            cells += [f"{gain:+.2f}", f"{100 * gain / (mean['lru'] - mean['belady']):.1f}%"]
+        else:
+            cells += ["-", "-"]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -72,8 +96,10 @@ def main(argv=None) -> int:
     p.add_argument("--new", default="crf", help="the policy whose gain over LRU is reported")
     p.add_argument("--traces", nargs="*", default=[], help="trace files for the first-touch table")
     p.add_argument("--k", default="64,128,256")
+    p.add_argument("--compact", action="store_true", help="one table of means over traces")
     a = p.parse_args(argv)
-    print(tables(load_rows(a.results), a.new))
+    rows = load_rows(a.results)
+    print(compact(rows, a.new) if a.compact else tables(rows, a.new))
     if a.traces:
         ks = [int(x) for x in a.k.split(",")]
         print("\n| trace | " + " | ".join(f"k={k}" for k in ks) + " |")
