@@ -226,22 +226,26 @@ def _plot(results, ceil, path):
         return
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     rows = [r for r in results if r["sweep"] == "row"]
-    for chunk in sorted({r["io_chunk"] for r in rows}):
-        pts = [r for r in rows if r["io_chunk"] == chunk]
-        ax[0].plot([r["row_bytes"] for r in pts], [r["io_GBps"] for r in pts], "o-", label=f"resolve, {chunk} B/thread")
-    best = {}
-    for r in rows:
-        best[r["row_bytes"]] = r["host_GBps"] if not math.isnan(r["host_GBps"]) else best.get(r["row_bytes"])
-    ax[0].plot(list(best), list(best.values()), "s--", label="host gather + copy")
-    ax[0].axhline(ceil, color="k", lw=0.8, label="contiguous H2D")
-    ax[0].set(xscale="log", xlabel="row bytes", ylabel="GB/s", title="miss IO at 100% miss")
-    ax[0].legend(fontsize=7)
-    for miss in (0.0, 0.05):
-        pts = [r for r in results if r["sweep"] == "batch" and r["miss"] == miss]
-        ax[1].plot([r["batch"] for r in pts], [r["resolve_pct_attn"] for r in pts], "o-", label=f"miss {miss:.0%}")
-    ax[1].axhline(5, color="k", lw=0.8, label="5% bar")
-    ax[1].set(xscale="log", yscale="log", xlabel="batch", ylabel="resolve / attention (%)", title="k=2048, B=4096, 4 KB rows")
-    ax[1].legend(fontsize=7)
+    if rows:
+        for chunk in sorted({r["io_chunk"] for r in rows}):
+            pts = [r for r in rows if r["io_chunk"] == chunk]
+            ax[0].plot([r["row_bytes"] for r in pts], [r["io_GBps"] for r in pts], "o-",
+                       label=f"resolve, {chunk} B/thread")
+        best = {r["row_bytes"]: r["host_GBps"] for r in rows if not math.isnan(r["host_GBps"])}
+        ax[0].plot(list(best), list(best.values()), "s--", label="host gather + copy")
+        ax[0].axhline(ceil, color="k", lw=0.8, label="contiguous H2D")
+        ax[0].set(xscale="log", xlabel="row bytes", ylabel="GB/s", title="miss IO at 100% miss")
+        ax[0].legend(fontsize=7)
+    batch = [r for r in results if r["sweep"] == "batch"]
+    if batch:
+        for miss in sorted({r["miss"] for r in batch}):
+            pts = [r for r in batch if r["miss"] == miss]
+            ax[1].plot([r["batch"] for r in pts], [r["resolve_pct_attn"] for r in pts], "o-",
+                       label=f"miss {miss:.0%}")
+        ax[1].axhline(5, color="k", lw=0.8, label="5% bar")
+        ax[1].set(xscale="log", yscale="log", xlabel="batch", ylabel="resolve / attention (%)",
+                  title="k=2048, B=4096, 4 KB rows")
+        ax[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
