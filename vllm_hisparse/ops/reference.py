@@ -18,7 +18,8 @@ from vllm_hisparse.core.policies import make
 # ---- RESOLVE ------------------------------------------------------------------------------------
 def resolve_lru(selection: torch.Tensor, slot_unit: torch.Tensor, unit_slot: torch.Tensor,
                 lru_order: torch.Tensor, slot_map: torch.Tensor, buffer: torch.Tensor,
-                host: torch.Tensor, host_page_table: torch.Tensor, device_locs: torch.Tensor) -> None:
+                host: torch.Tensor, host_page_table: torch.Tensor, device_locs: torch.Tensor,
+                io_chunk_bytes: int = 64) -> None:
     """One LRU resolve step for a batch of rows, everything updated in place.
 
     selection: (R, k) int32 unique logical units, best first, -1 = padding (an all -1 row is a no-op)
@@ -31,6 +32,7 @@ def resolve_lru(selection: torch.Tensor, slot_unit: torch.Tensor, unit_slot: tor
     host:      (P, *unit_shape) host pool of this layer (pinned); one host page holds one unit
     host_page_table: (R, Umax) int32 host page of each logical unit of each row
     device_locs: (R, k) int32 out: physical slot of each selected unit, -1 for padding
+    io_chunk_bytes: the CUDA kernel's per-thread transfer size; no effect on results (ignored here)
     """
     R, S = slot_unit.shape
     state = HotBufferState.__new__(HotBufferState)
