@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     p.add_argument("--load-format", default="auto", help="dummy: random weights (GPU runs)")
     p.add_argument("--skip-tokenizer", action="store_true", help="model folder has no tokenizer")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="override the number of KV blocks (small: forces preemption)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="no --enforce-eager: vLLM's piecewise CUDA graphs around attention")
     p.add_argument("--out", required=True)
@@ -61,11 +63,21 @@ def main(argv=None) -> int:
             peak["blocks"] = max(peak["blocks"], real)
 
     HiSparseManager.remove_skipped_blocks = spy
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempt = {"n": 0}
+    orig_preempt = Scheduler._preempt_request
+
+    def count_preempt(self, request, timestamp):
+        preempt["n"] += 1
+        return orig_preempt(self, request, timestamp)
+
+    Scheduler._preempt_request = count_preempt
     llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=not a.cuda_graphs,
               seed=0, attention_backend="hisparse", additional_config={"hisparse": cfg.to_dict()},
               load_format=a.load_format, skip_tokenizer_init=a.skip_tokenizer,
-              gpu_memory_utilization=a.gpu_memory_utilization,
+              gpu_memory_utilization=a.gpu_memory_utilization, num_gpu_blocks_override=a.num_blocks,
               **({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}
                  if a.cuda_graphs else {}))
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, logprobs=a.logprobs,
@@ -86,7 +98,7 @@ def main(argv=None) -> int:
             break
         llm.llm_engine.step()
     res = {"batches": batches, "stats": rt.stats_dict(), "peak_decode_blocks": peak["blocks"],
-           "config": cfg.to_dict(), "elapsed_s": time.time() - t0}
+           "config": cfg.to_dict(), "elapsed_s": time.time() - t0, "preemptions": preempt["n"]}
     with open(a.out, "w") as f:
         json.dump(res, f)
     print(json.dumps(res["stats"]))

@@ -51,7 +51,9 @@ def generate(tmp, model: str, cfg: dict, batches: list[list], tag: str, extra=()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    return json.loads((tmp / f"{tag}.json").read_text())
+    res = json.loads((tmp / f"{tag}.json").read_text())
+    res["log"] = r.stdout + r.stderr
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +102,35 @@ def test_gpu_blocks_shrink_to_hot_buffer(runs):
     longest = max(PROMPT_LENS) + MAX_TOKENS
     assert resident["peak_decode_blocks"] >= longest // PAGE
 
+
+
+def test_host_pool_full_requests_wait(tmp_path):
+    """A host pool that holds one max-length request (32 pages of 16 tokens): the 5 requests need
+    ~70 pages in all, so some wait for others to finish; all complete, none crashes."""
+    model = make_tiny_model()
+    page_bytes_all_layers = 2 * PAGE * 2 * 32 * 4 * 4        # K+V, Hkv=2, D=32, fp32, 4 layers
+    gib = 36 * page_bytes_all_layers / (1 << 30)
+    cfg = dict(CFG, min_context=MIN_CONTEXT, host_pool_gib=gib)
+    res = generate(tmp_path, model, cfg, [prompts()], "poolfull",
+                   extra=["--max-model-len", "512"])
+    assert "host pool full" in res["log"]
+    assert [len(b["tokens"]) for b in res["batches"][0]] == [MAX_TOKENS] * len(PROMPT_LENS)
+    assert res["stats"]["host_pages_used"] == 0 and res["stats"]["finished"] == len(PROMPT_LENS)
+
+
+def test_preemption_recovers(tmp_path):
+    """20 KV blocks for 4 requests of 40 + 200 tokens, each holding S + 2 = 6 blocks while decoding:
+    one gets preempted, resumes (recomputed from token 0, reading given-back pages from the host
+    pool), completes; the host pool ends empty. (A resumed request recomputes its generated tokens
+    with dense prefill attention, so its continuation may differ from an uninterrupted run.)"""
+    model = make_tiny_model()
+    rng = random.Random(1)
+    batch = [[rng.randrange(3, 512) for _ in range(n)] for n in (40, 41, 42, 43)]
+    res = generate(tmp_path, model, dict(CFG, min_context=MIN_CONTEXT), [batch], "preempt",
+                   extra=["--num-blocks", "20", "--max-tokens", "200"])
+    assert res["preemptions"] > 0
+    assert [len(b["tokens"]) for b in res["batches"][0]] == [200] * 4
+    assert res["stats"]["host_pages_used"] == 0 and res["stats"]["live_requests"] == 0
 
 
 def _free_port() -> int:

@@ -91,7 +91,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if self._reserved_total + need > self.capacity:
             if rid not in self._waiting_logged:
                 self._waiting_logged.add(rid)
-                logger.info("hisparse: host pool full (%d of %d pages reserved); request %s "
+                logger.warning("hisparse: host pool full (%d of %d pages reserved); request %s "
                             "(%d pages) waits", self._reserved_total, self.capacity, rid, need)
             return None, False
         self._waiting_logged.discard(rid)
