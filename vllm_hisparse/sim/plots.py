@@ -46,7 +46,7 @@ def plot_per_step(per_step: list[dict], path: str, smooth: int = 8) -> str:
     axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"{trace}: miss rate per step (write-allocate {wa}, {smooth}-step mean)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=70)
     plt.close(fig)
     return path
 
@@ -76,7 +76,7 @@ def plot_vs_buffer(rows: list[dict], path: str) -> str:
     axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"miss rate vs buffer size (write-allocate {wa}, mean over traces)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=70)
     plt.close(fig)
     return path
 

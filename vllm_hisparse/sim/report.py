@@ -44,12 +44,13 @@ def tables(rows: list[dict], new: str = "crf") -> str:
                                                    for p in pols) + " |")
             out.append("| **mean** | " + " | ".join(f"**{mean[p]:.2f}**" for p in pols) + " |")
             order = " < ".join(sorted(mean, key=mean.get))
-            out.append(f"\nordering (best first): {order}")
-            if {new, "lru", "belady"} <= set(mean):
+            line = f"\nordering (best first): {order}"
+            if {new, "lru", "belady"} <= set(mean) and mean["lru"] > mean["belady"]:
                 gap = mean["lru"] - mean["belady"]
                 gain = mean["lru"] - mean[new]
-                out.append(f"; {new} vs lru: {gain:+.2f} points, {100 * gain / gap:.1f}% of the "
-                           f"LRU->Bélády gap ({gap:.2f} points)")
+                line += (f"; {new} vs lru: {gain:+.2f} points, {100 * gain / gap:.1f}% of the "
+                         f"LRU->Bélády gap ({gap:.2f} points)")
+            out.append(line)
     return "\n".join(out)
 
 
