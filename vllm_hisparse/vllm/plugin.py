@@ -5,6 +5,7 @@ and only acts when a run selects the backend (``--attention-backend hisparse``):
 same environment are untouched. What it installs (see patches/README.md for the three runtime
 wraps that vLLM 0.26 has no extension point for):
   * the backend as ``AttentionBackendEnum.CUSTOM`` plus the alias ``HISPARSE``;
+  * the KV connector ``HiSparseConnector`` in vLLM's connector factory;
   * ``HiSparseSpec`` -> ``HiSparseManager`` in the KV-cache spec registry;
   * a wrap of ``Attention.get_kv_cache_spec`` (hisparse layers get ``HiSparseSpec``);
   * a wrap of the platform's ``check_and_update_config`` (validates the setup, block_size ==
@@ -35,6 +36,8 @@ def register() -> None:
     c.KVCacheSpecRegistry._ensure_registered()    # else the built-ins are never registered
     c.KVCacheSpecRegistry.register(HiSparseSpec, HiSparseManager,
                                    uniform_type_base_spec=c.FullAttentionSpec)
+    if CONNECTOR[0] not in c.KVConnectorFactory._registry:     # registering twice raises
+        c.KVConnectorFactory.register_connector(CONNECTOR[0], CONNECTOR[1], CONNECTOR[0])
     _wrap_get_kv_cache_spec(c)
     _wrap_platform(c)
 

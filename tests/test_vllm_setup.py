@@ -1,0 +1,93 @@
+"""Plugin registration and startup checks, without starting an engine."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+HS = {"hisparse": {"top_k": 32, "device_buffer_size": 64, "page_size": 16}}
+
+
+def fake_config(**over):
+    mc = SimpleNamespace(use_mla=False, is_encoder_decoder=False, max_model_len=1024,
+                         dtype=__import__("torch").float32, get_num_layers=lambda pc: 4,
+                         get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 32)
+    cfg = SimpleNamespace(
+        additional_config=dict(HS), model_config=mc,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=None, user_specified_block_size=False,
+                                     enable_prefix_caching=True),
+        kv_transfer_config=None)
+    for k, v in over.items():
+        obj, attr = k.split("__")
+        setattr(getattr(cfg, obj) if obj != "cfg" else cfg, attr, v)
+    return cfg
+
+
+def test_register_idempotent_and_alias_case_insensitive():
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_hisparse.vllm.plugin import BACKEND_PATH, register
+
+    register()
+    register()
+    for name in ("hisparse", "HiSparse", "HISPARSE"):
+        assert AttentionConfig.validate_backend_before(name) is AttentionBackendEnum.CUSTOM
+    assert AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert "HiSparseConnector" in KVConnectorFactory._registry
+
+
+def test_prepare_config_sets_block_size_connector_and_disables_prefix_caching():
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = fake_config()
+    prepare_config(cfg)
+    assert cfg.cache_config.block_size == 16
+    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.kv_transfer_config.kv_connector == "HiSparseConnector"
+    assert cfg.kv_transfer_config.kv_role == "kv_both"
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"model_config__use_mla": True}, "MLA"),
+    ({"model_config__is_encoder_decoder": True}, "encoder-decoder"),
+    ({"parallel_config__pipeline_parallel_size": 2}, "pipeline"),
+])
+def test_unsupported_setups_fail_with_what_is_supported(over, words):
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    with pytest.raises(ValueError, match=words) as e:
+        prepare_config(fake_config(**over))
+    assert "supports decoder-only GQA/MHA" in str(e.value)
+
+
+def test_block_size_must_equal_page_size():
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = fake_config(cache_config__block_size=32, cache_config__user_specified_block_size=True)
+    with pytest.raises(ValueError, match="page_size=16"):
+        prepare_config(cfg)
+
+
+def test_host_pool_too_small_for_one_request():
+    from vllm_hisparse.config import HiSparseConfigError
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = fake_config()
+    cfg.additional_config = {"hisparse": dict(HS["hisparse"], host_pool_gib=0.0001)}
+    with pytest.raises(HiSparseConfigError, match="host_pool_gib"):
+        prepare_config(cfg)
+
+
+def test_wrong_vllm_version_message():
+    code = ("import vllm; vllm.__version__ = '0.27.1'\n"
+            "try:\n    import vllm_hisparse.vllm.compat\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    assert "vllm-hisparse supports vLLM 0.26.x; found 0.27.1" in out
