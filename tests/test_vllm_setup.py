@@ -1,6 +1,7 @@
 """Plugin registration and startup checks, without starting an engine."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -91,3 +92,33 @@ def test_wrong_vllm_version_message():
             "try:\n    import vllm_hisparse.vllm.compat\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
     assert "vllm-hisparse supports vLLM 0.26.x; found 0.27.1" in out
+
+
+def test_hisparse_config_flag_rewrite(tmp_path):
+    from vllm_hisparse.vllm.cli_flag import rewrite
+
+    f = str(tmp_path / "hs.json")
+    assert rewrite(["serve", "m", "--port", "1"]) == ["serve", "m", "--port", "1"]
+    out = rewrite(["serve", "m", "--hisparse-config", f, "--additional-config", '{"x": 1}'])
+    assert out[:2] == ["serve", "m"]
+    i = out.index("--additional-config")
+    assert json.loads(out[i + 1]) == {"x": 1, "hisparse": f}
+    assert out[out.index("--attention-backend") + 1] == "hisparse"
+    out = rewrite(["serve", "m", f"--hisparse-config={f}", "--attention-backend", "HISPARSE"])
+    assert out.count("--attention-backend") == 1
+
+
+def test_hisparse_config_flag_through_vllm_parser(tmp_path):
+    """The real `vllm serve` parser (plugins load before it parses) accepts the shorthand."""
+    f = tmp_path / "hs.json"
+    f.write_text(json.dumps(HS["hisparse"]))
+    code = ("import sys\n"
+            "from vllm.entrypoints.cli.serve import ServeSubcommand\n"
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+            "from vllm.engine.arg_utils import AsyncEngineArgs\n"
+            "p = FlexibleArgumentParser()\n"
+            "AsyncEngineArgs.add_cli_args(p)\n"
+            f"a = p.parse_args(['--model', 'm', '--hisparse-config', {str(f)!r}])\n"
+            "print(a.attention_backend, a.additional_config)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "hisparse" in r.stdout and str(f) in r.stdout, r.stdout + r.stderr[-2000:]

@@ -10,7 +10,8 @@ wraps that vLLM 0.26 has no extension point for):
   * a wrap of ``Attention.get_kv_cache_spec`` (hisparse layers get ``HiSparseSpec``);
   * a wrap of the platform's ``check_and_update_config`` (validates the setup, block_size ==
     page_size, prefix caching off, our KV connector on);
-  * on CPU, a wrap of ``CpuPlatform.get_attn_backend_cls`` (it otherwise always picks CPU_ATTN).
+  * on CPU, a wrap of ``CpuPlatform.get_attn_backend_cls`` (it otherwise always picks CPU_ATTN);
+  * ``--hisparse-config FILE.json`` on vLLM's command line (cli_flag.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,26 @@ def register() -> None:
         c.KVConnectorFactory.register_connector(CONNECTOR[0], CONNECTOR[1], CONNECTOR[0])
     _wrap_get_kv_cache_spec(c)
     _wrap_platform(c)
+    _wrap_cli()
+
+
+def _wrap_cli() -> None:
+    """``--hisparse-config FILE.json`` on the vLLM command line (see cli_flag.py)."""
+    import sys
+
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from .cli_flag import rewrite
+
+    orig = FlexibleArgumentParser.parse_args
+    if getattr(orig, "_hisparse", False):
+        return
+
+    def parse_args(self, args=None, namespace=None):
+        return orig(self, rewrite(list(sys.argv[1:] if args is None else args)), namespace)
+
+    parse_args._hisparse = True
+    FlexibleArgumentParser.parse_args = parse_args
 
 
 def selected(vllm_config) -> bool:
