@@ -60,7 +60,7 @@ def plot_vs_buffer(rows: list[dict], path: str) -> str:
     rows = [r for r in rows if r["write_allocate"] == wa]
     ks = sorted({r["k"] for r in rows})
     policies = sorted({r["policy"] for r in rows})
-    fig, axes = plt.subplots(1, len(ks), figsize=(4.5 * len(ks), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(ks), figsize=(max(6.5, 4.5 * len(ks)), 4), squeeze=False)
     for ax, k in zip(axes[0], ks):
         for p in policies:
             pts = {}
