@@ -153,7 +153,7 @@ def _wait_healthy(proc, port: int, timeout: float = 480) -> None:
 
 
 def test_vllm_serve_openai_client(runs, tmp_path):
-    """`vllm serve --attention-backend HiSparse` (any case) + the OpenAI client on loopback: the
+    """`vllm serve --attention-backend HiSparse --hisparse-config F` + the OpenAI client: the
     answer equals the offline resident engine's for the same request, token for token and logprob
     for logprob; the server's worker then reports its host pool empty."""
     from openai import OpenAI
@@ -163,12 +163,14 @@ def test_vllm_serve_openai_client(runs, tmp_path):
     model = make_tiny_model()
     port = _free_port()
     stats = tmp_path / "stats.json"
+    cfg_file = tmp_path / "hisparse.json"           # through the --hisparse-config shorthand
+    cfg_file.write_text(json.dumps(dict(CFG, min_context=MIN_CONTEXT)))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                HISPARSE_STATS_FILE=str(stats))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     cmd = [os.path.join(os.path.dirname(PY), "vllm"), "serve", model, "--port", str(port),
            "--host", "127.0.0.1", "--attention-backend", "HiSparse", "--dtype", "float32",
-           "--additional-config", json.dumps({"hisparse": dict(CFG, min_context=MIN_CONTEXT)}),
+           "--hisparse-config", str(cfg_file),
            "--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
            "--enforce-eager", "--seed", "0"]
     log = open(tmp_path / "serve.log", "w")
