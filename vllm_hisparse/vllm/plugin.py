@@ -87,8 +87,6 @@ def _wrap_get_kv_cache_spec(c) -> None:
         if type(spec) is not c.FullAttentionSpec or spec.sliding_window is not None:
             raise ValueError(f"hisparse supports full-attention decoder layers only; layer "
                              f"{getattr(self, 'layer_name', '?')} has {type(spec).__name__}")
-        from dataclasses import asdict
-
         from .spec import HiSparseSpec
 
         cfg = c.hisparse_config_of(vllm_config)
