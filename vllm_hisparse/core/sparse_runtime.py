@@ -68,7 +68,9 @@ class StepPlan:
 class SparseRuntime:
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, max_rows: int, max_model_len: int,
-                 host_pages: int | None = None):
+                 host_pages: int | None = None, quest_meta: tuple[list, list] | None = None):
+        """quest_meta: per-layer (kmin, kmax) tensors (rows, U, Hkv, D), None for dense layers,
+        allocated by the caller (the vLLM adapter does it before memory profiling); default: here."""
         cfg.check_layers(num_layers)
         self.cfg = cfg
         self.P = cfg.page_size
@@ -83,11 +85,15 @@ class SparseRuntime:
             host_pages = cfg.host_pool_bytes // (page_bytes * num_layers)
         self.pool = (HostKVPool(num_layers, host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
-        meta = (max_rows, self.U, num_kv_heads, head_dim)
-        self.kmin = [torch.zeros(meta, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.kmax = [torch.zeros(meta, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.hot = [sl.HotSlots(max_rows, self.S, self.U, self.device) if cfg.host_tier else None
-                    for _ in range(num_layers)]
+        if quest_meta is None:
+            meta = (max_rows, self.U, num_kv_heads, head_dim)
+            mk = lambda i: (None if i in self.dense_layers  # noqa: E731
+                            else torch.zeros(meta, dtype=dtype, device=self.device))
+            quest_meta = ([mk(i) for i in range(num_layers)], [mk(i) for i in range(num_layers)])
+        self.kmin, self.kmax = quest_meta
+        self.hot = [sl.HotSlots(max_rows, self.S, self.U, self.device)
+                    if cfg.host_tier and i not in self.dense_layers else None
+                    for i in range(num_layers)]
         self.reqs: dict[str, Req] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.stats = {"steps": 0, "decode_rows": 0, "resolved_units": 0, "hits": 0, "misses": 0,

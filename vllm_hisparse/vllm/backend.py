@@ -22,6 +22,8 @@ from .compat import (
     CommonAttentionMetadata,
     MultipleOf,
     extract_layer_index,
+    get_current_vllm_config,
+    hisparse_config_of,
 )
 
 
@@ -132,6 +134,11 @@ class HiSparseImpl(AttentionImpl):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
+        vc = get_current_vllm_config()
+        mc = vc.model_config
+        worker_state.ensure_quest_meta(
+            hisparse_config_of(vc), mc.get_num_layers(vc.parallel_config),
+            vc.scheduler_config.max_num_seqs, mc.max_model_len, num_kv_heads, head_size, mc.dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

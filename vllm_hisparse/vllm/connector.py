@@ -71,7 +71,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             worker_state.runtime = SparseRuntime(
                 self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
                 mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
-                host_pages=self.capacity)
+                host_pages=self.capacity, quest_meta=worker_state.quest_meta)
             self._stats_path = os.environ.get(STATS_ENV)
 
     # ---- scheduler side ----------------------------------------------------------------------

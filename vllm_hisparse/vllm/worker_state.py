@@ -6,11 +6,28 @@ row maps to its request through ``block_table[row, 0]``.
 """
 from __future__ import annotations
 
+import torch
+
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
 runtime: SparseRuntime | None = None
+quest_meta: tuple[list, list] | None = None     # per-layer Quest (kmin, kmax), None = dense layer
 _block_to_req: dict[int, str] = {}
 _req_to_block: dict[str, int] = {}
+
+
+def ensure_quest_meta(cfg, num_layers: int, rows: int, max_model_len: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype) -> None:
+    """Allocate every sparse layer's Quest page bounds while the model is being built, so vLLM's
+    memory profiling counts them before it sizes the KV cache: 2 x rows x cdiv(max_model_len, page)
+    x Hkv x D elements per layer."""
+    global quest_meta
+    if quest_meta is not None:
+        return
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    shape = (rows, -(-max_model_len // cfg.page_size), num_kv_heads, head_dim)
+    mk = lambda i: None if i in cfg.dense_layers else torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
+    quest_meta = ([mk(i) for i in range(num_layers)], [mk(i) for i in range(num_layers)])
 
 
 def get_runtime() -> SparseRuntime:
