@@ -65,18 +65,28 @@ def gather_context(kv: torch.Tensor, host: torch.Tensor | None, block_row: torch
     return k, v
 
 
+SCORE_BYTES = 512 << 20   # cap of one fp32 score block; a guess that keeps 32K prefill in memory
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
                     out: torch.Tensor) -> None:
     """Causal attention of queries at positions start.. (n, Hq, D) over keys 0.. (L, Hkv, D);
-    fp32 accumulation, written into out (n, Hq, D)."""
+    fp32 accumulation, written into out (n, Hq, D). Queries go in blocks so that one fp32 score
+    block stays under SCORE_BYTES (the blocking depends only on shapes, so it is deterministic)."""
     n, Hq, D = q.shape
     L, Hkv = k.shape[0], k.shape[1]
-    qf = q.float().view(n, Hkv, Hq // Hkv, D)
-    s = torch.einsum("nhgd,lhd->nhgl", qf, k.float()) * scale
-    allowed = torch.arange(L, device=q.device)[None] <= (start + torch.arange(n, device=q.device))[:, None]
-    s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    out.copy_(torch.einsum("nhgl,lhd->nhgd", p, v.float()).reshape(n, Hq, D))
+    kf, vf = k.float(), v.float()
+    step = max(1, SCORE_BYTES // (4 * Hq * L))
+    for i in range(0, n, step):
+        qb = q[i:i + step]
+        m = qb.shape[0]
+        qf = qb.float().view(m, Hkv, Hq // Hkv, D)
+        s = torch.einsum("nhgd,lhd->nhgl", qf, kf) * scale
+        pos = start + i + torch.arange(m, device=q.device)
+        allowed = torch.arange(L, device=q.device)[None] <= pos[:, None]
+        s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        out[i:i + m] = torch.einsum("nhgl,lhd->nhgd", p, vf).reshape(m, Hq, D).to(out.dtype)
 
 
 def quest_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_full: torch.Tensor,
