@@ -11,7 +11,7 @@ bet than one picked again), and every value decays by ``decay`` per step:
 ``decay`` -> 0 is LRU with "better rank = more recent" inside a step; ``decay`` -> 1 is a
 rank-weighted LFU. Units that the indexer keeps selecting (sinks, headings, key terms) survive the
 stream of one-off selections that flushes an LRU buffer. Defaults (decay 0.93, beta 1, fresh 0.5) were
-picked on the SmolLM2 top-k traces (docs/cache-policies.md); decay 0.9-0.95 are within ~0.2 points.
+picked on the SmolLM2 top-k traces (docs/cache-policies.md); decay 0.9-0.95 are within ~0.25 points.
 
 State: ``key`` (R, S) float64 = log(value) + t * c with c = -ln(decay): comparing keys at one step
 compares values, so nothing has to be decayed in place. Empty slots hold -inf.
