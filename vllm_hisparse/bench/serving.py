@@ -127,14 +127,15 @@ async def run_point(args, backend: str, c: int, port: int, model: str, vocab: in
 
     async def sampler():
         while True:
+            await asyncio.sleep(0.5)
             samples.append(await asyncio.to_thread(scrape_running, port))
-            await asyncio.sleep(1.0)
 
     s = asyncio.create_task(sampler())
     t0 = time.perf_counter()
     pt.results = await asyncio.gather(*(limited(p) for p in prompts))
     pt.wall = time.perf_counter() - t0
     s.cancel()
+    await client.close()
     good = [x for x in samples if x >= 0]
     pt.running_max = max(good, default=-1)
     pt.running_mean = statistics.fmean(good) if good else -1.0
