@@ -49,3 +49,13 @@ def test_cli_errors_name_the_flag(tmp_path, argv, match):
 def test_buffer_spec():
     assert cli.parse_buffer("2k", 64) == 128 and cli.parse_buffer("512", 64) == 512
     assert cli.parse_buffer("1.5k", 64) == 96
+
+
+def test_report_gain_and_gap_share():
+    from vllm_hisparse.sim import report
+    rows = [dict(trace=t, layer="all", k="64", buffer="128", write_allocate="on", policy=p,
+                 steady_miss_rate=str(v)) for t in ("a", "b")
+            for p, v in (("lru", 0.14), ("crf", 0.12), ("belady", 0.06))]
+    table = report.compact(rows)
+    assert "| 64 | 128 (2k) | on | 14.00 | 12.00 | 6.00 | +2.00 | 25.0% |" in table
+    assert "belady < crf < lru; crf vs lru: +2.00 points, 25.0% of the LRU->Bélády gap" in report.tables(rows)
