@@ -9,9 +9,9 @@ with -1 (a no-op in resolve).
 Write-allocate: the runtime writes each decoded token's KV into the hot buffer as it is produced.
 Modelled by appending the unit of the current token (position context_len[t] - 1) as one extra,
 last column to step t's selection (-1 when the selection already holds it): it takes a slot like
-any miss and, being the latest entry, enters as the most recent of its group (MRU when resident,
-right behind the step's hits when new). It is written, not fetched, so it never counts as a miss,
-also when the indexer selects it. The one call per step also serves non-retaining policies
+any miss and, being the latest entry, enters as the most recent of the step's fetched units (LRU puts
+the step's hits before them; when the indexer selects the token itself, >99% of rows on the SmolLM2
+traces, it enters at its own rank). It is written, not fetched, so it never counts as a miss. The one call per step also serves non-retaining policies
 (vanilla keeps the selection plus the new unit). Needs B > k.
 """
 from __future__ import annotations
