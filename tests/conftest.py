@@ -1,7 +1,6 @@
 """Markers, decided once here. The CPU suite (`make test`) runs everything that is not marked
 `cuda` or `multi_gpu`; `vllm` tests need the vLLM engine (installed by `make setup`)."""
 import importlib.util
-import os
 
 import pytest
 import torch

@@ -15,11 +15,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.server_health import ServerExited, wait_healthy
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.hot_buffer import HotBufferState, fetch_misses, resolve, write_resident
 from vllm_hisparse.ops import reference as ref
@@ -96,23 +96,17 @@ def run_serve(args) -> int:
 
 
 def _talk(proc, port, model, max_tokens, stats_path, log_path, cfg) -> int:
-    t0 = time.time()
-    while True:
-        if proc.poll() is not None:
-            print(f"demo: vllm serve exited ({proc.returncode}); last lines of {log_path}:")
-            with open(log_path) as f:
-                print("".join(f.readlines()[-30:]))
-            return 1
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(2)
-        if time.time() - t0 > 600:
-            print("demo: vllm serve did not start within 10 minutes")
-            return 1
-    print(f"demo: server up after {time.time() - t0:.0f} s")
+    try:
+        waited = wait_healthy(proc, port, timeout=600)
+    except ServerExited:
+        print(f"demo: vllm serve exited ({proc.returncode}); last lines of {log_path}:")
+        with open(log_path) as f:
+            print("".join(f.readlines()[-30:]))
+        return 1
+    except TimeoutError:
+        print("demo: vllm serve did not start within 10 minutes")
+        return 1
+    print(f"demo: server up after {waited:.0f} s")
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")

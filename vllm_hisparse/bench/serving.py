@@ -25,6 +25,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from vllm_hisparse.server_health import wait_healthy
+
 BACKENDS = ("stock", "resident", "hisparse")
 
 
@@ -75,19 +77,6 @@ def server_cmd(args, backend: str, port: int) -> list[str]:
             cfg["host_tier"] = False
         cmd += ["--attention-backend", "hisparse", "--additional-config", json.dumps({"hisparse": cfg})]
     return cmd + args.extra_server_args
-
-
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(2)
-    raise TimeoutError(f"server not ready after {timeout:.0f} s")
 
 
 def scrape_running(port: int) -> int:
@@ -190,7 +179,7 @@ def main(argv=None) -> int:
         log = open(os.path.join(args.out, f"server-{b}.log"), "w")
         proc = subprocess.Popen(server_cmd(args, b, args.port), stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_ready(args.port, proc, args.ready_timeout)
+            wait_healthy(proc, args.port, args.ready_timeout)
             for c in args.concurrency:
                 pt = asyncio.run(run_point(args, b, c, args.port, args.model, vocab))
                 rows.append(pt.row())

@@ -101,7 +101,7 @@ def run(args) -> int:
         if cfgs:
             plan.append((tr, cfgs))
     if not plan:
-        raise SystemExit(f"hisparse sim: no --k value fits the traces' k_max; use smaller --k")
+        raise SystemExit("hisparse sim: no --k value fits the traces' k_max; use smaller --k")
     total = sum(tr.steps * len({c.slots for c in cfgs}) for tr, cfgs in plan) * len(names)
     from tqdm import tqdm
     bar = tqdm(total=total, unit="step", desc="sim", disable=args.no_progress)
