@@ -69,6 +69,33 @@ def test_unsupported_setups_fail_with_what_is_supported(over, words):
     assert "supports decoder-only GQA/MHA" in str(e.value)
 
 
+@pytest.mark.parametrize("field, value, words", [
+    ("policy", "crf", "policy='crf' is available in the simulator"),
+    ("policy", "fifo", "policy='fifo' is available in the simulator"),
+    ("prefetch", True, "prefetch=True is not implemented"),
+    ("indexer", "dsa", "indexer='dsa' is not wired"),
+    ("io_chunk_bytes", 512, "io_chunk_bytes=512"),
+])
+def test_config_the_runtime_does_not_serve_is_refused(field, value, words):
+    """Fields the serving runtime would otherwise ignore: refused at startup, one line each."""
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = fake_config()
+    cfg.additional_config = {"hisparse": dict(HS["hisparse"], **{field: value})}
+    with pytest.raises(ValueError, match=words) as e:
+        prepare_config(cfg)
+    assert "\n" not in str(e.value) and "use " in str(e.value)
+
+
+def test_lru_and_no_prefetch_accepted():
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = fake_config()
+    cfg.additional_config = {"hisparse": dict(HS["hisparse"], policy="lru", prefetch=False,
+                                              io_chunk_bytes=256)}
+    prepare_config(cfg)
+
+
 def test_block_size_must_equal_page_size():
     from vllm_hisparse.vllm.setup_check import prepare_config
 
