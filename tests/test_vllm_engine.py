@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.vllm
@@ -63,7 +64,8 @@ def runs(tmp_path_factory):
     cfg = dict(CFG, min_context=MIN_CONTEXT)
     batches = [prompts(), [prompts()[1]]]      # batch 2: the serve test's request, alone
     resident = generate(tmp, model, dict(cfg, host_tier=False), batches, "resident")
-    hisparse = generate(tmp, model, cfg, batches, "hisparse")
+    hisparse = generate(tmp, model, dict(cfg, trace_dir=str(tmp / "traces")), batches, "hisparse")
+    hisparse["trace_dir"] = tmp / "traces"
     return resident, hisparse
 
 
@@ -91,6 +93,32 @@ def test_host_pool_empty_afterwards(runs):
     assert hisparse["stats"]["live_requests"] == 0
     assert hisparse["stats"]["finished"] == len(PROMPT_LENS) + 1
     assert resident["stats"]["host_pages_used"] == 0
+
+
+def test_trace_dir_records_every_decode_step(runs):
+    """config trace_dir: one trace per finished sparse request (the 17-token one is dense, no
+    trace), loadable by sim.trace, one row per decode step, one layer row per sparse layer, every
+    page inside the step's context, the newest page first (Quest always attends it)."""
+    from vllm_hisparse.sim import trace as tr
+
+    _, hisparse = runs
+    files = sorted(hisparse["trace_dir"].glob("*.npz"))
+    sparse = [n for b in (PROMPT_LENS, [PROMPT_LENS[1]]) for n in b if n >= MIN_CONTEXT]
+    assert len(files) == len(sparse), [f.name for f in files]
+    firsts = []
+    for f in files:
+        t = tr.load(str(f))
+        assert t.unit == PAGE and t.meta["num_layers"] == 4
+        assert t.layers == 4 - len(CFG["dense_layers"]) == len(t.meta["sparse_layers"])
+        assert t.steps == MAX_TOKENS - 1                 # the prefill step yields the first token
+        prompt = int(t.context_len[0]) - 1
+        firsts.append(prompt)
+        assert (t.context_len == prompt + 1 + np.arange(t.steps)).all()
+        pages = (t.context_len.astype(np.int64) + PAGE - 1) // PAGE
+        assert ((t.positions < pages[:, None, None]) | (t.positions == -1)).all()
+        assert (t.positions[:, :, 0] == (pages - 1)[:, None]).all()
+        assert t.k_max == CFG["top_k"] // PAGE and (t.positions >= 0).all()
+    assert sorted(firsts) == sorted(sparse)
 
 
 def test_gpu_blocks_shrink_to_hot_buffer(runs):

@@ -5,6 +5,12 @@ and the per-layer hot-slot state, keyed by *runtime rows* (one per live request)
 tells it about requests (``add`` / ``finish``), builds one ``StepPlan`` per step from the batch
 (block table, sequence lengths, query ranges) and calls ``forward_layer`` for every attention
 layer. Everything per step is decided in ``plan``; ``forward_layer`` only does the layer's work.
+
+With ``cfg.trace_dir`` set, every sparse layer's Quest selection of every decode row is appended to
+a per-request trace (``sim.recorder_hook.TraceWriter``, format ``sim/trace.py``, unit = one page,
+rows = the sparse layers in order, each row the newest page then the selected complete pages, as
+``sim/record.py`` writes Quest traces), written to ``<trace_dir>/<request id>.npz`` at ``finish``.
+It copies the selection to the host once per layer: a measurement mode, not a serving mode.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ class StepPlan:
     host_pages: dict = field(default_factory=dict)   # req_id -> (pages,) int64 host page table
     dec: list[ReqStep] = field(default_factory=list)  # sparse single-token decode rows
     dense: list[ReqStep] = field(default_factory=list)  # everything else (prefill, short requests)
+    dec_step: list[int] = field(default_factory=list)  # trace only: decode-step index of each decode row
     dec_tok: torch.Tensor | None = None        # (Rd,) token index of each decode row
     dec_rows: torch.Tensor | None = None       # (Rd,) runtime rows
     dec_seq: torch.Tensor | None = None        # (Rd,) seq lens
@@ -96,6 +103,21 @@ class SparseRuntime:
                     for i in range(num_layers)]
         self.reqs: dict[str, Req] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.trace = None
+        if cfg.trace_dir:
+            from vllm_hisparse.sim.recorder_hook import TraceWriter
+
+            sparse = [i for i in range(num_layers) if i not in self.dense_layers]
+            self._trace_row = {layer: j for j, layer in enumerate(sparse)}
+            self._dec_steps: dict[str, int] = {}           # req_id -> decode steps so far
+            self.trace = TraceWriter(cfg.trace_dir, meta={
+                "model": "served by vLLM (hisparse runtime)", "text": "served requests",
+                "indexer": (f"Quest page selection (min/max key bounds, page {self.P}, newest page "
+                            f"first), hisparse serving runtime"),
+                "unit": self.P, "page_size": self.P, "top_k": cfg.top_k,
+                "device_buffer_size": cfg.device_buffer_size, "policy": cfg.policy,
+                "num_layers": num_layers, "sparse_layers": sparse, "kv_heads": num_kv_heads,
+                "head_dim": head_dim, "decode": "as served"})
         self.stats = {"steps": 0, "decode_rows": 0, "resolved_units": 0, "hits": 0, "misses": 0,
                       "finished": 0}
 
@@ -108,6 +130,7 @@ class SparseRuntime:
             self.reqs[req_id] = Req(self._free_rows.pop(), num_prompt,
                                     is_sparse_request(self.cfg, num_prompt))
         self._reset_row(self.reqs[req_id].row)
+        self._restart_trace(req_id)
 
     def finish(self, req_id: str) -> bool:
         """Return the request's host pages and row; False if it was unknown."""
@@ -116,9 +139,18 @@ class SparseRuntime:
             return False
         if self.pool is not None:
             self.pool.free(req_id)
+        if self.trace is not None:
+            self._dec_steps.pop(req_id, None)
+            self.trace.finish(req_id)
         self._free_rows.append(r.row)
         self.stats["finished"] += 1
         return True
+
+    def _restart_trace(self, req_id: str) -> None:
+        """A (re)started request traces from decode step 0: what an earlier run of it recorded
+        (before a preemption) is written now and dropped; finish overwrites it with the new run."""
+        if self.trace is not None and self._dec_steps.pop(req_id, None) is not None:
+            self.trace.finish(req_id)
 
     def _reset_row(self, row: int) -> None:
         for h in self.hot:
@@ -142,6 +174,7 @@ class SparseRuntime:
             start, n = seq_lens[i] - (t1 - t0), seq_lens[i]
             if start == 0:
                 self._reset_row(r.row)                # a new request or a recompute after preemption
+                self._restart_trace(rid)
             st = ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
                          freed_pages(self.cfg, start, r.num_prompt))
             steps.append(st)
@@ -162,6 +195,10 @@ class SparseRuntime:
         plan.dense = [s for s in steps if s not in plan.dec]
         if plan.dec:
             self._plan_decode(plan)
+            if self.trace is not None:
+                plan.dec_step = [self._dec_steps.get(s.req_id, 0) for s in plan.dec]
+                for s, n in zip(plan.dec, plan.dec_step):
+                    self._dec_steps[s.req_id] = n + 1
         self.stats["steps"] += 1
         self.stats["decode_rows"] += len(plan.dec)
         return plan
@@ -210,11 +247,16 @@ class SparseRuntime:
         locs = torch.where(sel >= 0, torch.gather(plan.dec_bt, 1, sel.long().clamp(min=0)), -1).to(torch.int32)
         if plan.hot is not None:
             hot_locs, hits, misses = sl.resolve_hot(sel[plan.hot], self.hot[layer], rows[plan.hot],
-                                                    plan.hot_slot_map, kv, host, plan.hot_pt)
+                                                    plan.hot_slot_map, kv, host, plan.hot_pt,
+                                                    io_chunk_bytes=self.cfg.io_chunk_bytes)
             locs[plan.hot] = hot_locs
             self.stats["hits"] += hits
             self.stats["misses"] += misses
             self.stats["resolved_units"] += hits + misses
+        if self.trace is not None:                     # newest page first, then Quest's choice
+            pos = torch.cat([plan.dec_full[:, None].to(sel.dtype), sel], 1)
+            self.trace.append_batch([s.req_id for s in plan.dec], self._trace_row[layer],
+                                    plan.dec_step, pos, [s.seq_len for s in plan.dec])
         o = torch.empty_like(qd)
         sl.sparse_decode(qd, kv, locs, sel, plan.dec_seq, plan.dec_newest_blk, scale, o)
         out[plan.dec_tok] = o.to(out.dtype)
