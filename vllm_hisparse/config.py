@@ -73,8 +73,8 @@ class HiSparseConfig:
         if self.host_pool_gib <= 0:
             _fail("host_pool_gib", self.host_pool_gib, "use a positive size in GiB such as 16")
         c = self.io_chunk_bytes
-        if c < 16 or c > 4096 or c & (c - 1):
-            _fail("io_chunk_bytes", c, "use a power of two from 16 to 4096 (64 is a good start)")
+        if c < 16 or c > 256 or c & (c - 1):     # the CUDA RESOLVE kernel's range
+            _fail("io_chunk_bytes", c, "use a power of two from 16 to 256 (64 is a good start)")
         if any(x < 0 for x in self.dense_layers) or len(set(self.dense_layers)) != len(self.dense_layers):
             _fail("dense_layers", list(self.dense_layers), "list distinct layer indices >= 0, e.g. [0, 1]")
         if self.min_context < 0:

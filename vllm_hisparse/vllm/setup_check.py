@@ -22,9 +22,6 @@ def prepare_config(vllm_config) -> None:
     if cfg.prefetch:
         raise ValueError("hisparse: prefetch=True is not implemented in the serving runtime yet; "
                          "use false (misses are fetched inside RESOLVE)")
-    if cfg.io_chunk_bytes > 256:
-        raise ValueError(f"hisparse: io_chunk_bytes={cfg.io_chunk_bytes} exceeds what the CUDA "
-                         f"RESOLVE kernel accepts (16..256); use 64")
     if mc is not None:
         if getattr(mc, "use_mla", False):
             raise ValueError(f"hisparse: MLA models are not supported; {SUPPORTED}")
