@@ -13,10 +13,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import numpy as np
 import pytest
+
+from vllm_hisparse.server_health import wait_healthy
 
 pytestmark = pytest.mark.vllm
 
@@ -167,19 +168,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(proc, port: int, timeout: float = 480) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        assert proc.poll() is None, "vllm serve exited during startup"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
-    raise TimeoutError("vllm serve did not become healthy")
-
-
 def test_vllm_serve_openai_client(runs, tmp_path):
     """`vllm serve --attention-backend HiSparse --hisparse-config F` + the OpenAI client: the
     answer equals the offline resident engine's for the same request, token for token and logprob
@@ -204,7 +192,7 @@ def test_vllm_serve_openai_client(runs, tmp_path):
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, port, timeout=480)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         r = client.completions.create(model=model, prompt=prompts()[1], max_tokens=MAX_TOKENS,
                                       temperature=0.0, logprobs=1,
