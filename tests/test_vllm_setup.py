@@ -149,3 +149,20 @@ def test_hisparse_config_flag_through_vllm_parser(tmp_path):
             "print(a.attention_backend, a.additional_config)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "hisparse" in r.stdout and str(f) in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_prompt_that_cannot_prefill_on_gpu_is_refused_at_startup():
+    """A prompt is fully resident while it prefills: one max_model_len prompt must fit the blocks."""
+    from types import SimpleNamespace
+
+    from vllm_hisparse.config import HiSparseConfig
+    from vllm_hisparse.vllm.connector import HiSparseConnector
+
+    me = SimpleNamespace(cfg=HiSparseConfig(top_k=32, device_buffer_size=64, page_size=16),
+                         max_model_len=1000)                     # 63 pages + the newest
+    HiSparseConnector.bind_gpu_block_pool(me, SimpleNamespace(num_gpu_blocks=65))
+    with pytest.raises(ValueError, match=r"holds 63 blocks of 16 tokens.*needs 64 during its own "
+                                         r"prefill; lower --max-model-len"):
+        HiSparseConnector.bind_gpu_block_pool(me, SimpleNamespace(num_gpu_blocks=64))
+    resident = SimpleNamespace(cfg=HiSparseConfig(host_tier=False), max_model_len=10**6)
+    HiSparseConnector.bind_gpu_block_pool(resident, SimpleNamespace(num_gpu_blocks=2))

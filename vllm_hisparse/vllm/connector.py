@@ -75,6 +75,20 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self._stats_path = os.environ.get(STATS_ENV)
 
     # ---- scheduler side ----------------------------------------------------------------------
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        """Startup check: a prompt is fully resident during its own prefill, so one max_model_len
+        prompt must fit in the GPU blocks (else it would wait forever); vLLM's own check only sees
+        the bounded steady-state footprint of HiSparseSpec."""
+        if not self.cfg.host_tier:
+            return
+        need = -(-self.max_model_len // self.cfg.page_size) + 1
+        have = gpu_block_pool.num_gpu_blocks - 1                 # block 0 is vLLM's null block
+        if have < need:
+            raise ValueError(
+                f"hisparse: the GPU KV cache holds {have} blocks of {self.cfg.page_size} tokens, but "
+                f"a max_model_len={self.max_model_len} prompt needs {need} during its own prefill; "
+                f"lower --max-model-len or raise --gpu-memory-utilization")
+
     def _pages_needed(self, request) -> int:
         if not self.cfg.host_tier or not is_sparse_request(self.cfg, request.num_prompt_tokens):
             return 0
