@@ -148,7 +148,8 @@ def test_host_pool_full_requests_wait(tmp_path):
 
 
 def test_preemption_recovers(tmp_path):
-    """20 KV blocks for 4 requests of 40 + 200 tokens, each holding S + 2 = 6 blocks while decoding:
+    """20 KV blocks for 4 requests of 40 + 200 tokens, each holding S + 2 = 6 blocks while decoding
+    (max_model_len 256: one whole prompt must fit the blocks during its prefill, a startup check):
     one gets preempted, resumes (recomputed from token 0, reading given-back pages from the host
     pool), completes; the host pool ends empty. (A resumed request recomputes its generated tokens
     with dense prefill attention, so its continuation may differ from an uninterrupted run.)"""
@@ -156,7 +157,7 @@ def test_preemption_recovers(tmp_path):
     rng = random.Random(1)
     batch = [[rng.randrange(3, 512) for _ in range(n)] for n in (40, 41, 42, 43)]
     res = generate(tmp_path, model, dict(CFG, min_context=MIN_CONTEXT), [batch], "preempt",
-                   extra=["--num-blocks", "20", "--max-tokens", "200"])
+                   extra=["--num-blocks", "20", "--max-tokens", "200", "--max-model-len", "256"])
     assert res["preemptions"] > 0
     assert [len(b["tokens"]) for b in res["batches"][0]] == [200] * 4
     assert res["stats"]["host_pages_used"] == 0 and res["stats"]["live_requests"] == 0
