@@ -116,7 +116,8 @@ def _talk(proc, port, model, max_tokens, stats_path, log_path, cfg) -> int:
     u = r.usage
     print(f"demo: {u.prompt_tokens} prompt tokens -> {u.completion_tokens} generated in "
           f"{time.time() - t1:.1f} s")
-    print(f"demo: answer: {r.choices[0].text!r}")
+    noise = "  (random-weight tiny model: the text is noise)" if "tiny-llama" in model else ""
+    print(f"demo: answer: {r.choices[0].text!r}{noise}")
     st = {}
     for _ in range(40):                  # the worker writes its stats once the request is dropped
         if os.path.exists(stats_path):
