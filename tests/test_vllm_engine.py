@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from vllm_hisparse.server_health import wait_healthy
+from vllm_hisparse.server_health import stop, wait_healthy
 
 pytestmark = pytest.mark.vllm
 
@@ -210,9 +210,5 @@ def test_vllm_serve_openai_client(runs, tmp_path):
         assert st["host_pages_used"] == 0 and st["live_requests"] == 0
         assert st["misses"] > 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         log.close()

@@ -19,7 +19,7 @@ import time
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.server_health import ServerExited, wait_healthy
+from vllm_hisparse.server_health import ServerExited, stop, wait_healthy
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.hot_buffer import HotBufferState, fetch_misses, resolve, write_resident
 from vllm_hisparse.ops import reference as ref
@@ -88,11 +88,7 @@ def run_serve(args) -> int:
         try:
             return _talk(proc, port, model, args.max_tokens, stats_path, log_path, cfg)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
 
 def _talk(proc, port, model, max_tokens, stats_path, log_path, cfg) -> int:

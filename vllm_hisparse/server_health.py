@@ -24,3 +24,13 @@ def wait_healthy(proc: subprocess.Popen, port: int, timeout: float) -> float:
         except OSError:
             time.sleep(2)
     raise TimeoutError(f"vllm serve was not healthy after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Terminate the server, and kill it if it has not exited after ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -25,7 +25,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from vllm_hisparse.server_health import wait_healthy
+from vllm_hisparse.server_health import stop, wait_healthy
 
 BACKENDS = ("stock", "resident", "hisparse")
 
@@ -185,8 +185,7 @@ def main(argv=None) -> int:
                 rows.append(pt.row())
                 print(json.dumps(rows[-1]), flush=True)
         finally:
-            proc.terminate()
-            proc.wait(timeout=120)
+            stop(proc, timeout=120)
             log.close()
     with open(os.path.join(args.out, "serving.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
