@@ -132,8 +132,8 @@ def fetch_misses(buffer: torch.Tensor, slot_map: torch.Tensor, locs: torch.Tenso
                  selection: torch.Tensor, gather_units) -> int:
     """Copy the missing units into their physical slots.
 
-    buffer: (N, unit, row_elems) the layer's device buffer; slot_map: (R, S) int physical slot of
-    each local slot; gather_units(row_idx (m,), units (m,)) -> (m, unit, row_elems) from the host.
+    buffer: (N, *unit_shape) the layer's device buffer; slot_map: (R, S) int physical slot of each
+    local slot; gather_units(row_idx (m,), units (m,)) -> (m, *unit_shape) from the host.
     Returns the number of units copied.
     """
     r, j = torch.nonzero(miss, as_tuple=True)

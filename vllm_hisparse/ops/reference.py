@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.core.hot_buffer import HotBufferState, resolve
+from vllm_hisparse.core.hot_buffer import HotBufferState, fetch_misses, resolve
 from vllm_hisparse.core.policies import make
 
 
@@ -42,10 +42,8 @@ def resolve_lru(selection: torch.Tensor, slot_unit: torch.Tensor, unit_slot: tor
     state.pstate = {"order": lru_order.long()}
     locs, miss = resolve(state, selection)
     lru_order.copy_(state.pstate["order"])
-    r, j = torch.nonzero(miss, as_tuple=True)
-    if len(r):
-        hp = host_page_table[r.cpu(), selection[r, j].long().cpu()].long()
-        buffer[slot_map[r, locs[r, j]].long()] = host[hp].to(buffer.device)
+    fetch_misses(buffer, slot_map, locs, miss, selection,
+                 lambda r, u: host[host_page_table[r.cpu(), u.cpu()].long()])
     phys = torch.gather(slot_map.long(), 1, locs.clamp(min=0))
     device_locs.copy_(torch.where(locs >= 0, phys, -1).to(device_locs.dtype))
 
