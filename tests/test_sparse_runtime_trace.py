@@ -76,7 +76,7 @@ def test_trace_per_request(tmp_path):
         assert (t.positions[:, :, 0] == (pages - 1)[:, None]).all()   # newest page first
         assert ((t.positions < pages[:, None, None]) | (t.positions == -1)).all()
         assert (t.positions[:, :, 1:] >= 0).all()                     # >= 3 pages: k = 3 filled
-        assert d.rt.stats["misses"] > 0
+        assert d.rt.stats_dict()["misses"] > 0
 
 
 def test_restart_traces_from_step_zero(tmp_path):

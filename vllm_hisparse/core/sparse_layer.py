@@ -109,19 +109,19 @@ def quest_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_full
 
 def resolve_hot(sel: torch.Tensor, state: "HotSlots", rows: torch.Tensor, slot_map: torch.Tensor,
                 kv: torch.Tensor, host: torch.Tensor, host_pt: torch.Tensor,
-                io_chunk_bytes: int = 64) -> tuple[torch.Tensor, int, int]:
-    """RESOLVE the selections (Rh, k) of hot rows: (device slots (Rh, k) int32, hits, misses).
+                io_chunk_bytes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """RESOLVE the selections (Rh, k) of hot rows: (device slots (Rh, k) int32, (2,) int64
+    [hits, misses] on the device — counted without a host sync, the caller reads them when needed).
     io_chunk_bytes (config field) goes to the CUDA kernel; the CPU reference ignores it."""
     su, us, lru = state.slot_unit[rows], state.unit_slot[rows], state.lru[rows]
     valid = sel >= 0
     was = torch.gather(us, 1, sel.long().clamp(min=0)) >= 0
-    hits = int((valid & was).sum())
-    misses = int((valid & ~was).sum())
+    counts = torch.stack([(valid & was).sum(), (valid & ~was).sum()])
     locs = torch.empty_like(sel)
     _resolve_lru(sel, su, us, lru, slot_map.to(torch.int32), kv, host, host_pt, locs,
                  io_chunk_bytes=io_chunk_bytes)
     state.slot_unit[rows], state.unit_slot[rows], state.lru[rows] = su, us, lru
-    return locs, hits, misses
+    return locs, counts
 
 
 class HotSlots:

@@ -118,7 +118,8 @@ class SparseRuntime:
                 "device_buffer_size": cfg.device_buffer_size, "policy": cfg.policy,
                 "num_layers": num_layers, "sparse_layers": sparse, "kv_heads": num_kv_heads,
                 "head_dim": head_dim, "decode": "as served"})
-        self.stats = {"steps": 0, "decode_rows": 0, "resolved_units": 0, "hits": 0, "misses": 0,
+        self._hit_miss = torch.zeros(2, dtype=torch.int64, device=self.device)  # read in stats_dict
+        self.stats = {"steps": 0, "decode_rows": 0,
                       "finished": 0}
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -192,7 +193,8 @@ class SparseRuntime:
         plan = StepPlan(steps, slot_mapping.long(), block_table, cat(rows).to(dev), cat(pos).to(dev),
                         cat(htok).to(dev), cat(hpage), cat(hoff), host_pages)
         plan.dec = [s for s in steps if s.sparse and s.t1 - s.t0 == 1 and s.start > 0]
-        plan.dense = [s for s in steps if s not in plan.dec]
+        dec_idx = {s.idx for s in plan.dec}
+        plan.dense = [s for s in steps if s.idx not in dec_idx]
         if plan.dec:
             self._plan_decode(plan)
             if self.trace is not None:
@@ -246,13 +248,11 @@ class SparseRuntime:
                             self.k_sel)
         locs = torch.where(sel >= 0, torch.gather(plan.dec_bt, 1, sel.long().clamp(min=0)), -1).to(torch.int32)
         if plan.hot is not None:
-            hot_locs, hits, misses = sl.resolve_hot(sel[plan.hot], self.hot[layer], rows[plan.hot],
-                                                    plan.hot_slot_map, kv, host, plan.hot_pt,
-                                                    io_chunk_bytes=self.cfg.io_chunk_bytes)
+            hot_locs, counts = sl.resolve_hot(sel[plan.hot], self.hot[layer], rows[plan.hot],
+                                              plan.hot_slot_map, kv, host, plan.hot_pt,
+                                              io_chunk_bytes=self.cfg.io_chunk_bytes)
             locs[plan.hot] = hot_locs
-            self.stats["hits"] += hits
-            self.stats["misses"] += misses
-            self.stats["resolved_units"] += hits + misses
+            self._hit_miss += counts
         if self.trace is not None:                     # newest page first, then Quest's choice
             pos = torch.cat([plan.dec_full[:, None].to(sel.dtype), sel], 1)
             self.trace.append_batch([s.req_id for s in plan.dec], self._trace_row[layer],
@@ -264,7 +264,8 @@ class SparseRuntime:
     # ---- reporting -----------------------------------------------------------------------------
     def stats_dict(self) -> dict:
         s = dict(self.stats)
-        n = s["hits"] + s["misses"]
+        s["hits"], s["misses"] = (int(x) for x in self._hit_miss.tolist())
+        n = s["resolved_units"] = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / n if n else None
         s["host_pages_used"] = self.host_pages_used
         s["live_requests"] = len(self.reqs)
