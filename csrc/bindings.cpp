@@ -7,6 +7,8 @@ void resolve_lru(const torch::Tensor& selection, torch::Tensor& slot_unit, torch
                  torch::Tensor& lru_order, const torch::Tensor& slot_map, torch::Tensor& buffer,
                  const torch::Tensor& host, const torch::Tensor& host_page_table,
                  torch::Tensor& device_locs, int64_t io_chunk_bytes);
+void write_through(torch::Tensor& host, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tok,
+                   const torch::Tensor& page, const torch::Tensor& off);
 
 TORCH_LIBRARY(hisparse, m) {
   m.def("add_one(Tensor x, Tensor(a!) out) -> ()");
@@ -14,11 +16,13 @@ TORCH_LIBRARY(hisparse, m) {
       "resolve_lru(Tensor selection, Tensor(a!) slot_unit, Tensor(b!) unit_slot, Tensor(c!) lru_order, "
       "Tensor slot_map, Tensor(d!) buffer, Tensor host, Tensor host_page_table, Tensor(e!) device_locs, "
       "int io_chunk_bytes=64) -> ()");
+  m.def("write_through(Tensor(a!) host, Tensor k, Tensor v, Tensor tok, Tensor page, Tensor off) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hisparse, CUDA, m) {
   m.impl("add_one", &add_one);
   m.impl("resolve_lru", &resolve_lru);
+  m.impl("write_through", &write_through);
 }
 
 // Importing the module registers the ops above; pybind11 module has no functions of its own.

@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "kernels/resolve.cuh"
+#include "uva.h"
 
 namespace {
 
@@ -15,19 +16,6 @@ void check_i32(const torch::Tensor& t, const char* name, int64_t rows, const tor
   TORCH_CHECK(t.scalar_type() == torch::kInt32, "resolve_lru: ", name, " must be int32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 2 && t.size(0) == rows, "resolve_lru: ", name, " must be (", rows, ", *), got ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), "resolve_lru: ", name, " must be contiguous");
-}
-
-// Device address of a (pinned host or device) tensor's data, for loads from the IO kernel.
-const uint8_t* device_address(const torch::Tensor& host) {
-  if (host.is_cuda()) return static_cast<const uint8_t*>(host.data_ptr());
-  TORCH_CHECK(host.is_pinned(), "resolve_lru: host must be pinned CPU memory (or a CUDA tensor)");
-  void* dptr = nullptr;
-  // Pinned memory from torch's host allocator is mapped under UVA; ask for the device alias anyway.
-  if (cudaHostGetDevicePointer(&dptr, host.data_ptr(), 0) != cudaSuccess) {
-    (void)cudaGetLastError();
-    dptr = host.data_ptr();
-  }
-  return static_cast<const uint8_t*>(dptr);
 }
 
 // Programmatic dependent launch of the IO kernel (its launch overlaps the plan kernel's run);
@@ -120,7 +108,7 @@ void resolve_lru(const torch::Tensor& selection, torch::Tensor& slot_unit, torch
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int ent = 1024;
   while (ent > 64 && (n + ent - 1) / ent < 2 * sms) ent /= 2;
-  const uint8_t* hptr = device_address(host);
+  const uint8_t* hptr = hisparse::device_address(host, "resolve_lru", "host");
   uint8_t* bptr = static_cast<uint8_t*>(buffer.data_ptr());
   const uintptr_t align = reinterpret_cast<uintptr_t>(hptr) | reinterpret_cast<uintptr_t>(bptr) | (uintptr_t)row_bytes;
   int vec = 16;

@@ -143,3 +143,20 @@ def quest_select(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
     out.fill_(-1)
     out[:, :kk] = idx.to(out.dtype)
     return out
+
+
+# ---- write-through -----------------------------------------------------------------------------
+def write_through(host: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: torch.Tensor,
+                  page: torch.Tensor, off: torch.Tensor) -> None:
+    """Copy the step's new K/V rows into one layer's host pool, in place, byte for byte.
+
+    host: (pages, 2, P, Hkv, D) pool of one layer, K at [:, 0], V at [:, 1] (any device)
+    k, v: (T, Hkv, D) host's dtype; the token stride may exceed Hkv*D (views of a fused qkv output)
+    tok, page, off: (n,) int64: k[tok[i]] -> host[page[i], 0, off[i]], v[tok[i]] -> host[page[i], 1, off[i]];
+    destinations distinct; page[i] < 0 = padding (a no-op); other indices must be in range.
+    """
+    keep = page >= 0
+    t = tok[keep].to(k.device)
+    p, o = page[keep].to(host.device), off[keep].to(host.device)
+    host[p, 0, o] = k[t].to(host.device)
+    host[p, 1, o] = v[t].to(host.device)
