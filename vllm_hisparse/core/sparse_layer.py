@@ -16,21 +16,21 @@ from __future__ import annotations
 import torch
 
 from vllm_hisparse.ops import kernels, reference
+from vllm_hisparse.ops.quest import quest_scores_rows
 
 _resolve_lru = getattr(kernels, "resolve_lru", reference.resolve_lru)
 _sparse_attention = getattr(kernels, "sparse_decode_attention", reference.sparse_decode_attention)
 _quest_update = getattr(kernels, "quest_update", reference.quest_update)
-_quest_scores = getattr(kernels, "quest_scores", reference.quest_scores)
 
 
-def write_kv(kv: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store K/V (T, Hkv, D) at flat slots ``block * P + offset`` (T,) int64; -1 = padding, skipped."""
-    P = kv.shape[2]
-    ok = slot_mapping >= 0
-    s = slot_mapping[ok]
-    blk, off = s // P, s % P
-    kv[blk, 0, off] = k[ok].to(kv.dtype)
-    kv[blk, 1, off] = v[ok].to(kv.dtype)
+def write_kv(kv: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tok: torch.Tensor | None,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store K/V of tokens ``tok`` (all T tokens when None) of k/v (T, Hkv, D) at blocks ``blk`` and
+    in-block offsets ``off`` (n,) int64, decided once per step (no host sync here)."""
+    if tok is not None:
+        k, v = k[tok], v[tok]
+    kv[blk, 0, off] = k.to(kv.dtype)
+    kv[blk, 1, off] = v.to(kv.dtype)
 
 
 def write_host(host: torch.Tensor, pages: torch.Tensor, offs: torch.Tensor, k: torch.Tensor,
@@ -43,26 +43,34 @@ def write_host(host: torch.Tensor, pages: torch.Tensor, offs: torch.Tensor, k: t
     host[pages_c, 1, offs_c] = v.to(host.device, host.dtype)
 
 
+def quest_update_pages(kmin: torch.Tensor, kmax: torch.Tensor, page_flat: torch.Tensor,
+                       page_new: torch.Tensor, tok_page: torch.Tensor, k: torch.Tensor) -> None:
+    """Fold this step's keys into the Quest page bounds with no host sync (same result as
+    ``reference.quest_update``).
+
+    kmin/kmax: (R, U, Hkv, D); page_flat: (m,) int64 distinct ``row * U + page`` of the pages this
+    step touches; page_new: (m,) bool, the page's first token is in this step (its bounds restart);
+    tok_page: (T,) int64 index into page_flat of each of the T tokens of k (T, Hkv, D).
+    """
+    m = page_flat.shape[0]
+    if m == 0:
+        return
+    R, U = kmin.shape[:2]
+    idx = tok_page[:, None, None].expand(k.shape)
+    kk = k.to(kmin.dtype)
+    for bounds, op, init in ((kmin, "amin", float("inf")), (kmax, "amax", float("-inf"))):
+        flat = bounds.view(R * U, *bounds.shape[2:])
+        step = torch.full((m, *bounds.shape[2:]), init, dtype=bounds.dtype, device=bounds.device)
+        step.scatter_reduce_(0, idx, kk, op)
+        old = flat[page_flat]
+        both = torch.minimum(old, step) if op == "amin" else torch.maximum(old, step)
+        flat[page_flat] = torch.where(page_new[:, None, None], step, both)
+
+
 def quest_update(kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                  k: torch.Tensor, page_size: int) -> None:
     if len(rows):
         _quest_update(kmin, kmax, rows, pos, k, page_size)
-
-
-def gather_context(kv: torch.Tensor, host: torch.Tensor | None, block_row: torch.Tensor,
-                   host_pages: torch.Tensor | None, seq_len: int, freed: tuple[int, int]):
-    """K, V (seq_len, Hkv, D) of one request: its pages from the GPU blocks, except the freed pages
-    [lo, hi), which only the host pool still holds."""
-    P = kv.shape[2]
-    n = -(-seq_len // P)
-    pages = kv[block_row[:n].long()]                                     # (n, 2, P, Hkv, D)
-    lo, hi = freed
-    if hi > lo:
-        pages = pages.clone()
-        pages[lo:hi] = host[host_pages[lo:hi].long().to(host.device)].to(kv.device, kv.dtype)
-    k = pages[:, 0].reshape(n * P, *pages.shape[3:])[:seq_len]
-    v = pages[:, 1].reshape(n * P, *pages.shape[3:])[:seq_len]
-    return k, v
 
 
 SCORE_BYTES = 512 << 20   # cap of one fp32 score block; a guess that keeps 32K prefill in memory
@@ -89,18 +97,62 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
         out[i:i + m] = torch.einsum("nhgl,lhd->nhgd", p, vf).reshape(m, Hq, D).to(out.dtype)
 
 
-def quest_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_full: torch.Tensor,
-               k_units: int) -> torch.Tensor:
+def paged_dense_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_table: torch.Tensor, cu_q: torch.Tensor, seq_k: torch.Tensor,
+                          max_q: int, max_k: int, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of packed queries over paged KV: the plain-torch twin of the FlashAttention
+    call the vLLM adapter plugs in on the GPU (``SparseRuntime.dense_fn``, same signature).
+
+    q/out: (Tq, Hq, D) packed rows, row i = tokens [cu_q[i], cu_q[i+1]) at the *last* positions of
+    its seq_k[i] keys; k_cache/v_cache: (N, P, Hkv, D); block_table: (Bd, W) int32; cu_q (Bd+1,),
+    seq_k (Bd,) int32. max_q/max_k are FlashAttention's bounds (unused here).
+    """
+    P = k_cache.shape[1]
+    cu, sk = cu_q.tolist(), seq_k.tolist()
+    for i, n in enumerate(sk):
+        t0, t1 = cu[i], cu[i + 1]
+        blocks = block_table[i, :-(-n // P)].long().to(k_cache.device)
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n]
+        dense_attention(q[t0:t1], k, v, n - (t1 - t0), scale, out[t0:t1])
+
+
+def gather_pages(kv: torch.Tensor, host: torch.Tensor, block_rows: list[torch.Tensor],
+                 host_pages: list[torch.Tensor], seq_lens: list[int],
+                 freed: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch paged KV for requests whose pages [lo, hi) left the GPU (dense layers only): every
+    page of each request, resident ones from kv and freed ones from the host pool, packed into
+    (n, 2, P, Hkv, D) with a (R, W) int32 block table into it, for the same paged attention call.
+    Slow path: it reads the whole freed context back every step."""
+    P = kv.shape[2]
+    parts, tables, base = [], [], 0
+    W = max(-(-n // P) for n in seq_lens)
+    for row, hp, n, (lo, hi) in zip(block_rows, host_pages, seq_lens, freed):
+        m = -(-n // P)
+        pages = kv[row[:m].long().to(kv.device)]
+        if hi > lo:
+            pages[lo:hi] = host[hp[lo:hi].long().to(host.device)].to(kv.device, kv.dtype)
+        parts.append(pages)
+        t = torch.zeros(W, dtype=torch.int32)
+        t[:m] = torch.arange(base, base + m, dtype=torch.int32)
+        tables.append(t)
+        base += m
+    return torch.cat(parts), torch.stack(tables).to(kv.device)
+
+
+def quest_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
+               num_full: torch.Tensor, k_units: int) -> torch.Tensor:
     """(R, k_units) int32 best complete pages per row (best first), -1 padding.
 
-    q: (R, Hq, D); kmin/kmax: (R, U, Hkv, D) of the rows; num_full: (R,) complete pages per row.
+    q: (R, Hq, D); kmin/kmax: (N, U, Hkv, D) page bounds of every runtime row, read at rows (R,)
+    (no copy of the bounds); num_full: (R,) complete pages per row.
     """
-    R, U = kmin.shape[0], kmin.shape[1]
+    R, U = q.shape[0], kmin.shape[1]
     out = torch.full((R, k_units), -1, dtype=torch.int32, device=q.device)
     kk = min(k_units, U)
     if R == 0 or kk == 0:
         return out
-    scores = _quest_scores(q, kmin, kmax, num_full)
+    scores = quest_scores_rows(q, kmin, kmax, rows, num_full)
     _, idx = torch.topk(scores, kk, dim=1)
     idx = torch.where(idx < num_full.long()[:, None].to(idx.device), idx, -1)
     out[:, :kk] = idx.to(torch.int32)

@@ -24,6 +24,7 @@ from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.residency import freed_pages, is_sparse_request
+from vllm_hisparse.ops.write_through import write_through
 
 
 @dataclass
@@ -48,16 +49,35 @@ class ReqStep:
 
 
 @dataclass
+class DenseGroup:
+    """Requests attended densely in one paged-attention call (prefill chunks, short requests, and
+    every request in dense layers): their tokens packed in batch order."""
+    steps: list[ReqStep]
+    tok: torch.Tensor                          # (Tq,) token index of each packed query
+    cu_q: torch.Tensor                         # (n+1,) int32 packed query offsets
+    seq_k: torch.Tensor                        # (n,) int32 keys per request
+    block_table: torch.Tensor                  # (n, W) int32
+    max_q: int
+    max_k: int
+
+
+@dataclass
 class StepPlan:
     reqs: list[ReqStep]
-    slot_mapping: torch.Tensor                 # (T,) int64, -1 = padding
     block_table: torch.Tensor                  # (B, W) int32
-    tok_rows: torch.Tensor                     # (T,) runtime row of each token
-    tok_pos: torch.Tensor                      # (T,) position of each token
-    host_tok: torch.Tensor                     # (n,) tokens written through to the host pool
-    host_page: torch.Tensor                    # (n,) their host pages
-    host_off: torch.Tensor                     # (n,) their offsets in the page
-    host_pages: dict = field(default_factory=dict)   # req_id -> (pages,) int64 host page table
+    wr_blk: torch.Tensor                       # (n,) int64 block of each token written to the cache
+    wr_off: torch.Tensor                       # (n,) int64 its offset in the block
+    wr_tok: torch.Tensor | None                # (n,) its token index; None = all T tokens in order
+    q_page: torch.Tensor | None = None         # (m,) int64 row * U + page of the pages Quest updates
+    q_new: torch.Tensor | None = None          # (m,) bool: the page starts in this step
+    q_tok: torch.Tensor | None = None          # (Tq,) token index of each updating token
+    q_tok_page: torch.Tensor | None = None     # (Tq,) its index into q_page
+    host_tok: torch.Tensor | None = None       # (n,) tokens written through to the host pool
+    host_page: torch.Tensor | None = None      # (n,) their host pages
+    host_off: torch.Tensor | None = None       # (n,) their offsets in the page
+    dense_sparse: DenseGroup | None = None     # dense rows of sparse layers
+    dense_res: DenseGroup | None = None        # dense layers: requests with every page on the GPU
+    dense_freed: list[ReqStep] = field(default_factory=list)  # dense layers: pages left the GPU
     dec: list[ReqStep] = field(default_factory=list)  # sparse single-token decode rows
     dense: list[ReqStep] = field(default_factory=list)  # everything else (prefill, short requests)
     dec_step: list[int] = field(default_factory=list)  # trace only: decode-step index of each decode row
@@ -101,6 +121,13 @@ class SparseRuntime:
         self.hot = [sl.HotSlots(max_rows, self.S, self.U, self.device)
                     if cfg.host_tier and i not in self.dense_layers else None
                     for i in range(num_layers)]
+        # Host page of each logical page of each row, mirrored on the device (grown as the pool hands
+        # out pages, cleared at finish): RESOLVE and the write-through index it without host work.
+        self.host_pt = torch.full((max_rows, self.U), -1, dtype=torch.int32, device=self.device)
+        self._host_pt_len = [0] * max_rows
+        # Paged causal attention for prefill / dense rows: paged_dense_reference's signature. The
+        # vLLM adapter plugs FlashAttention in on the GPU; the default is the plain-torch twin.
+        self.dense_fn = sl.paged_dense_reference
         self.reqs: dict[str, Req] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.trace = None
@@ -144,6 +171,9 @@ class SparseRuntime:
             self._dec_steps.pop(req_id, None)
             self.trace.finish(req_id)
         self._free_rows.append(r.row)
+        if self._host_pt_len[r.row]:
+            self.host_pt[r.row] = -1
+            self._host_pt_len[r.row] = 0
         self.stats["finished"] += 1
         return True
 
@@ -166,9 +196,12 @@ class SparseRuntime:
     def plan(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int],
              block_table: torch.Tensor, slot_mapping: torch.Tensor) -> StepPlan:
         """req_ids: the B requests of the batch in row order; query_start_loc: B+1 token offsets;
-        seq_lens: B lengths including this step's tokens; block_table (B, W); slot_mapping (T,)."""
-        steps, rows, pos, htok, hpage, hoff = [], [], [], [], [], []
-        host_pages = {}
+        seq_lens: B lengths including this step's tokens; block_table (B, W); slot_mapping (T,).
+        Everything that needs the host is decided here, once per step; forward_layer then runs
+        without host syncs."""
+        dev = self.device
+        steps = []
+        pt_rows, pt_cols, pt_vals = [], [], []
         for i, rid in enumerate(req_ids):
             r = self.reqs[rid]
             t0, t1 = query_start_loc[i], query_start_loc[i + 1]
@@ -176,25 +209,31 @@ class SparseRuntime:
             if start == 0:
                 self._reset_row(r.row)                # a new request or a recompute after preemption
                 self._restart_trace(rid)
-            st = ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
-                         freed_pages(self.cfg, start, r.num_prompt))
-            steps.append(st)
-            p = torch.arange(start, n, dtype=torch.int64)
-            rows.append(torch.full((t1 - t0,), r.row, dtype=torch.int64))
-            pos.append(p)
+            steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
+                                 freed_pages(self.cfg, start, r.num_prompt)))
             if self.pool is not None and r.sparse:
-                pages = torch.tensor(self.pool.ensure(rid, n), dtype=torch.int64)
-                host_pages[rid] = pages
-                htok.append(torch.arange(t0, t1, dtype=torch.int64))
-                hpage.append(pages[p // self.P])
-                hoff.append(p % self.P)
-        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
-        dev = self.device
-        plan = StepPlan(steps, slot_mapping.long(), block_table, cat(rows).to(dev), cat(pos).to(dev),
-                        cat(htok).to(dev), cat(hpage), cat(hoff), host_pages)
+                pages = self.pool.ensure(rid, n)
+                have = self._host_pt_len[r.row]
+                if len(pages) > have:
+                    new = pages[have:self.U]
+                    pt_rows += [r.row] * len(new)
+                    pt_cols += range(have, have + len(new))
+                    pt_vals += new
+                    self._host_pt_len[r.row] = have + len(new)
+        if pt_rows:
+            upd = torch.tensor([pt_rows, pt_cols, pt_vals], dtype=torch.int64).to(dev)
+            self.host_pt[upd[0], upd[1]] = upd[2].to(torch.int32)
+        plan = self._plan_writes(steps, block_table, slot_mapping)
         plan.dec = [s for s in steps if s.sparse and s.t1 - s.t0 == 1 and s.start > 0]
         dec_idx = {s.idx for s in plan.dec}
         plan.dense = [s for s in steps if s.idx not in dec_idx]
+        assert all(s.freed[1] <= s.freed[0] for s in plan.dense), "dense rows must be resident"
+        plan.dense_sparse = self._dense_group(plan.dense, block_table)
+        if len(self.dense_layers):
+            plan.dense_freed = [s for s in steps if s.freed[1] > s.freed[0]]
+            res = [s for s in steps if s.freed[1] <= s.freed[0]]
+            plan.dense_res = (plan.dense_sparse if len(res) == len(plan.dense) else
+                              self._dense_group(res, block_table))
         if plan.dec:
             self._plan_decode(plan)
             if self.trace is not None:
@@ -205,47 +244,107 @@ class SparseRuntime:
         self.stats["decode_rows"] += len(plan.dec)
         return plan
 
+    def _plan_writes(self, steps: list[ReqStep], block_table: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> StepPlan:
+        """Cache slots, Quest page updates and host write-through of this step's tokens."""
+        dev, P, U = self.device, self.P, self.U
+        sm = slot_mapping.to(dev).long()
+        T = sm.shape[0]
+        ok = sm >= 0
+        wr_tok = None
+        if not bool(ok.all()):                         # padding: one host sync per step, not per layer
+            wr_tok = ok.nonzero()[:, 0]
+            sm = sm[wr_tok]
+        plan = StepPlan(steps, block_table, sm // P, sm % P, wr_tok)
+        # Quest bounds and host write-through cover the tokens of sparse requests.
+        qt, qp, qn, qtp, base = [], [], [], [], 0
+        for s in steps:
+            if not s.sparse or s.t1 == s.t0:
+                continue
+            p0, p1 = s.start // P, (s.seq_len - 1) // P
+            qt.append(torch.arange(s.t0, s.t1))
+            pos = torch.arange(s.start, s.seq_len)
+            qtp.append(pos // P - p0 + base)
+            pages = torch.arange(p0, p1 + 1)
+            qp.append(s.row * U + pages)
+            qn.append(pages * P >= s.start)
+            base += p1 - p0 + 1
+        if qt:
+            tok = torch.cat(qt)
+            packed = torch.cat([tok, torch.cat(qtp)]).to(dev)
+            pages = torch.cat([torch.cat(qp), torch.cat(qn).long()]).to(dev)
+            plan.q_tok, plan.q_tok_page = packed[:len(tok)], packed[len(tok):]
+            plan.q_page, plan.q_new = pages[:base], pages[base:].bool()
+            if len(tok) == T:
+                plan.q_tok = None                      # every token: no gather of k
+            if self.pool is not None:
+                plan.host_tok = packed[:len(tok)]
+                pos_all = torch.cat([torch.arange(s.start, s.seq_len) for s in steps
+                                     if s.sparse and s.t1 > s.t0]).to(dev)
+                rows = torch.cat([torch.full((s.t1 - s.t0,), s.row) for s in steps
+                                  if s.sparse and s.t1 > s.t0]).to(dev)
+                plan.host_page = self.host_pt[rows, pos_all // P].long()
+                plan.host_off = pos_all % P
+        return plan
+
+    def _dense_group(self, group: list[ReqStep], block_table: torch.Tensor) -> DenseGroup | None:
+        if not group:
+            return None
+        dev = self.device
+        cu = [0]
+        for s in group:
+            cu.append(cu[-1] + s.t1 - s.t0)
+        tok = torch.cat([torch.arange(s.t0, s.t1) for s in group])
+        idx = torch.tensor([s.idx for s in group], device=block_table.device)
+        meta = torch.tensor([cu + [s.seq_len for s in group]], dtype=torch.int32).to(dev)[0]
+        return DenseGroup(group, tok.to(dev), meta[:len(cu)], meta[len(cu):],
+                          block_table[idx].to(dev, torch.int32),
+                          max(s.t1 - s.t0 for s in group), max(s.seq_len for s in group))
+
     def _plan_decode(self, plan: StepPlan) -> None:
         d = plan.dec
         dev = self.device
-        plan.dec_tok = torch.tensor([s.t0 for s in d], dtype=torch.int64, device=dev)
-        plan.dec_rows = torch.tensor([s.row for s in d], dtype=torch.int64, device=dev)
-        plan.dec_seq = torch.tensor([s.seq_len for s in d], dtype=torch.int32, device=dev)
-        newest = torch.tensor([(s.seq_len - 1) // self.P for s in d], dtype=torch.int64, device=dev)
-        idx = torch.tensor([s.idx for s in d], dtype=torch.int64, device=plan.block_table.device)
-        bt = plan.block_table[idx].to(dev)
+        m = torch.tensor([[s.t0 for s in d], [s.row for s in d], [s.seq_len for s in d],
+                          [(s.seq_len - 1) // self.P for s in d], [s.idx for s in d]],
+                         dtype=torch.int64).to(dev)
+        plan.dec_tok, plan.dec_rows = m[0], m[1]
+        plan.dec_seq = m[2].to(torch.int32)
+        newest = m[3]
+        bt = plan.block_table.to(dev)[m[4]]
         plan.dec_bt = bt.long()
-        plan.dec_newest_blk = torch.gather(bt.long(), 1, newest[:, None])[:, 0]
+        plan.dec_newest_blk = torch.gather(plan.dec_bt, 1, newest[:, None])[:, 0]
         plan.dec_full = newest
         hot = [j for j, s in enumerate(d) if s.freed[1] > s.freed[0]]
         if hot:
-            plan.hot = torch.tensor(hot, dtype=torch.int64, device=dev)
+            plan.hot = torch.tensor(hot, dtype=torch.int64).to(dev)
             plan.hot_slot_map = bt[plan.hot, :self.S]
-            plan.hot_pt = self.pool.page_table_tensor([d[j].req_id for j in hot], self.U).to(dev)
+            plan.hot_pt = self.host_pt[plan.dec_rows[plan.hot]]
 
     # ---- per layer -----------------------------------------------------------------------------
     def forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """q (T, Hq, D), k/v (T, Hkv, D) of this step's tokens; kv (N, 2, P, Hkv, D) this layer's
-        paged cache; out (T, Hq, D) is written."""
-        sl.write_kv(kv, plan.slot_mapping, k, v)
+        paged cache; out (T, Hq, D) is written. No host sync on the GPU path."""
+        sl.write_kv(kv, plan.wr_blk, plan.wr_off, plan.wr_tok, k, v)
         host = self.pool.data[layer] if self.pool is not None else None
-        if host is not None and len(plan.host_tok):
-            sl.write_host(host, plan.host_page, plan.host_off, k[plan.host_tok], v[plan.host_tok])
+        if host is not None and plan.host_tok is not None:
+            write_through(host, k, v, plan.host_tok, plan.host_page, plan.host_off)
         dense_layer = layer in self.dense_layers
-        if not dense_layer:
-            sl.quest_update(self.kmin[layer], self.kmax[layer], plan.tok_rows, plan.tok_pos,
-                            k, self.P)
-        for s in (plan.reqs if dense_layer else plan.dense):
-            kc, vc = sl.gather_context(kv, host, plan.block_table[s.idx].to(kv.device),
-                                       plan.host_pages.get(s.req_id), s.seq_len, s.freed)
-            sl.dense_attention(q[s.t0:s.t1], kc, vc, s.start, scale, out[s.t0:s.t1])
-        if dense_layer or not plan.dec:
+        if not dense_layer and plan.q_page is not None:
+            kq = k if plan.q_tok is None else k[plan.q_tok]
+            sl.quest_update_pages(self.kmin[layer], self.kmax[layer], plan.q_page, plan.q_new,
+                                  plan.q_tok_page, kq)
+        if dense_layer:
+            self._dense(plan.dense_res, q, kv, scale, out)
+            if plan.dense_freed:
+                self._dense_freed(plan, q, kv, host, scale, out)
+            return
+        self._dense(plan.dense_sparse, q, kv, scale, out)
+        if not plan.dec:
             return
         qd = q[plan.dec_tok]
         rows = plan.dec_rows
-        sel = sl.quest_topk(qd, self.kmin[layer][rows], self.kmax[layer][rows], plan.dec_full,
-                            self.k_sel)
+        sel = sl.quest_topk(qd, self.kmin[layer], self.kmax[layer], rows, plan.dec_full, self.k_sel)
         locs = torch.where(sel >= 0, torch.gather(plan.dec_bt, 1, sel.long().clamp(min=0)), -1).to(torch.int32)
         if plan.hot is not None:
             hot_locs, counts = sl.resolve_hot(sel[plan.hot], self.hot[layer], rows[plan.hot],
@@ -260,6 +359,30 @@ class SparseRuntime:
         o = torch.empty_like(qd)
         sl.sparse_decode(qd, kv, locs, sel, plan.dec_seq, plan.dec_newest_blk, scale, o)
         out[plan.dec_tok] = o.to(out.dtype)
+
+    def _dense(self, g: DenseGroup | None, q: torch.Tensor, kv: torch.Tensor, scale: float,
+               out: torch.Tensor) -> None:
+        if g is None:
+            return
+        o = torch.empty((len(g.tok), *q.shape[1:]), dtype=q.dtype, device=q.device)
+        self.dense_fn(q[g.tok], kv[:, 0], kv[:, 1], g.block_table, g.cu_q, g.seq_k, g.max_q,
+                      g.max_k, scale, o)
+        out[g.tok] = o.to(out.dtype)
+
+    def _dense_freed(self, plan: StepPlan, q: torch.Tensor, kv: torch.Tensor, host: torch.Tensor,
+                     scale: float, out: torch.Tensor) -> None:
+        """Dense layers of requests whose pages left the GPU: read them back (slow path)."""
+        fr = plan.dense_freed
+        bt = plan.block_table
+        pages, table = sl.gather_pages(
+            kv, host, [bt[s.idx] for s in fr],
+            [torch.tensor(self.pool.page_table(s.req_id), dtype=torch.int64) for s in fr],
+            [s.seq_len for s in fr], [s.freed for s in fr])
+        g = self._dense_group(fr, bt)
+        o = torch.empty((len(g.tok), *q.shape[1:]), dtype=q.dtype, device=q.device)
+        self.dense_fn(q[g.tok], pages[:, 0], pages[:, 1], table, g.cu_q, g.seq_k, g.max_q,
+                      g.max_k, scale, o)
+        out[g.tok] = o.to(out.dtype)
 
     # ---- reporting -----------------------------------------------------------------------------
     def stats_dict(self) -> dict:

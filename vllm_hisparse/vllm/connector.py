@@ -24,6 +24,7 @@ from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
 from . import worker_state
+from .flash_dense import make_dense_fn
 from .compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -72,6 +73,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                 self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
                 mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
                 host_pages=self.capacity, quest_meta=worker_state.quest_meta)
+            fa = make_dense_fn(mc.dtype, mc.get_head_size())
+            if fa is not None:
+                worker_state.runtime.dense_fn = fa
             self._stats_path = os.environ.get(STATS_ENV)
 
     # ---- scheduler side ----------------------------------------------------------------------

@@ -1,0 +1,40 @@
+"""FlashAttention for the dense rows of the hisparse backend (prefill chunks, short requests, dense
+layers) on the GPU: vLLM's own ``flash_attn_varlen_func`` over the paged cache, with the signature
+of ``core.sparse_layer.paged_dense_reference`` (the CPU twin).
+
+``num_splits=1`` turns off split-KV: a request's result then depends only on its own queries, keys
+and page size, never on which other requests share the batch or on which call attends it (hisparse
+mode reads a dense layer's freed pages from a scratch copy) — what keeps hisparse == resident bit
+for bit.
+"""
+from __future__ import annotations
+
+import torch
+
+from .compat import init_logger
+
+logger = init_logger(__name__)
+
+
+def make_dense_fn(dtype: torch.dtype, head_size: int):
+    """The FlashAttention dense function, or None (with the reason logged once) where it cannot
+    run: no CUDA, fp32 models, head sizes FlashAttention lacks."""
+    if not torch.cuda.is_available():
+        return None
+    if dtype not in (torch.float16, torch.bfloat16) or head_size % 8 or head_size > 256:
+        logger.warning("hisparse: dense/prefill attention runs in plain torch (dtype %s, head size "
+                       "%d: FlashAttention needs fp16/bf16 and head size <= 256, multiple of 8); "
+                       "expect slow prefill", dtype, head_size)
+        return None
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+    version = get_flash_attn_version()
+
+    def dense_fn(q, k_cache, v_cache, block_table, cu_q, seq_k, max_q, max_k, scale, out):
+        flash_attn_varlen_func(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q,
+                               max_seqlen_q=max_q, seqused_k=seq_k, max_seqlen_k=max_k,
+                               softmax_scale=scale, causal=True, block_table=block_table,
+                               fa_version=version, num_splits=1)
+
+    logger.info("hisparse: dense/prefill attention through FlashAttention %s", version)
+    return dense_fn
