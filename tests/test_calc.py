@@ -1,4 +1,5 @@
-"""`hisparse calc`: the per-request bytes from first principles, the bound, and the CLI's JSON."""
+"""`hisparse calc`: the per-request bytes from first principles, the bounds, and the CLI's JSON.
+(tests/test_calc_engine.py checks the same figures against a real vLLM engine.)"""
 import json
 import subprocess
 import sys
@@ -9,6 +10,13 @@ from vllm_hisparse.core import capacity as cap
 
 LLAMA3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
              "num_hidden_layers": 32, "torch_dtype": "bfloat16"}
+GIB, MIB = 1 << 30, 1 << 20
+TOK = 2 * 8 * 128 * 2                # K+V of one token of one layer: 8 KV heads x 128, bf16
+L = 32
+
+
+def cdiv(a, b):
+    return -(-a // b)
 
 
 @pytest.fixture
@@ -24,6 +32,10 @@ def calc(*argv):
     return r.stdout
 
 
+def calc_json(model_dir, *argv):
+    return json.loads(calc("--model", model_dir, *argv, "--json"))
+
+
 def test_stock_matches_vllm_measured_concurrency(model_dir):
     # vLLM 0.26 FLASH_ATTN on the H200 at 0.9: 108.8 GiB KV -> 27 requests of 32K (measured 2026-11-29)
     out = json.loads(calc("--model", model_dir, "--context", 32768, "--gpu-kv-gib", 108.8,
@@ -31,31 +43,126 @@ def test_stock_matches_vllm_measured_concurrency(model_dir):
     assert out["baseline"]["max_requests"] == 27 and out["baseline"]["bound_by"] == "gpu"
 
 
-@pytest.mark.parametrize("context,B,page,dense", [(32768, 4096, 16, 2), (5000, 1024, 64, 0), (100, 4096, 16, 1)])
-def test_bytes_from_first_principles(model_dir, context, B, page, dense):
-    out = json.loads(calc("--model", model_dir, "--context", context, "--buffer", B, "--top-k", B // 2,
-                          "--page-size", page, "--dense-layers", dense, "--gpu-kv-gib", 10,
-                          "--host-gib", 20, "--json"))
-    tok = 2 * 8 * 128 * 2                                         # K+V, 8 heads x 128, bf16
-    pages = -(-context // page)
-    full = pages * page * tok
-    sparse = 32 - dense
-    gpu = dense * full + sparse * (min(pages * page, B) * tok + pages * 2 * 8 * 128 * 2)
-    assert out["baseline"]["gpu_bytes_per_request"] == 32 * (-(-context // page)) * page * tok
+def test_hisparse_lines_match_h200_log(model_dir):
+    """docs/gpu-results.md, H200, Llama-3-8B shape, 32K, B = 1024, page 16: vLLM logged 897,312
+    tokens / 27.38x (resident mode = stock sizing) and 28,272,230 tokens / 862.80x (hisparse), i.e.
+    56,082 blocks of 2 MiB. That run allocated its 32 Quest rows after sizing the KV cache, so the
+    stock budget there was the KV cache itself; today it would be the KV cache + the rows."""
+    blocks, rows = 56082, 32
+    row = 30 * 2 * 2048 * 8 * 128 * 2
+    kv = blocks * 16 * TOK * L
+    out = calc_json(model_dir, "--context", 32768, "--top-k", 512, "--buffer", 1024,
+                    "--gpu-kv-gib", repr((kv + rows * row) / GIB), "--host-gib", 16,
+                    "--max-num-seqs", rows)
     h = out["hisparse"]
-    assert h["gpu_bytes_per_request"] == gpu and h["host_bytes_per_request"] == sparse * full
-    n_gpu, n_host = (10 << 30) // gpu, (20 << 30) // (sparse * full)
-    assert h["max_requests"] == min(n_gpu, n_host)
-    assert h["bound_by"] == ("gpu" if n_gpu <= n_host else "host")
+    assert (h["num_blocks"], h["kv_cache_bytes"], h["quest_meta_bytes"]) == (blocks, kv, rows * row)
+    assert h["vllm_kv_cache_tokens"] == 28_272_230 and f"{h['vllm_max_concurrency']:.2f}" == "862.80"
+    b = calc_json(model_dir, "--context", 32768, "--gpu-kv-gib", repr(kv / GIB), "--host-gib", 16)
+    assert b["baseline"]["vllm_kv_cache_tokens"] == 897_312
+    assert f"{b['baseline']['vllm_max_concurrency']:.2f}" == "27.38"
+    # the 16 GiB host pool of that run holds 4 requests of 32K (all 32 layers, 4 GiB each)
+    assert (h["max_requests"], h["bound_by"]) == (4, "host")
+
+
+@pytest.mark.parametrize("context,B,page,dense,seqs,host_gib,mml", [
+    (32768, 4096, 16, 2, 64, 100, None),     # host-bound: 4 GiB of host per request
+    (32768, 1024, 16, 2, 256, 2000, None),   # 256 Quest rows eat 60 GiB of the 100
+    (5000, 1024, 64, 0, 8, 20, 8192),        # max-num-seqs-bound; rows sized for max_model_len
+    (100, 4096, 16, 1, 64, 20, None),        # shorter than B: all pages stay
+    (32768, 1024, 16, 2, 420, 2000, None),   # 420 rows leave less than one 32K prefill: no start
+])
+def test_bytes_from_first_principles(model_dir, context, B, page, dense, seqs, host_gib, mml):
+    G = 100
+    extra = ("--max-model-len", mml) if mml else ()
+    out = calc_json(model_dir, "--context", context, "--buffer", B, "--top-k", B // 2,
+                    "--page-size", page, "--dense-layers", dense, "--gpu-kv-gib", G,
+                    "--host-gib", host_gib, "--max-num-seqs", seqs, *extra)
+    mml = mml or context
+    pages, block = cdiv(context, page), page * TOK * L          # a block / host page, all layers
+    # stock: every page in every layer
+    b = out["baseline"]
+    assert b["gpu_bytes_per_request"] == pages * block and b["host_bytes_per_request"] == 0
+    b_blocks = (G * GIB) // (page * TOK) // L
+    assert b["num_blocks"] == b_blocks
+    assert b["max_requests"] == min((b_blocks - 1) // pages, seqs)
+    assert b["vllm_max_concurrency"] == b_blocks / cdiv(mml, page)
+    # hisparse: S+1 blocks in every layer, every page of every layer on the host, Quest rows
+    h = out["hisparse"]
+    S = B // page
+    assert h["gpu_bytes_per_request"] == min(pages, S + 1) * block
+    assert h["host_bytes_per_request"] == pages * block
+    row = (L - dense) * 2 * cdiv(mml, page) * 8 * 128 * 2
+    assert h["quest_meta_bytes_per_request"] == row and h["quest_meta_bytes"] == seqs * row
+    kv = G * GIB - seqs * row
+    h_blocks = kv // (page * TOK) // L
+    assert (h["kv_cache_bytes"], h["num_blocks"]) == (kv, h_blocks)
+    fits_prefill = h_blocks - 1 >= cdiv(mml, page) + 1
+    assert h["prefill_fits"] == fits_prefill
+    n_gpu = (h_blocks - 1) // min(pages, S + 1) if fits_prefill else 0
+    n_host = (int(host_gib * GIB) // block) // pages
+    assert h["host_pool_pages"] == int(host_gib * GIB) // block
+    n = min(n_gpu, n_host, seqs)
+    assert h["max_requests"] == n
+    assert h["bound_by"] == ("gpu" if n == n_gpu else "host" if n == n_host else "max_num_seqs")
+    conc = h_blocks / min(cdiv(mml, page), S + 1)
+    assert h["vllm_max_concurrency"] == conc and h["vllm_kv_cache_tokens"] == int(conc * mml)
+
+
+def test_auto_max_num_seqs_is_the_fixed_point(model_dir):
+    """Without --max-num-seqs: the largest N such that N requests fit next to N Quest rows."""
+    def run(**kw):
+        args = {"context": 32768, "buffer": 1024, "top_k": 512, "gpu_kv_gib": 100, "host_gib": 10000}
+        args.update(kw)
+        return calc_json(model_dir, *[x for k, v in args.items() for x in (f"--{k.replace('_', '-')}", v)])
+
+    h = run()["hisparse"]
+    n = h["max_num_seqs"]
+    assert h["max_requests"] == n and h["bound_by"] == "gpu" and n > 27
+    row = 30 * 2 * 2048 * 8 * 128 * 2
+
+    def fit(rows):                      # requests that fit with `rows` Quest rows reserved
+        blocks = (100 * GIB - rows * row) // (16 * TOK) // L
+        return (blocks - 1) // 65 if blocks - 1 >= 2049 else 0
+    assert fit(n) >= n and fit(n + 1) < n + 1
+    assert run(max_num_seqs=n)["hisparse"]["max_requests"] == n
+    assert run(max_num_seqs=n + 1)["hisparse"]["max_requests"] < n + 1
+    # host-bound: as many rows as the host pool admits requests (4 GiB each at 32K)
+    h = run(host_gib=40)["hisparse"]
+    assert (h["max_requests"], h["max_num_seqs"], h["bound_by"]) == (10, 10, "host")
+
+
+def test_min_context_keeps_short_requests_resident(model_dir):
+    out = calc_json(model_dir, "--context", 4096, "--buffer", 1024, "--top-k", 512,
+                    "--min-context", 8192, "--gpu-kv-gib", 40, "--host-gib", 100, "--max-num-seqs", 8)
+    h, b = out["hisparse"], out["baseline"]
+    assert h["gpu_bytes_per_request"] == b["gpu_bytes_per_request"] == 256 * 16 * TOK * L
+    assert h["host_bytes_per_request"] == 0
+    # vLLM's line does not know about min_context: it still assumes S+1 blocks
+    assert h["vllm_max_concurrency"] == h["num_blocks"] / 65
+
+
+def test_capacity_helpers():
+    m = cap.ModelShape(32, 8, 128, 2)
+    assert m.block_bytes(16) == 16 * TOK * L
+    assert cap.hisparse_blocks(32768, 16, 64) == 65 and cap.hisparse_blocks(100, 16, 64) == 7
+    assert cap.hisparse_blocks(32768, 16, 64, sparse=False) == 2048
+    assert cap.quest_meta_bytes(m, 32768, 16, 2) == 240 * MIB
+    assert cap.max_requests({"gpu": 5, "host": None, "max_num_seqs": 5}) == (5, "gpu")
+    assert cap.max_requests({"gpu": 5, "host": 3, "max_num_seqs": None}) == (3, "host")
 
 
 def test_table_and_errors(model_dir):
     out = calc("--model", model_dir, "--context", 32768, "--gpu-kv-gib", 40, "--host-gib", 100)
     assert "baseline" in out and "hisparse" in out and "bound by" in out
+    assert "Quest bounds" in out and "Maximum concurrency for 32,768 tokens per request" in out
     r = subprocess.run([sys.executable, "-m", "vllm_hisparse.cli", "calc", "--model", str(model_dir),
                         "--context", "100", "--buffer", "1000", "--top-k", "2048", "--gpu-kv-gib", "1",
                         "--host-gib", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "device_buffer_size=1000 is invalid" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "vllm_hisparse.cli", "calc", "--model", str(model_dir),
+                        "--context", "5000", "--max-model-len", "4096", "--gpu-kv-gib", "1",
+                        "--host-gib", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "exceeds --max-model-len" in r.stderr
 
 
 def test_mla_refused(tmp_path):

@@ -1,64 +1,156 @@
-"""`hisparse calc`: how many requests of a given context fit, stock full KV vs hisparse.
+"""`hisparse calc`: how many requests of a given context fit, stock full KV vs hisparse as the engine
+implements it today (the formulas and what they model: ``vllm_hisparse.core.capacity``).
 
     hisparse calc --model CONFIG_DIR_OR_JSON --context 32768 --top-k 2048 --buffer 4096 \
-        --gpu-kv-gib 40 --host-gib 100 [--page-size 16 --dtype bf16 --dense-layers 2] [--json]
+        --gpu-kv-gib 40 --host-gib 100 [--page-size 16 --dtype bf16 --dense-layers 2 \
+        --max-num-seqs N --max-model-len M --min-context C] [--json]
+
+It also prints the two capacity lines vLLM logs at startup ("GPU KV cache size", "Maximum
+concurrency"), computed the way vLLM computes them, so the two can be compared line by line.
 """
 from __future__ import annotations
 
+import argparse
 import json
 
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import capacity as cap
 
 GIB = 1 << 30
+MIB = 1 << 20
+
+EPILOG = """\
+--gpu-kv-gib is the KV memory a stock vLLM run gets on this GPU (its "Available KV cache memory"
+line, or --kv-cache-memory-bytes). hisparse allocates its Quest page bounds for --max-num-seqs rows
+while the model is built, before vLLM profiles memory, so its KV cache gets that minus the
+reservation. Without --max-num-seqs, calc picks the largest N such that N requests still fit once N
+rows are reserved: pass that N to vLLM (its own default, 256, or 1024 on >=70 GiB GPUs, can
+reserve more than the KV cache at long max_model_len). With an explicit N, N also caps both
+backends' max requests (vLLM never runs more than max_num_seqs at once).
+
+max requests counts decoding requests of --context tokens: whole blocks, vLLM's null block left out;
+a hisparse request keeps S+1 = B/page+1 blocks in every layer after its prefill (dense layers
+included: they are not kept resident yet) and all its pages during prefill."""
 
 
 def add_arguments(p):
+    p.epilog = EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", required=True, help="HF model directory or config.json")
     p.add_argument("--context", type=int, required=True, help="tokens per request (prompt + output)")
     p.add_argument("--top-k", type=int, default=2048, help="tokens attended per step (default 2048)")
     p.add_argument("--buffer", type=int, default=4096, help="hot-buffer tokens B (default 4096)")
-    p.add_argument("--gpu-kv-gib", type=float, required=True, help="GPU memory for KV cache, GiB")
-    p.add_argument("--host-gib", type=float, required=True, help="host pool size, GiB")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page/block (default 16)")
-    p.add_argument("--dtype", default=None, help="KV dtype (default: the model's, else bf16)")
+    p.add_argument("--gpu-kv-gib", type=float, required=True,
+                   help="KV memory a stock vLLM run gets, GiB (see below)")
+    p.add_argument("--host-gib", type=float, required=True, help="host pool size, GiB (host_pool_gib)")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="tokens per page = vLLM block, both backends (default 16)")
+    p.add_argument("--dtype", default=None,
+                   help="model = KV dtype (default: the model's, else bf16)")
     p.add_argument("--dense-layers", type=int, default=2,
-                   help="layers kept fully resident and dense (default 2, as Quest)")
+                   help="how many leading layers attend densely (default 2, as Quest)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="vLLM --max-num-seqs: Quest rows reserved (default: the most that fit)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="vLLM --max-model-len: sizes the Quest rows and vLLM's lines "
+                        "(default: --context)")
+    p.add_argument("--min-context", type=int, default=0,
+                   help="hisparse min_context: a --context shorter than this stays resident")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def compute(args) -> dict:
-    HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=args.page_size,
-                   host_pool_gib=args.host_gib, dense_layers=tuple(range(args.dense_layers)))
+    mml = args.max_model_len or args.context
+    cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=args.page_size,
+                         host_pool_gib=args.host_gib, dense_layers=tuple(range(args.dense_layers)),
+                         min_context=args.min_context)
     m = cap.ModelShape.from_hf_config(args.model, args.dtype)
     if args.dense_layers > m.num_layers:
         raise SystemExit(f"--dense-layers {args.dense_layers} exceeds the model's {m.num_layers} layers")
-    gpu, host = args.gpu_kv_gib * GIB, args.host_gib * GIB
-    b_gpu = cap.baseline_gpu_bytes(m, args.context, args.page_size)
-    n_b, by_b = cap.max_requests(gpu, b_gpu)
-    h_gpu = cap.hisparse_gpu_bytes(m, args.context, args.buffer, args.page_size, args.dense_layers)
-    h_host = cap.hisparse_host_bytes(m, args.context, args.page_size, args.dense_layers)
-    n_h, by_h = cap.max_requests(gpu, h_gpu, host, h_host)
-    return {
-        "baseline": {"gpu_bytes_per_request": b_gpu, "host_bytes_per_request": 0,
-                     "max_requests": n_b, "bound_by": by_b},
-        "hisparse": {"gpu_bytes_per_request": h_gpu, "host_bytes_per_request": h_host,
-                     "max_requests": n_h, "bound_by": by_h},
-    }
+    if args.context > mml:
+        raise SystemExit(f"--context {args.context} exceeds --max-model-len {mml}")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: use 1 or more, or leave it out")
+    P, S, seqs = args.page_size, cfg.num_slots, args.max_num_seqs
+    gpu, host = int(args.gpu_kv_gib * GIB), cfg.host_pool_bytes
+    sparse = args.context >= cfg.min_context          # residency.is_sparse_request
+
+    def vllm_lines(blocks: int, blocks_per_req_at_mml: int) -> dict:
+        conc = cap.vllm_max_concurrency(blocks, blocks_per_req_at_mml)
+        return {"vllm_max_concurrency": conc, "vllm_kv_cache_tokens": int(conc * mml)}
+
+    # stock: the whole budget is KV
+    b_blocks, b_bpr = cap.num_blocks(gpu, m, P), cap.baseline_blocks(args.context, P)
+    n_b, by_b = cap.max_requests({"gpu": max(b_blocks - 1, 0) // b_bpr, "max_num_seqs": seqs})
+    baseline = {"gpu_bytes_per_request": cap.baseline_gpu_bytes(m, args.context, P),
+                "host_bytes_per_request": 0, "max_requests": n_b, "bound_by": by_b,
+                "kv_cache_bytes": gpu, "num_blocks": b_blocks,
+                **vllm_lines(b_blocks, cap.baseline_blocks(mml, P))}
+
+    # hisparse: KV budget minus the Quest rows
+    row = cap.quest_meta_bytes(m, mml, P, args.dense_layers)
+    h_bpr = cap.hisparse_blocks(args.context, P, S, sparse)
+    host_pages = cap.host_pool_pages(host, m, P)
+    h_pages = cap.hisparse_host_pages(args.context, P, sparse)
+    n_host = host_pages // h_pages if h_pages else None
+
+    def fit_gpu(kv: int) -> int:
+        nb = cap.num_blocks(kv, m, P)
+        return (nb - 1) // h_bpr if cap.hisparse_prefill_fits(nb, mml, P) else 0
+
+    if seqs is None:
+        n_seqs = cap.auto_max_num_seqs(gpu, row, lambda kv: min(fit_gpu(kv), n_host if
+                                                                  n_host is not None else 1 << 62))
+    else:
+        n_seqs = seqs
+    kv = gpu - n_seqs * row
+    h_blocks = cap.num_blocks(kv, m, P)
+    limits = {"gpu": fit_gpu(kv), "host": n_host, "max_num_seqs": n_seqs}
+    if seqs is None:       # n_seqs is the answer; say which resource stopped it growing
+        n_h, by_h = n_seqs, ("host" if n_host is not None and n_seqs == n_host else "gpu")
+    else:
+        n_h, by_h = cap.max_requests(limits)
+    hisparse = {"gpu_bytes_per_request": cap.hisparse_gpu_bytes(m, args.context, P, S, sparse),
+                "host_bytes_per_request": cap.hisparse_host_bytes(m, args.context, P, sparse),
+                "max_requests": n_h, "bound_by": by_h,
+                "quest_meta_bytes_per_request": row, "max_num_seqs": n_seqs,
+                "quest_meta_bytes": n_seqs * row, "kv_cache_bytes": kv, "num_blocks": h_blocks,
+                "prefill_fits": cap.hisparse_prefill_fits(h_blocks, mml, P),
+                "host_pool_pages": host_pages,
+                # HiSparseSpec.max_memory_usage_bytes ignores min_context: vLLM's lines assume S+1
+                **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S))}
+    return {"max_model_len": mml, "baseline": baseline, "hisparse": hisparse}
+
+
+def _gib(x: int) -> str:
+    return f"{x / MIB:.3f} MiB" if 0 < abs(x) < GIB else f"{x / GIB:.3f} GiB"
 
 
 def run(args) -> int:
     r = compute(args)
+    b, h, mml = r["baseline"], r["hisparse"], r["max_model_len"]
     if args.json:
         print(json.dumps(r))
         return 0
-    print(f"context {args.context} tokens, B={args.buffer}, top_k={args.top_k}, "
-          f"GPU KV {args.gpu_kv_gib} GiB, host pool {args.host_gib} GiB")
+    print(f"context {args.context} tokens (max_model_len {mml}), B={args.buffer}, top_k={args.top_k}, "
+          f"page {args.page_size}, GPU KV {args.gpu_kv_gib} GiB, host pool {args.host_gib} GiB")
     print(f"{'':10s} {'GPU/request':>14s} {'host/request':>14s} {'max requests':>13s}  bound by")
-    for name, v in r.items():
-        print(f"{name:10s} {v['gpu_bytes_per_request'] / GIB:11.3f} GiB {v['host_bytes_per_request'] / GIB:10.3f} GiB"
+    for name, v in (("baseline", b), ("hisparse", h)):
+        print(f"{name:10s} {_gib(v['gpu_bytes_per_request']):>14s} {_gib(v['host_bytes_per_request']):>14s}"
               f" {v['max_requests']:13d}  {v['bound_by']}")
-    b, h = r["baseline"]["max_requests"], r["hisparse"]["max_requests"]
-    if b:
-        print(f"hisparse fits {h / b:.1f}x the requests of stock full KV")
+    how = "--max-num-seqs" if args.max_num_seqs is not None else "auto: pass it to vLLM as --max-num-seqs"
+    print(f"hisparse Quest bounds: {_gib(h['quest_meta_bytes_per_request'])} per row x "
+          f"{h['max_num_seqs']} rows ({how}) = {_gib(h['quest_meta_bytes'])} out of the KV budget "
+          f"-> KV cache {_gib(h['kv_cache_bytes'])}, {h['num_blocks']} blocks")
+    print(f"hisparse keeps S+1 = {args.buffer // args.page_size + 1} blocks per request in all layers "
+          f"(dense layers are not resident yet); the host pool holds every layer "
+          f"({h['host_pool_pages']} pages)")
+    if not h["prefill_fits"]:
+        print(f"hisparse would not start: a max_model_len={mml} prompt does not fit the KV cache "
+              f"during its prefill")
+    for name, v in (("baseline", b), ("hisparse", h)):
+        print(f"vLLM's lines, {name}: GPU KV cache size: {v['vllm_kv_cache_tokens']:,} tokens; "
+              f"Maximum concurrency for {mml:,} tokens per request: {v['vllm_max_concurrency']:.2f}x")
+    if b["max_requests"]:
+        print(f"hisparse fits {h['max_requests'] / b['max_requests']:.1f}x the requests of stock full KV")
     return 0

@@ -1,8 +1,29 @@
-"""Memory per request, stock full KV vs HiSparse: the one formula shared by `hisparse calc`, the
-KV-cache spec of the vLLM adapter and the benchmarks.
+"""Memory per request, stock full KV vs HiSparse as the engine implements it today: the formulas
+behind `hisparse calc`, each one the plain-integer twin of what vLLM 0.26 and the adapter compute
+(tests/test_calc_engine.py checks them against a real engine).
 
-All sizes are for decode steady state. A request is fully resident while it prefills (bounded by
-the few requests prefilling at once), which these per-request figures leave out.
+Stock vLLM: a request of n tokens holds ``cdiv(n, block)`` blocks in every layer.
+
+HiSparse today (``vllm/spec.py``, ``core/residency.py``, ``vllm/connector.py``, ``vllm/worker_state.py``):
+
+* GPU KV: after its prefill a sparse request keeps ``min(cdiv(n, page), S + 1)`` blocks (S hot
+  slots + the newest page) in **every** layer: dense layers share the block table with the sparse
+  ones and read given-back pages from the host pool, they are not kept resident.
+  ``HiSparseSpec.max_memory_usage_bytes`` reports exactly this, so vLLM's "Maximum concurrency"
+  line is ``num_blocks / that``. A request shorter than ``min_context`` (and every request in
+  resident mode, ``host_tier: false``) keeps all its pages. During its own prefill a request holds
+  all its pages; the connector refuses to start unless one ``max_model_len`` prompt fits then.
+* Host pool: every page of **every** layer of a sparse request (``L x cdiv(n, page)`` pages of
+  ``page x token bytes``); the pool holds ``host_pool_bytes // (L x page bytes)`` pages, reserved
+  per request at admission.
+* Quest page bounds: key min and max per page of every KV head, in every sparse layer, allocated
+  for ``max_num_seqs`` rows x ``cdiv(max_model_len, page)`` pages while the model is built, so
+  vLLM's memory profiling takes them out of the KV budget: a fixed reservation, not per live request.
+  (The runtime's int32 slot/page indices, ~``4 x (U + 2S)`` bytes per row per sparse layer, are
+  left out: <0.2% of the bounds.)
+
+Target design, not implemented yet: dense layers fully resident on the GPU (their own KV group), the
+host pool holding only the sparse layers, Quest bounds per live request sized to its length.
 """
 from __future__ import annotations
 
@@ -26,6 +47,11 @@ class ModelShape:
     def token_bytes_per_layer(self) -> int:
         """K and V of one token of one layer."""
         return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def block_bytes(self, block_size: int) -> int:
+        """One KV block of all layers (vLLM's ``page_size_bytes`` x layers; one host page of all
+        layers for hisparse)."""
+        return self.num_layers * block_size * self.token_bytes_per_layer
 
     @classmethod
     def from_hf_config(cls, src: str | os.PathLike | dict, dtype: str | None = None) -> "ModelShape":
@@ -53,37 +79,88 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# ---- per request -----------------------------------------------------------------------------
+def baseline_blocks(context: int, block_size: int) -> int:
+    """Stock paged KV: blocks a request holds in every layer."""
+    return cdiv(context, block_size)
+
+
+def hisparse_blocks(context: int, page_size: int, num_slots: int, sparse: bool = True) -> int:
+    """Blocks a request keeps in every layer after its prefill (``HiSparseSpec.max_memory_usage_bytes``
+    / page bytes): S hot slots + the newest page; all its pages when it stays resident."""
+    full = cdiv(context, page_size)
+    return min(full, num_slots + 1) if sparse else full
+
+
 def baseline_gpu_bytes(m: ModelShape, context: int, block_size: int = 16) -> int:
     """Stock paged KV: every layer holds every token (whole blocks)."""
-    return m.num_layers * cdiv(context, block_size) * block_size * m.token_bytes_per_layer
+    return baseline_blocks(context, block_size) * m.block_bytes(block_size)
 
 
-def quest_meta_bytes(m: ModelShape, context: int, page_size: int, meta_bytes: int | None = None) -> int:
-    """Per sparse layer: per-page key min and max of every KV head (the indexer's resident state)."""
-    eb = m.dtype_bytes if meta_bytes is None else meta_bytes
-    return cdiv(context, page_size) * 2 * m.num_kv_heads * m.head_dim * eb
+def hisparse_gpu_bytes(m: ModelShape, context: int, page_size: int, num_slots: int,
+                       sparse: bool = True) -> int:
+    """GPU KV of one request after its prefill, all layers (dense layers included)."""
+    return hisparse_blocks(context, page_size, num_slots, sparse) * m.block_bytes(page_size)
 
 
-def hisparse_gpu_bytes(m: ModelShape, context: int, buffer_tokens: int, page_size: int,
-                       dense_layers: int, quest: bool = True) -> int:
-    """Dense layers keep every token; sparse layers keep B tokens (+ Quest page metadata)."""
-    sparse = m.num_layers - dense_layers
-    per_sparse = min(cdiv(context, page_size) * page_size, buffer_tokens) * m.token_bytes_per_layer
-    if quest:
-        per_sparse += quest_meta_bytes(m, context, page_size)
-    return dense_layers * cdiv(context, page_size) * page_size * m.token_bytes_per_layer + sparse * per_sparse
+def hisparse_host_pages(context: int, page_size: int, sparse: bool = True) -> int:
+    """Host pages (each one page of every layer) a sparse request reserves for its whole life."""
+    return cdiv(context, page_size) if sparse else 0
 
 
-def hisparse_host_bytes(m: ModelShape, context: int, page_size: int, dense_layers: int) -> int:
-    """The host pool holds every token of every sparse layer, in whole pages."""
-    return (m.num_layers - dense_layers) * cdiv(context, page_size) * page_size * m.token_bytes_per_layer
+def hisparse_host_bytes(m: ModelShape, context: int, page_size: int, sparse: bool = True) -> int:
+    """The host pool holds every token of every layer of a sparse request, in whole pages."""
+    return hisparse_host_pages(context, page_size, sparse) * m.block_bytes(page_size)
 
 
-def max_requests(gpu_bytes_total: float, gpu_per_req: int, host_bytes_total: float | None = None,
-                 host_per_req: int = 0) -> tuple[int, str]:
-    """(how many requests fit, "gpu" or "host": which resource bounds it)."""
-    n_gpu = int(gpu_bytes_total // gpu_per_req) if gpu_per_req else 1 << 62
-    if host_bytes_total is None or host_per_req == 0:
-        return n_gpu, "gpu"
-    n_host = int(host_bytes_total // host_per_req)
-    return (n_gpu, "gpu") if n_gpu <= n_host else (n_host, "host")
+def quest_meta_bytes(m: ModelShape, max_model_len: int, page_size: int, dense_layers: int) -> int:
+    """Quest bounds of one runtime row (``worker_state.ensure_quest_meta``): key min and max per page
+    of every KV head, ``cdiv(max_model_len, page)`` pages, every sparse layer; model dtype."""
+    return ((m.num_layers - dense_layers) * 2 * cdiv(max_model_len, page_size) * m.num_kv_heads
+            * m.head_dim * m.dtype_bytes)
+
+
+# ---- the whole GPU / host pool ----------------------------------------------------------------
+def num_blocks(kv_bytes: int, m: ModelShape, block_size: int) -> int:
+    """KV blocks vLLM allocates in ``kv_bytes`` (``kv_cache_utils.get_num_blocks``:
+    ``available // page_size_bytes // layers``; block 0 of them is vLLM's null block)."""
+    return max(kv_bytes // (block_size * m.token_bytes_per_layer) // m.num_layers, 0)
+
+
+def vllm_max_concurrency(blocks: int, blocks_per_request: int) -> float:
+    """vLLM's "Maximum concurrency for max_model_len tokens per request" figure
+    (``get_max_concurrency_for_kv_cache_config``: num_blocks / the spec's blocks per request,
+    null block included); its "GPU KV cache size: N tokens" line is
+    ``int(this * max_model_len)``."""
+    return blocks / blocks_per_request
+
+
+def host_pool_pages(host_bytes: int, m: ModelShape, page_size: int) -> int:
+    """Pages of all layers the host pool holds (``connector.host_pages_capacity``)."""
+    return host_bytes // m.block_bytes(page_size)
+
+
+def hisparse_prefill_fits(blocks: int, max_model_len: int, page_size: int) -> bool:
+    """The connector's startup check (``bind_gpu_block_pool``): a ``max_model_len`` prompt, fully
+    resident during its prefill (+1 block), fits the blocks other than the null block."""
+    return blocks - 1 >= cdiv(max_model_len, page_size) + 1
+
+
+def max_requests(limits: dict[str, int | None]) -> tuple[int, str]:
+    """(how many requests fit, which limit bounds it) from {"gpu": n, "host": n or None,
+    "max_num_seqs": n or None}; None = no such limit; ties go to the first."""
+    name = min((k for k, v in limits.items() if v is not None), key=lambda k: limits[k])
+    return int(limits[name]), name
+
+
+def auto_max_num_seqs(gpu_bytes: int, row_bytes: int, fit) -> int:
+    """The largest N with N <= fit(gpu_bytes - N x row_bytes): as many Quest rows as requests that
+    still fit once those rows are reserved (fit: KV bytes -> requests, never more for fewer bytes)."""
+    lo, hi = 0, (gpu_bytes // row_bytes + 1) if row_bytes else fit(gpu_bytes) + 1
+    while hi - lo > 1:                         # invariant: lo fits, hi does not
+        mid = (lo + hi) // 2
+        if mid <= fit(gpu_bytes - mid * row_bytes):
+            lo = mid
+        else:
+            hi = mid
+    return lo
