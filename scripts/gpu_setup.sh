@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Source on the GPU box once every bundle piece is staged: installs vLLM, builds our extension in
+# place, exposes our entry points without pip (a dist-info folder on the path), sets the env.
+#   source scripts/gpu_setup.sh OUT
+set -euo pipefail
+out=$1
+bash .gpu-bundle/install-vllm-bundle.sh install > "$out/install.log" 2>&1 || { tail -30 "$out/install.log"; exit 1; }
+if ls .whl/*.whl > /dev/null 2>&1; then pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; fi
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 PYTHONUNBUFFERED=1
+( time MAX_JOBS=16 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+d=/tmp/site/vllm_hisparse-0.1.0.dist-info
+mkdir -p "$d"
+printf 'Metadata-Version: 2.1\nName: vllm-hisparse\nVersion: 0.1.0\n' > "$d/METADATA"
+printf '[vllm.general_plugins]\nhisparse = vllm_hisparse.vllm.plugin:register\n' > "$d/entry_points.txt"
+python3 -c "from vllm_hisparse.ops import kernels as k; assert k.available(), k.import_error(); print('extension ok')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt" || true
