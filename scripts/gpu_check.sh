@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# On the GPU box, once every bundle piece is staged: set up, run the GPU tests (kernels, runtime
-# pieces), then the decode-step profile. Logs under OUT.
-#   bash scripts/gpu_check.sh OUT [pytest paths...]
+# On the GPU box, once every bundle piece is staged: set up, then run GPU test files one pytest
+# process each (a crash in one file does not hide the others). Logs under OUT.
+#   bash scripts/gpu_check.sh OUT test_file...
 set -uo pipefail
 out=$1; shift
 source scripts/gpu_setup.sh "$out"
 set +e
-python3 -m pytest -q -m "cuda" -p no:cacheprovider "${@:-tests}" > "$out/pytest-gpu.log" 2>&1
-echo "pytest rc=$?"; tail -15 "$out/pytest-gpu.log"
+for f in "$@"; do
+  name=$(basename "$f" .py)
+  python3 -X faulthandler -m pytest -q -m "cuda" -p no:cacheprovider "$f" > "$out/pytest-$name.log" 2>&1
+  echo "== $f rc=$?: $(tail -1 "$out/pytest-$name.log")"
+done

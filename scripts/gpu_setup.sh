@@ -4,10 +4,15 @@
 #   source scripts/gpu_setup.sh OUT
 set -euo pipefail
 out=$1
-bash .gpu-bundle/install-vllm-bundle.sh install > "$out/install.log" 2>&1 || { tail -30 "$out/install.log"; exit 1; }
+if [ ! -d /tmp/site/vllm ]; then
+  bash .gpu-bundle/install-vllm-bundle.sh install > "$out/install.log" 2>&1 || { tail -30 "$out/install.log"; exit 1; }
+fi
 if ls .whl/*.whl > /dev/null 2>&1; then pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; fi
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 PYTHONUNBUFFERED=1
-( time MAX_JOBS=16 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+# A carried build (vllm_hisparse/_C*.so, same torch) is used when it imports; else build here.
+if ! python3 -c "from vllm_hisparse.ops import kernels as k; assert k.available(), k.import_error()" 2>/dev/null; then
+  ( time MAX_JOBS=16 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+fi
 d=/tmp/site/vllm_hisparse-0.1.0.dist-info
 mkdir -p "$d"
 printf 'Metadata-Version: 2.1\nName: vllm-hisparse\nVersion: 0.1.0\n' > "$d/METADATA"

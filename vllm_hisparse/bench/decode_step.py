@@ -125,6 +125,58 @@ def stock_layer_ms(s: Setup, reps: int = 20) -> float | None:
     return e0.elapsed_time(e1) / reps
 
 
+def breakdown(s: Setup, n: int) -> dict:
+    """ms per step of each runtime piece, each one synchronised before and after (serialises the
+    step: the sum is an upper bound of the free-running step, the split says where time goes)."""
+    from vllm_hisparse.core import sparse_layer as sl
+    from vllm_hisparse.core import sparse_runtime as srt
+
+    acc: dict[str, float] = {}
+
+    def wrap(mod, name, label):
+        fn = getattr(mod, name)
+
+        def timed(*a, **kw):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = fn(*a, **kw)
+            torch.cuda.synchronize()
+            acc[label] = acc.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
+            return r
+        setattr(mod, name, timed)
+        return fn
+
+    pieces = [(sl, "write_kv", "write_kv"), (srt, "write_through", "write_through"),
+              (sl, "quest_update_pages", "quest_update"), (sl, "quest_topk", "quest_score_topk"),
+              (sl, "resolve_hot", "resolve"), (sl, "sparse_decode", "sparse_attention"),
+              (s.rt, "plan", "plan"), (s.rt, "forward_layer", "layer_total")]
+    orig = [(m, name, wrap(m, name, label)) for m, name, label in pieces]
+    try:
+        for _ in range(n):
+            s.step()
+    finally:
+        for m, name, fn in orig:
+            if m is s.rt:
+                delattr(m, name)
+            else:
+                setattr(m, name, fn)
+    return {k: round(v / n, 3) for k, v in acc.items()}
+
+
+def sync_points(s: Setup) -> list[str]:
+    """Ops of one step that synchronise with the host (torch's sync debug mode)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            s.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sorted({str(x.message).splitlines()[0][:160] for x in w})
+
+
 def profile(s: Setup, path: str) -> None:
     from torch.profiler import ProfilerActivity, profile as prof
 
@@ -154,12 +206,20 @@ def main(argv=None) -> int:
     rows_out = []
     for R in (int(x) for x in args.rows.split(",")):
         s = Setup(args, R)
-        time_steps(s, 3)                                 # warm-up: JIT, first misses
+        time_steps(s, 20)                                # warm-up: JIT, first misses
         before = s.rt.stats_dict()
         wall, gpu = time_steps(s, args.steps)
         after = s.rt.stats_dict()
         hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
         profile(s, os.path.join(args.out, f"profile-{R}.txt"))
+        parts = breakdown(s, 5)
+        syncs = sync_points(s)
+        with open(os.path.join(args.out, f"breakdown-{R}.txt"), "w") as f:
+            f.write(f"ms per step ({args.layers} layers), each piece synchronised:\n")
+            for k, v in parts.items():
+                f.write(f"  {k:18s} {v:9.3f}\n")
+            f.write("host syncs in one free-running step:\n" + "\n".join(syncs) + "\n")
+        print(parts, f"{len(syncs)} sync kinds", flush=True)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             s.rt.plan(s.ids, list(range(R + 1)), [s.ctx + s.n + 1] * R, s.bt,
