@@ -58,9 +58,10 @@ class Driver:
                 kv[self.blocks[rid][lo:hi].long()] = float("nan")
 
 
-def run(host_tier: bool, dense_layers=(0,)):
+def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0):
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=dense_layers,
-                         min_context=40, host_pool_gib=0.01, host_tier=host_tier)
+                         min_context=40, host_pool_gib=0.01, host_tier=host_tier,
+                         dense_pool_gib=dense_pool_gib)
     d = Driver(cfg)
     prompts = {"a": 150, "b": 93, "short": 20, "c": 61}
     for rid, n in prompts.items():
@@ -74,18 +75,33 @@ def run(host_tier: bool, dense_layers=(0,)):
     for rid in prompts:
         assert d.rt.finish(rid)
     assert d.rt.host_pages_used == 0
+    assert d.rt.stats_dict()["dense_pool_pages_used"] == 0
     return d.outs, stats
 
 
-@pytest.mark.parametrize("dense_layers", [(0,), ()])
-def test_hisparse_equals_resident_with_freed_blocks_poisoned(dense_layers):
-    hs, stats = run(True, dense_layers)
+@pytest.mark.parametrize("dense_layers,dense_pool_gib", [((0,), 0.0), ((), 0.0), ((0, 2), 0.001)])
+def test_hisparse_equals_resident_with_freed_blocks_poisoned(dense_layers, dense_pool_gib):
+    hs, stats = run(True, dense_layers, dense_pool_gib)
     res, _ = run(False, dense_layers)
     assert len(hs) == len(res)
     for i, (a, b) in enumerate(zip(hs, res)):
         assert not torch.isnan(a).any(), f"step/layer {i}: NaN (read a freed block or missed a row)"
         assert torch.equal(a, b), f"step/layer {i} differs"
     assert stats["misses"] > 0 and stats["hits"] > 0
+    if dense_pool_gib:                     # the long requests' dense layers lived in the pool
+        assert stats["dense_pool_pages_used"] == sum(-(-n // P) for n in (150 + 40, 93 + 42, 61 + 41))
+
+
+def test_dense_layers_never_read_the_host_with_a_dense_pool(monkeypatch):
+    """With dense_pool_gib the dense layers attend from the GPU pool: the host read-back path of
+    dense layers is never taken (and the host pool holds only what sparse layers need)."""
+    from vllm_hisparse.core import sparse_runtime as srt
+
+    def boom(*a, **k):
+        raise AssertionError("dense layer read the host pool")
+    monkeypatch.setattr(srt.SparseRuntime, "_dense_freed", boom)
+    outs, _ = run(True, (0, 2), 0.001)
+    assert not any(torch.isnan(o).any() for o in outs)
 
 
 def test_quest_update_pages_equals_reference():

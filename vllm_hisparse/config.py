@@ -34,6 +34,10 @@ class HiSparseConfig:
     io_chunk_bytes: bytes one GPU thread moves per load loop when fetching misses from host.
     policy: hot-buffer replacement policy (see vllm_hisparse.core.policies.available()).
     dense_layers: layers kept fully resident and dense (Quest skips the first two).
+    dense_pool_gib: GPU memory reserved for the full KV of the dense_layers of long (sparse)
+        requests, so those layers stay resident after the request's other GPU blocks are given
+        back. 0 = no pool: a dense layer then reads the given-back pages from the host pool every
+        step (exact, but PCIe-bound). Requests wait when the pool is full.
     min_context: requests shorter than this stay fully resident (no sparsity, no host tier).
     prefetch: overlap miss IO with the previous layer when layers share a selection.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
@@ -49,6 +53,7 @@ class HiSparseConfig:
     io_chunk_bytes: int = 64
     policy: str = "lru"
     dense_layers: tuple = (0, 1)
+    dense_pool_gib: float = 0.0
     min_context: int = 0
     prefetch: bool = False
     host_tier: bool = True
@@ -72,6 +77,8 @@ class HiSparseConfig:
                   f"must be a multiple of the selection unit ({unit} tokens, page_size); try {up}")
         if self.host_pool_gib <= 0:
             _fail("host_pool_gib", self.host_pool_gib, "use a positive size in GiB such as 16")
+        if self.dense_pool_gib < 0:
+            _fail("dense_pool_gib", self.dense_pool_gib, "use 0 (no pool) or a size in GiB such as 4")
         c = self.io_chunk_bytes
         if c < 16 or c > 256 or c & (c - 1):     # the CUDA RESOLVE kernel's range
             _fail("io_chunk_bytes", c, "use a power of two from 16 to 256 (64 is a good start)")
@@ -102,6 +109,27 @@ class HiSparseConfig:
     @property
     def host_pool_bytes(self) -> int:
         return int(self.host_pool_gib * GIB)
+
+    @property
+    def dense_pool_bytes(self) -> int:
+        return int(self.dense_pool_gib * GIB)
+
+    @property
+    def uses_dense_pool(self) -> bool:
+        """The dense layers of sparse requests live in the GPU dense pool."""
+        return self.host_tier and bool(self.dense_layers) and self.dense_pool_gib > 0
+
+    def check_dense_pool(self, max_model_len: int, bytes_per_token_per_layer: int) -> None:
+        """Fail at load if one request of max_model_len tokens cannot fit in the dense pool."""
+        if not self.uses_dense_pool:
+            return
+        pages = -(-max_model_len // self.page_size)
+        need = pages * self.page_size * bytes_per_token_per_layer * len(self.dense_layers)
+        if need > self.dense_pool_bytes:
+            _fail("dense_pool_gib", self.dense_pool_gib,
+                  f"one request of max_model_len={max_model_len} needs {need / GIB:.2f} GiB for "
+                  f"its {len(self.dense_layers)} dense layers; raise dense_pool_gib, lower "
+                  f"max_model_len, or set dense_pool_gib to 0 (dense layers read the host pool)")
 
     def check_host_pool(self, max_model_len: int, bytes_per_token_per_layer: int,
                         num_sparse_layers: int) -> None:
@@ -166,6 +194,7 @@ class HiSparseConfig:
 _TYPES = {
     "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
+    "dense_pool_gib": (int, float),
     "min_context": int, "prefetch": bool, "host_tier": bool, "trace_dir": (str, type(None)),
 }
 

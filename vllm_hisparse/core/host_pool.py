@@ -9,22 +9,103 @@ list, never twice, and all come back on ``free``.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+GIB = 1 << 30
+SUGGEST_SHARE = 0.6      # guess: leave 40% of the available RAM to vLLM's own processes and the OS
 
 
 class HostPoolFull(RuntimeError):
     """Not enough free host pages; the caller decides whether the request waits or is rejected."""
 
 
+class HostPoolPinError(RuntimeError):
+    """The pool's host memory could not be pinned (or allocated); the message says how much the
+    machine has and what host_pool_gib to use instead."""
+
+    def __init__(self, nbytes: int, cause: str, host_pool_gib: float | None = None,
+                 pinned: bool = True):
+        self.nbytes, self.cause, self.pinned = nbytes, cause, pinned
+        super().__init__(pin_failure_message(nbytes, cause, host_pool_gib, pinned, host_memory()))
+
+
+def host_memory() -> dict[str, int]:
+    """Host RAM in bytes: ``total`` and ``available`` (/proc/meminfo MemTotal, MemAvailable; else
+    sysconf, whose free pages stand in for available), and ``limit`` when a cgroup (container)
+    memory limit is below the total. Keys whose value is unknown are left out."""
+    mem: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    mem["total" if name == "MemTotal" else "available"] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for key, name in (("total", "SC_PHYS_PAGES"), ("available", "SC_AVPHYS_PAGES")):
+        if key not in mem:
+            try:
+                mem[key] = os.sysconf(name) * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError, AttributeError):
+                pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = int(f.read().strip())       # "max" (no limit) raises ValueError
+        except (OSError, ValueError):
+            continue
+        if limit < mem.get("total", limit + 1):
+            mem["limit"] = limit
+        break
+    return mem
+
+
+def pin_failure_message(nbytes: int, cause: str, host_pool_gib: float | None, pinned: bool,
+                        mem: dict[str, int]) -> str:
+    """One line: what could not be pinned, what the machine has, which host_pool_gib to use."""
+    setting = f"host_pool_gib={host_pool_gib}" if host_pool_gib is not None else "set by host_pool_gib"
+    have = []
+    if "total" in mem:
+        have.append(f"{mem['total'] / GIB:.1f} GiB of RAM")
+    if "available" in mem:
+        have.append(f"{mem['available'] / GIB:.1f} GiB available now")
+    if "limit" in mem:
+        have.append(f"a container memory limit of {mem['limit'] / GIB:.1f} GiB")
+    room = min((mem[k] for k in ("available", "limit") if k in mem), default=None)
+    if room is None:
+        fix = "lower host_pool_gib"
+    else:
+        gib = SUGGEST_SHARE * room / GIB
+        fix = (f"lower host_pool_gib to about {int(gib) if gib >= 1 else round(gib, 2)} "
+               f"({SUGGEST_SHARE:.0%} of the available memory)" if gib >= 0.01 else
+               "free host memory (other processes hold it) or lower host_pool_gib")
+    return (f"hisparse: could not {'pin' if pinned else 'allocate'} {nbytes / GIB:.2f} GiB of host "
+            f"memory for the host KV pool ({setting}): this machine has "
+            f"{', '.join(have) or 'an unknown amount of RAM'}; {fix} (torch: {cause})")
+
+
 class HostKVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None):
-        if pin is None:
-            pin = torch.cuda.is_available()
+                 head_dim: int, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
+                 device=None):
+        """device: None = host memory (pinned when CUDA is up); a device = the same paged pool in
+        that device's memory (the runtime's pool for the dense layers of long requests)."""
         self.page_size = page_size
         self.num_pages = num_pages
-        self.data = torch.empty((num_layers, num_pages, 2, page_size, num_kv_heads, head_dim),
-                                dtype=dtype, pin_memory=pin)
+        shape = (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
+        if device is not None and torch.device(device).type != "cpu":
+            self.data = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            if pin is None:
+                pin = torch.cuda.is_available()
+            try:
+                self.data = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            except RuntimeError as e:   # torch.AcceleratorError / OutOfMemoryError: CUDA couldn't pin
+                nbytes = num_layers * num_pages * self.page_bytes(page_size, num_kv_heads, head_dim,
+                                                                  dtype)
+                raise HostPoolPinError(nbytes, str(e).strip().splitlines()[0], pinned=pin) from e
         self._free: list[int] = list(range(num_pages - 1, -1, -1))   # pop() hands out 0, 1, ...
         self._owned: dict[object, list[int]] = {}
 

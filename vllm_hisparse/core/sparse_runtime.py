@@ -78,6 +78,8 @@ class StepPlan:
     dense_sparse: DenseGroup | None = None     # dense rows of sparse layers
     dense_res: DenseGroup | None = None        # dense layers: requests with every page on the GPU
     dense_freed: list[ReqStep] = field(default_factory=list)  # dense layers: pages left the GPU
+    dense_pool: DenseGroup | None = None       # dense layers: sparse requests, from the dense pool
+    dpool_page: torch.Tensor | None = None     # (n,) dense-pool page of each host_tok token
     dec: list[ReqStep] = field(default_factory=list)  # sparse single-token decode rows
     dense: list[ReqStep] = field(default_factory=list)  # everything else (prefill, short requests)
     dec_step: list[int] = field(default_factory=list)  # trace only: decode-step index of each decode row
@@ -95,9 +97,12 @@ class StepPlan:
 class SparseRuntime:
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, max_rows: int, max_model_len: int,
-                 host_pages: int | None = None, quest_meta: tuple[list, list] | None = None):
+                 host_pages: int | None = None, quest_meta: tuple[list, list] | None = None,
+                 dense_pool: HostKVPool | None = None):
         """quest_meta: per-layer (kmin, kmax) tensors (rows, U, Hkv, D), None for dense layers,
-        allocated by the caller (the vLLM adapter does it before memory profiling); default: here."""
+        allocated by the caller (the vLLM adapter does it before memory profiling); default: here.
+        dense_pool: the GPU pool holding the dense layers of sparse requests when
+        cfg.dense_pool_gib > 0 (the adapter allocates it before memory profiling); default: here."""
         cfg.check_layers(num_layers)
         self.cfg = cfg
         self.P = cfg.page_size
@@ -125,6 +130,17 @@ class SparseRuntime:
         # out pages, cleared at finish): RESOLVE and the write-through index it without host work.
         self.host_pt = torch.full((max_rows, self.U), -1, dtype=torch.int32, device=self.device)
         self._host_pt_len = [0] * max_rows
+        # Dense layers of sparse requests: every page in a GPU pool of their own (cfg.dense_pool_gib),
+        # attended with the pool's page table; without it they read given-back pages from the host.
+        self.dpool = None
+        if cfg.uses_dense_pool:
+            nd = len(self.dense_layers)
+            self.dpool = dense_pool or HostKVPool(
+                nd, cfg.dense_pool_bytes // (page_bytes * nd), self.P, num_kv_heads, head_dim, dtype,
+                device=self.device)
+            self._dpool_layer = {layer: i for i, layer in enumerate(sorted(self.dense_layers))}
+            self.dense_pt = torch.full((max_rows, self.U), -1, dtype=torch.int32, device=self.device)
+            self._dense_pt_len = [0] * max_rows
         # Paged causal attention for prefill / dense rows: paged_dense_reference's signature. The
         # vLLM adapter plugs FlashAttention in on the GPU; the default is the plain-torch twin.
         self.dense_fn = sl.paged_dense_reference
@@ -174,6 +190,11 @@ class SparseRuntime:
         if self._host_pt_len[r.row]:
             self.host_pt[r.row] = -1
             self._host_pt_len[r.row] = 0
+        if self.dpool is not None:
+            self.dpool.free(req_id)
+            if self._dense_pt_len[r.row]:
+                self.dense_pt[r.row] = -1
+                self._dense_pt_len[r.row] = 0
         self.stats["finished"] += 1
         return True
 
@@ -201,7 +222,7 @@ class SparseRuntime:
         without host syncs."""
         dev = self.device
         steps = []
-        pt_rows, pt_cols, pt_vals = [], [], []
+        grow = {"host": ([], [], []), "dense": ([], [], [])}
         for i, rid in enumerate(req_ids):
             r = self.reqs[rid]
             t0, t1 = query_start_loc[i], query_start_loc[i + 1]
@@ -212,28 +233,31 @@ class SparseRuntime:
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
                                  freed_pages(self.cfg, start, r.num_prompt)))
             if self.pool is not None and r.sparse:
-                pages = self.pool.ensure(rid, n)
-                have = self._host_pt_len[r.row]
-                if len(pages) > have:
-                    new = pages[have:self.U]
-                    pt_rows += [r.row] * len(new)
-                    pt_cols += range(have, have + len(new))
-                    pt_vals += new
-                    self._host_pt_len[r.row] = have + len(new)
-        if pt_rows:
-            upd = torch.tensor([pt_rows, pt_cols, pt_vals], dtype=torch.int64).to(dev)
-            self.host_pt[upd[0], upd[1]] = upd[2].to(torch.int32)
+                self._grow(grow["host"], self._host_pt_len, r.row, self.pool.ensure(rid, n))
+                if self.dpool is not None:
+                    self._grow(grow["dense"], self._dense_pt_len, r.row, self.dpool.ensure(rid, n))
+        for name, table in (("host", self.host_pt), ("dense", getattr(self, "dense_pt", None))):
+            if grow[name][0]:
+                upd = torch.tensor(grow[name], dtype=torch.int64).to(dev)
+                table[upd[0], upd[1]] = upd[2].to(torch.int32)
         plan = self._plan_writes(steps, block_table, slot_mapping)
         plan.dec = [s for s in steps if s.sparse and s.t1 - s.t0 == 1 and s.start > 0]
         dec_idx = {s.idx for s in plan.dec}
         plan.dense = [s for s in steps if s.idx not in dec_idx]
         assert all(s.freed[1] <= s.freed[0] for s in plan.dense), "dense rows must be resident"
-        plan.dense_sparse = self._dense_group(plan.dense, block_table)
-        if len(self.dense_layers):
+        plan.dense_sparse = self._dense_group(plan.dense, self._rows_of(plan.dense, block_table))
+        if self.dpool is not None:
+            res = [s for s in steps if not s.sparse]
+            inpool = [s for s in steps if s.sparse]
+            plan.dense_res = self._dense_group(res, self._rows_of(res, block_table))
+            if inpool:
+                rows = torch.tensor([s.row for s in inpool], device=dev)
+                plan.dense_pool = self._dense_group(inpool, self.dense_pt[rows])
+        elif len(self.dense_layers):
             plan.dense_freed = [s for s in steps if s.freed[1] > s.freed[0]]
             res = [s for s in steps if s.freed[1] <= s.freed[0]]
             plan.dense_res = (plan.dense_sparse if len(res) == len(plan.dense) else
-                              self._dense_group(res, block_table))
+                              self._dense_group(res, self._rows_of(res, block_table)))
         if plan.dec:
             self._plan_decode(plan)
             if self.trace is not None:
@@ -285,9 +309,30 @@ class SparseRuntime:
                                   if s.sparse and s.t1 > s.t0]).to(dev)
                 plan.host_page = self.host_pt[rows, pos_all // P].long()
                 plan.host_off = pos_all % P
+                if self.dpool is not None:
+                    plan.dpool_page = self.dense_pt[rows, pos_all // P].long()
         return plan
 
-    def _dense_group(self, group: list[ReqStep], block_table: torch.Tensor) -> DenseGroup | None:
+    @staticmethod
+    def _grow(acc: tuple[list, list, list], lens: list[int], row: int, pages: list[int]) -> None:
+        """Queue the pages a pool just handed to ``row`` for its device page table."""
+        have = lens[row]
+        if len(pages) > have:
+            new = pages[have:]
+            acc[0].extend([row] * len(new))
+            acc[1].extend(range(have, have + len(new)))
+            acc[2].extend(new)
+            lens[row] = have + len(new)
+
+    @staticmethod
+    def _rows_of(group: list[ReqStep], block_table: torch.Tensor) -> torch.Tensor | None:
+        if not group:
+            return None
+        return block_table[torch.tensor([s.idx for s in group], device=block_table.device)]
+
+    def _dense_group(self, group: list[ReqStep], table: torch.Tensor | None) -> DenseGroup | None:
+        """table: (len(group), W) the block table rows of the group's requests (into the paged
+        cache the call will read)."""
         if not group:
             return None
         dev = self.device
@@ -295,10 +340,9 @@ class SparseRuntime:
         for s in group:
             cu.append(cu[-1] + s.t1 - s.t0)
         tok = torch.cat([torch.arange(s.t0, s.t1) for s in group])
-        idx = torch.tensor([s.idx for s in group], device=block_table.device)
         meta = torch.tensor([cu + [s.seq_len for s in group]], dtype=torch.int32).to(dev)[0]
         return DenseGroup(group, tok.to(dev), meta[:len(cu)], meta[len(cu):],
-                          block_table[idx].to(dev, torch.int32),
+                          table.to(dev, torch.int32),
                           max(s.t1 - s.t0 for s in group), max(s.seq_len for s in group))
 
     def _plan_decode(self, plan: StepPlan) -> None:
@@ -327,9 +371,16 @@ class SparseRuntime:
         paged cache; out (T, Hq, D) is written. No host sync on the GPU path."""
         sl.write_kv(kv, plan.wr_blk, plan.wr_off, plan.wr_tok, k, v)
         host = self.pool.data[layer] if self.pool is not None else None
+        dense_layer = layer in self.dense_layers
+        if dense_layer and self.dpool is not None:            # the dense pool, not the host
+            dp = self.dpool.data[self._dpool_layer[layer]]
+            if plan.host_tok is not None:
+                write_through(dp, k, v, plan.host_tok, plan.dpool_page, plan.host_off)
+            self._dense(plan.dense_res, q, kv, scale, out)
+            self._dense(plan.dense_pool, q, dp, scale, out)
+            return
         if host is not None and plan.host_tok is not None:
             write_through(host, k, v, plan.host_tok, plan.host_page, plan.host_off)
-        dense_layer = layer in self.dense_layers
         if not dense_layer and plan.q_page is not None:
             kq = k if plan.q_tok is None else k[plan.q_tok]
             sl.quest_update_pages(self.kmin[layer], self.kmax[layer], plan.q_page, plan.q_new,
@@ -378,9 +429,9 @@ class SparseRuntime:
             kv, host, [bt[s.idx] for s in fr],
             [torch.tensor(self.pool.page_table(s.req_id), dtype=torch.int64) for s in fr],
             [s.seq_len for s in fr], [s.freed for s in fr])
-        g = self._dense_group(fr, bt)
+        g = self._dense_group(fr, table)
         o = torch.empty((len(g.tok), *q.shape[1:]), dtype=q.dtype, device=q.device)
-        self.dense_fn(q[g.tok], pages[:, 0], pages[:, 1], table, g.cu_q, g.seq_k, g.max_q,
+        self.dense_fn(q[g.tok], pages[:, 0], pages[:, 1], g.block_table, g.cu_q, g.seq_k, g.max_q,
                       g.max_k, scale, o)
         out[g.tok] = o.to(out.dtype)
 
@@ -391,6 +442,7 @@ class SparseRuntime:
         n = s["resolved_units"] = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / n if n else None
         s["host_pages_used"] = self.host_pages_used
+        s["dense_pool_pages_used"] = self.dpool.used_pages if self.dpool is not None else 0
         s["live_requests"] = len(self.reqs)
         return s
 

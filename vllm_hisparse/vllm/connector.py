@@ -51,12 +51,26 @@ def host_pages_capacity(cfg, model_config, parallel_config) -> int:
     return cfg.host_pool_bytes // (pb * L)
 
 
+def dense_pages_capacity(cfg, model_config, parallel_config) -> int | None:
+    """Pages of the GPU dense pool (None without one): each sparse request takes as many as in the
+    host pool."""
+    if not cfg.uses_dense_pool:
+        return None
+    pb = HostKVPool.page_bytes(cfg.page_size, model_config.get_num_kv_heads(parallel_config),
+                               model_config.get_head_size(), model_config.dtype)
+    return cfg.dense_pool_bytes // (pb * len(cfg.dense_layers))
+
+
 class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = hisparse_config_of(vllm_config)
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         self.capacity = host_pages_capacity(self.cfg, mc, pc)
+        dense = dense_pages_capacity(self.cfg, mc, pc)
+        # A sparse request takes the same number of pages in the host pool and the dense pool.
+        self.admit_pages = self.capacity if dense is None else min(self.capacity, dense)
+        self._bound = "host" if dense is None or self.capacity <= dense else "GPU dense"
         self.max_model_len = mc.max_model_len
         # scheduler side
         self._reserved: dict[str, int] = {}
@@ -72,7 +86,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             worker_state.runtime = SparseRuntime(
                 self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
                 mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
-                host_pages=self.capacity, quest_meta=worker_state.quest_meta)
+                host_pages=self.capacity, quest_meta=worker_state.quest_meta,
+                dense_pool=worker_state.dense_pool)
             fa = make_dense_fn(mc.dtype, mc.get_head_size())
             if fa is not None:
                 worker_state.runtime.dense_fn = fa
@@ -106,11 +121,12 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if rid in self._reserved:
             return 0, False
         need = self._pages_needed(request)
-        if self._reserved_total + need > self.capacity:
+        if self._reserved_total + need > self.admit_pages:
             if rid not in self._waiting_logged:
                 self._waiting_logged.add(rid)
-                logger.warning("hisparse: host pool full (%d of %d pages reserved); request %s "
-                            "(%d pages) waits", self._reserved_total, self.capacity, rid, need)
+                logger.warning("hisparse: %s pool full (%d of %d pages reserved); request %s "
+                               "(%d pages) waits", self._bound, self._reserved_total,
+                               self.admit_pages, rid, need)
             return None, False
         self._waiting_logged.discard(rid)
         self._reserved[rid] = need

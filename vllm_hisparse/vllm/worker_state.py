@@ -61,3 +61,20 @@ def req_ids_of(first_blocks: list[int]) -> list[str] | None:
         bad = [b for b, i in zip(first_blocks, ids) if i is None]
         raise RuntimeError(f"hisparse: batch rows with first blocks {bad} have no request")
     return ids
+
+
+dense_pool = None       # core.host_pool.HostKVPool on the GPU: dense layers of sparse requests
+
+
+def ensure_dense_pool(cfg, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Allocate the GPU pool of the dense layers (cfg.dense_pool_gib) while the model is being
+    built, like the Quest bounds, so vLLM's memory profiling counts it before sizing the KV cache."""
+    global dense_pool
+    if dense_pool is not None or not cfg.uses_dense_pool:
+        return
+    from vllm_hisparse.core.host_pool import HostKVPool
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    nd = len(cfg.dense_layers)
+    pages = cfg.dense_pool_bytes // (HostKVPool.page_bytes(cfg.page_size, num_kv_heads, head_dim, dtype) * nd)
+    dense_pool = HostKVPool(nd, pages, cfg.page_size, num_kv_heads, head_dim, dtype, device=dev)
