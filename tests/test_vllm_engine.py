@@ -95,6 +95,9 @@ def test_host_pool_empty_afterwards(runs):
     resident, hisparse = runs
     assert hisparse["stats"]["host_pages_used"] == 0
     assert hisparse["stats"]["dense_pool_pages_used"] == 0
+    long_pages = sum(-(-(n + MAX_TOKENS - 1) // PAGE) for n in PROMPT_LENS + (PROMPT_LENS[1],)
+                     if n >= MIN_CONTEXT)
+    assert hisparse["stats"]["dense_pool_pages_handed"] == long_pages   # the pool was used
     assert hisparse["stats"]["live_requests"] == 0
     assert hisparse["stats"]["finished"] == len(PROMPT_LENS) + 1
     assert resident["stats"]["host_pages_used"] == 0

@@ -162,8 +162,7 @@ class SparseRuntime:
                 "num_layers": num_layers, "sparse_layers": sparse, "kv_heads": num_kv_heads,
                 "head_dim": head_dim, "decode": "as served"})
         self._hit_miss = torch.zeros(2, dtype=torch.int64, device=self.device)  # read in stats_dict
-        self.stats = {"steps": 0, "decode_rows": 0,
-                      "finished": 0}
+        self.stats = {"steps": 0, "decode_rows": 0, "finished": 0, "dense_pool_pages_handed": 0}
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add(self, req_id: str, num_prompt: int) -> None:
@@ -235,7 +234,9 @@ class SparseRuntime:
             if self.pool is not None and r.sparse:
                 self._grow(grow["host"], self._host_pt_len, r.row, self.pool.ensure(rid, n))
                 if self.dpool is not None:
+                    before = self._dense_pt_len[r.row]
                     self._grow(grow["dense"], self._dense_pt_len, r.row, self.dpool.ensure(rid, n))
+                    self.stats["dense_pool_pages_handed"] += self._dense_pt_len[r.row] - before
         for name, table in (("host", self.host_pt), ("dense", getattr(self, "dense_pt", None))):
             if grow[name][0]:
                 upd = torch.tensor(grow[name], dtype=torch.int64).to(dev)
