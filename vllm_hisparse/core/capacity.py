@@ -120,6 +120,39 @@ def quest_meta_bytes(m: ModelShape, max_model_len: int, page_size: int, dense_la
             * m.head_dim * m.dtype_bytes)
 
 
+QUEST_SHARE = 0.5   # guess: the bounds may take at most half of what vLLM may still use at startup;
+                    # the rest is for the weights, activations and the KV cache
+
+
+def quest_budget_bytes(free_bytes: int, total_bytes: int,
+                       gpu_memory_utilization: float | None = None) -> int:
+    """Most bytes the Quest bounds may reserve while the model is built: ``QUEST_SHARE`` of the GPU
+    memory vLLM may still use, i.e. the free memory less the ``(1 - gpu_memory_utilization) x total``
+    that vLLM leaves to others (as if this process used all of ``total - free``)."""
+    room = free_bytes
+    if gpu_memory_utilization is not None:
+        room = min(room, free_bytes - int((1 - gpu_memory_utilization) * total_bytes))
+    return int(max(room, 0) * QUEST_SHARE)
+
+
+def check_quest_reservation(rows: int, row_bytes: int, budget_bytes: int, max_model_len: int,
+                            page_size: int) -> None:
+    """Raise ValueError, naming the flags to lower, when ``rows`` Quest rows of ``row_bytes``
+    (``quest_meta_bytes``) exceed ``budget_bytes`` (``quest_budget_bytes``)."""
+    need = rows * row_bytes
+    if need <= budget_bytes:
+        return
+    fit = budget_bytes // row_bytes if row_bytes else rows
+    fix = (f"lower --max-num-seqs to {fit} (the most that fits) or --max-model-len" if fit else
+           "lower --max-model-len (not even one sequence fits)")
+    raise ValueError(
+        f"hisparse: the Quest page bounds for max_num_seqs={rows} sequences of max_model_len="
+        f"{max_model_len} tokens (page_size={page_size}) need {need / (1 << 30):.2f} GiB of GPU "
+        f"memory ({row_bytes / (1 << 20):.1f} MiB per sequence), more than the "
+        f"{budget_bytes / (1 << 30):.2f} GiB allowed ({QUEST_SHARE:.0%} of the GPU memory vLLM may "
+        f"still use); {fix}")
+
+
 # ---- the whole GPU / host pool ----------------------------------------------------------------
 def num_blocks(kv_bytes: int, m: ModelShape, block_size: int) -> int:
     """KV blocks vLLM allocates in ``kv_bytes`` (``kv_cache_utils.get_num_blocks``:

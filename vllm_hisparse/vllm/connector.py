@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from vllm_hisparse.core.residency import is_sparse_request
-from vllm_hisparse.core.host_pool import HostKVPool
+from vllm_hisparse.core.host_pool import HostKVPool, HostPoolPinError
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
 from . import worker_state
@@ -83,11 +83,15 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.WORKER:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))
-            worker_state.runtime = SparseRuntime(
-                self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
-                mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
-                host_pages=self.capacity, quest_meta=worker_state.quest_meta,
-                dense_pool=worker_state.dense_pool)
+            try:
+                worker_state.runtime = SparseRuntime(
+                    self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
+                    mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
+                    host_pages=self.capacity, quest_meta=worker_state.quest_meta,
+                    dense_pool=worker_state.dense_pool)
+            except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
+                raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib,
+                                       e.pinned) from e.__cause__
             fa = make_dense_fn(mc.dtype, mc.get_head_size())
             if fa is not None:
                 worker_state.runtime.dense_fn = fa

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from vllm_hisparse.core import capacity
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
+
+from .compat import init_logger
+
+logger = init_logger(__name__)
 
 runtime: SparseRuntime | None = None
 quest_meta: tuple[list, list] | None = None     # per-layer Quest (kmin, kmax), None = dense layer
@@ -17,15 +22,29 @@ _req_to_block: dict[str, int] = {}
 
 
 def ensure_quest_meta(cfg, num_layers: int, rows: int, max_model_len: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype) -> None:
+                      head_dim: int, dtype: torch.dtype,
+                      gpu_memory_utilization: float | None = None) -> None:
     """Allocate every sparse layer's Quest page bounds while the model is being built, so vLLM's
     memory profiling counts them before it sizes the KV cache: 2 x rows x cdiv(max_model_len, page)
-    x Hkv x D elements per layer."""
+    x Hkv x D elements per layer. On CUDA, first fail with the flags to change when they would take
+    more than half of the GPU memory vLLM may still use (``capacity.check_quest_reservation``)."""
     global quest_meta
     if quest_meta is not None:
         return
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    shape = (rows, -(-max_model_len // cfg.page_size), num_kv_heads, head_dim)
+    pages = capacity.cdiv(max_model_len, cfg.page_size)
+    dense = sum(1 for i in range(num_layers) if i in cfg.dense_layers)
+    model = capacity.ModelShape(num_layers, num_kv_heads, head_dim,
+                                torch.empty((), dtype=dtype).element_size())
+    row_bytes = capacity.quest_meta_bytes(model, max_model_len, cfg.page_size, dense)
+    if dev != "cpu":
+        free, total = torch.cuda.mem_get_info(dev)
+        budget = capacity.quest_budget_bytes(free, total, gpu_memory_utilization)
+        capacity.check_quest_reservation(rows, row_bytes, budget, max_model_len, cfg.page_size)
+    logger.info("hisparse: Quest page bounds reserve %.2f GiB on %s (max_num_seqs=%d x %.1f MiB: "
+                "%d pages x %d sparse layers)", rows * row_bytes / (1 << 30), dev, rows,
+                row_bytes / (1 << 20), pages, num_layers - dense)
+    shape = (rows, pages, num_kv_heads, head_dim)
     mk = lambda i: None if i in cfg.dense_layers else torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
     quest_meta = ([mk(i) for i in range(num_layers)], [mk(i) for i in range(num_layers)])
 

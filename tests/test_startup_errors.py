@@ -1,0 +1,134 @@
+"""Startup failures that used to die in raw CUDA errors now say what to change (CPU tests):
+pinning the host pool (host_pool_gib too large for the machine) and reserving the Quest page
+bounds (max_num_seqs x max_model_len too large for the GPU)."""
+import pytest
+import torch
+
+from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.core import capacity as cap
+from vllm_hisparse.core import host_pool
+from vllm_hisparse.core.host_pool import HostKVPool, HostPoolPinError
+
+GIB, MIB = 1 << 30, 1 << 20
+LLAMA3_8B = cap.ModelShape(num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+MEM = {"total": int(125.8 * GIB), "available": 100 * GIB}      # a 128 GiB box, 100 GiB available
+H200 = {"free": 139 * GIB, "total": 140 * GIB}
+
+
+# ---- host pool pinning --------------------------------------------------------------------------
+@pytest.fixture
+def pin_fails(monkeypatch):
+    """torch.empty(..., pin_memory=True) raises what CUDA raised on the H200; the rest is real."""
+    real = torch.empty
+
+    def empty(*args, pin_memory=False, **kw):
+        if pin_memory:
+            raise torch.AcceleratorError("CUDA error: out of memory\nSearch for `cudaErrorMemory...")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(host_pool, "host_memory", lambda: dict(MEM))
+
+
+def test_pin_failure_says_size_ram_and_fix(pin_fails):
+    pages = 80 * GIB // (32 * HostKVPool.page_bytes(16, 8, 128, torch.bfloat16))   # 80 GiB, Llama-3-8B
+    with pytest.raises(HostPoolPinError) as e:
+        HostKVPool(32, pages, 16, 8, 128, torch.bfloat16, pin=True)
+    assert str(e.value) == (
+        "hisparse: could not pin 80.00 GiB of host memory for the host KV pool (set by "
+        "host_pool_gib): this machine has 125.8 GiB of RAM, 100.0 GiB available now; lower "
+        "host_pool_gib to about 60 (60% of the available memory) (torch: CUDA error: out of memory)")
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value.__cause__, torch.AcceleratorError)
+    assert e.value.nbytes == 80 * GIB
+
+
+def test_pin_failure_with_the_config_value(pin_fails):
+    """The connector re-raises with host_pool_gib's value (it knows the config, the pool does not)."""
+    err = HostPoolPinError(80 * GIB, "CUDA error: out of memory", host_pool_gib=80)
+    assert "pin 80.00 GiB of host memory for the host KV pool (host_pool_gib=80):" in str(err)
+
+
+@pytest.mark.parametrize("mem,fix", [
+    (dict(MEM, limit=64 * GIB), "container memory limit of 64.0 GiB; lower host_pool_gib to about 38 "),
+    ({"total": 4 * GIB, "available": GIB}, "lower host_pool_gib to about 0.6 "),
+    ({"total": 4 * GIB, "available": 0}, "free host memory (other processes hold it) or lower "),
+    ({}, "an unknown amount of RAM; lower host_pool_gib (torch"),
+])
+def test_pin_failure_message_cases(mem, fix):
+    msg = host_pool.pin_failure_message(GIB, "x", 1.0, True, mem)
+    assert fix in msg and "\n" not in msg
+
+
+def test_host_memory_reads_this_machine():
+    mem = host_pool.host_memory()
+    assert mem["total"] > 0 and 0 <= mem["available"] <= mem["total"]
+
+
+def test_unpinned_pool_is_unchanged():
+    pool = HostKVPool(2, 3, 4, 1, 8, torch.float32, pin=False)
+    assert pool.data.shape == (2, 3, 2, 4, 1, 8) and not pool.data.is_pinned()
+
+
+# ---- Quest page bounds --------------------------------------------------------------------------
+ROW = cap.quest_meta_bytes(LLAMA3_8B, 32768, 16, 2)             # 240 MiB per sequence
+
+
+def test_quest_budget_is_half_of_what_vllm_may_use():
+    # 139 GiB free of 140; gpu_memory_utilization=0.9 leaves 14 GiB to others: half of 125 GiB
+    assert cap.quest_budget_bytes(H200["free"], H200["total"], 0.9) == int(62.5 * GIB)
+    assert cap.quest_budget_bytes(H200["free"], H200["total"]) == int(69.5 * GIB)
+    assert cap.quest_budget_bytes(10 * GIB, H200["total"], 0.9) == 0    # others hold the rest
+
+
+def test_quest_reservation_names_flags_and_largest_fit():
+    budget = cap.quest_budget_bytes(H200["free"], H200["total"], 0.9)
+    assert ROW == 240 * MIB
+    with pytest.raises(ValueError) as e:
+        cap.check_quest_reservation(1024, ROW, budget, 32768, 16)    # vLLM's default on an H200
+    assert str(e.value) == (
+        "hisparse: the Quest page bounds for max_num_seqs=1024 sequences of max_model_len=32768 "
+        "tokens (page_size=16) need 240.00 GiB of GPU memory (240.0 MiB per sequence), more than "
+        "the 62.50 GiB allowed (50% of the GPU memory vLLM may still use); lower --max-num-seqs to "
+        "266 (the most that fits) or --max-model-len")
+    cap.check_quest_reservation(266, ROW, budget, 32768, 16)         # the suggestion fits
+    with pytest.raises(ValueError, match="--max-num-seqs to 266 "):
+        cap.check_quest_reservation(267, ROW, budget, 32768, 16)
+
+
+def test_quest_reservation_when_not_one_sequence_fits():
+    with pytest.raises(ValueError, match=r"lower --max-model-len \(not even one sequence fits\)$"):
+        cap.check_quest_reservation(1, ROW, ROW - 1, 32768, 16)
+
+
+@pytest.fixture
+def worker_state(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm_hisparse.vllm import worker_state as ws
+
+    monkeypatch.setattr(ws, "quest_meta", None)
+    return ws
+
+
+def test_ensure_quest_meta_fails_before_allocating(worker_state, monkeypatch):
+    """On CUDA the check runs before any tensor is made (a fake device: none exists here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated before the check"))
+    with pytest.raises(ValueError, match=r"max_num_seqs=1024 .* 240\.00 GiB .*--max-num-seqs to 266 "):
+        worker_state.ensure_quest_meta(HiSparseConfig(), 32, 1024, 32768, 8, 128, torch.bfloat16,
+                                       gpu_memory_utilization=0.9)
+    assert worker_state.quest_meta is None
+
+
+def test_ensure_quest_meta_logs_the_reservation(worker_state, monkeypatch):
+    lines = []
+    monkeypatch.setattr(worker_state.logger, "info", lambda fmt, *a: lines.append(fmt % a))
+    cfg = HiSparseConfig(top_k=16, device_buffer_size=16, page_size=16, dense_layers=(0,))
+    worker_state.ensure_quest_meta(cfg, 3, 4, 100, 2, 8, torch.float32)
+    kmin, kmax = worker_state.quest_meta
+    assert kmin[0] is None and kmin[1].shape == kmax[2].shape == (4, 7, 2, 8)
+    row = cap.quest_meta_bytes(cap.ModelShape(3, 2, 8, 4), 100, 16, 1)
+    assert sum(t.numel() * 4 for t in kmin + kmax if t is not None) == 4 * row
+    assert lines == [f"hisparse: Quest page bounds reserve {4 * row / GIB:.2f} GiB on cpu "
+                     f"(max_num_seqs=4 x {row / MIB:.1f} MiB: 7 pages x 2 sparse layers)"]
