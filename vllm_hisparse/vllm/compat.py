@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.logger import init_logger  # noqa: E402
+from vllm.logger import init_logger as _vllm_init_logger  # noqa: E402
 from vllm.model_executor.layers.attention.attention import Attention  # noqa: E402
 from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
 from vllm.v1.attention.backend import (  # noqa: E402
@@ -45,6 +45,12 @@ __all__ = [
     "register_backend", "FullAttentionManager", "FullAttentionSpec", "KVCacheSpecRegistry",
     "current_platform_cls", "hisparse_config_of",
 ]
+
+
+def init_logger(name: str):
+    """vLLM's logger, placed under the ``vllm`` logger so it shares vLLM's handler and level: a
+    logger outside that tree (``vllm_hisparse.*``) prints nothing below WARNING."""
+    return _vllm_init_logger(name if name.startswith("vllm.") else f"vllm.{name}")
 
 
 def current_platform_cls():
