@@ -2,8 +2,12 @@
 (bytes exact, host pre-filled with a sentinel, untouched rows checked), strided k/v views of a fused
 qkv tensor, rows that are and are not multiples of 16 bytes, CUDA-graph capture + replay."""
 import os
+import re
 import shutil
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ LAYOUTS = ["contiguous", "fused", "fused_odd"]
 # entries: none, one, warp boundaries, enough to make the kernel's grid-stride loop go round
 NS = [0, 1, 31, 32, 33, 257, 1500]
 HOSTS = ["pinned", "cuda"]
+REPO = Path(__file__).resolve().parents[1]
 NEEDS_BUILD = shutil.which("nvcc") is not None and os.environ.get("HISPARSE_SKIP_CUDA_BUILD") != "1"
 
 
@@ -157,25 +162,48 @@ def test_cuda_sizes(where, n, Hkv, D, dtype):
     _run_case(_gen(), n, Hkv, D, dtype, "fused", where, P=16)
 
 
+# Each bad call runs in a fresh interpreter: inside the pytest process these calls crashed it
+# (segfault, twice on the H200) while a fresh process raised cleanly
+# (scripts/probes/gpu_error_paths.py); a crash now fails only its case, with the output.
+BAD_CALLS = {   # case: (the call, the message it must raise)
+    "host_unpinned": ("wt.write_through(host, k, k, idx, idx, idx)", "host must be pinned"),
+    "tok_int32": ("wt.write_through(pinned, k, k, idx.int(), idx, idx)", "tok must be int64"),
+    "v_dtype": ("wt.write_through(pinned, k, k.float(), idx, idx, idx)", "v must have host's dtype"),
+    "k_layout": ("wt.write_through(pinned, kt, k, idx, idx, idx)",
+                 r"k's \(Hkv, D\) block must be contiguous"),
+    "off_on_cpu": ("wt.write_through(pinned, k, k, idx, idx, idx.cpu())", "off must be"),
+}
+BAD_CALL_SCRIPT = """
+import torch
+from vllm_hisparse.ops import write_through as wt
+Hkv, D, T = 2, 64, 6
+host = torch.zeros(4, 2, 4, Hkv, D, dtype=torch.bfloat16)
+pinned = host.pin_memory()
+k = torch.randn(T, Hkv, D, device="cuda").to(torch.bfloat16)
+kt = torch.randn(T, D, Hkv, device="cuda").to(torch.bfloat16).transpose(1, 2)
+idx = torch.zeros(1, dtype=torch.int64, device="cuda")
+try:
+    CALL
+except RuntimeError as e:
+    print("raised:", e, flush=True)
+else:
+    print("no error", flush=True)
+torch.cuda.synchronize()
+"""
+
+
 @pytest.mark.cuda
 @pytest.mark.ext
-def test_cuda_checks_name_the_argument():
-    Hkv, D, T = 2, 64, 6
-    host = _host(4, 4, Hkv, D, torch.bfloat16)
-    k = torch.randn(T, Hkv, D, device="cuda").to(torch.bfloat16)
-    idx = torch.zeros(1, dtype=torch.int64, device="cuda")
-    with pytest.raises(RuntimeError, match="host must be pinned"):
-        wt.write_through(host, k, k, idx, idx, idx)
-    host = host.pin_memory()
-    with pytest.raises(RuntimeError, match="tok must be int64"):
-        wt.write_through(host, k, k, idx.int(), idx, idx)
-    with pytest.raises(RuntimeError, match="v must have host's dtype"):
-        wt.write_through(host, k, k.float(), idx, idx, idx)
-    kt = torch.randn(T, D, Hkv, device="cuda").to(torch.bfloat16).transpose(1, 2)
-    with pytest.raises(RuntimeError, match=r"k's \(Hkv, D\) block must be contiguous"):
-        wt.write_through(host, kt, k, idx, idx, idx)
-    with pytest.raises(RuntimeError, match="off must be"):
-        wt.write_through(host, k, k, idx, idx, idx.cpu())
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_cuda_checks_name_the_argument(case):
+    call, message = BAD_CALLS[case]
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-c",
+                        BAD_CALL_SCRIPT.replace("CALL", call)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = f"exit code {r.returncode}\n--- stdout\n{r.stdout}--- stderr\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, f"{case}: the bad call crashed the process\n{out}"
+    assert r.stdout.startswith("raised:"), f"{case}: no RuntimeError\n{out}"
+    assert re.search(message, r.stdout), f"{case}: the error does not say {message!r}\n{out}"
 
 
 @pytest.mark.cuda
