@@ -89,7 +89,7 @@ def test_quest_reservation_names_flags_and_largest_fit():
         "hisparse: the Quest page bounds for max_num_seqs=1024 sequences of max_model_len=32768 "
         "tokens (page_size=16) need 240.00 GiB of GPU memory (240.0 MiB per sequence), more than "
         "the 62.50 GiB allowed (50% of the GPU memory vLLM may still use); lower --max-num-seqs to "
-        "266 (the most that fits) or --max-model-len")
+        "266 (the most within that limit) or --max-model-len")
     cap.check_quest_reservation(266, ROW, budget, 32768, 16)         # the suggestion fits
     with pytest.raises(ValueError, match="--max-num-seqs to 266 "):
         cap.check_quest_reservation(267, ROW, budget, 32768, 16)

@@ -143,7 +143,7 @@ def check_quest_reservation(rows: int, row_bytes: int, budget_bytes: int, max_mo
     if need <= budget_bytes:
         return
     fit = budget_bytes // row_bytes if row_bytes else rows
-    fix = (f"lower --max-num-seqs to {fit} (the most that fits) or --max-model-len" if fit else
+    fix = (f"lower --max-num-seqs to {fit} (the most within that limit) or --max-model-len" if fit else
            "lower --max-model-len (not even one sequence fits)")
     raise ValueError(
         f"hisparse: the Quest page bounds for max_num_seqs={rows} sequences of max_model_len="
