@@ -52,10 +52,10 @@ def test_hisparse_lines_match_h200_log(model_dir):
     row = 30 * 2 * 2048 * 8 * 128 * 2
     kv = blocks * 16 * TOK * L
     out = calc_json(model_dir, "--context", 32768, "--top-k", 512, "--buffer", 1024,
-                    "--gpu-kv-gib", repr((kv + rows * row) / GIB), "--host-gib", 16,
+                    "--gpu-kv-gib", repr((kv + (rows + 1) * row) / GIB), "--host-gib", 16,
                     "--max-num-seqs", rows)
     h = out["hisparse"]
-    assert (h["num_blocks"], h["kv_cache_bytes"], h["quest_meta_bytes"]) == (blocks, kv, rows * row)
+    assert (h["num_blocks"], h["kv_cache_bytes"], h["quest_meta_bytes"]) == (blocks, kv, (rows + 1) * row)
     assert h["vllm_kv_cache_tokens"] == 28_272_230 and f"{h['vllm_max_concurrency']:.2f}" == "862.80"
     b = calc_json(model_dir, "--context", 32768, "--gpu-kv-gib", repr(kv / GIB), "--host-gib", 16)
     assert b["baseline"]["vllm_kv_cache_tokens"] == 897_312
@@ -92,8 +92,9 @@ def test_bytes_from_first_principles(model_dir, context, B, page, dense, seqs, h
     assert h["gpu_bytes_per_request"] == min(pages, S + 1) * block
     assert h["host_bytes_per_request"] == pages * block
     row = (L - dense) * 2 * cdiv(mml, page) * 8 * 128 * 2
-    assert h["quest_meta_bytes_per_request"] == row and h["quest_meta_bytes"] == seqs * row
-    kv = G * GIB - seqs * row
+    # max_num_seqs rows + the runtime's scratch row (decode-graph padding)
+    assert h["quest_meta_bytes_per_request"] == row and h["quest_meta_bytes"] == (seqs + 1) * row
+    kv = G * GIB - (seqs + 1) * row
     h_blocks = kv // (page * TOK) // L
     assert (h["kv_cache_bytes"], h["num_blocks"]) == (kv, h_blocks)
     fits_prefill = h_blocks - 1 >= cdiv(mml, page) + 1
@@ -121,7 +122,7 @@ def test_auto_max_num_seqs_is_the_fixed_point(model_dir):
     row = 30 * 2 * 2048 * 8 * 128 * 2
 
     def fit(rows):                      # requests that fit with `rows` Quest rows reserved
-        blocks = (100 * GIB - rows * row) // (16 * TOK) // L
+        blocks = (100 * GIB - (rows + 1) * row) // (16 * TOK) // L
         return (blocks - 1) // 65 if blocks - 1 >= 2049 else 0
     assert fit(n) >= n and fit(n + 1) < n + 1
     assert run(max_num_seqs=n)["hisparse"]["max_requests"] == n

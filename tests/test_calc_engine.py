@@ -142,8 +142,8 @@ def test_hisparse_matches_engine(engine):
     out = calc(e["model"], KV_BYTES + e["quest_bytes"], "--max-num-seqs", MAX_NUM_SEQS)
     h = out["hisparse"]
     # the Quest rows: what the engine allocated, for max_num_seqs rows
-    assert e["quest_rows"] == [MAX_NUM_SEQS]
-    assert h["quest_meta_bytes"] == e["quest_bytes"] == MAX_NUM_SEQS * h["quest_meta_bytes_per_request"]
+    assert e["quest_rows"] == [MAX_NUM_SEQS + 1]           # + the runtime's scratch row
+    assert h["quest_meta_bytes"] == e["quest_bytes"] == (MAX_NUM_SEQS + 1) * h["quest_meta_bytes_per_request"]
     # the KV cache: same blocks, same bytes
     assert (h["num_blocks"], h["kv_cache_bytes"]) == (e["num_blocks"], KV_BYTES)
     assert e["num_blocks"] * e["page_size_bytes"] * e["num_layers"] == e["kv_tensor_bytes"]

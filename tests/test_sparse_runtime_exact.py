@@ -18,10 +18,17 @@ P, L, HKV, D, HQ, W = 8, 3, 2, 8, 4, 40          # W pages per request (max_mode
 
 
 class Driver:
-    def __init__(self, cfg, rows=4, seed=0):
+    """device/dtype/dims: the GPU variant (tests/test_decode_graph_gpu.py) needs a head size the
+    Triton attention kernel takes (64/128/256) and fp16/bf16."""
+
+    def __init__(self, cfg, rows=4, seed=0, device="cpu", dtype=torch.float32, dims=(HQ, HKV, D)):
         self.cfg = cfg
-        self.rt = SparseRuntime(cfg, L, HKV, D, torch.float32, "cpu", rows, W * P, host_pages=400)
-        self.kv = [torch.zeros(rows * W, 2, P, HKV, D) for _ in range(L)]
+        self.hq, self.hkv, self.d = dims
+        self.dev, self.dt = torch.device(device), dtype
+        self.rt = SparseRuntime(cfg, L, self.hkv, self.d, dtype, self.dev, rows, W * P,
+                                host_pages=400, num_heads=self.hq)
+        self.kv = [torch.zeros(1 + rows * W, 2, P, self.hkv, self.d, dtype=dtype, device=self.dev)
+                   for _ in range(L)]                                      # block 0: vLLM's null
         self.blocks, self.lens, self.prompt = {}, {}, {}
         self.g = torch.Generator().manual_seed(seed)
         self.outs: list[torch.Tensor] = []
@@ -29,8 +36,11 @@ class Driver:
     def add(self, rid, n_prompt):
         self.rt.add(rid, n_prompt)
         i = len(self.blocks)
-        self.blocks[rid] = torch.arange(i * W, (i + 1) * W, dtype=torch.int32)
+        self.blocks[rid] = torch.arange(1 + i * W, 1 + (i + 1) * W, dtype=torch.int32)
         self.lens[rid], self.prompt[rid] = 0, n_prompt
+
+    def _rand(self, *shape):
+        return torch.randn(*shape, generator=self.g).to(self.dev, self.dt)
 
     def step(self, todo: dict[str, int]):
         ids = list(todo)
@@ -42,15 +52,14 @@ class Driver:
             qsl.append(qsl[-1] + todo[rid])
             seq.append(n)
             self.lens[rid] = n
-        bt = torch.stack([self.blocks[r] for r in ids])
-        plan = self.rt.plan(ids, qsl, seq, bt, torch.cat(slots))
+        bt = torch.stack([self.blocks[r] for r in ids]).to(self.dev)
+        plan = self.rt.plan(ids, qsl, seq, bt, torch.cat(slots).to(self.dev))
         T = qsl[-1]
         for layer in range(L):
-            q = torch.randn(T, HQ, D, generator=self.g)
-            k = torch.randn(T, HKV, D, generator=self.g)
-            v = torch.randn(T, HKV, D, generator=self.g)
-            out = torch.full((T, HQ, D), float("nan"))
-            self.rt.forward_layer(layer, plan, q, k, v, self.kv[layer], D ** -0.5, out)
+            q, k, v = self._rand(T, self.hq, self.d), self._rand(T, self.hkv, self.d), \
+                self._rand(T, self.hkv, self.d)
+            out = torch.full((T, self.hq, self.d), float("nan"), dtype=self.dt, device=self.dev)
+            self.rt.forward_layer(layer, plan, q, k, v, self.kv[layer], self.d ** -0.5, out)
             self.outs.append(out)
         for rid in ids:                          # what the scheduler frees, nobody may read
             lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid])

@@ -87,12 +87,12 @@ def test_quest_reservation_names_flags_and_largest_fit():
         cap.check_quest_reservation(1024, ROW, budget, 32768, 16)    # vLLM's default on an H200
     assert str(e.value) == (
         "hisparse: the Quest page bounds for max_num_seqs=1024 sequences of max_model_len=32768 "
-        "tokens (page_size=16) need 240.00 GiB of GPU memory (240.0 MiB per sequence), more than "
+        "tokens (page_size=16) need 240.23 GiB of GPU memory (240.0 MiB per sequence), more than "
         "the 62.50 GiB allowed (50% of the GPU memory vLLM may still use); lower --max-num-seqs to "
-        "266 (the most within that limit) or --max-model-len")
-    cap.check_quest_reservation(266, ROW, budget, 32768, 16)         # the suggestion fits
-    with pytest.raises(ValueError, match="--max-num-seqs to 266 "):
-        cap.check_quest_reservation(267, ROW, budget, 32768, 16)
+        "265 (the most within that limit) or --max-model-len")         # + the scratch row
+    cap.check_quest_reservation(265, ROW, budget, 32768, 16)         # the suggestion fits
+    with pytest.raises(ValueError, match="--max-num-seqs to 265 "):
+        cap.check_quest_reservation(266, ROW, budget, 32768, 16)
 
 
 def test_quest_reservation_when_not_one_sequence_fits():
@@ -115,7 +115,7 @@ def test_ensure_quest_meta_fails_before_allocating(worker_state, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated before the check"))
-    with pytest.raises(ValueError, match=r"max_num_seqs=1024 .* 240\.00 GiB .*--max-num-seqs to 266 "):
+    with pytest.raises(ValueError, match=r"max_num_seqs=1024 .* 240\.23 GiB .*--max-num-seqs to 265 "):
         worker_state.ensure_quest_meta(HiSparseConfig(), 32, 1024, 32768, 8, 128, torch.bfloat16,
                                        gpu_memory_utilization=0.9)
     assert worker_state.quest_meta is None
@@ -127,8 +127,9 @@ def test_ensure_quest_meta_logs_the_reservation(worker_state, monkeypatch):
     cfg = HiSparseConfig(top_k=16, device_buffer_size=16, page_size=16, dense_layers=(0,))
     worker_state.ensure_quest_meta(cfg, 3, 4, 100, 2, 8, torch.float32)
     kmin, kmax = worker_state.quest_meta
-    assert kmin[0] is None and kmin[1].shape == kmax[2].shape == (4, 7, 2, 8)
+    assert kmin[0] is None and kmin[1].shape == kmax[2].shape == (5, 7, 2, 8)   # + scratch row
     row = cap.quest_meta_bytes(cap.ModelShape(3, 2, 8, 4), 100, 16, 1)
-    assert sum(t.numel() * 4 for t in kmin + kmax if t is not None) == 4 * row
-    assert lines == [f"hisparse: Quest page bounds reserve {4 * row / GIB:.2f} GiB on cpu "
-                     f"(max_num_seqs=4 x {row / MIB:.1f} MiB: 7 pages x 2 sparse layers)"]
+    assert sum(t.numel() * 4 for t in kmin + kmax if t is not None) == 5 * row
+    assert lines == [f"hisparse: Quest page bounds reserve {5 * row / GIB:.2f} GiB on cpu "
+                     f"(max_num_seqs=4 + 1 scratch row x {row / MIB:.1f} MiB: 7 pages x 2 sparse "
+                     f"layers)"]

@@ -42,6 +42,9 @@ class HiSparseConfig:
     prefetch: overlap miss IO with the previous layer when layers share a selection.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
+    decode_graphs: run the sparse layers of pure-decode steps as one CUDA graph replay per layer
+        (batch padded to a power of two) instead of ~60 eager launches. Experimental: off until
+        validated on the GPU box (docs/vllm-integration.md); ignored with trace_dir.
     trace_dir: when set, selections are appended per request to trace files there.
     """
 
@@ -57,6 +60,7 @@ class HiSparseConfig:
     min_context: int = 0
     prefetch: bool = False
     host_tier: bool = True
+    decode_graphs: bool = False
     trace_dir: Optional[str] = None
 
     def __post_init__(self):
@@ -195,7 +199,7 @@ _TYPES = {
     "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
-    "min_context": int, "prefetch": bool, "host_tier": bool, "trace_dir": (str, type(None)),
+    "min_context": int, "prefetch": bool, "host_tier": bool, "decode_graphs": bool, "trace_dir": (str, type(None)),
 }
 
 

@@ -22,7 +22,7 @@ MIB = 1 << 20
 EPILOG = """\
 --gpu-kv-gib is the KV memory a stock vLLM run gets on this GPU (its "Available KV cache memory"
 line, or --kv-cache-memory-bytes). hisparse allocates its Quest page bounds for --max-num-seqs rows
-while the model is built, before vLLM profiles memory, so its KV cache gets that minus the
+(+ one scratch row) while the model is built, before vLLM profiles memory, so its KV cache gets that minus the
 reservation. Without --max-num-seqs, calc picks the largest N such that N requests still fit once N
 rows are reserved: pass that N to vLLM (its own default, 256, or 1024 on >=70 GiB GPUs, can
 reserve more than the KV cache at long max_model_len). With an explicit N, N also caps both
@@ -99,11 +99,12 @@ def compute(args) -> dict:
         return (nb - 1) // h_bpr if cap.hisparse_prefill_fits(nb, mml, P) else 0
 
     if seqs is None:
-        n_seqs = cap.auto_max_num_seqs(gpu, row, lambda kv: min(fit_gpu(kv), n_host if
+        # the runtime allocates max_num_seqs + 1 rows (one scratch row for decode-graph padding)
+        n_seqs = cap.auto_max_num_seqs(gpu - row, row, lambda kv: min(fit_gpu(kv), n_host if
                                                                   n_host is not None else 1 << 62))
     else:
         n_seqs = seqs
-    kv = gpu - n_seqs * row
+    kv = gpu - (n_seqs + 1) * row
     h_blocks = cap.num_blocks(kv, m, P)
     limits = {"gpu": fit_gpu(kv), "host": n_host, "max_num_seqs": n_seqs}
     if seqs is None:       # n_seqs is the answer; say which resource stopped it growing
@@ -114,7 +115,7 @@ def compute(args) -> dict:
                 "host_bytes_per_request": cap.hisparse_host_bytes(m, args.context, P, sparse),
                 "max_requests": n_h, "bound_by": by_h,
                 "quest_meta_bytes_per_request": row, "max_num_seqs": n_seqs,
-                "quest_meta_bytes": n_seqs * row, "kv_cache_bytes": kv, "num_blocks": h_blocks,
+                "quest_meta_bytes": (n_seqs + 1) * row, "kv_cache_bytes": kv, "num_blocks": h_blocks,
                 "prefill_fits": cap.hisparse_prefill_fits(h_blocks, mml, P),
                 "host_pool_pages": host_pages,
                 # HiSparseSpec.max_memory_usage_bytes ignores min_context: vLLM's lines assume S+1

@@ -138,11 +138,12 @@ def quest_budget_bytes(free_bytes: int, total_bytes: int,
 def check_quest_reservation(rows: int, row_bytes: int, budget_bytes: int, max_model_len: int,
                             page_size: int) -> None:
     """Raise ValueError, naming the flags to lower, when ``rows`` Quest rows of ``row_bytes``
-    (``quest_meta_bytes``) exceed ``budget_bytes`` (``quest_budget_bytes``)."""
-    need = rows * row_bytes
+    (``quest_meta_bytes``), plus the runtime's scratch row, exceed ``budget_bytes``
+    (``quest_budget_bytes``)."""
+    need = (rows + 1) * row_bytes
     if need <= budget_bytes:
         return
-    fit = budget_bytes // row_bytes if row_bytes else rows
+    fit = max(budget_bytes // row_bytes - 1, 0) if row_bytes else rows
     fix = (f"lower --max-num-seqs to {fit} (the most within that limit) or --max-model-len" if fit else
            "lower --max-model-len (not even one sequence fits)")
     raise ValueError(

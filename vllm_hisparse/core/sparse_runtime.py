@@ -92,19 +92,24 @@ class StepPlan:
     hot: torch.Tensor | None = None            # (Rh,) indices into the decode rows using RESOLVE
     hot_slot_map: torch.Tensor | None = None   # (Rh, S) blocks [0, S) of the hot rows
     hot_pt: torch.Tensor | None = None         # (Rh, U) int32 host page of each logical page
+    graph: int = 0                             # decode-graph bucket of this step (0 = eager)
 
 
 class SparseRuntime:
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, max_rows: int, max_model_len: int,
                  host_pages: int | None = None, quest_meta: tuple[list, list] | None = None,
-                 dense_pool: HostKVPool | None = None):
-        """quest_meta: per-layer (kmin, kmax) tensors (rows, U, Hkv, D), None for dense layers,
+                 dense_pool: HostKVPool | None = None, num_heads: int | None = None):
+        """max_rows: requests at once; the Quest bounds and hot-slot state have one more row, the
+        scratch row that decode-graph padding points at (core/decode_graph.py).
+        quest_meta: per-layer (kmin, kmax) tensors (max_rows + 1, U, Hkv, D), None for dense layers,
         allocated by the caller (the vLLM adapter does it before memory profiling); default: here.
         dense_pool: the GPU pool holding the dense layers of sparse requests when
         cfg.dense_pool_gib > 0 (the adapter allocates it before memory profiling); default: here."""
         cfg.check_layers(num_layers)
         self.cfg = cfg
+        self.max_rows, self.scratch_row = max_rows, max_rows
+        self.dtype, self.num_kv_heads, self.head_dim = dtype, num_kv_heads, head_dim
         self.P = cfg.page_size
         self.S = cfg.num_slots
         self.k_sel = max(cfg.top_k_units - 1, 0)       # the newest page takes one unit of top_k
@@ -118,12 +123,14 @@ class SparseRuntime:
         self.pool = (HostKVPool(num_layers, host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
         if quest_meta is None:
-            meta = (max_rows, self.U, num_kv_heads, head_dim)
+            meta = (max_rows + 1, self.U, num_kv_heads, head_dim)
             mk = lambda i: (None if i in self.dense_layers  # noqa: E731
                             else torch.zeros(meta, dtype=dtype, device=self.device))
             quest_meta = ([mk(i) for i in range(num_layers)], [mk(i) for i in range(num_layers)])
         self.kmin, self.kmax = quest_meta
-        self.hot = [sl.HotSlots(max_rows, self.S, self.U, self.device)
+        if any(t is not None and t.shape[0] != max_rows + 1 for t in self.kmin):
+            raise ValueError(f"quest_meta must have max_rows + 1 = {max_rows + 1} rows")
+        self.hot = [sl.HotSlots(max_rows + 1, self.S, self.U, self.device)
                     if cfg.host_tier and i not in self.dense_layers else None
                     for i in range(num_layers)]
         # Host page of each logical page of each row, mirrored on the device (grown as the pool hands
@@ -162,6 +169,13 @@ class SparseRuntime:
                 "num_layers": num_layers, "sparse_layers": sparse, "kv_heads": num_kv_heads,
                 "head_dim": head_dim, "decode": "as served"})
         self._hit_miss = torch.zeros(2, dtype=torch.int64, device=self.device)  # read in stats_dict
+        self.graphs = None
+        if cfg.decode_graphs and cfg.trace_dir is None:
+            from vllm_hisparse.core.decode_graph import DecodeGraphs
+
+            if num_heads is None:
+                raise ValueError("decode_graphs needs the runtime's num_heads")
+            self.graphs = DecodeGraphs(self, num_heads, self.U, capture=self.device.type == "cuda")
         self.stats = {"steps": 0, "decode_rows": 0, "finished": 0, "dense_pool_pages_handed": 0}
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -261,6 +275,8 @@ class SparseRuntime:
                               self._dense_group(res, self._rows_of(res, block_table)))
         if plan.dec:
             self._plan_decode(plan)
+            if self.graphs is not None and not plan.dense:
+                self.graphs.fill(plan)
             if self.trace is not None:
                 plan.dec_step = [self._dec_steps.get(s.req_id, 0) for s in plan.dec]
                 for s, n in zip(plan.dec, plan.dec_step):
@@ -370,9 +386,12 @@ class SparseRuntime:
                       v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """q (T, Hq, D), k/v (T, Hkv, D) of this step's tokens; kv (N, 2, P, Hkv, D) this layer's
         paged cache; out (T, Hq, D) is written. No host sync on the GPU path."""
+        dense_layer = layer in self.dense_layers
+        if plan.graph and not dense_layer:                     # one replay, core/decode_graph.py
+            self.graphs.run(layer, plan, q, k, v, kv, scale, out)
+            return
         sl.write_kv(kv, plan.wr_blk, plan.wr_off, plan.wr_tok, k, v)
         host = self.pool.data[layer] if self.pool is not None else None
-        dense_layer = layer in self.dense_layers
         if dense_layer and self.dpool is not None:            # the dense pool, not the host
             dp = self.dpool.data[self._dpool_layer[layer]]
             if plan.host_tok is not None:

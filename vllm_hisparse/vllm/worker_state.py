@@ -41,10 +41,10 @@ def ensure_quest_meta(cfg, num_layers: int, rows: int, max_model_len: int, num_k
         free, total = torch.cuda.mem_get_info(dev)
         budget = capacity.quest_budget_bytes(free, total, gpu_memory_utilization)
         capacity.check_quest_reservation(rows, row_bytes, budget, max_model_len, cfg.page_size)
-    logger.info("hisparse: Quest page bounds reserve %.2f GiB on %s (max_num_seqs=%d x %.1f MiB: "
-                "%d pages x %d sparse layers)", rows * row_bytes / (1 << 30), dev, rows,
-                row_bytes / (1 << 20), pages, num_layers - dense)
-    shape = (rows, pages, num_kv_heads, head_dim)
+    logger.info("hisparse: Quest page bounds reserve %.2f GiB on %s (max_num_seqs=%d + 1 scratch row "
+                "x %.1f MiB: %d pages x %d sparse layers)", (rows + 1) * row_bytes / (1 << 30), dev,
+                rows, row_bytes / (1 << 20), pages, num_layers - dense)
+    shape = (rows + 1, pages, num_kv_heads, head_dim)     # + the runtime's scratch row
     mk = lambda i: None if i in cfg.dense_layers else torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
     quest_meta = ([mk(i) for i in range(num_layers)], [mk(i) for i in range(num_layers)])
 

@@ -1,0 +1,224 @@
+"""Decode of the sparse layers in one CUDA graph per (layer, padded batch size): the eager decode
+layer is ~60 small launches (CPU-bound, docs/gpu-results.md), a replay is one.
+
+A step qualifies when every row of the batch is one decode token of a sparse request (no prefill
+chunk, no short resident request: ``plan.dense`` empty); other steps and the dense layers stay
+eager. The batch is padded to a bucket size Rp (powers of two up to max_rows). Everything the
+layer reads lives in static buffers filled once per step by ``fill`` (one host->device copy of a
+packed metadata tensor), so the captured kernels see the same addresses on every replay:
+
+- padding rows point at runtime row ``scratch`` (one spare row of Quest bounds / hot-slot state that
+  no request owns), write their K/V into block 0 (vLLM's null block, never read for a real row),
+  write nothing to the host pool (page -1), select nothing (so RESOLVE leaves them alone) and count
+  no hits or misses; their outputs are dropped;
+- every real row runs the same ops as the eager path, in the same order, on the same values: the
+  result is bit-identical to the eager path (tests/test_decode_graph.py on CPU, where the static
+  step runs without capture; tests/test_decode_graph_gpu.py replays real graphs).
+
+No host sync, no allocation outside the graph's pool, no data-dependent Python branch inside.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_hisparse.core import sparse_layer as sl
+from vllm_hisparse.ops.write_through import write_through
+
+# Per-step metadata packed into one int64 tensor (one H2D copy): one row each, width Rp.
+_FIELDS = ("rows", "seq", "full", "newest_blk", "wr_blk", "wr_off", "host_page", "host_off",
+           "q_page", "q_new", "is_hot")
+
+
+def bucket(n: int, max_rows: int) -> int:
+    """Smallest power of two >= n, capped at max_rows."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, max_rows)
+
+
+@dataclass
+class Static:
+    """The static buffers of one padded batch size."""
+    q: torch.Tensor             # (Rp, Hq, D)
+    k: torch.Tensor             # (Rp, Hkv, D)
+    v: torch.Tensor
+    out: torch.Tensor           # (Rp, Hq, D)
+    meta: torch.Tensor          # (len(_FIELDS), Rp) int64
+    bt: torch.Tensor            # (Rp, W) int64 block tables (padding rows: block 0)
+    host_pt: torch.Tensor       # (Rp, U) int32 host page tables (padding rows: -1)
+    tok: torch.Tensor           # (Rp,) arange: token i of the static batch is row i
+    n: int = 0                  # real rows this step
+
+    def field(self, name: str) -> torch.Tensor:
+        return self.meta[_FIELDS.index(name)]
+
+
+class DecodeGraphs:
+    def __init__(self, rt, num_heads: int, max_width: int, capture: bool):
+        """rt: the SparseRuntime; max_width: block-table width (max_model_len pages);
+        capture: record CUDA graphs (CUDA only); False runs the static step eagerly (CPU tests)."""
+        self.rt = rt
+        self.Hq = num_heads
+        self.W = max_width
+        self.capture = capture
+        self.static: dict[int, Static] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._warm: set[tuple[int, int]] = set()
+        self.scale: dict[int, float] = {}
+        self.stats = {"replays": 0, "captures": 0}
+
+    # ---- per step ----------------------------------------------------------------------------
+    def fill(self, plan) -> None:
+        """Copy the step's decode metadata into the bucket's static buffers (plan.graph = Rp)."""
+        rt, d = self.rt, plan.dec
+        n = len(d)
+        Rp = bucket(n, rt.max_rows)
+        st = self._static(Rp, plan)
+        P, U, scratch = rt.P, rt.U, rt.scratch_row
+        meta = torch.zeros(len(_FIELDS), Rp, dtype=torch.int64)
+        pad = torch.arange(n, Rp)
+        cols = {
+            "rows": ([s.row for s in d], scratch),
+            "seq": ([s.seq_len for s in d], 1),
+            "full": ([(s.seq_len - 1) // P for s in d], 0),
+            "host_off": ([(s.seq_len - 1) % P for s in d], 0),
+            "wr_off": ([(s.seq_len - 1) % P for s in d], 0),
+            "q_new": ([int((s.seq_len - 1) % P == 0) for s in d], 1),
+            "is_hot": ([int(s.freed[1] > s.freed[0]) for s in d], 0),
+        }
+        for name, (vals, fill) in cols.items():
+            row = meta[_FIELDS.index(name)]
+            row[:n] = torch.tensor(vals, dtype=torch.int64)
+            row[n:] = fill
+        meta[_FIELDS.index("q_page"), :n] = torch.tensor(
+            [s.row * U + (s.seq_len - 1) // P for s in d], dtype=torch.int64)
+        meta[_FIELDS.index("q_page"), n:] = scratch * U + pad % U
+        dev = rt.device
+        st.meta.copy_(meta.to(dev))
+        # Block tables and host page tables stay on the device: gather the real rows, pad the rest.
+        idx = torch.tensor([s.idx for s in d], dtype=torch.int64).to(plan.block_table.device)
+        bt = plan.block_table[idx].to(dev, torch.int64)
+        w = min(bt.shape[1], self.W)
+        st.bt[:n, :w] = bt[:, :w]
+        st.bt[n:] = 0
+        newest = st.field("full")[:n]
+        st.field("newest_blk")[:n] = torch.gather(st.bt[:n], 1, newest[:, None])[:, 0]
+        st.field("newest_blk")[n:] = 0
+        st.field("wr_blk")[:n] = st.field("newest_blk")[:n]
+        st.field("wr_blk")[n:] = 0
+        rows = st.field("rows")[:n]
+        st.host_pt[:n] = rt.host_pt[rows] if rt.pool is not None else -1
+        st.host_pt[n:] = -1
+        if rt.pool is not None:
+            hp = torch.gather(st.host_pt[:n].long(), 1, newest[:, None])[:, 0]
+            st.field("host_page")[:n] = hp
+        else:
+            st.field("host_page")[:n] = -1
+        st.field("host_page")[n:] = -1
+        st.n = n
+        plan.graph = Rp
+
+    # ---- per layer ---------------------------------------------------------------------------
+    def run(self, layer: int, plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """The decode step of one sparse layer for the plan's rows (every token a decode row)."""
+        st = self.static[plan.graph]
+        n = st.n
+        tok = plan.dec_tok
+        st.q[:n] = q[tok]
+        st.k[:n] = k[tok]
+        st.v[:n] = v[tok]
+        key = (layer, plan.graph)
+        if not self.capture:
+            self._step(layer, st, kv, scale)
+        else:
+            g = self.graphs.get(key)
+            if g is None:
+                g = self._record(key, st, kv, scale)
+            g.replay()
+            self.stats["replays"] += 1
+        out[tok] = st.out[:n].to(out.dtype)
+
+    def _step(self, layer: int, st: Static, kv: torch.Tensor, scale: float) -> None:
+        """The captured body: the eager decode path on static buffers, padding rows inert."""
+        rt = self.rt
+        f = st.field
+        sl.write_kv(kv, f("wr_blk"), f("wr_off"), None, st.k, st.v)
+        host = rt.pool.data[layer] if rt.pool is not None else None
+        if host is not None:
+            write_through(host, st.k, st.v, st.tok, f("host_page"), f("host_off"))
+        sl.quest_update_pages(rt.kmin[layer], rt.kmax[layer], f("q_page"), f("q_new").bool(),
+                              st.tok, st.k)
+        rows = f("rows")
+        sel = sl.quest_topk(st.q, rt.kmin[layer], rt.kmax[layer], rows, f("full"), rt.k_sel)
+        locs = torch.where(sel >= 0, torch.gather(st.bt, 1, sel.long().clamp(min=0)), -1).to(torch.int32)
+        if rt.hot[layer] is not None:
+            hot = f("is_hot").bool()[:, None]
+            sel_h = torch.where(hot, sel, -1)
+            hot_locs, counts = sl.resolve_hot(sel_h, rt.hot[layer], rows, st.bt[:, :rt.S].to(torch.int32),
+                                              kv, host, st.host_pt, io_chunk_bytes=rt.cfg.io_chunk_bytes)
+            locs = torch.where(hot, hot_locs, locs)
+            rt._hit_miss += counts
+        o = torch.empty_like(st.q)
+        sl.sparse_decode(st.q, kv, locs, sel, f("seq").to(torch.int32), f("newest_blk"), scale, o)
+        st.out.copy_(o)
+
+    def _record(self, key, st: Static, kv: torch.Tensor, scale: float):
+        """Warm up (Triton JIT, allocator) on a side stream, then capture; state the warm-up touched
+        is only the inert padding of an all-padding batch."""
+        layer = key[0]
+        saved = (st.n, st.meta.clone(), st.bt.clone(), st.host_pt.clone())
+        hm = self.rt._hit_miss.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self._make_inert(st)
+            self._step(layer, st, kv, scale)          # JIT + allocator warm-up, inert rows only
+        torch.cuda.current_stream().wait_stream(s)
+        st.meta.copy_(saved[1])
+        st.bt.copy_(saved[2])
+        st.host_pt.copy_(saved[3])
+        self.rt._hit_miss.copy_(hm)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._step(layer, st, kv, scale)
+        self.graphs[key] = g
+        self.stats["captures"] += 1
+        # Capture does not execute: the caller replays it for this step.
+        return g
+
+    def _make_inert(self, st: Static) -> None:
+        rt = self.rt
+        Rp = st.meta.shape[1]
+        meta = torch.zeros_like(st.meta)
+        meta[_FIELDS.index("rows")] = rt.scratch_row
+        meta[_FIELDS.index("seq")] = 1
+        meta[_FIELDS.index("q_new")] = 1
+        meta[_FIELDS.index("host_page")] = -1
+        meta[_FIELDS.index("q_page")] = rt.scratch_row * rt.U + torch.arange(Rp, device=meta.device) % rt.U
+        st.meta.copy_(meta)
+        st.bt.zero_()
+        st.host_pt.fill_(-1)
+
+    def _static(self, Rp: int, plan) -> Static:
+        st = self.static.get(Rp)
+        if st is None:
+            rt = self.rt
+            dev, dt = rt.device, rt.dtype
+            st = Static(
+                q=torch.zeros(Rp, self.Hq, rt.head_dim, dtype=dt, device=dev),
+                k=torch.zeros(Rp, rt.num_kv_heads, rt.head_dim, dtype=dt, device=dev),
+                v=torch.zeros(Rp, rt.num_kv_heads, rt.head_dim, dtype=dt, device=dev),
+                out=torch.zeros(Rp, self.Hq, rt.head_dim, dtype=dt, device=dev),
+                meta=torch.zeros(len(_FIELDS), Rp, dtype=torch.int64, device=dev),
+                bt=torch.zeros(Rp, self.W, dtype=torch.int64, device=dev),
+                host_pt=torch.full((Rp, rt.U), -1, dtype=torch.int32, device=dev),
+                tok=torch.arange(Rp, dtype=torch.int64, device=dev))
+            self.static[Rp] = st
+        return st
