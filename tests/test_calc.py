@@ -169,3 +169,25 @@ def test_table_and_errors(model_dir):
 def test_mla_refused(tmp_path):
     with pytest.raises(ValueError, match="MLA"):
         cap.ModelShape.from_hf_config({**LLAMA3_8B, "kv_lora_rank": 512})
+
+
+@pytest.mark.parametrize("pool_gib,host_gib", [(10, 52), (1, 200)])
+def test_dense_pool(model_dir, pool_gib, host_gib):
+    """--dense-pool-gib: a fixed GPU reservation out of the KV budget; each request takes its dense
+    layers' pages there; the request count is bound by the smaller pool."""
+    ctx, dense, seqs, G = 32768, 2, 8, 27
+    out = calc_json(model_dir, "--context", ctx, "--gpu-kv-gib", G, "--host-gib", host_gib,
+                    "--dense-layers", dense, "--dense-pool-gib", pool_gib, "--max-num-seqs", seqs)
+    h = out["hisparse"]
+    pages = ctx // 16
+    pool_pages = pool_gib * GIB // (16 * TOK * dense)
+    assert (h["dense_pool_bytes"], h["dense_pool_pages"]) == (pool_gib * GIB, pool_pages)
+    assert h["dense_pool_bytes_per_request"] == dense * pages * 16 * TOK
+    row = (L - dense) * 2 * pages * 8 * 128 * 2
+    kv = G * GIB - pool_gib * GIB - (seqs + 1) * row
+    assert h["kv_cache_bytes"] == kv
+    n_host = (host_gib * GIB // (16 * TOK * L)) // pages
+    n_gpu = (kv // (16 * TOK) // L - 1) // 257
+    limits = {"gpu": n_gpu, "host": n_host, "dense_pool": pool_pages // pages, "max_num_seqs": seqs}
+    by = min(limits, key=limits.get)
+    assert (h["max_requests"], h["bound_by"]) == (limits[by], by)

@@ -49,6 +49,9 @@ def add_arguments(p):
                    help="model = KV dtype (default: the model's, else bf16)")
     p.add_argument("--dense-layers", type=int, default=2,
                    help="how many leading layers attend densely (default 2, as Quest)")
+    p.add_argument("--dense-pool-gib", type=float, default=0.0,
+                   help="hisparse dense_pool_gib: GPU pool keeping the dense layers of long requests "
+                        "resident (default 0: they read the host pool)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="vLLM --max-num-seqs: Quest rows reserved (default: the most that fit)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -63,8 +66,14 @@ def compute(args) -> dict:
     mml = args.max_model_len or args.context
     cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=args.page_size,
                          host_pool_gib=args.host_gib, dense_layers=tuple(range(args.dense_layers)),
-                         min_context=args.min_context)
-    m = cap.ModelShape.from_hf_config(args.model, args.dtype)
+                         min_context=args.min_context, dense_pool_gib=args.dense_pool_gib)
+    try:
+        m = cap.ModelShape.from_hf_config(args.model, args.dtype)
+    except FileNotFoundError:
+        raise SystemExit(f"--model {args.model}: no config.json there (give a HF model directory "
+                         f"or its config.json)") from None
+    except (ValueError, KeyError) as e:
+        raise SystemExit(f"--model {args.model}: {e}") from None
     if args.dense_layers > m.num_layers:
         raise SystemExit(f"--dense-layers {args.dense_layers} exceeds the model's {m.num_layers} layers")
     if args.context > mml:
@@ -93,6 +102,14 @@ def compute(args) -> dict:
     host_pages = cap.host_pool_pages(host, m, P)
     h_pages = cap.hisparse_host_pages(args.context, P, sparse)
     n_host = host_pages // h_pages if h_pages else None
+    # the dense pool (cfg.uses_dense_pool): a fixed GPU reservation; a sparse request takes as many
+    # pages there (its dense layers) as in the host pool
+    dense_bytes = cfg.dense_pool_bytes if cfg.uses_dense_pool else 0
+    dense_pages = (dense_bytes // (m.token_bytes_per_layer * P * args.dense_layers)
+                   if dense_bytes else None)
+    n_dense = dense_pages // h_pages if dense_pages is not None and h_pages else None
+    n_pools = min((x for x in (n_host, n_dense) if x is not None), default=None)
+    gpu_kv = gpu - dense_bytes
 
     def fit_gpu(kv: int) -> int:
         nb = cap.num_blocks(kv, m, P)
@@ -100,15 +117,16 @@ def compute(args) -> dict:
 
     if seqs is None:
         # the runtime allocates max_num_seqs + 1 rows (one scratch row for decode-graph padding)
-        n_seqs = cap.auto_max_num_seqs(gpu - row, row, lambda kv: min(fit_gpu(kv), n_host if
-                                                                  n_host is not None else 1 << 62))
+        n_seqs = cap.auto_max_num_seqs(gpu_kv - row, row, lambda kv: min(fit_gpu(kv), n_pools if
+                                                                     n_pools is not None else 1 << 62))
     else:
         n_seqs = seqs
-    kv = gpu - (n_seqs + 1) * row
+    kv = gpu_kv - (n_seqs + 1) * row
     h_blocks = cap.num_blocks(kv, m, P)
-    limits = {"gpu": fit_gpu(kv), "host": n_host, "max_num_seqs": n_seqs}
+    limits = {"gpu": fit_gpu(kv), "host": n_host, "dense_pool": n_dense, "max_num_seqs": n_seqs}
     if seqs is None:       # n_seqs is the answer; say which resource stopped it growing
-        n_h, by_h = n_seqs, ("host" if n_host is not None and n_seqs == n_host else "gpu")
+        n_h, by_h = n_seqs, ("host" if n_host is not None and n_seqs == n_host else
+                             "dense_pool" if n_dense is not None and n_seqs == n_dense else "gpu")
     else:
         n_h, by_h = cap.max_requests(limits)
     hisparse = {"gpu_bytes_per_request": cap.hisparse_gpu_bytes(m, args.context, P, S, sparse),
@@ -118,6 +136,9 @@ def compute(args) -> dict:
                 "quest_meta_bytes": (n_seqs + 1) * row, "kv_cache_bytes": kv, "num_blocks": h_blocks,
                 "prefill_fits": cap.hisparse_prefill_fits(h_blocks, mml, P),
                 "host_pool_pages": host_pages,
+                "dense_pool_bytes": dense_bytes, "dense_pool_pages": dense_pages,
+                "dense_pool_bytes_per_request": (h_pages * P * m.token_bytes_per_layer
+                                                 * args.dense_layers if dense_bytes else 0),
                 # HiSparseSpec.max_memory_usage_bytes ignores min_context: vLLM's lines assume S+1
                 **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S))}
     return {"max_model_len": mml, "baseline": baseline, "hisparse": hisparse}
@@ -141,11 +162,14 @@ def run(args) -> int:
               f" {v['max_requests']:13d}  {v['bound_by']}")
     how = "--max-num-seqs" if args.max_num_seqs is not None else "auto: pass it to vLLM as --max-num-seqs"
     print(f"hisparse Quest bounds: {_gib(h['quest_meta_bytes_per_request'])} per row x "
-          f"{h['max_num_seqs']} rows ({how}) = {_gib(h['quest_meta_bytes'])} out of the KV budget "
+          f"({h['max_num_seqs']} + 1 scratch) rows ({how}) = {_gib(h['quest_meta_bytes'])} out of the KV budget "
           f"-> KV cache {_gib(h['kv_cache_bytes'])}, {h['num_blocks']} blocks")
-    print(f"hisparse keeps S+1 = {args.buffer // args.page_size + 1} blocks per request in all layers "
-          f"(dense layers are not resident yet); the host pool holds every layer "
-          f"({h['host_pool_pages']} pages)")
+    dense = (f"the {args.dense_layers} dense layers also keep every page in a "
+             f"{_gib(h['dense_pool_bytes'])} GPU dense pool ({h['dense_pool_pages']} pages, "
+             f"{_gib(h['dense_pool_bytes_per_request'])} per request)" if h["dense_pool_bytes"] else
+             "dense layers read given-back pages from the host (no --dense-pool-gib)")
+    print(f"hisparse keeps S+1 = {args.buffer // args.page_size + 1} blocks per request in all layers; "
+          f"{dense}; the host pool holds every layer ({h['host_pool_pages']} pages)")
     if not h["prefill_fits"]:
         print(f"hisparse would not start: a max_model_len={mml} prompt does not fit the KV cache "
               f"during its prefill")
