@@ -18,15 +18,11 @@ H200 = {"free": 139 * GIB, "total": 140 * GIB}
 # ---- host pool pinning --------------------------------------------------------------------------
 @pytest.fixture
 def pin_fails(monkeypatch):
-    """torch.empty(..., pin_memory=True) raises what CUDA raised on the H200; the rest is real."""
-    real = torch.empty
+    """Pinning the pool (core/pinned.py) raises what CUDA raised on the H200; the rest is real."""
+    def pinned_empty(shape, dtype):
+        raise torch.AcceleratorError("CUDA error: out of memory\nSearch for `cudaErrorMemory...")
 
-    def empty(*args, pin_memory=False, **kw):
-        if pin_memory:
-            raise torch.AcceleratorError("CUDA error: out of memory\nSearch for `cudaErrorMemory...")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(host_pool, "pinned_empty", pinned_empty)
     monkeypatch.setattr(host_pool, "host_memory", lambda: dict(MEM))
 
 

@@ -10,8 +10,11 @@ list, never twice, and all come back on ``free``.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
+
+from vllm_hisparse.core.pinned import pinned_empty
 
 GIB = 1 << 30
 SUGGEST_SHARE = 0.6      # guess: leave 40% of the available RAM to vLLM's own processes and the OS
@@ -90,8 +93,10 @@ class HostKVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
                  device=None):
-        """device: None = host memory (pinned when CUDA is up); a device = the same paged pool in
-        that device's memory (the runtime's pool for the dense layers of long requests)."""
+        """device: None = host memory (pinned when CUDA is up, exactly its size: core/pinned.py);
+        a device = the same paged pool in that device's memory (the runtime's pool for the dense
+        layers of long requests). ``data`` and its views must not outlive the pool (it unpins the
+        memory when collected)."""
         self.page_size = page_size
         self.num_pages = num_pages
         shape = (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
@@ -101,7 +106,11 @@ class HostKVPool:
             if pin is None:
                 pin = torch.cuda.is_available()
             try:
-                self.data = torch.empty(shape, dtype=dtype, pin_memory=pin)
+                if pin:                  # exactly its size (torch's pinned allocator rounds up to 2^n)
+                    self.data, unpin = pinned_empty(shape, dtype)
+                    self._unpin = weakref.finalize(self, unpin)
+                else:
+                    self.data = torch.empty(shape, dtype=dtype)
             except RuntimeError as e:   # torch.AcceleratorError / OutOfMemoryError: CUDA couldn't pin
                 nbytes = num_layers * num_pages * self.page_bytes(page_size, num_kv_heads, head_dim,
                                                                   dtype)
