@@ -42,12 +42,13 @@ class Setup:
         dev = torch.device("cuda")
         self.rows, self.ctx, self.L = rows, args.context, args.layers
         cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=P,
-                             dense_layers=(), host_pool_gib=1, io_chunk_bytes=args.io_chunk_bytes)
+                             dense_layers=(), host_pool_gib=1, io_chunk_bytes=args.io_chunk_bytes,
+                             decode_graphs=args.decode_graphs)
         self.S = cfg.num_slots
         max_len = args.context + args.steps + 64
         self.U = -(-max_len // P)
         self.rt = SparseRuntime(cfg, self.L, HKV, D, torch.bfloat16, dev, rows, max_len,
-                                host_pages=rows * self.U)
+                                host_pages=rows * self.U, num_heads=HQ)
         fa = dense_fn_or_none()
         if fa is not None:
             self.rt.dense_fn = fa
@@ -66,11 +67,11 @@ class Setup:
         for rid in self.ids:
             self.rt.add(rid, args.context)
         per = self.S + 2                      # hot slots + two blocks taking turns as newest page
-        self.kv = [torch.randn(rows * per, 2, P, HKV, D, device=dev, generator=g).to(torch.bfloat16)
-                   for _ in range(self.L)]
+        self.kv = [torch.randn(1 + rows * per, 2, P, HKV, D, device=dev, generator=g).to(torch.bfloat16)
+                   for _ in range(self.L)]                 # block 0: vLLM's null block
         u = torch.arange(self.U, device=dev)
         col = torch.where(u < self.S, u, self.S + u % 2)
-        self.bt = (torch.arange(rows, device=dev)[:, None] * per + col[None]).to(torch.int32)
+        self.bt = (1 + torch.arange(rows, device=dev)[:, None] * per + col[None]).to(torch.int32)
         self.q_base = [torch.randn(rows, HQ, D, device=dev, generator=g) for _ in range(self.L)]
         self.g, self.noise, self.n = g, args.q_noise, 0
 
@@ -200,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--io-chunk-bytes", type=int, default=64)
     ap.add_argument("--q-noise", type=float, default=0.3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--decode-graphs", action="store_true",
+                    help="config decode_graphs: replay each layer from a CUDA graph")
     ap.add_argument("--out", default="out/decode_step")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -212,7 +215,8 @@ def main(argv=None) -> int:
         after = s.rt.stats_dict()
         hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
         profile(s, os.path.join(args.out, f"profile-{R}.txt"))
-        parts = breakdown(s, 5)
+        # the per-piece breakdown synchronises inside the pieces: not with graphs (capture)
+        parts = {} if args.decode_graphs else breakdown(s, 5)
         syncs = sync_points(s)
         with open(os.path.join(args.out, f"breakdown-{R}.txt"), "w") as f:
             f.write(f"ms per step ({args.layers} layers), each piece synchronised:\n")
@@ -228,6 +232,7 @@ def main(argv=None) -> int:
         plan_ms = (time.perf_counter() - t0) * 1e3 / args.steps
         stock = stock_layer_ms(s)
         row = {"context": args.context, "rows": R, "top_k": args.top_k, "buffer": args.buffer,
+               "decode_graphs": args.decode_graphs,
                "q_noise": args.q_noise, "miss_rate": round(misses / max(hits + misses, 1), 4),
                "plan_ms": round(plan_ms, 3),
                "wall_ms_per_layer": round((wall - plan_ms) / args.layers, 3),
