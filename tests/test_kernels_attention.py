@@ -1,24 +1,34 @@
 """Triton sparse decode attention vs the fp32 reference (error <= 2x torch's own error in the same
-dtype), and bit-exactness of HiSparse (hot-buffer locs) vs resident (full-cache locs)."""
+dtype), and bit-exactness of HiSparse (hot-buffer locs) vs resident (full-cache locs). The newest-page
+entry (sparse_decode_attention_newest, extra rows read from kv by block index) is bit-identical to
+gathering them into extra_kv; checked on the GPU and, on CPU, through Triton's interpreter (fp16 and
+fp32: the interpreter's bf16 is not faithful)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from vllm_hisparse.ops import kernels, reference
-
-pytestmark = pytest.mark.cuda
 
 # (R, Hq, Hkv, D, unit, k, E)
 CASES = [(1, 8, 8, 64, 1, 1, 0), (3, 32, 8, 128, 1, 31, 0), (4, 32, 8, 128, 1, 2048, 0),
          (2, 16, 2, 128, 16, 33, 5), (5, 8, 1, 256, 4, 64, 3), (2, 64, 8, 128, 1, 1025, 1),
          (3, 4, 4, 64, 32, 32, 16), (1, 28, 4, 128, 16, 128, 2)]
 DTYPES = [torch.bfloat16, torch.float16]
+# newest-page path (R, Hq, Hkv, D, unit, k): unit 1 (token units), pages of 4, 16, 32
+NEWEST_CASES = [(3, 32, 8, 128, 1, 31), (2, 16, 2, 128, 16, 33), (5, 8, 1, 256, 4, 64),
+                (3, 4, 4, 64, 32, 32), (8, 32, 8, 128, 16, 127)]
+INTERP_CASES = [(3, 8, 2, 64, 4, 5), (2, 4, 4, 64, 16, 3), (1, 8, 8, 64, 1, 1), (4, 16, 2, 128, 8, 9)]
+INTERP_DTYPES = [torch.float16, torch.float32]
 
 
-def _inputs(R, Hq, Hkv, D, unit, k, E, dt, gen):
+def _inputs(R, Hq, Hkv, D, unit, k, E, dt, gen, dev="cuda"):
     U = 3 * k + 2
     N = R * k + 11
-    q = torch.randn(R, Hq, D, generator=gen).to(dt).cuda()
-    kv = torch.randn(N, 2, unit, Hkv, D, generator=gen).to(dt).cuda()
+    q = torch.randn(R, Hq, D, generator=gen).to(dt).to(dev)
+    kv = torch.randn(N, 2, unit, Hkv, D, generator=gen).to(dt).to(dev)
     locs = torch.stack([torch.randperm(N, generator=gen)[:k] for _ in range(R)]).int()
     units = torch.stack([torch.randperm(U, generator=gen)[:k] for _ in range(R)]).int()
     locs[torch.rand(R, k, generator=gen) < 0.1] = -1
@@ -31,15 +41,32 @@ def _inputs(R, Hq, Hkv, D, unit, k, E, dt, gen):
     ok = (locs[:, :, None] >= 0) & (pos < seq.long()[:, None, None])
     flat = (locs.clamp(min=0).long()[:, :, None] * unit + torch.arange(unit))[ok]
     attended = torch.zeros(N * unit).index_add_(0, flat, torch.ones(len(flat))).view(N, unit) > 0
-    kv.transpose(1, 2)[~attended.cuda()] = float("nan")     # (N, unit) mask over (N, 2, unit, ...)
+    kv.transpose(1, 2)[~attended.to(dev)] = float("nan")   # (N, unit) mask over (N, 2, unit, ...)
     extra = elen = None
     if E:
-        extra = torch.randn(R, E, 2, Hkv, D, generator=gen).to(dt).cuda()
-        elen = torch.randint(0, E + 1, (R,), generator=gen).int().cuda()
+        extra = torch.randn(R, E, 2, Hkv, D, generator=gen).to(dt).to(dev)
+        elen = torch.randint(0, E + 1, (R,), generator=gen).int().to(dev)
         elen[0] = E
         for r in range(R):
             extra[r, int(elen[r]):] = float("nan")
-    return q, kv, locs.cuda(), units.cuda(), seq.cuda(), extra, elen
+    return q, kv, locs.to(dev), units.to(dev), seq.to(dev), extra, elen
+
+
+def _newest_inputs(R, Hq, Hkv, D, unit, k, dt, gen, dev="cuda"):
+    """_inputs plus each row's newest page as a block of kv (rows past (seq-1) % unit + 1 NaN, the
+    last row's seq 0 -> a full page, as torch's floor modulo gives), in shuffled block order; and
+    the same rows gathered into extra_kv / extra_lens as sparse_layer did before."""
+    q, kv, locs, units, seq, _, _ = _inputs(R, Hq, Hkv, D, unit, k, 0, dt, gen, dev)
+    N = kv.shape[0]
+    newest = (N + torch.randperm(R, generator=gen)).to(dev)
+    pages = torch.randn(R, 2, unit, Hkv, D, generator=gen).to(dt).to(dev)
+    elen = ((seq.long() - 1) % unit + 1).int()
+    for r in range(R):
+        pages[r, :, int(elen[r]):] = float("nan")
+    kv = torch.cat([kv, torch.empty_like(pages)])
+    kv[newest] = pages
+    extra = kv[newest].transpose(1, 2).contiguous()
+    return q, kv, locs, units, seq, newest, extra, elen
 
 
 def _torch_lowp(q, kv, locs, units, seq, scale, extra, elen):
@@ -61,6 +88,17 @@ def _torch_lowp(q, kv, locs, units, seq, scale, extra, elen):
     return torch.einsum("rhgt,rthd->rhgd", p, g[:, :, 1]).reshape(R, Hq, D)
 
 
+def _check_vs_reference(out, q, kv, locs, units, seq, scale, extra, elen):
+    ref = reference.sparse_decode_attention(q.double(), kv.double(), locs, units, seq, scale,
+                                            None if extra is None else extra.double(), elen)
+    low = _torch_lowp(q, kv, locs, units, seq, scale, extra, elen)
+    assert not out.isnan().any()
+    err = (out.double() - ref).abs().max().item()
+    err_pt = (low.double() - ref).abs().max().item()
+    assert err <= 2 * err_pt + 1e-4, f"kernel err {err} vs torch {q.dtype} err {err_pt}"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dt", DTYPES)
 def test_attention_vs_reference(case, dt):
@@ -71,17 +109,12 @@ def test_attention_vs_reference(case, dt):
     scale = case[3] ** -0.5
     out = torch.full_like(q, float("nan"))
     kernels.sparse_decode_attention(q, kv, locs, units, seq, scale, extra, elen, out=out)
-    ref = reference.sparse_decode_attention(q.double(), kv.double(), locs, units, seq, scale,
-                                            None if extra is None else extra.double(), elen)
-    low = _torch_lowp(q, kv, locs, units, seq, scale, extra, elen)
-    assert not out.isnan().any()
-    err = (out.double() - ref).abs().max().item()
-    err_pt = (low.double() - ref).abs().max().item()
-    assert err <= 2 * err_pt + 1e-4, f"kernel err {err} vs torch {dt} err {err_pt}"
+    _check_vs_reference(out, q, kv, locs, units, seq, scale, extra, elen)
     if len(q) > 1 and extra is None:
         assert (out[-1] == 0).all()                           # seq_len 0, no extras -> zeros
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("case", CASES[:5])
 def test_hisparse_equals_resident_bitwise(case):
     """Same selection, values gathered from a hot buffer at arbitrary slots vs a full cache."""
@@ -101,3 +134,72 @@ def test_hisparse_equals_resident_bitwise(case):
     a = kernels.sparse_decode_attention(q, full, res_locs, units, seq, D ** -0.5, extra, elen)
     b = kernels.sparse_decode_attention(q, hot, hot_locs, units, seq, D ** -0.5, extra, elen)
     assert torch.equal(a, b)
+
+
+# ---- newest page read from kv by block index -----------------------------------------------------
+def check_newest(case, dt, gen, dev, newest_fn, gathered_fn):
+    """newest_fn (block-index path) == gathered_fn (extra_kv path) bit for bit, both within the
+    reference's tolerance; a padding row (newest block -1) attends no extra rows."""
+    q, kv, locs, units, seq, newest, extra, elen = _newest_inputs(*case, dt, gen, dev)
+    scale = case[3] ** -0.5
+    a = torch.full_like(q, float("nan"))
+    newest_fn(q, kv, locs, units, seq, newest, scale, out=a)
+    b = gathered_fn(q, kv, locs, units, seq, scale, extra, elen)
+    assert torch.equal(a, b), f"{case} {dt}: newest-page path differs from the gathered path"
+    _check_vs_reference(a, q, kv, locs, units, seq, scale, extra, elen)
+    newest[0] = -1
+    a = newest_fn(q, kv, locs, units, seq, newest, scale)
+    elen[0] = 0
+    assert torch.equal(a, gathered_fn(q, kv, locs, units, seq, scale, extra, elen))
+
+
+def test_newest_cpu_is_the_gathered_reference():
+    gen = torch.Generator().manual_seed(4)
+    q, kv, locs, units, seq, newest, extra, elen = _newest_inputs(3, 8, 2, 64, 4, 5, torch.float32,
+                                                                   gen, "cpu")
+    a = kernels.sparse_decode_attention_newest(q, kv, locs, units, seq, newest, 0.125)
+    assert torch.equal(a, reference.sparse_decode_attention(q, kv, locs, units, seq, 0.125, extra, elen))
+
+
+def run_interpreter_cases():
+    """Called in a subprocess with TRITON_INTERPRET=1 (it must be set before triton is imported)."""
+    from vllm_hisparse.ops import triton_attention as ta
+    for i, case in enumerate(INTERP_CASES):
+        for dt in INTERP_DTYPES:
+            gen = torch.Generator().manual_seed(40 + i)
+            check_newest(case, dt, gen, "cpu", ta.sparse_decode_attention_newest,
+                         ta.sparse_decode_attention)
+    print("interpreter ok")
+
+
+def test_newest_triton_kernel_in_interpreter():
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_kernels_attention as t; "
+            "t.run_interpreter_cases()")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "interpreter ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", NEWEST_CASES)
+@pytest.mark.parametrize("dt", DTYPES)
+def test_newest_gpu_equals_gathered_bitwise(case, dt):
+    gen = torch.Generator().manual_seed(sum(case))
+    check_newest(case, dt, gen, "cuda", kernels.sparse_decode_attention_newest,
+                 kernels.sparse_decode_attention)
+
+
+@pytest.mark.cuda
+def test_newest_gpu_cuda_graph():
+    gen = torch.Generator().manual_seed(9)
+    q, kv, locs, units, seq, newest, extra, elen = _newest_inputs(4, 32, 8, 128, 16, 64,
+                                                                   torch.bfloat16, gen)
+    want = kernels.sparse_decode_attention(q, kv, locs, units, seq, 0.1, extra, elen)
+    out = torch.full_like(q, float("nan"))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        kernels.sparse_decode_attention_newest(q, kv, locs, units, seq, newest, 0.1, out=out)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

@@ -1,4 +1,5 @@
-"""Per-layer HiSparse attention on a paged KV cache (plain torch; the adapter only forwards here).
+"""Per-layer HiSparse attention on a paged KV cache (torch and the ops layer's kernels; the adapter
+only forwards here).
 
 Layouts (one layer): ``kv``  (N, 2, P, Hkv, D) paged KV cache, block b = one page of P tokens (K at
 [:, 0], V at [:, 1]); ``host`` (pages, 2, P, Hkv, D) the same layer of the host pool; ``kmin``/
@@ -10,16 +11,20 @@ Decode of a sparse request: Quest scores the complete pages ``[0, newest)``, the
 and their physical slots come either straight from the block table (all pages still resident) or
 from RESOLVE over the hot slots (blocks ``[0, S)`` of the request). Both modes run the same
 selection and the same attention kernel, so hisparse == resident bit for bit.
+
+On CUDA a decode layer is a few launches: the Quest update (1), scores + torch.topk + pages and
+blocks (3-4, ``quest_topk_locs``), RESOLVE with its gathers/scatters (4, ``resolve_hot_into``) and
+the attention (2, ``sparse_decode``); on CPU the same functions run the plain-torch references.
 """
 from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.ops import kernels, reference
-from vllm_hisparse.ops.quest import quest_scores_rows
+from vllm_hisparse.ops import hot_rows, kernels, reference
+from vllm_hisparse.ops.quest import quest_scores_rows, topk_pages
+from vllm_hisparse.ops.quest_update import quest_update_pages as _quest_update_pages
 
 _resolve_lru = getattr(kernels, "resolve_lru", reference.resolve_lru)
-_sparse_attention = getattr(kernels, "sparse_decode_attention", reference.sparse_decode_attention)
 _quest_update = getattr(kernels, "quest_update", reference.quest_update)
 
 
@@ -46,25 +51,14 @@ def write_host(host: torch.Tensor, pages: torch.Tensor, offs: torch.Tensor, k: t
 def quest_update_pages(kmin: torch.Tensor, kmax: torch.Tensor, page_flat: torch.Tensor,
                        page_new: torch.Tensor, tok_page: torch.Tensor, k: torch.Tensor) -> None:
     """Fold this step's keys into the Quest page bounds with no host sync (same result as
-    ``reference.quest_update``).
+    ``reference.quest_update``); one Triton launch on CUDA (ops/quest_update.py).
 
     kmin/kmax: (R, U, Hkv, D); page_flat: (m,) int64 distinct ``row * U + page`` of the pages this
     step touches; page_new: (m,) bool, the page's first token is in this step (its bounds restart);
-    tok_page: (T,) int64 index into page_flat of each of the T tokens of k (T, Hkv, D).
+    tok_page: (T,) int64 index into page_flat of each of the T tokens of k (T, Hkv, D),
+    non-decreasing, every page with at least one token (as the plan builds it).
     """
-    m = page_flat.shape[0]
-    if m == 0:
-        return
-    R, U = kmin.shape[:2]
-    idx = tok_page[:, None, None].expand(k.shape)
-    kk = k.to(kmin.dtype)
-    for bounds, op, init in ((kmin, "amin", float("inf")), (kmax, "amax", float("-inf"))):
-        flat = bounds.view(R * U, *bounds.shape[2:])
-        step = torch.full((m, *bounds.shape[2:]), init, dtype=bounds.dtype, device=bounds.device)
-        step.scatter_reduce_(0, idx, kk, op)
-        old = flat[page_flat]
-        both = torch.minimum(old, step) if op == "amin" else torch.maximum(old, step)
-        flat[page_flat] = torch.where(page_new[:, None, None], step, both)
+    _quest_update_pages(kmin, kmax, page_flat, page_new, tok_page, k)
 
 
 def quest_update(kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
@@ -146,17 +140,30 @@ def quest_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: to
 
     q: (R, Hq, D); kmin/kmax: (N, U, Hkv, D) page bounds of every runtime row, read at rows (R,)
     (no copy of the bounds); num_full: (R,) complete pages per row.
+    CUDA: score kernel + torch.topk + one launch for the -1 padding and int32 (ops.quest.topk_pages).
     """
+    return topk_pages(_topk_index(q, kmin, kmax, rows, num_full, k_units), num_full, k_units)
+
+
+def quest_topk_locs(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
+                    num_full: torch.Tensor, k_units: int,
+                    block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quest_topk and the selected pages' blocks in one go: (sel, locs), both (R, k_units) int32,
+    locs[r, j] = block_table[r, sel[r, j]], -1 where sel is -1 (the resident mode's slots).
+    block_table: (R, W) int32/int64. On CUDA no more launches than quest_topk."""
+    return topk_pages(_topk_index(q, kmin, kmax, rows, num_full, k_units), num_full, k_units,
+                      block_table)
+
+
+def _topk_index(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
+                num_full: torch.Tensor, k_units: int) -> torch.Tensor:
+    """(R, min(k_units, U)) int64 torch.topk indices over the Quest scores ((R, 0) if none)."""
     R, U = q.shape[0], kmin.shape[1]
-    out = torch.full((R, k_units), -1, dtype=torch.int32, device=q.device)
     kk = min(k_units, U)
-    if R == 0 or kk == 0:
-        return out
+    if R == 0 or kk <= 0:
+        return torch.empty((R, 0), dtype=torch.int64, device=q.device)
     scores = quest_scores_rows(q, kmin, kmax, rows, num_full)
-    _, idx = torch.topk(scores, kk, dim=1)
-    idx = torch.where(idx < num_full.long()[:, None].to(idx.device), idx, -1)
-    out[:, :kk] = idx.to(torch.int32)
-    return out
+    return torch.topk(scores, kk, dim=1)[1]
 
 
 def resolve_hot(sel: torch.Tensor, state: "HotSlots", rows: torch.Tensor, slot_map: torch.Tensor,
@@ -165,15 +172,31 @@ def resolve_hot(sel: torch.Tensor, state: "HotSlots", rows: torch.Tensor, slot_m
     """RESOLVE the selections (Rh, k) of hot rows: (device slots (Rh, k) int32, (2,) int64
     [hits, misses] on the device — counted without a host sync, the caller reads them when needed).
     io_chunk_bytes (config field) goes to the CUDA kernel; the CPU reference ignores it."""
-    su, us, lru = state.slot_unit[rows], state.unit_slot[rows], state.lru[rows]
-    valid = sel >= 0
-    was = torch.gather(us, 1, sel.long().clamp(min=0)) >= 0
-    counts = torch.stack([(valid & was).sum(), (valid & ~was).sum()])
+    counts = torch.zeros(2, dtype=torch.int64, device=sel.device)
     locs = torch.empty_like(sel)
-    _resolve_lru(sel, su, us, lru, slot_map.to(torch.int32), kv, host, host_pt, locs,
-                 io_chunk_bytes=io_chunk_bytes)
-    state.slot_unit[rows], state.unit_slot[rows], state.lru[rows] = su, us, lru
+    resolve_hot_into(locs, sel, None, rows, state, slot_map, kv, host, host_pt, counts,
+                     io_chunk_bytes=io_chunk_bytes)
     return locs, counts
+
+
+def resolve_hot_into(locs: torch.Tensor, sel: torch.Tensor, hot: torch.Tensor | None,
+                     rows: torch.Tensor, state: "HotSlots", slot_map: torch.Tensor, kv: torch.Tensor,
+                     host: torch.Tensor, host_pt: torch.Tensor, counts: torch.Tensor,
+                     io_chunk_bytes: int = 64) -> None:
+    """RESOLVE the hot decode rows in place: locs[hot] = their device slots, counts += [hits, misses].
+
+    locs, sel: (Rd, k) int32 of the decode rows (locs of the other rows are left alone); hot: (Rh,)
+    int64 indices of the hot rows among them, or a (Rd,) bool mask of them (fixed shapes for CUDA
+    graphs: Rh = Rd, cold rows resolve nothing), or None = all (RESOLVE writes locs directly);
+    rows: (Rd,) int64 runtime rows; slot_map (Rh, S), host_pt (Rh, U) int32 of the hot rows;
+    counts: (2,) int64 on the device. CUDA: 4 launches (gather + count, RESOLVE's two, scatter).
+    """
+    st = (state.slot_unit, state.unit_slot, state.lru)
+    sel_h, su, us, lru = hot_rows.take_hot_rows(sel, hot, rows, *st, counts)
+    out = locs if hot is None else torch.empty_like(sel_h)
+    _resolve_lru(sel_h, su, us, lru, slot_map.to(torch.int32), kv, host, host_pt, out,
+                 io_chunk_bytes=io_chunk_bytes)
+    hot_rows.put_hot_rows(locs, hot, rows, out, su, us, lru, *st)
 
 
 class HotSlots:
@@ -196,9 +219,6 @@ def sparse_decode(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor, sel: to
     """Attention of one token per row over the selected pages (locs (R, k)) then its newest page.
 
     newest_blocks: (R,) block of each row's newest page; its first ``(seq_len-1) % P + 1`` rows
-    are attended after the selected ones.
+    are attended after the selected ones, read from kv in place (two launches on CUDA).
     """
-    P = kv.shape[2]
-    extra = kv[newest_blocks.long()].transpose(1, 2).contiguous()       # (R, P, 2, Hkv, D)
-    extra_lens = ((seq_lens.long() - 1) % P + 1).to(torch.int32)
-    _sparse_attention(q, kv, locs, sel, seq_lens, scale, extra, extra_lens, out)
+    kernels.sparse_decode_attention_newest(q, kv, locs, sel, seq_lens, newest_blocks, scale, out)

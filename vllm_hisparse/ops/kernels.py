@@ -81,3 +81,25 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
         return triton_attention.sparse_decode_attention(q, kv, locs, units, seq_lens, scale, extra_kv,
                                                         extra_lens, out)
     return reference.sparse_decode_attention(q, kv, locs, units, seq_lens, scale, extra_kv, extra_lens, out)
+
+
+def sparse_decode_attention_newest(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor,
+                                   units: torch.Tensor, seq_lens: torch.Tensor,
+                                   newest_blocks: torch.Tensor, scale: float,
+                                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """sparse_decode_attention whose extra rows are each row's newest page, read from kv in place.
+
+    Equal to sparse_decode_attention(..., extra_kv=kv[newest_blocks].transpose(1, 2) (R, unit, 2,
+    Hkv, D), extra_lens=(seq_lens - 1) % unit + 1 (floor modulo)): the same bits on CUDA, where
+    the Triton kernel reads block newest_blocks[r] itself (two launches in all, no gather);
+    exactly that on CPU. newest_blocks: (R,) int32/int64 on q's device; on CUDA -1 means no extra
+    rows (a padding row). Other args as sparse_decode_attention.
+    """
+    if q.is_cuda:
+        from . import triton_attention
+        return triton_attention.sparse_decode_attention_newest(q, kv, locs, units, seq_lens,
+                                                               newest_blocks, scale, out)
+    unit = kv.shape[2]
+    extra = kv[newest_blocks.long()].transpose(1, 2).contiguous()       # (R, unit, 2, Hkv, D)
+    extra_lens = ((seq_lens.long() - 1) % unit + 1).to(torch.int32)
+    return reference.sparse_decode_attention(q, kv, locs, units, seq_lens, scale, extra, extra_lens, out)

@@ -2,7 +2,9 @@
 
 ``quest_scores_rows(q, kmin, kmax, rows, n)`` == ``reference.quest_scores(q, kmin[rows], kmax[rows], n)``
 without copying ``kmin[rows]`` (megabytes per row per layer) or building the reference's
-(R, U, Hkv, G, D) fp32 temporaries. CUDA: the Triton kernel (ops/triton_quest.py); CPU: the reference.
+(R, U, Hkv, G, D) fp32 temporaries. ``topk_pages`` turns torch.topk's indices over those scores into
+pages (and blocks) with -1 padding in one launch. CUDA: the Triton kernels (ops/triton_quest.py);
+CPU: the references.
 """
 from __future__ import annotations
 
@@ -75,3 +77,35 @@ def quest_scores_rows(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, r
         return s
     out.copy_(s)
     return out
+
+
+def topk_pages(idx: torch.Tensor, num_full: torch.Tensor, k_units: int,
+               block_table: torch.Tensor | None = None):
+    """Pages (R, k_units) int32 of a top-k over page scores, and with block_table (R, W) int also
+    their blocks (R, k_units) int32 (-1 padding): contract reference.topk_pages.
+
+    idx: (R, kk) int64 (torch.topk's indices), kk <= k_units; num_full: (R,) int32/int64.
+    CUDA: one Triton launch (ops/triton_quest.py) instead of full + lt + where + to + copy (and
+    clamp + gather + ge + where + to for the blocks); the same values. CPU: the reference.
+    """
+    if not idx.is_cuda:
+        return reference.topk_pages(idx, num_full, k_units, block_table)
+    from . import triton_quest
+    R, kk = idx.shape
+    if kk > k_units or idx.dtype != torch.int64 or (kk > 1 and idx.stride(1) != 1):
+        raise ValueError(f"idx must be (R, kk<={k_units}) int64 with a contiguous last dim; got "
+                         f"{tuple(idx.shape)} {idx.dtype} strides {idx.stride()}")
+    if num_full.shape != (R,) or num_full.dtype not in _INTS or num_full.device != idx.device:
+        raise ValueError(f"num_full must be ({R},) int32/int64 on {idx.device}; got "
+                         f"{tuple(num_full.shape)} {num_full.dtype} on {num_full.device}")
+    out = torch.empty((R, k_units), dtype=torch.int32, device=idx.device)
+    if block_table is None:
+        triton_quest.topk_pages(idx, num_full, out)
+        return out
+    if (block_table.dim() != 2 or block_table.shape[0] != R or block_table.dtype not in _INTS
+            or block_table.device != idx.device):
+        raise ValueError(f"block_table must be ({R}, W) int32/int64 on {idx.device}; got "
+                         f"{tuple(block_table.shape)} {block_table.dtype} on {block_table.device}")
+    blocks = torch.empty_like(out)
+    triton_quest.topk_pages(idx, num_full, out, block_table, blocks)
+    return out, blocks

@@ -48,6 +48,42 @@ def resolve_lru(selection: torch.Tensor, slot_unit: torch.Tensor, unit_slot: tor
     device_locs.copy_(torch.where(locs >= 0, phys, -1).to(device_locs.dtype))
 
 
+def take_hot_rows(sel: torch.Tensor, hot: torch.Tensor | None, rows: torch.Tensor,
+                  slot_unit: torch.Tensor, unit_slot: torch.Tensor, lru_order: torch.Tensor,
+                  counts: torch.Tensor):
+    """What RESOLVE of the hot rows reads: their selections and copies of their LRU state rows;
+    adds [hits, misses] of those selections to counts in place (a hit: a unit already resident).
+
+    sel: (Rd, k) int32 selections of the decode rows, -1 padding; hot: (Rh,) int64 indices of the
+    hot ones among them, or a (Rd,) bool mask of them (then Rh = Rd and a cold row's selection
+    reads as all -1: RESOLVE leaves it alone), or None: all; rows: (Rd,) int64 their runtime rows;
+    slot_unit/lru_order (N, S), unit_slot (N, U) int32 state of every runtime row; counts: (2,)
+    int64. Returns (sel[hot], slot_unit[r], unit_slot[r], lru_order[r]) with r = rows[hot].
+    """
+    if hot is not None and hot.dtype == torch.bool:
+        sel = torch.where(hot[:, None], sel, -1)
+    elif hot is not None:
+        sel, rows = sel[hot], rows[hot]
+    su, us, lru = slot_unit[rows], unit_slot[rows], lru_order[rows]
+    valid = sel >= 0
+    was = torch.gather(us, 1, sel.long().clamp(min=0)) >= 0
+    counts += torch.stack([(valid & was).sum(), (valid & ~was).sum()])
+    return sel, su, us, lru
+
+
+def put_hot_rows(locs: torch.Tensor, hot: torch.Tensor | None, rows: torch.Tensor,
+                 hot_locs: torch.Tensor, su: torch.Tensor, us: torch.Tensor, lru: torch.Tensor,
+                 slot_unit: torch.Tensor, unit_slot: torch.Tensor, lru_order: torch.Tensor) -> None:
+    """After RESOLVE: locs[hot] = hot_locs (skipped when hot is None: RESOLVE wrote locs) and the
+    state rows rows[hot] = su, us, lru (the inverse of take_hot_rows)."""
+    if hot is not None and hot.dtype == torch.bool:
+        locs.copy_(torch.where(hot[:, None], hot_locs, locs))
+    elif hot is not None:
+        rows = rows[hot]
+        locs[hot] = hot_locs
+    slot_unit[rows], unit_slot[rows], lru_order[rows] = su, us, lru
+
+
 # ---- sparse decode attention -------------------------------------------------------------------
 def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor, units: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, extra_kv: torch.Tensor | None = None,
@@ -108,6 +144,30 @@ def quest_update(kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor, pos
     mx.scatter_reduce_(0, idx, keys.to(mx.dtype), "amax")
 
 
+def quest_update_pages(kmin: torch.Tensor, kmax: torch.Tensor, page_flat: torch.Tensor,
+                       page_new: torch.Tensor, tok_page: torch.Tensor, k: torch.Tensor) -> None:
+    """Fold a step's keys into the page bounds by page index, no host sync (same bounds as
+    quest_update for the same tokens).
+
+    kmin/kmax: (R, U, Hkv, D); page_flat: (m,) int64 distinct ``row * U + page`` of the pages the
+    step touches; page_new: (m,) bool, the page's first token is in this step (its bounds restart);
+    tok_page: (T,) int64 index into page_flat of each of the T tokens of k (T, Hkv, D).
+    """
+    m = page_flat.shape[0]
+    if m == 0:
+        return
+    R, U = kmin.shape[:2]
+    idx = tok_page[:, None, None].expand(k.shape)
+    kk = k.to(kmin.dtype)
+    for bounds, op, init in ((kmin, "amin", float("inf")), (kmax, "amax", float("-inf"))):
+        flat = bounds.view(R * U, *bounds.shape[2:])
+        step = torch.full((m, *bounds.shape[2:]), init, dtype=bounds.dtype, device=bounds.device)
+        step.scatter_reduce_(0, idx, kk, op)
+        old = flat[page_flat]
+        both = torch.minimum(old, step) if op == "amin" else torch.maximum(old, step)
+        flat[page_flat] = torch.where(page_new[:, None, None], step, both)
+
+
 def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  num_units: torch.Tensor) -> torch.Tensor:
     """(R, U) fp32 upper bounds of q.k per page: sum_d max(q*min, q*max), summed over the query heads
@@ -123,6 +183,24 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     s = torch.maximum(a, b).sum(dim=(2, 3, 4))
     live = torch.arange(U, device=q.device)[None] < num_units.long()[:, None]
     return s.masked_fill(~live, float("-inf"))
+
+
+def topk_pages(idx: torch.Tensor, num_full: torch.Tensor, k_units: int,
+               block_table: torch.Tensor | None = None):
+    """The pages of a top-k over page scores: (R, k_units) int32, column j = idx[r, j] if j < kk
+    and idx[r, j] < num_full[r], else -1. With block_table (R, W) int, also (R, k_units) int32
+    block_table[r, page] of each page (-1 padding): returns (pages, blocks).
+
+    idx: (R, kk) int64 from torch.topk, kk <= k_units; num_full: (R,) int complete pages per row.
+    """
+    R, kk = idx.shape
+    out = torch.full((R, k_units), -1, dtype=torch.int32, device=idx.device)
+    idx = torch.where(idx < num_full.long()[:, None].to(idx.device), idx, -1)
+    out[:, :kk] = idx.to(torch.int32)
+    if block_table is None:
+        return out
+    blocks = torch.gather(block_table.to(idx.device), 1, out.long().clamp(min=0))
+    return out, torch.where(out >= 0, blocks, -1).to(torch.int32)
 
 
 def quest_select(scores: torch.Tensor, seq_lens: torch.Tensor, page_size: int,

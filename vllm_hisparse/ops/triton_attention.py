@@ -24,7 +24,8 @@ def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
                   scale, n_sel, n_tok, split_tokens, n_splits,
                   s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
                   UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                  D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr):
+                  D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                  EXTRA_IN_KV: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -34,7 +35,16 @@ def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
     q = tl.load(Q + r * s_qr + (h * G + og)[:, None] * s_qh + od[None, :], mask=gmask[:, None], other=0.0)
     seq = tl.load(SEQ + r)
     if HAS_EXTRA:
-        elen = tl.load(ELEN + r)
+        if EXTRA_IN_KV:
+            # EXTRA holds the newest block of each row (-1: none); its first (seq-1) % UNIT + 1
+            # rows (torch's floor modulo: UNIT rows when seq == 0) are read straight from KV,
+            # whose strides the caller passed as the extra strides.
+            blk = tl.load(EXTRA + r)
+            elen = tl.where(blk >= 0, ((seq - 1) % UNIT + UNIT) % UNIT + 1, 0)
+            ebase = KV + blk.to(tl.int64) * s_er
+        else:
+            elen = tl.load(ELEN + r)
+            ebase = EXTRA + r * s_er
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -55,7 +65,7 @@ def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
         if HAS_EXTRA:
             e = t - n_sel
             is_ext = live & (e >= 0) & (e < elen)
-            ep = EXTRA + r * s_er + e.to(tl.int64) * s_et + h * s_eh
+            ep = ebase + e.to(tl.int64) * s_et + h * s_eh
             kt = tl.where(is_ext[:, None], tl.load(ep[:, None] + od[None, :], mask=is_ext[:, None], other=0.0), kt)
             vt = tl.where(is_ext[:, None],
                           tl.load(ep[:, None] + s_ec + od[None, :], mask=is_ext[:, None], other=0.0), vt)
@@ -114,6 +124,29 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
     contiguous; locs, units: (R, k) int32 (-1 = padding); seq_lens: (R,) int32; extra_kv:
     (R, E, 2, Hkv, D); extra_lens: (R,) int32; out: (R, Hq, D) q's dtype. Hq % Hkv == 0.
     """
+    if extra_kv is None or extra_kv.shape[1] == 0:
+        return _launch(q, kv, locs, units, seq_lens, scale, out, 0, kv, seq_lens, (0, 0, 0, 0), False)
+    return _launch(q, kv, locs, units, seq_lens, scale, out, extra_kv.shape[1], extra_kv, extra_lens,
+                   extra_kv.stride()[:4], False)
+
+
+def sparse_decode_attention_newest(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor,
+                                   units: torch.Tensor, seq_lens: torch.Tensor,
+                                   newest_blocks: torch.Tensor, scale: float,
+                                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """sparse_decode_attention with extra rows = the first (seq_lens[r] - 1) % unit + 1 rows of
+    block newest_blocks[r] of kv, read in place: the same bits as gathering them into extra_kv
+    (R, unit, 2, Hkv, D) with those extra_lens (same token order, same splits).
+
+    newest_blocks: (R,) int32/int64, -1 = no extra rows (a padding row); other args as above.
+    """
+    return _launch(q, kv, locs, units, seq_lens, scale, out, kv.shape[2], newest_blocks, seq_lens,
+                   (kv.stride(0), kv.stride(2), kv.stride(1), kv.stride(3)), True)
+
+
+def _launch(q, kv, locs, units, seq_lens, scale, out, E, ex, el, es, in_kv):
+    """Both kernels; the extra rows: E per row, from ex (a tensor, or newest blocks when in_kv) with
+    strides es = (row or block, token, K/V, head)."""
     R, Hq, D = q.shape
     unit, Hkv = kv.shape[2], kv.shape[3]
     k = locs.shape[1]
@@ -124,7 +157,6 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
     if R == 0:
         return out
     G = Hq // Hkv
-    E = 0 if extra_kv is None else extra_kv.shape[1]
     n_sel = k * unit
     n_tok = n_sel + E
     ns = num_splits(R, Hkv, n_tok)
@@ -133,10 +165,6 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
     ns = max(1, -(-n_tok // split))
     po = torch.empty(R, Hq, ns, D, dtype=torch.float32, device=q.device)
     pml = torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=q.device)
-    has_extra = E > 0
-    ex = extra_kv if has_extra else kv
-    el = extra_lens if has_extra else seq_lens
-    es = extra_kv.stride() if has_extra else (0, 0, 0, 0, 0)
     block = BLOCK_N if D <= 128 else 32
     _split_kernel[(R, Hkv, ns)](
         q, kv, locs, units, seq_lens, ex, el, po, pml,
@@ -144,7 +172,7 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         locs.stride(0), units.stride(0), es[0], es[1], es[2], es[3],
         UNIT=unit, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=block,
-        HAS_EXTRA=has_extra, num_warps=4, num_stages=2)
+        HAS_EXTRA=E > 0, EXTRA_IN_KV=in_kv, num_warps=4, num_stages=2)
     _combine_kernel[(R, Hq)](po, pml, out, ns, out.stride(0), out.stride(1), HQ=Hq, D=D,
                              SP=max(2, triton.next_power_of_2(ns)))
     return out

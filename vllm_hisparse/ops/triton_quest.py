@@ -13,6 +13,9 @@ doing 4*G fp32 ops per pair. Everything is fp32 after the load.
 Each program takes one row and BLOCK_U pages and loops over the KV heads in order; BLOCK_U depends
 only on D, and nothing is shared between programs (no atomics), so a row's scores are the same bits
 whichever other rows are in the batch. Pages at or past num_units[r] are never read and score -inf.
+
+``topk_pages``: torch.topk's indices over the scores -> int32 pages with -1 padding (and the
+pages' blocks from a block table), one launch for what took ~10 small torch ops.
 """
 from __future__ import annotations
 
@@ -79,3 +82,37 @@ def quest_scores_rows(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, r
         G=G, GP=max(2, triton.next_power_of_2(G)), D=D, DP=triton.next_power_of_2(D),
         BLOCK_U=bu, num_warps=4)
     return out
+
+
+@triton.jit
+def _topk_pages_kernel(IDX, NUM, OUT, BT, BLK, kk, K, s_ir, s_or, s_br, s_bc, s_lr,
+                       HAS_BT: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.load(NUM + r)
+    x = tl.load(IDX + r.to(tl.int64) * s_ir + j, mask=j < kk, other=-1)
+    page = tl.where((j < kk) & (x < n), x, -1)
+    tl.store(OUT + r.to(tl.int64) * s_or + j, page.to(tl.int32), mask=j < K)
+    if HAS_BT:
+        b = tl.load(BT + r.to(tl.int64) * s_br + page * s_bc, mask=(j < K) & (page >= 0), other=-1)
+        tl.store(BLK + r.to(tl.int64) * s_lr + j, b.to(tl.int32), mask=j < K)
+
+
+def topk_pages(idx: torch.Tensor, num_full: torch.Tensor, out: torch.Tensor,
+               block_table: torch.Tensor | None = None, blocks: torch.Tensor | None = None) -> None:
+    """One launch of reference.topk_pages into out (R, K) int32 (and blocks (R, K) int32 when
+    block_table (R, W) is given), on already-checked inputs; also runs under TRITON_INTERPRET=1.
+
+    idx: (R, kk) int64, last dim contiguous, kk <= K; num_full: (R,) int; out/blocks last dim
+    contiguous.
+    """
+    R, K = out.shape
+    if R == 0 or K == 0:
+        return
+    bs = min(1024, triton.next_power_of_2(K))
+    has_bt = block_table is not None
+    bt = block_table if has_bt else out
+    bl = blocks if has_bt else out
+    _topk_pages_kernel[(R, triton.cdiv(K, bs))](
+        idx, num_full, out, bt, bl, idx.shape[1], K, idx.stride(0), out.stride(0),
+        bt.stride(0), bt.stride(1), bl.stride(0), HAS_BT=has_bt, BLOCK=bs, num_warps=4)
