@@ -148,8 +148,8 @@ def breakdown(s: Setup, n: int) -> dict:
         return fn
 
     pieces = [(sl, "write_kv", "write_kv"), (srt, "write_through", "write_through"),
-              (sl, "quest_update_pages", "quest_update"), (sl, "quest_topk", "quest_score_topk"),
-              (sl, "resolve_hot", "resolve"), (sl, "sparse_decode", "sparse_attention"),
+              (sl, "quest_update_pages", "quest_update"), (sl, "quest_topk_locs", "quest_score_topk"),
+              (sl, "resolve_hot_into", "resolve"), (sl, "sparse_decode", "sparse_attention"),
               (s.rt, "plan", "plan"), (s.rt, "forward_layer", "layer_total")]
     orig = [(m, name, wrap(m, name, label)) for m, name, label in pieces]
     try:

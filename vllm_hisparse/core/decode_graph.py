@@ -50,6 +50,9 @@ class Static:
     bt: torch.Tensor            # (Rp, W) int64 block tables (padding rows: block 0)
     host_pt: torch.Tensor       # (Rp, U) int32 host page tables (padding rows: -1)
     tok: torch.Tensor           # (Rp,) arange: token i of the static batch is row i
+    is_hot: torch.Tensor        # (Rp,) bool: the row resolves through its hot slots
+    seq: torch.Tensor           # (Rp,) int32 sequence lengths
+    slot_map: torch.Tensor      # (Rp, S) int32 blocks of the hot slots
     n: int = 0                  # real rows this step
 
     def field(self, name: str) -> torch.Tensor:
@@ -119,6 +122,9 @@ class DecodeGraphs:
         else:
             st.field("host_page")[:n] = -1
         st.field("host_page")[n:] = -1
+        st.is_hot.copy_(st.field("is_hot").bool())
+        st.seq.copy_(st.field("seq"))
+        st.slot_map.copy_(st.bt[:, :rt.S])
         st.n = n
         plan.graph = Rp
 
@@ -154,24 +160,19 @@ class DecodeGraphs:
         sl.quest_update_pages(rt.kmin[layer], rt.kmax[layer], f("q_page"), f("q_new").bool(),
                               st.tok, st.k)
         rows = f("rows")
-        sel = sl.quest_topk(st.q, rt.kmin[layer], rt.kmax[layer], rows, f("full"), rt.k_sel)
-        locs = torch.where(sel >= 0, torch.gather(st.bt, 1, sel.long().clamp(min=0)), -1).to(torch.int32)
-        if rt.hot[layer] is not None:
-            hot = f("is_hot").bool()[:, None]
-            sel_h = torch.where(hot, sel, -1)
-            hot_locs, counts = sl.resolve_hot(sel_h, rt.hot[layer], rows, st.bt[:, :rt.S].to(torch.int32),
-                                              kv, host, st.host_pt, io_chunk_bytes=rt.cfg.io_chunk_bytes)
-            locs = torch.where(hot, hot_locs, locs)
-            rt._hit_miss += counts
-        o = torch.empty_like(st.q)
-        sl.sparse_decode(st.q, kv, locs, sel, f("seq").to(torch.int32), f("newest_blk"), scale, o)
-        st.out.copy_(o)
+        sel, locs = sl.quest_topk_locs(st.q, rt.kmin[layer], rt.kmax[layer], rows, f("full"),
+                                       rt.k_sel, st.bt)
+        if rt.hot[layer] is not None:               # cold and padding rows resolve nothing
+            sl.resolve_hot_into(locs, sel, st.is_hot, rows, rt.hot[layer], st.slot_map, kv, host,
+                                st.host_pt, rt._hit_miss, io_chunk_bytes=rt.cfg.io_chunk_bytes)
+        sl.sparse_decode(st.q, kv, locs, sel, st.seq, f("newest_blk"), scale, st.out)
 
     def _record(self, key, st: Static, kv: torch.Tensor, scale: float):
         """Warm up (Triton JIT, allocator) on a side stream, then capture; state the warm-up touched
         is only the inert padding of an all-padding batch."""
         layer = key[0]
-        saved = (st.n, st.meta.clone(), st.bt.clone(), st.host_pt.clone())
+        saved = (st.n, st.meta.clone(), st.bt.clone(), st.host_pt.clone(), st.is_hot.clone(),
+                 st.seq.clone(), st.slot_map.clone())
         hm = self.rt._hit_miss.clone()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -182,6 +183,9 @@ class DecodeGraphs:
         st.meta.copy_(saved[1])
         st.bt.copy_(saved[2])
         st.host_pt.copy_(saved[3])
+        st.is_hot.copy_(saved[4])
+        st.seq.copy_(saved[5])
+        st.slot_map.copy_(saved[6])
         self.rt._hit_miss.copy_(hm)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -205,6 +209,9 @@ class DecodeGraphs:
         st.meta.copy_(meta)
         st.bt.zero_()
         st.host_pt.fill_(-1)
+        st.is_hot.zero_()
+        st.seq.fill_(1)
+        st.slot_map.zero_()
 
     def _static(self, Rp: int, plan) -> Static:
         st = self.static.get(Rp)
@@ -219,6 +226,9 @@ class DecodeGraphs:
                 meta=torch.zeros(len(_FIELDS), Rp, dtype=torch.int64, device=dev),
                 bt=torch.zeros(Rp, self.W, dtype=torch.int64, device=dev),
                 host_pt=torch.full((Rp, rt.U), -1, dtype=torch.int32, device=dev),
-                tok=torch.arange(Rp, dtype=torch.int64, device=dev))
+                tok=torch.arange(Rp, dtype=torch.int64, device=dev),
+                is_hot=torch.zeros(Rp, dtype=torch.bool, device=dev),
+                seq=torch.ones(Rp, dtype=torch.int32, device=dev),
+                slot_map=torch.zeros(Rp, rt.S, dtype=torch.int32, device=dev))
             self.static[Rp] = st
         return st

@@ -415,14 +415,12 @@ class SparseRuntime:
             return
         qd = q[plan.dec_tok]
         rows = plan.dec_rows
-        sel = sl.quest_topk(qd, self.kmin[layer], self.kmax[layer], rows, plan.dec_full, self.k_sel)
-        locs = torch.where(sel >= 0, torch.gather(plan.dec_bt, 1, sel.long().clamp(min=0)), -1).to(torch.int32)
+        sel, locs = sl.quest_topk_locs(qd, self.kmin[layer], self.kmax[layer], rows, plan.dec_full,
+                                       self.k_sel, plan.dec_bt)
         if plan.hot is not None:
-            hot_locs, counts = sl.resolve_hot(sel[plan.hot], self.hot[layer], rows[plan.hot],
-                                              plan.hot_slot_map, kv, host, plan.hot_pt,
-                                              io_chunk_bytes=self.cfg.io_chunk_bytes)
-            locs[plan.hot] = hot_locs
-            self._hit_miss += counts
+            sl.resolve_hot_into(locs, sel, plan.hot, rows, self.hot[layer], plan.hot_slot_map, kv,
+                                host, plan.hot_pt, self._hit_miss,
+                                io_chunk_bytes=self.cfg.io_chunk_bytes)
         if self.trace is not None:                     # newest page first, then Quest's choice
             pos = torch.cat([plan.dec_full[:, None].to(sel.dtype), sel], 1)
             self.trace.append_batch([s.req_id for s in plan.dec], self._trace_row[layer],
