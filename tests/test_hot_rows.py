@@ -4,12 +4,11 @@ hot buffer, hit/miss counts, over multi-step episodes with hits, misses, evictio
 the hot rows given as all rows, indices (the eager runtime) or a bool mask (the decode graph). The
 Triton take/put kernels (ops/triton_hot_rows.py) equal the references on CPU through Triton's
 interpreter; the whole path is checked on the GPU with the extension."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from triton_interpreter import run_cases
 
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.ops import kernels, reference
@@ -151,12 +150,7 @@ def run_interpreter_cases():
 
 
 def test_triton_kernels_in_interpreter():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_hot_rows as t; "
-            "t.run_interpreter_cases()")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "interpreter ok" in r.stdout, r.stdout + r.stderr
+    run_cases("test_hot_rows")
 
 
 # ---- on the GPU ----------------------------------------------------------------------------------

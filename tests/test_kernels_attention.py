@@ -3,12 +3,11 @@ dtype), and bit-exactness of HiSparse (hot-buffer locs) vs resident (full-cache 
 entry (sparse_decode_attention_newest, extra rows read from kv by block index) is bit-identical to
 gathering them into extra_kv; checked on the GPU and, on CPU, through Triton's interpreter (fp16 and
 fp32: the interpreter's bf16 is not faithful)."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from triton_interpreter import run_cases
 
 from vllm_hisparse.ops import kernels, reference
 
@@ -173,12 +172,7 @@ def run_interpreter_cases():
 
 
 def test_newest_triton_kernel_in_interpreter():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_kernels_attention as t; "
-            "t.run_interpreter_cases()")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "interpreter ok" in r.stdout, r.stdout + r.stderr
+    run_cases("test_kernels_attention")
 
 
 @pytest.mark.cuda

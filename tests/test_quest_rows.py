@@ -5,12 +5,11 @@ interpreter and on the GPU at serving shapes: within fp32 summation-order error 
 reference and no more than 2x its error against fp64, identical -inf masks, the same top-k page
 sets away from near-ties, and a row's bits independent of the rest of the batch.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from triton_interpreter import run_cases
 
 from vllm_hisparse.ops import reference
 from vllm_hisparse.ops.quest import quest_scores_rows
@@ -175,12 +174,7 @@ def run_interpreter_cases():
 
 
 def test_triton_kernel_in_interpreter():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_quest_rows as t; "
-            "t.run_interpreter_cases()")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "interpreter ok" in r.stdout, r.stdout + r.stderr
+    run_cases("test_quest_rows")
 
 
 # ---- the Triton kernel on the GPU --------------------------------------------------------------

@@ -5,12 +5,11 @@ and cross pages, mixed batches, a page whose old bounds are kept, bf16/fp16/fp32
 view (the fused qkv output), NaN keys (same NaN positions; a NaN's payload may differ).
 CPU through Triton's interpreter; GPU marked ``cuda``.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from triton_interpreter import run_cases
 
 from vllm_hisparse.ops import reference
 from vllm_hisparse.ops.quest_update import quest_update_pages
@@ -109,12 +108,7 @@ def run_interpreter_cases():
 
 
 def test_triton_kernel_in_interpreter():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_quest_update as t; "
-            "t.run_interpreter_cases()")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "interpreter ok" in r.stdout, r.stdout + r.stderr
+    run_cases("test_quest_update")
 
 
 # ---- the Triton kernel on the GPU --------------------------------------------------------------

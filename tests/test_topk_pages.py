@@ -2,12 +2,11 @@
 one-launch topk_pages gave (kept below as OLD_*): int32 pages best first with -1 padding, and the
 runtime's block lookup. The Triton topk_pages (ops/triton_quest.py) equals reference.topk_pages on
 CPU through Triton's interpreter and on the GPU."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from triton_interpreter import run_cases
 
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.ops import reference
@@ -106,12 +105,7 @@ def run_interpreter_cases():
 
 
 def test_triton_kernel_in_interpreter():
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_topk_pages as t; "
-            "t.run_interpreter_cases()")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "interpreter ok" in r.stdout, r.stdout + r.stderr
+    run_cases("test_topk_pages")
 
 
 # ---- on the GPU ----------------------------------------------------------------------------------
