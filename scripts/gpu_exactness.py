@@ -4,6 +4,8 @@
     python scripts/gpu_exactness.py run resident OUT_DIR     # one engine per call (fits 10 min)
     python scripts/gpu_exactness.py run hisparse OUT_DIR
     python scripts/gpu_exactness.py compare OUT_DIR          # identical tokens + logprobs?
+    HISPARSE_EXTRA='{"decode_graphs": true, "dense_pool_gib": 4}' python scripts/gpu_exactness.py ...
+                                                             # merged into both modes' config
 
 Each run writes OUT_DIR/MODE.json (tokens, logprobs, runtime stats) and OUT_DIR/MODE.log, and
 prints vLLM's KV-capacity lines (KV memory, KV tokens, maximum concurrency at max_model_len).
@@ -45,7 +47,7 @@ def run(mode: str, out: str) -> int:
     prompts = os.path.join(out, "prompts.json")
     with open(prompts, "w") as f:
         json.dump([[rng.randrange(1000, 120000) for _ in range(n)] for n in PROMPT_LENS], f)
-    cfg = dict(CFG, host_tier=(mode == "hisparse"))
+    cfg = dict(CFG, **json.loads(os.environ.get("HISPARSE_EXTRA", "{}")), host_tier=(mode == "hisparse"))
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "hisparse_generate.py"), "--model",
            model_dir(), "--config", json.dumps(cfg), "--prompts", prompts, "--max-tokens", "64",
            "--dtype", "bfloat16", "--load-format", "dummy", "--skip-tokenizer", "--cuda-graphs",
