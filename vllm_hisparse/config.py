@@ -199,7 +199,8 @@ _TYPES = {
     "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
-    "min_context": int, "prefetch": bool, "host_tier": bool, "decode_graphs": bool, "trace_dir": (str, type(None)),
+    "min_context": int, "prefetch": bool, "host_tier": bool, "decode_graphs": bool,
+    "trace_dir": (str, type(None)),
 }
 
 

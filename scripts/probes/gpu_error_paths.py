@@ -1,4 +1,7 @@
-"""GPU box probe: do the CUDA ops raise (not crash) on bad arguments? python scripts/probes/gpu_error_paths.py unpinned|int32|resolve_unpinned"""
+"""GPU box probe: do the CUDA ops raise (not crash) on bad arguments?
+
+    python scripts/probes/gpu_error_paths.py unpinned|int32|resolve_unpinned
+"""
 import sys, torch
 from vllm_hisparse.ops import kernels
 case = sys.argv[1]

@@ -162,7 +162,8 @@ def run(args) -> int:
               f" {v['max_requests']:13d}  {v['bound_by']}")
     how = "--max-num-seqs" if args.max_num_seqs is not None else "auto: pass it to vLLM as --max-num-seqs"
     print(f"hisparse Quest bounds: {_gib(h['quest_meta_bytes_per_request'])} per row x "
-          f"({h['max_num_seqs']} + 1 scratch) rows ({how}) = {_gib(h['quest_meta_bytes'])} out of the KV budget "
+          f"({h['max_num_seqs']} + 1 scratch) rows ({how}) = {_gib(h['quest_meta_bytes'])} out of the "
+          f"KV budget "
           f"-> KV cache {_gib(h['kv_cache_bytes'])}, {h['num_blocks']} blocks")
     dense = (f"the {args.dense_layers} dense layers also keep every page in a "
              f"{_gib(h['dense_pool_bytes'])} GPU dense pool ({h['dense_pool_pages']} pages, "

@@ -1,0 +1,69 @@
+"""What one step of the serving runtime decided, once, on the host (``SparseRuntime.plan``): the
+requests of the batch, their cache / Quest / host-pool indices, and how their attention is split
+between the dense paged call and the sparse decode path. ``forward_layer`` only reads it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ReqStep:
+    """One request of the batch: tokens [t0, t1) at positions [start, seq_len)."""
+    idx: int
+    req_id: str
+    t0: int
+    t1: int
+    start: int
+    seq_len: int
+    row: int
+    sparse: bool
+    freed: tuple[int, int]
+
+
+@dataclass
+class DenseGroup:
+    """Requests attended densely in one paged-attention call (prefill chunks, short requests, and
+    every request in dense layers): their tokens packed in batch order."""
+    steps: list[ReqStep]
+    tok: torch.Tensor                          # (Tq,) token index of each packed query
+    cu_q: torch.Tensor                         # (n+1,) int32 packed query offsets
+    seq_k: torch.Tensor                        # (n,) int32 keys per request
+    block_table: torch.Tensor                  # (n, W) int32
+    max_q: int
+    max_k: int
+
+
+@dataclass
+class StepPlan:
+    reqs: list[ReqStep]
+    block_table: torch.Tensor                  # (B, W) int32
+    wr_blk: torch.Tensor                       # (n,) int64 block of each token written to the cache
+    wr_off: torch.Tensor                       # (n,) int64 its offset in the block
+    wr_tok: torch.Tensor | None                # (n,) its token index; None = all T tokens in order
+    q_page: torch.Tensor | None = None         # (m,) int64 row * U + page of the pages Quest updates
+    q_new: torch.Tensor | None = None          # (m,) bool: the page starts in this step
+    q_tok: torch.Tensor | None = None          # (Tq,) token index of each updating token
+    q_tok_page: torch.Tensor | None = None     # (Tq,) its index into q_page
+    host_tok: torch.Tensor | None = None       # (n,) tokens written through to the host pool
+    host_page: torch.Tensor | None = None      # (n,) their host pages
+    host_off: torch.Tensor | None = None       # (n,) their offsets in the page
+    dense_sparse: DenseGroup | None = None     # dense rows of sparse layers
+    dense_res: DenseGroup | None = None        # dense layers: requests with every page on the GPU
+    dense_freed: list[ReqStep] = field(default_factory=list)  # dense layers: pages left the GPU
+    dense_pool: DenseGroup | None = None       # dense layers: sparse requests, from the dense pool
+    dpool_page: torch.Tensor | None = None     # (n,) dense-pool page of each host_tok token
+    dec: list[ReqStep] = field(default_factory=list)  # sparse single-token decode rows
+    dense: list[ReqStep] = field(default_factory=list)  # everything else (prefill, short requests)
+    dec_step: list[int] = field(default_factory=list)  # trace only: decode-step index of each decode row
+    dec_tok: torch.Tensor | None = None        # (Rd,) token index of each decode row
+    dec_rows: torch.Tensor | None = None       # (Rd,) runtime rows
+    dec_seq: torch.Tensor | None = None        # (Rd,) seq lens
+    dec_newest_blk: torch.Tensor | None = None  # (Rd,) block of the newest page
+    dec_full: torch.Tensor | None = None       # (Rd,) complete pages
+    dec_bt: torch.Tensor | None = None         # (Rd, W) int64 block tables of the decode rows
+    hot: torch.Tensor | None = None            # (Rh,) indices into the decode rows using RESOLVE
+    hot_slot_map: torch.Tensor | None = None   # (Rh, S) blocks [0, S) of the hot rows
+    hot_pt: torch.Tensor | None = None         # (Rh, U) int32 host page of each logical page
+    graph: int = 0                             # decode-graph bucket of this step (0 = eager)
