@@ -191,3 +191,16 @@ def test_dense_pool(model_dir, pool_gib, host_gib):
     limits = {"gpu": n_gpu, "host": n_host, "dense_pool": pool_pages // pages, "max_num_seqs": seqs}
     by = min(limits, key=limits.get)
     assert (h["max_requests"], h["bound_by"]) == (limits[by], by)
+
+
+def test_quest_rows(model_dir):
+    """--quest-rows sizes the Quest reservation and bounds the long requests, whatever
+    --max-num-seqs says (the runtime's config quest_rows)."""
+    out = calc_json(model_dir, "--context", 32768, "--gpu-kv-gib", 40, "--host-gib", 400,
+                    "--max-num-seqs", 1024, "--quest-rows", 10, "--dense-layers", 2)
+    h = out["hisparse"]
+    row = 30 * 2 * 2048 * 8 * 128 * 2
+    assert (h["quest_rows"], h["quest_meta_bytes"]) == (10, 11 * row)
+    assert h["kv_cache_bytes"] == 40 * GIB - 11 * row
+    n_gpu = (h["num_blocks"] - 1) // 257
+    assert (h["max_requests"], h["bound_by"]) == ((10, "quest_rows") if n_gpu > 10 else (n_gpu, "gpu"))

@@ -67,10 +67,10 @@ class Driver:
                 kv[self.blocks[rid][lo:hi].long()] = float("nan")
 
 
-def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0):
+def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0):
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=dense_layers,
                          min_context=40, host_pool_gib=0.01, host_tier=host_tier,
-                         dense_pool_gib=dense_pool_gib)
+                         dense_pool_gib=dense_pool_gib, quest_rows=quest_rows)
     d = Driver(cfg)
     prompts = {"a": 150, "b": 93, "short": 20, "c": 61}
     for rid, n in prompts.items():
@@ -135,3 +135,24 @@ def test_quest_update_pages_equals_reference():
     reference.quest_update(ref_min, ref_max, rows, pos, k, P)
     sl.quest_update_pages(mn, mx, torch.cat(qp), torch.cat(qn), torch.cat(qtp), k)
     assert torch.equal(mn, ref_min) and torch.equal(mx, ref_max)
+
+
+def test_quest_rows_only_for_sparse_requests():
+    """quest_rows=3 with 4 runtime rows: the three long requests take the three Quest rows, the
+    short one needs none; results as with a row each; a fourth long request finds no Quest row
+    (the connector keeps it waiting), and a finished request gives its row back."""
+    hs, _ = run(True, quest_rows=3)
+    res, _ = run(False, quest_rows=3)
+    for i, (a, b) in enumerate(zip(hs, res)):
+        assert torch.equal(a, b), f"step/layer {i} differs"
+    cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, min_context=40,
+                         host_pool_gib=0.01, quest_rows=1)
+    d = Driver(cfg)
+    assert d.rt.kmin[2].shape[0] == 2                   # 1 row + the scratch row (layer 0 dense)
+    d.add("long", 100)
+    d.add("short", 10)
+    with pytest.raises(RuntimeError, match="no free Quest row .*quest_rows=1"):
+        d.add("long2", 100)
+    assert d.rt.finish("long")
+    d.add("long2", 100)
+    assert d.rt.reqs["long2"].qrow == 0

@@ -84,10 +84,11 @@ def test_quest_reservation_names_flags_and_largest_fit():
     assert str(e.value) == (
         "hisparse: the Quest page bounds for max_num_seqs=1024 sequences of max_model_len=32768 "
         "tokens (page_size=16) need 240.23 GiB of GPU memory (240.0 MiB per sequence), more than "
-        "the 62.50 GiB allowed (50% of the GPU memory vLLM may still use); lower --max-num-seqs to "
-        "265 (the most within that limit) or --max-model-len")         # + the scratch row
+        "the 62.50 GiB allowed (50% of the GPU memory vLLM may still use); set the hisparse config's "
+        "quest_rows to 265 (the most within that limit: long requests beyond it wait) or lower "
+        "--max-num-seqs or --max-model-len")                          # + the scratch row
     cap.check_quest_reservation(265, ROW, budget, 32768, 16)         # the suggestion fits
-    with pytest.raises(ValueError, match="--max-num-seqs to 265 "):
+    with pytest.raises(ValueError, match="quest_rows to 265 "):
         cap.check_quest_reservation(266, ROW, budget, 32768, 16)
 
 
@@ -111,7 +112,7 @@ def test_ensure_quest_meta_fails_before_allocating(worker_state, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated before the check"))
-    with pytest.raises(ValueError, match=r"max_num_seqs=1024 .* 240\.23 GiB .*--max-num-seqs to 265 "):
+    with pytest.raises(ValueError, match=r"max_num_seqs=1024 .* 240\.23 GiB .*quest_rows to 265 "):
         worker_state.ensure_quest_meta(HiSparseConfig(), 32, 1024, 32768, 8, 128, torch.bfloat16,
                                        gpu_memory_utilization=0.9)
     assert worker_state.quest_meta is None
@@ -129,3 +130,22 @@ def test_ensure_quest_meta_logs_the_reservation(worker_state, monkeypatch):
     assert lines == [f"hisparse: Quest page bounds reserve {5 * row / GIB:.2f} GiB on cpu "
                      f"(max_num_seqs=4 + 1 scratch row x {row / MIB:.1f} MiB: 7 pages x 2 sparse "
                      f"layers)"]
+
+
+def test_quest_rows_sizes_the_reservation(worker_state, monkeypatch):
+    """quest_rows set: that many rows (+ scratch) whatever --max-num-seqs says; too many is refused
+    naming quest_rows."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated before the check"))
+    with pytest.raises(ValueError, match=r"quest_rows=300 .*quest_rows to 265 "):
+        worker_state.ensure_quest_meta(HiSparseConfig(quest_rows=300), 32, 1024, 32768, 8, 128,
+                                       torch.bfloat16, gpu_memory_utilization=0.9)
+    monkeypatch.undo()
+    monkeypatch.setattr(worker_state, "quest_meta", None)
+    cfg = HiSparseConfig(top_k=16, device_buffer_size=16, page_size=16, dense_layers=(0,),
+                         quest_rows=2)
+    worker_state.ensure_quest_meta(cfg, 3, 1024, 100, 2, 8, torch.float32)
+    kmin, _ = worker_state.quest_meta
+    assert kmin[1].shape == (3, 7, 2, 8)                               # 2 rows + the scratch row

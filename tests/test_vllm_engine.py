@@ -154,6 +154,17 @@ def test_host_pool_full_requests_wait(tmp_path):
     assert res["stats"]["host_pages_used"] == 0 and res["stats"]["finished"] == len(PROMPT_LENS)
 
 
+def test_quest_rows_full_requests_wait(tmp_path):
+    """quest_rows=1: one Quest bounds row on the worker, so the four long requests run one at a time
+    (the short one needs no row and runs beside them); all complete, nothing leaks."""
+    model = make_tiny_model()
+    res = generate(tmp_path, model, dict(CFG, min_context=MIN_CONTEXT, quest_rows=1), [prompts()],
+                   "questrows")
+    assert "Quest rows full" in res["log"]
+    assert [len(b["tokens"]) for b in res["batches"][0]] == [MAX_TOKENS] * len(PROMPT_LENS)
+    assert res["stats"]["host_pages_used"] == 0 and res["stats"]["finished"] == len(PROMPT_LENS)
+
+
 def test_preemption_recovers(tmp_path):
     """20 KV blocks for 4 requests of 40 + 200 tokens, each holding S + 2 = 6 blocks while decoding
     (max_model_len 256: one whole prompt must fit the blocks during its prefill, a startup check):

@@ -39,6 +39,9 @@ class HiSparseConfig:
         back. 0 = no pool: a dense layer then reads the given-back pages from the host pool every
         step (exact, but PCIe-bound). Requests wait when the pool is full.
     min_context: requests shorter than this stay fully resident (no sparsity, no host tier).
+    quest_rows: Quest page-bound rows on the GPU = long (sparse) requests admitted at once; each row
+        is 2 x cdiv(max_model_len, page_size) x Hkv x D per sparse layer. 0 = --max-num-seqs. Set it
+        when vLLM's max_num_seqs x max_model_len would not fit (requests beyond it wait).
     prefetch: overlap miss IO with the previous layer when layers share a selection.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
@@ -58,6 +61,7 @@ class HiSparseConfig:
     dense_layers: tuple = (0, 1)
     dense_pool_gib: float = 0.0
     min_context: int = 0
+    quest_rows: int = 0
     prefetch: bool = False
     host_tier: bool = True
     decode_graphs: bool = False
@@ -88,6 +92,8 @@ class HiSparseConfig:
             _fail("io_chunk_bytes", c, "use a power of two from 16 to 256 (64 is a good start)")
         if any(x < 0 for x in self.dense_layers) or len(set(self.dense_layers)) != len(self.dense_layers):
             _fail("dense_layers", list(self.dense_layers), "list distinct layer indices >= 0, e.g. [0, 1]")
+        if self.quest_rows < 0:
+            _fail("quest_rows", self.quest_rows, "use 0 (= --max-num-seqs) or a positive row count")
         if self.min_context < 0:
             _fail("min_context", self.min_context, "use 0 (all requests sparse) or a token count")
         from vllm_hisparse.core.policies import available  # local: policies import nothing of ours
@@ -199,7 +205,8 @@ _TYPES = {
     "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
-    "min_context": int, "prefetch": bool, "host_tier": bool, "decode_graphs": bool,
+    "min_context": int, "quest_rows": int, "prefetch": bool, "host_tier": bool,
+    "decode_graphs": bool,
     "trace_dir": (str, type(None)),
 }
 

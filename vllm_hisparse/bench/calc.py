@@ -52,6 +52,9 @@ def add_arguments(p):
     p.add_argument("--dense-pool-gib", type=float, default=0.0,
                    help="hisparse dense_pool_gib: GPU pool keeping the dense layers of long requests "
                         "resident (default 0: they read the host pool)")
+    p.add_argument("--quest-rows", type=int, default=None,
+                   help="hisparse quest_rows: Quest rows reserved = long requests at once "
+                        "(default: --max-num-seqs, else the most that fit)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="vLLM --max-num-seqs: Quest rows reserved (default: the most that fit)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -115,16 +118,20 @@ def compute(args) -> dict:
         nb = cap.num_blocks(kv, m, P)
         return (nb - 1) // h_bpr if cap.hisparse_prefill_fits(nb, mml, P) else 0
 
-    if seqs is None:
-        # the runtime allocates max_num_seqs + 1 rows (one scratch row for decode-graph padding)
+    # Quest rows: quest_rows, else max_num_seqs, else the most that fit (+ one scratch row)
+    auto = args.quest_rows is None and seqs is None
+    if args.quest_rows is not None:
+        n_seqs = args.quest_rows
+    elif seqs is None:
         n_seqs = cap.auto_max_num_seqs(gpu_kv - row, row, lambda kv: min(fit_gpu(kv), n_pools if
                                                                      n_pools is not None else 1 << 62))
     else:
         n_seqs = seqs
     kv = gpu_kv - (n_seqs + 1) * row
     h_blocks = cap.num_blocks(kv, m, P)
-    limits = {"gpu": fit_gpu(kv), "host": n_host, "dense_pool": n_dense, "max_num_seqs": n_seqs}
-    if seqs is None:       # n_seqs is the answer; say which resource stopped it growing
+    limits = {"gpu": fit_gpu(kv), "host": n_host, "dense_pool": n_dense, "max_num_seqs": seqs,
+              "quest_rows": n_seqs}
+    if auto:               # n_seqs is the answer; say which resource stopped it growing
         n_h, by_h = n_seqs, ("host" if n_host is not None and n_seqs == n_host else
                              "dense_pool" if n_dense is not None and n_seqs == n_dense else "gpu")
     else:
@@ -132,7 +139,8 @@ def compute(args) -> dict:
     hisparse = {"gpu_bytes_per_request": cap.hisparse_gpu_bytes(m, args.context, P, S, sparse),
                 "host_bytes_per_request": cap.hisparse_host_bytes(m, args.context, P, sparse),
                 "max_requests": n_h, "bound_by": by_h,
-                "quest_meta_bytes_per_request": row, "max_num_seqs": n_seqs,
+                "quest_meta_bytes_per_request": row, "quest_rows": n_seqs,
+                "max_num_seqs": seqs if seqs is not None else n_seqs,
                 "quest_meta_bytes": (n_seqs + 1) * row, "kv_cache_bytes": kv, "num_blocks": h_blocks,
                 "prefill_fits": cap.hisparse_prefill_fits(h_blocks, mml, P),
                 "host_pool_pages": host_pages,
@@ -160,9 +168,10 @@ def run(args) -> int:
     for name, v in (("baseline", b), ("hisparse", h)):
         print(f"{name:10s} {_gib(v['gpu_bytes_per_request']):>14s} {_gib(v['host_bytes_per_request']):>14s}"
               f" {v['max_requests']:13d}  {v['bound_by']}")
-    how = "--max-num-seqs" if args.max_num_seqs is not None else "auto: pass it to vLLM as --max-num-seqs"
+    how = ("--quest-rows" if args.quest_rows is not None else "--max-num-seqs"
+           if args.max_num_seqs is not None else "auto: pass it as the hisparse quest_rows")
     print(f"hisparse Quest bounds: {_gib(h['quest_meta_bytes_per_request'])} per row x "
-          f"({h['max_num_seqs']} + 1 scratch) rows ({how}) = {_gib(h['quest_meta_bytes'])} out of the "
+          f"({h['quest_rows']} + 1 scratch) rows ({how}) = {_gib(h['quest_meta_bytes'])} out of the "
           f"KV budget "
           f"-> KV cache {_gib(h['kv_cache_bytes'])}, {h['num_blocks']} blocks")
     dense = (f"the {args.dense_layers} dense layers also keep every page in a "

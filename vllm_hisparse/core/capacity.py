@@ -136,18 +136,19 @@ def quest_budget_bytes(free_bytes: int, total_bytes: int,
 
 
 def check_quest_reservation(rows: int, row_bytes: int, budget_bytes: int, max_model_len: int,
-                            page_size: int) -> None:
-    """Raise ValueError, naming the flags to lower, when ``rows`` Quest rows of ``row_bytes``
+                            page_size: int, set_by: str = "max_num_seqs") -> None:
+    """Raise ValueError, naming the settings to change, when ``rows`` Quest rows of ``row_bytes``
     (``quest_meta_bytes``), plus the runtime's scratch row, exceed ``budget_bytes``
-    (``quest_budget_bytes``)."""
+    (``quest_budget_bytes``). set_by: where ``rows`` came from ("max_num_seqs" or "quest_rows")."""
     need = (rows + 1) * row_bytes
     if need <= budget_bytes:
         return
     fit = max(budget_bytes // row_bytes - 1, 0) if row_bytes else rows
-    fix = (f"lower --max-num-seqs to {fit} (the most within that limit) or --max-model-len" if fit else
+    fix = (f"set the hisparse config's quest_rows to {fit} (the most within that limit: long "
+           f"requests beyond it wait) or lower --max-num-seqs or --max-model-len" if fit else
            "lower --max-model-len (not even one sequence fits)")
     raise ValueError(
-        f"hisparse: the Quest page bounds for max_num_seqs={rows} sequences of max_model_len="
+        f"hisparse: the Quest page bounds for {set_by}={rows} sequences of max_model_len="
         f"{max_model_len} tokens (page_size={page_size}) need {need / (1 << 30):.2f} GiB of GPU "
         f"memory ({row_bytes / (1 << 20):.1f} MiB per sequence), more than the "
         f"{budget_bytes / (1 << 30):.2f} GiB allowed ({QUEST_SHARE:.0%} of the GPU memory vLLM may "

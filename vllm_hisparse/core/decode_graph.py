@@ -27,7 +27,7 @@ from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.ops.write_through import write_through
 
 # Per-step metadata packed into one int64 tensor (one H2D copy): one row each, width Rp.
-_FIELDS = ("rows", "seq", "full", "newest_blk", "wr_blk", "wr_off", "host_page", "host_off",
+_FIELDS = ("rows", "qrows", "seq", "full", "newest_blk", "wr_blk", "wr_off", "host_page", "host_off",
            "q_page", "q_new", "is_hot")
 
 
@@ -86,6 +86,7 @@ class DecodeGraphs:
         pad = torch.arange(n, Rp)
         cols = {
             "rows": ([s.row for s in d], scratch),
+            "qrows": ([s.qrow for s in d], rt.quest_scratch),
             "seq": ([s.seq_len for s in d], 1),
             "full": ([(s.seq_len - 1) // P for s in d], 0),
             "host_off": ([(s.seq_len - 1) % P for s in d], 0),
@@ -98,8 +99,8 @@ class DecodeGraphs:
             row[:n] = torch.tensor(vals, dtype=torch.int64)
             row[n:] = fill
         meta[_FIELDS.index("q_page"), :n] = torch.tensor(
-            [s.row * U + (s.seq_len - 1) // P for s in d], dtype=torch.int64)
-        meta[_FIELDS.index("q_page"), n:] = scratch * U + pad % U
+            [s.qrow * U + (s.seq_len - 1) // P for s in d], dtype=torch.int64)
+        meta[_FIELDS.index("q_page"), n:] = rt.quest_scratch * U + pad % U
         dev = rt.device
         st.meta.copy_(meta.to(dev))
         # Block tables and host page tables stay on the device: gather the real rows, pad the rest.
@@ -160,7 +161,7 @@ class DecodeGraphs:
         sl.quest_update_pages(rt.kmin[layer], rt.kmax[layer], f("q_page"), f("q_new").bool(),
                               st.tok, st.k)
         rows = f("rows")
-        sel, locs = sl.quest_topk_locs(st.q, rt.kmin[layer], rt.kmax[layer], rows, f("full"),
+        sel, locs = sl.quest_topk_locs(st.q, rt.kmin[layer], rt.kmax[layer], f("qrows"), f("full"),
                                        rt.k_sel, st.bt)
         if rt.hot[layer] is not None:               # cold and padding rows resolve nothing
             sl.resolve_hot_into(locs, sel, st.is_hot, rows, rt.hot[layer], st.slot_map, kv, host,
@@ -202,10 +203,12 @@ class DecodeGraphs:
         Rp = st.meta.shape[1]
         meta = torch.zeros_like(st.meta)
         meta[_FIELDS.index("rows")] = rt.scratch_row
+        meta[_FIELDS.index("qrows")] = rt.quest_scratch
         meta[_FIELDS.index("seq")] = 1
         meta[_FIELDS.index("q_new")] = 1
         meta[_FIELDS.index("host_page")] = -1
-        meta[_FIELDS.index("q_page")] = rt.scratch_row * rt.U + torch.arange(Rp, device=meta.device) % rt.U
+        meta[_FIELDS.index("q_page")] = (rt.quest_scratch * rt.U
+                                         + torch.arange(Rp, device=meta.device) % rt.U)
         st.meta.copy_(meta)
         st.bt.zero_()
         st.host_pt.fill_(-1)

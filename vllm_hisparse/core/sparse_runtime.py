@@ -34,6 +34,7 @@ class Req:
     row: int
     num_prompt: int
     sparse: bool
+    qrow: int = -1            # Quest bounds row (sparse requests only)
 
 
 class SparseRuntime:
@@ -63,14 +64,19 @@ class SparseRuntime:
             host_pages = cfg.host_pool_bytes // (page_bytes * num_layers)
         self.pool = (HostKVPool(num_layers, host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
+        # Quest page bounds: one row per sparse request admitted at once (cfg.quest_rows, default
+        # max_rows) + a scratch row that decode-graph padding points at.
+        self.quest_rows = cfg.quest_rows or max_rows
+        self.quest_scratch = self.quest_rows
         if quest_meta is None:
-            meta = (max_rows + 1, self.U, num_kv_heads, head_dim)
+            meta = (self.quest_rows + 1, self.U, num_kv_heads, head_dim)
             mk = lambda i: (None if i in self.dense_layers  # noqa: E731
                             else torch.zeros(meta, dtype=dtype, device=self.device))
             quest_meta = ([mk(i) for i in range(num_layers)], [mk(i) for i in range(num_layers)])
         self.kmin, self.kmax = quest_meta
-        if any(t is not None and t.shape[0] != max_rows + 1 for t in self.kmin):
-            raise ValueError(f"quest_meta must have max_rows + 1 = {max_rows + 1} rows")
+        if any(t is not None and t.shape[0] != self.quest_rows + 1 for t in self.kmin):
+            raise ValueError(f"quest_meta must have quest_rows + 1 = {self.quest_rows + 1} rows")
+        self._free_qrows = list(range(self.quest_rows - 1, -1, -1))
         self.hot = [sl.HotSlots(max_rows + 1, self.S, self.U, self.device)
                     if cfg.host_tier and i not in self.dense_layers else None
                     for i in range(num_layers)]
@@ -125,8 +131,14 @@ class SparseRuntime:
         if req_id not in self.reqs:
             if not self._free_rows:
                 raise RuntimeError(f"hisparse runtime: no free row for {req_id} (max_num_seqs rows)")
-            self.reqs[req_id] = Req(self._free_rows.pop(), num_prompt,
-                                    is_sparse_request(self.cfg, num_prompt))
+            r = Req(self._free_rows.pop(), num_prompt, is_sparse_request(self.cfg, num_prompt))
+            if r.sparse:
+                if not self._free_qrows:     # the connector admits at most quest_rows at once
+                    self._free_rows.append(r.row)
+                    raise RuntimeError(f"hisparse runtime: no free Quest row for {req_id} "
+                                       f"(quest_rows={self.quest_rows})")
+                r.qrow = self._free_qrows.pop()
+            self.reqs[req_id] = r
         self._reset_row(self.reqs[req_id].row)
         self._restart_trace(req_id)
 
@@ -141,6 +153,8 @@ class SparseRuntime:
             self._dec_steps.pop(req_id, None)
             self.trace.finish(req_id)
         self._free_rows.append(r.row)
+        if r.qrow >= 0:
+            self._free_qrows.append(r.qrow)
         if self._host_pt_len[r.row]:
             self.host_pt[r.row] = -1
             self._host_pt_len[r.row] = 0
@@ -185,7 +199,7 @@ class SparseRuntime:
                 self._reset_row(r.row)                # a new request or a recompute after preemption
                 self._restart_trace(rid)
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
-                                 freed_pages(self.cfg, start, r.num_prompt)))
+                                 freed_pages(self.cfg, start, r.num_prompt), r.qrow))
             if self.pool is not None and r.sparse:
                 self._grow(grow["host"], self._host_pt_len, r.row, self.pool.ensure(rid, n))
                 if self.dpool is not None:
@@ -242,8 +256,8 @@ class SparseRuntime:
         # the requests: this runs every step, a Python loop per request cost ~50 us each).
         sp = [s for s in steps if s.sparse and s.t1 > s.t0]
         if sp:
-            t0, t1, start, seq, row = (np.array(x, dtype=np.int64) for x in zip(
-                *((s.t0, s.t1, s.start, s.seq_len, s.row) for s in sp)))
+            t0, t1, start, seq, row, qrow = (np.array(x, dtype=np.int64) for x in zip(
+                *((s.t0, s.t1, s.start, s.seq_len, s.row, s.qrow) for s in sp)))
             n = t1 - t0                                 # tokens per request
             k = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)      # index within its request
             tok = np.repeat(t0, n) + k
@@ -255,7 +269,7 @@ class SparseRuntime:
             ntok, npg = len(tok), len(page)
             packed = np.concatenate([
                 tok, pos // P - np.repeat(p0, n) + np.repeat(mbase, n),             # q_tok_page
-                np.repeat(row, m) * U + page, (page * P >= np.repeat(start, m)),    # q_page, q_new
+                np.repeat(qrow, m) * U + page, (page * P >= np.repeat(start, m)),   # q_page, q_new
                 pos, np.repeat(row, n)]).astype(np.int64)
             d = torch.from_numpy(packed).to(dev)
             plan.q_tok, plan.q_tok_page = d[:ntok], d[ntok:2 * ntok]
@@ -309,9 +323,9 @@ class SparseRuntime:
         d = plan.dec
         dev = self.device
         m = torch.tensor([[s.t0 for s in d], [s.row for s in d], [s.seq_len for s in d],
-                          [(s.seq_len - 1) // self.P for s in d], [s.idx for s in d]],
-                         dtype=torch.int64).to(dev)
-        plan.dec_tok, plan.dec_rows = m[0], m[1]
+                          [(s.seq_len - 1) // self.P for s in d], [s.idx for s in d],
+                          [s.qrow for s in d]], dtype=torch.int64).to(dev)
+        plan.dec_tok, plan.dec_rows, plan.dec_qrows = m[0], m[1], m[5]
         plan.dec_seq = m[2].to(torch.int32)
         newest = m[3]
         bt = plan.block_table.to(dev)[m[4]]
@@ -358,8 +372,8 @@ class SparseRuntime:
             return
         qd = q[plan.dec_tok]
         rows = plan.dec_rows
-        sel, locs = sl.quest_topk_locs(qd, self.kmin[layer], self.kmax[layer], rows, plan.dec_full,
-                                       self.k_sel, plan.dec_bt)
+        sel, locs = sl.quest_topk_locs(qd, self.kmin[layer], self.kmax[layer], plan.dec_qrows,
+                                       plan.dec_full, self.k_sel, plan.dec_bt)
         if plan.hot is not None:
             sl.resolve_hot_into(locs, sel, plan.hot, rows, self.hot[layer], plan.hot_slot_map, kv,
                                 host, plan.hot_pt, self._hit_miss,

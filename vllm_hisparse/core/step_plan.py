@@ -20,6 +20,7 @@ class ReqStep:
     row: int
     sparse: bool
     freed: tuple[int, int]
+    qrow: int = -1                             # Quest bounds row (-1: not a sparse request)
 
 
 @dataclass
@@ -58,7 +59,8 @@ class StepPlan:
     dense: list[ReqStep] = field(default_factory=list)  # everything else (prefill, short requests)
     dec_step: list[int] = field(default_factory=list)  # trace only: decode-step index of each decode row
     dec_tok: torch.Tensor | None = None        # (Rd,) token index of each decode row
-    dec_rows: torch.Tensor | None = None       # (Rd,) runtime rows
+    dec_rows: torch.Tensor | None = None       # (Rd,) runtime rows (hot-slot state)
+    dec_qrows: torch.Tensor | None = None      # (Rd,) Quest bounds rows
     dec_seq: torch.Tensor | None = None        # (Rd,) seq lens
     dec_newest_blk: torch.Tensor | None = None  # (Rd,) block of the newest page
     dec_full: torch.Tensor | None = None       # (Rd,) complete pages

@@ -72,6 +72,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self.admit_pages = self.capacity if dense is None else min(self.capacity, dense)
         self._bound = "host" if dense is None or self.capacity <= dense else "GPU dense"
         self.max_model_len = mc.max_model_len
+        # Quest bounds rows on the worker: one per long request admitted at once (core/sparse_runtime)
+        self.quest_rows = self.cfg.quest_rows or vllm_config.scheduler_config.max_num_seqs
+        self._quest_held: set[str] = set()
         # scheduler side
         self._reserved: dict[str, int] = {}
         self._reserved_total = 0
@@ -125,6 +128,13 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if rid in self._reserved:
             return 0, False
         need = self._pages_needed(request)
+        sparse = is_sparse_request(self.cfg, request.num_prompt_tokens)
+        if sparse and len(self._quest_held) >= self.quest_rows:
+            if rid not in self._waiting_logged:
+                self._waiting_logged.add(rid)
+                logger.warning("hisparse: Quest rows full (quest_rows=%d long requests at once); "
+                               "request %s waits", self.quest_rows, rid)
+            return None, False
         if self._reserved_total + need > self.admit_pages:
             if rid not in self._waiting_logged:
                 self._waiting_logged.add(rid)
@@ -133,6 +143,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                                self.admit_pages, rid, need)
             return None, False
         self._waiting_logged.discard(rid)
+        if sparse:
+            self._quest_held.add(rid)
         self._reserved[rid] = need
         self._reserved_total += need
         return 0, False
@@ -155,6 +167,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _release(self, rid: str) -> None:
         self._reserved_total -= self._reserved.pop(rid, 0)
+        self._quest_held.discard(rid)
         self._prompt.pop(rid, None)
         self._sent.discard(rid)
         self._waiting_logged.discard(rid)

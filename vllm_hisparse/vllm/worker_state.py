@@ -31,6 +31,8 @@ def ensure_quest_meta(cfg, num_layers: int, rows: int, max_model_len: int, num_k
     global quest_meta
     if quest_meta is not None:
         return
+    set_by = "quest_rows" if cfg.quest_rows else "max_num_seqs"
+    rows = cfg.quest_rows or rows
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     pages = capacity.cdiv(max_model_len, cfg.page_size)
     dense = sum(1 for i in range(num_layers) if i in cfg.dense_layers)
@@ -40,10 +42,11 @@ def ensure_quest_meta(cfg, num_layers: int, rows: int, max_model_len: int, num_k
     if dev != "cpu":
         free, total = torch.cuda.mem_get_info(dev)
         budget = capacity.quest_budget_bytes(free, total, gpu_memory_utilization)
-        capacity.check_quest_reservation(rows, row_bytes, budget, max_model_len, cfg.page_size)
-    logger.info("hisparse: Quest page bounds reserve %.2f GiB on %s (max_num_seqs=%d + 1 scratch row "
+        capacity.check_quest_reservation(rows, row_bytes, budget, max_model_len, cfg.page_size,
+                                         set_by)
+    logger.info("hisparse: Quest page bounds reserve %.2f GiB on %s (%s=%d + 1 scratch row "
                 "x %.1f MiB: %d pages x %d sparse layers)", (rows + 1) * row_bytes / (1 << 30), dev,
-                rows, row_bytes / (1 << 20), pages, num_layers - dense)
+                set_by, rows, row_bytes / (1 << 20), pages, num_layers - dense)
     shape = (rows + 1, pages, num_kv_heads, head_dim)     # + the runtime's scratch row
     mk = lambda i: None if i in cfg.dense_layers else torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
     quest_meta = ([mk(i) for i in range(num_layers)], [mk(i) for i in range(num_layers)])
