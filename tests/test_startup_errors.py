@@ -149,3 +149,14 @@ def test_quest_rows_sizes_the_reservation(worker_state, monkeypatch):
     worker_state.ensure_quest_meta(cfg, 3, 1024, 100, 2, 8, torch.float32)
     kmin, _ = worker_state.quest_meta
     assert kmin[1].shape == (3, 7, 2, 8)                               # 2 rows + the scratch row
+
+
+def test_dense_pool_too_large_is_refused(worker_state, monkeypatch):
+    monkeypatch.setattr(worker_state, "dense_pool", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("allocated before the check"))
+    with pytest.raises(ValueError, match=r"dense_pool_gib=100 is more than the 62\.50 GiB allowed"):
+        worker_state.ensure_dense_pool(HiSparseConfig(dense_pool_gib=100), 8, 128, torch.bfloat16,
+                                       gpu_memory_utilization=0.9)

@@ -140,7 +140,8 @@ class HiSparseImpl(AttentionImpl):
             hisparse_config_of(vc), mc.get_num_layers(vc.parallel_config),
             vc.scheduler_config.max_num_seqs, mc.max_model_len, num_kv_heads, head_size, mc.dtype,
             gpu_memory_utilization=vc.cache_config.gpu_memory_utilization)
-        worker_state.ensure_dense_pool(hisparse_config_of(vc), num_kv_heads, head_size, mc.dtype)
+        worker_state.ensure_dense_pool(hisparse_config_of(vc), num_kv_heads, head_size, mc.dtype,
+                                       gpu_memory_utilization=vc.cache_config.gpu_memory_utilization)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

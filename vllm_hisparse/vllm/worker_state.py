@@ -88,15 +88,26 @@ def req_ids_of(first_blocks: list[int]) -> list[str] | None:
 dense_pool = None       # core.host_pool.HostKVPool on the GPU: dense layers of sparse requests
 
 
-def ensure_dense_pool(cfg, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+def ensure_dense_pool(cfg, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      gpu_memory_utilization: float | None = None) -> None:
     """Allocate the GPU pool of the dense layers (cfg.dense_pool_gib) while the model is being
-    built, like the Quest bounds, so vLLM's memory profiling counts it before sizing the KV cache."""
+    built, like the Quest bounds, so vLLM's memory profiling counts it before sizing the KV cache.
+    On CUDA, first refuse a pool larger than half of the GPU memory vLLM may still use."""
     global dense_pool
     if dense_pool is not None or not cfg.uses_dense_pool:
         return
     from vllm_hisparse.core.host_pool import HostKVPool
 
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    if dev != "cpu":
+        free, total = torch.cuda.mem_get_info(dev)
+        budget = capacity.quest_budget_bytes(free, total, gpu_memory_utilization)
+        if cfg.dense_pool_bytes > budget:
+            raise ValueError(
+                f"hisparse: dense_pool_gib={cfg.dense_pool_gib} is more than the "
+                f"{budget / (1 << 30):.2f} GiB allowed (half of the GPU memory vLLM may still use); "
+                f"lower dense_pool_gib (each request of N tokens takes "
+                f"{len(cfg.dense_layers)} dense layers x N tokens of K/V there)")
     nd = len(cfg.dense_layers)
     pages = cfg.dense_pool_bytes // (HostKVPool.page_bytes(cfg.page_size, num_kv_heads, head_dim, dtype) * nd)
     dense_pool = HostKVPool(nd, pages, cfg.page_size, num_kv_heads, head_dim, dtype, device=dev)
