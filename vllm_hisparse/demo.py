@@ -25,7 +25,7 @@ from vllm_hisparse.core.hot_buffer import HotBufferState, fetch_misses, resolve,
 from vllm_hisparse.ops import reference as ref
 
 SERVE_CONFIG = {"top_k": 64, "device_buffer_size": 128, "page_size": 16, "dense_layers": [0],
-                "host_pool_gib": 0.1}
+                "host_pool_gib": 0.1, "dense_pool_gib": 0.05}
 
 
 def add_arguments(p):
