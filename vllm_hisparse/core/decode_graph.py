@@ -70,8 +70,6 @@ class DecodeGraphs:
         self.static: dict[int, Static] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._warm: set[tuple[int, int]] = set()
-        self.scale: dict[int, float] = {}
         self.stats = {"replays": 0, "captures": 0}
 
     # ---- per step ----------------------------------------------------------------------------
