@@ -122,7 +122,6 @@ def stock_layer_ms(s: Setup, reps: int = 20) -> float | None:
         call()
     e1.record()
     torch.cuda.synchronize()
-    del kv
     return e0.elapsed_time(e1) / reps
 
 
