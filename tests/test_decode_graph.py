@@ -10,7 +10,7 @@ import torch
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core.decode_graph import bucket
 
-from test_sparse_runtime_exact import HKV, P, Driver
+from test_sparse_runtime_exact import P, Driver
 
 
 def scenario(decode_graphs: bool, host_tier: bool = True, dense_layers=(0,), dense_pool_gib=0.0,
