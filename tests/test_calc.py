@@ -186,7 +186,8 @@ def test_dense_pool(model_dir, pool_gib, host_gib):
     row = (L - dense) * 2 * pages * 8 * 128 * 2
     kv = G * GIB - pool_gib * GIB - (seqs + 1) * row
     assert h["kv_cache_bytes"] == kv
-    n_host = (host_gib * GIB // (16 * TOK * L)) // pages
+    n_host = (host_gib * GIB // (16 * TOK * (L - dense))) // pages    # host: sparse layers only
+    assert h["host_bytes_per_request"] == (L - dense) * pages * 16 * TOK
     n_gpu = (kv // (16 * TOK) // L - 1) // 257
     limits = {"gpu": n_gpu, "host": n_host, "dense_pool": pool_pages // pages, "max_num_seqs": seqs}
     by = min(limits, key=limits.get)

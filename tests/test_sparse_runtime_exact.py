@@ -98,6 +98,7 @@ def test_hisparse_equals_resident_with_freed_blocks_poisoned(dense_layers, dense
         assert torch.equal(a, b), f"step/layer {i} differs"
     assert stats["misses"] > 0 and stats["hits"] > 0
     if dense_pool_gib:                     # the long requests' dense layers lived in the pool
+        # ... and the host pool held only the sparse layers (the runtime builds it from cfg)
         assert stats["dense_pool_pages_used"] == sum(-(-n // P) for n in (150 + 40, 93 + 42, 61 + 41))
 
 
@@ -156,3 +157,12 @@ def test_quest_rows_only_for_sparse_requests():
     assert d.rt.finish("long")
     d.add("long2", 100)
     assert d.rt.reqs["long2"].qrow == 0
+
+
+def test_host_pool_holds_sparse_layers_only_with_a_dense_pool():
+    cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(0, 2),
+                         min_context=40, host_pool_gib=0.01, dense_pool_gib=0.001)
+    rt = Driver(cfg).rt
+    assert rt.pool.data.shape[0] == 1 and rt.dpool.data.shape[0] == 2       # L = 3 layers
+    assert rt.host_layer(0) is None and rt.host_layer(2) is None
+    assert rt.host_layer(1).data_ptr() == rt.pool.data[0].data_ptr()

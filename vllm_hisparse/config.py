@@ -129,6 +129,13 @@ class HiSparseConfig:
         """The dense layers of sparse requests live in the GPU dense pool."""
         return self.host_tier and bool(self.dense_layers) and self.dense_pool_gib > 0
 
+    def host_pool_layers(self, num_layers: int) -> list[int]:
+        """Layers the host pool holds: all of them, or only the sparse ones when the dense layers
+        live in the GPU dense pool (nothing reads their host copy then)."""
+        if self.uses_dense_pool:
+            return [i for i in range(num_layers) if i not in self.dense_layers]
+        return list(range(num_layers))
+
     def check_dense_pool(self, max_model_len: int, bytes_per_token_per_layer: int) -> None:
         """Fail at load if one request of max_model_len tokens cannot fit in the dense pool."""
         if not self.uses_dense_pool:

@@ -102,7 +102,8 @@ def compute(args) -> dict:
     # hisparse: KV budget minus the Quest rows
     row = cap.quest_meta_bytes(m, mml, P, args.dense_layers)
     h_bpr = cap.hisparse_blocks(args.context, P, S, sparse)
-    host_pages = cap.host_pool_pages(host, m, P)
+    host_layers = len(cfg.host_pool_layers(m.num_layers))     # the sparse ones with a dense pool
+    host_pages = cap.host_pool_pages(host, m, P, host_layers)
     h_pages = cap.hisparse_host_pages(args.context, P, sparse)
     n_host = host_pages // h_pages if h_pages else None
     # the dense pool (cfg.uses_dense_pool): a fixed GPU reservation; a sparse request takes as many
@@ -137,7 +138,8 @@ def compute(args) -> dict:
     else:
         n_h, by_h = cap.max_requests(limits)
     hisparse = {"gpu_bytes_per_request": cap.hisparse_gpu_bytes(m, args.context, P, S, sparse),
-                "host_bytes_per_request": cap.hisparse_host_bytes(m, args.context, P, sparse),
+                "host_bytes_per_request": cap.hisparse_host_bytes(m, args.context, P, sparse,
+                                                                  host_layers),
                 "max_requests": n_h, "bound_by": by_h,
                 "quest_meta_bytes_per_request": row, "quest_rows": n_seqs,
                 "max_num_seqs": seqs if seqs is not None else n_seqs,
@@ -179,7 +181,9 @@ def run(args) -> int:
              f"{_gib(h['dense_pool_bytes_per_request'])} per request)" if h["dense_pool_bytes"] else
              "dense layers read given-back pages from the host (no --dense-pool-gib)")
     print(f"hisparse keeps S+1 = {args.buffer // args.page_size + 1} blocks per request in all layers; "
-          f"{dense}; the host pool holds every layer ({h['host_pool_pages']} pages)")
+          f"{dense}; the host pool holds "
+          f"{'the sparse layers' if h['dense_pool_bytes'] else 'every layer'} "
+          f"({h['host_pool_pages']} pages)")
     if not h["prefill_fits"]:
         print(f"hisparse would not start: a max_model_len={mml} prompt does not fit the KV cache "
               f"during its prefill")

@@ -108,9 +108,17 @@ def hisparse_host_pages(context: int, page_size: int, sparse: bool = True) -> in
     return cdiv(context, page_size) if sparse else 0
 
 
-def hisparse_host_bytes(m: ModelShape, context: int, page_size: int, sparse: bool = True) -> int:
-    """The host pool holds every token of every layer of a sparse request, in whole pages."""
-    return hisparse_host_pages(context, page_size, sparse) * m.block_bytes(page_size)
+def hisparse_host_bytes(m: ModelShape, context: int, page_size: int, sparse: bool = True,
+                        layers: int | None = None) -> int:
+    """The host pool holds every token of every host layer (all layers, or the sparse ones with a
+    dense pool: ``HiSparseConfig.host_pool_layers``) of a sparse request, in whole pages."""
+    return hisparse_host_pages(context, page_size, sparse) * _layer_pages(m, page_size, layers)
+
+
+def _layer_pages(m: ModelShape, page_size: int, layers: int | None) -> int:
+    """Bytes of one page across ``layers`` layers (default: all)."""
+    return (m.block_bytes(page_size) if layers is None else
+            layers * page_size * m.token_bytes_per_layer)
 
 
 def quest_meta_bytes(m: ModelShape, max_model_len: int, page_size: int, dense_layers: int) -> int:
@@ -170,9 +178,10 @@ def vllm_max_concurrency(blocks: int, blocks_per_request: int) -> float:
     return blocks / blocks_per_request
 
 
-def host_pool_pages(host_bytes: int, m: ModelShape, page_size: int) -> int:
-    """Pages of all layers the host pool holds (``connector.host_pages_capacity``)."""
-    return host_bytes // m.block_bytes(page_size)
+def host_pool_pages(host_bytes: int, m: ModelShape, page_size: int, layers: int | None = None) -> int:
+    """Pages (each one page of every host layer) the host pool holds
+    (``connector.host_pages_capacity``)."""
+    return host_bytes // _layer_pages(m, page_size, layers)
 
 
 def hisparse_prefill_fits(blocks: int, max_model_len: int, page_size: int) -> bool:

@@ -153,7 +153,7 @@ class DecodeGraphs:
         rt = self.rt
         f = st.field
         sl.write_kv(kv, f("wr_blk"), f("wr_off"), None, st.k, st.v)
-        host = rt.pool.data[layer] if rt.pool is not None else None
+        host = rt.host_layer(layer)
         if host is not None:
             write_through(host, st.k, st.v, st.tok, f("host_page"), f("host_off"))
         sl.quest_update_pages(rt.kmin[layer], rt.kmax[layer], f("q_page"), f("q_new").bool(),

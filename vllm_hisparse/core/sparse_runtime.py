@@ -60,9 +60,11 @@ class SparseRuntime:
         self.num_layers = num_layers
         self.dense_layers = set(cfg.dense_layers)
         page_bytes = HostKVPool.page_bytes(self.P, num_kv_heads, head_dim, dtype)
+        host_layers = cfg.host_pool_layers(num_layers)
+        self._host_layer = {layer: i for i, layer in enumerate(host_layers)}
         if host_pages is None:
-            host_pages = cfg.host_pool_bytes // (page_bytes * num_layers)
-        self.pool = (HostKVPool(num_layers, host_pages, self.P, num_kv_heads, head_dim, dtype)
+            host_pages = cfg.host_pool_bytes // (page_bytes * len(host_layers))
+        self.pool = (HostKVPool(len(host_layers), host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
         # Quest page bounds: one row per sparse request admitted at once (cfg.quest_rows, default
         # max_rows) + a scratch row that decode-graph padding points at.
@@ -176,6 +178,12 @@ class SparseRuntime:
         for h in self.hot:
             if h is not None:
                 h.reset(row)
+
+    def host_layer(self, layer: int) -> torch.Tensor | None:
+        """The host pool's copy of one layer (None: no host tier, or a dense layer kept in the
+        dense pool)."""
+        i = self._host_layer.get(layer)
+        return None if self.pool is None or i is None else self.pool.data[i]
 
     @property
     def host_pages_used(self) -> int:
@@ -348,7 +356,7 @@ class SparseRuntime:
             self.graphs.run(layer, plan, q, k, v, kv, scale, out)
             return
         sl.write_kv(kv, plan.wr_blk, plan.wr_off, plan.wr_tok, k, v)
-        host = self.pool.data[layer] if self.pool is not None else None
+        host = self.host_layer(layer)
         if dense_layer and self.dpool is not None:            # the dense pool, not the host
             dp = self.dpool.data[self._dpool_layer[layer]]
             if plan.host_tok is not None:

@@ -45,7 +45,7 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
 
 
 def host_pages_capacity(cfg, model_config, parallel_config) -> int:
-    L = model_config.get_num_layers(parallel_config)
+    L = len(cfg.host_pool_layers(model_config.get_num_layers(parallel_config)))
     pb = HostKVPool.page_bytes(cfg.page_size, model_config.get_num_kv_heads(parallel_config),
                                model_config.get_head_size(), model_config.dtype)
     return cfg.host_pool_bytes // (pb * L)

@@ -43,7 +43,8 @@ def prepare_config(vllm_config) -> None:
 
         pb = HostKVPool.page_bytes(cfg.page_size, mc.get_num_kv_heads(pc), mc.get_head_size(),
                                    mc.dtype)
-        cfg.check_host_pool(mc.max_model_len, pb // cfg.page_size, mc.get_num_layers(pc))
+        cfg.check_host_pool(mc.max_model_len, pb // cfg.page_size,
+                            len(cfg.host_pool_layers(mc.get_num_layers(pc))))
         cfg.check_dense_pool(mc.max_model_len, pb // cfg.page_size)
         if cfg.dense_layers and not cfg.uses_dense_pool:
             logger.warning("hisparse: dense_layers=%s without dense_pool_gib: those layers read the "
