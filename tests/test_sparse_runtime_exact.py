@@ -18,17 +18,22 @@ P, L, HKV, D, HQ, W = 8, 3, 2, 8, 4, 40          # W pages per request (max_mode
 
 
 class Driver:
-    """device/dtype/dims: the GPU variant (tests/test_decode_graph_gpu.py) needs a head size the
-    Triton attention kernel takes (64/128/256) and fp16/bf16."""
+    """The adapter's job in miniature: block tables (block 0 left as vLLM's null block), slot
+    mapping, one plan per step, every layer; blocks the scheduler would free are poisoned.
+    device/dtype/dims: the GPU variant (tests/test_decode_graph_gpu.py) needs a head size the
+    Triton attention kernel takes (64/128/256) and fp16/bf16. shape: (page, layers, pages per
+    request) for other tests."""
 
-    def __init__(self, cfg, rows=4, seed=0, device="cpu", dtype=torch.float32, dims=(HQ, HKV, D)):
+    def __init__(self, cfg, rows=4, seed=0, device="cpu", dtype=torch.float32, dims=(HQ, HKV, D),
+                 shape=(P, L, W)):
         self.cfg = cfg
         self.hq, self.hkv, self.d = dims
+        self.P, self.L, self.W = shape
         self.dev, self.dt = torch.device(device), dtype
-        self.rt = SparseRuntime(cfg, L, self.hkv, self.d, dtype, self.dev, rows, W * P,
-                                host_pages=400, num_heads=self.hq)
-        self.kv = [torch.zeros(1 + rows * W, 2, P, self.hkv, self.d, dtype=dtype, device=self.dev)
-                   for _ in range(L)]                                      # block 0: vLLM's null
+        self.rt = SparseRuntime(cfg, self.L, self.hkv, self.d, dtype, self.dev, rows,
+                                self.W * self.P, host_pages=400, num_heads=self.hq)
+        self.kv = [torch.zeros(1 + rows * self.W, 2, self.P, self.hkv, self.d, dtype=dtype,
+                               device=self.dev) for _ in range(self.L)]    # block 0: vLLM's null
         self.blocks, self.lens, self.prompt = {}, {}, {}
         self.g = torch.Generator().manual_seed(seed)
         self.outs: list[torch.Tensor] = []
@@ -36,7 +41,7 @@ class Driver:
     def add(self, rid, n_prompt):
         self.rt.add(rid, n_prompt)
         i = len(self.blocks)
-        self.blocks[rid] = torch.arange(1 + i * W, 1 + (i + 1) * W, dtype=torch.int32)
+        self.blocks[rid] = torch.arange(1 + i * self.W, 1 + (i + 1) * self.W, dtype=torch.int32)
         self.lens[rid], self.prompt[rid] = 0, n_prompt
 
     def _rand(self, *shape):
@@ -48,14 +53,14 @@ class Driver:
         for rid in ids:
             start, n = self.lens[rid], self.lens[rid] + todo[rid]
             pos = torch.arange(start, n)
-            slots.append(self.blocks[rid][pos // P].long() * P + pos % P)
+            slots.append(self.blocks[rid][pos // self.P].long() * self.P + pos % self.P)
             qsl.append(qsl[-1] + todo[rid])
             seq.append(n)
             self.lens[rid] = n
         bt = torch.stack([self.blocks[r] for r in ids]).to(self.dev)
         plan = self.rt.plan(ids, qsl, seq, bt, torch.cat(slots).to(self.dev))
         T = qsl[-1]
-        for layer in range(L):
+        for layer in range(self.L):
             q, k, v = self._rand(T, self.hq, self.d), self._rand(T, self.hkv, self.d), \
                 self._rand(T, self.hkv, self.d)
             out = torch.full((T, self.hq, self.d), float("nan"), dtype=self.dt, device=self.dev)

@@ -3,51 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core.sparse_runtime import SparseRuntime
 from vllm_hisparse.sim import trace as tr
 
-P, L, HKV, D, HQ, W = 16, 4, 2, 8, 4, 16          # W pages per request (max_model_len 256)
+from test_sparse_runtime_exact import Driver as _Driver
+
+P, L, W = 16, 4, 16                               # W pages per request (max_model_len 256)
 
 
-class Driver:
-    """The adapter's job in miniature: block tables, slot mapping, one plan per step, every layer."""
-
-    def __init__(self, cfg, rows=3):
-        self.rt = SparseRuntime(cfg, L, HKV, D, torch.float32, "cpu", rows, W * P, host_pages=200)
-        self.kv = [torch.zeros(rows * W, 2, P, HKV, D) for _ in range(L)]
-        self.blocks: dict[str, torch.Tensor] = {}
-        self.lens: dict[str, int] = {}
-        self.g = torch.Generator().manual_seed(0)
-
-    def add(self, rid, n_prompt):
-        self.rt.add(rid, n_prompt)
-        self.blocks[rid] = torch.arange(len(self.blocks) * W, (len(self.blocks) + 1) * W,
-                                        dtype=torch.int32)
-        self.lens[rid] = 0
-
-    def step(self, todo: dict[str, int]):
-        """todo: req_id -> new tokens this step."""
-        ids = list(todo)
-        qsl, seq, slots = [0], [], []
-        for rid in ids:
-            start, n = self.lens[rid], self.lens[rid] + todo[rid]
-            pos = torch.arange(start, n)
-            slots.append(self.blocks[rid][pos // P].long() * P + pos % P)
-            qsl.append(qsl[-1] + todo[rid])
-            seq.append(n)
-            self.lens[rid] = n
-        bt = torch.stack([self.blocks[r] for r in ids])
-        plan = self.rt.plan(ids, qsl, seq, bt, torch.cat(slots))
-        T = qsl[-1]
-        for layer in range(L):
-            q = torch.randn(T, HQ, D, generator=self.g)
-            k = torch.randn(T, HKV, D, generator=self.g)
-            v = torch.randn(T, HKV, D, generator=self.g)
-            self.rt.forward_layer(layer, plan, q, k, v, self.kv[layer], D ** -0.5,
-                                  torch.empty(T, HQ, D))
+def Driver(cfg, rows=3):
+    return _Driver(cfg, rows, shape=(P, L, W))
 
 
 def test_trace_per_request(tmp_path):
