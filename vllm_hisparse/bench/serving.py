@@ -160,7 +160,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="requests per point = concurrency x rounds")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--hisparse", default='{"top_k": 2048, "device_buffer_size": 4096}')
+    p.add_argument("--hisparse", default='{"top_k": 2048, "device_buffer_size": 4096, '
+                   '"dense_pool_gib": 8, "host_pool_gib": 80}',
+                   help="hisparse config (JSON); the default keeps the two dense layers in a GPU "
+                        "dense pool and pins 80 GiB of host (sized for the 128 GiB GPU box)")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--port", type=int, default=18000)
     p.add_argument("--ready-timeout", type=float, default=900)
