@@ -3,7 +3,7 @@ only forwards here).
 
 Layouts (one layer): ``kv``  (N, 2, P, Hkv, D) paged KV cache, block b = one page of P tokens (K at
 [:, 0], V at [:, 1]); ``host`` (pages, 2, P, Hkv, D) the same layer of the host pool; ``kmin``/
-``kmax`` (rows, U, Hkv, D) Quest page bounds per runtime row. ``StepPlan`` (sparse_runtime.py) holds
+``kmax`` (rows, U, Hkv, D) Quest page bounds per Quest row. ``StepPlan`` (step_plan.py) holds
 everything decided once per step; these functions do the per-layer work.
 
 Decode of a sparse request: Quest scores the complete pages ``[0, newest)``, the best
@@ -25,7 +25,6 @@ from vllm_hisparse.ops.quest import quest_scores_rows, topk_pages
 from vllm_hisparse.ops.quest_update import quest_update_pages as _quest_update_pages
 
 _resolve_lru = getattr(kernels, "resolve_lru", reference.resolve_lru)
-_quest_update = getattr(kernels, "quest_update", reference.quest_update)
 
 
 def write_kv(kv: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tok: torch.Tensor | None,
@@ -36,16 +35,6 @@ def write_kv(kv: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tok: torch.
         k, v = k[tok], v[tok]
     kv[blk, 0, off] = k.to(kv.dtype)
     kv[blk, 1, off] = v.to(kv.dtype)
-
-
-def write_host(host: torch.Tensor, pages: torch.Tensor, offs: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> None:
-    """Write-through: K/V (n, Hkv, D) of n tokens into host pages (n,) at offsets (n,)."""
-    if len(pages) == 0:
-        return
-    pages_c, offs_c = pages.to(host.device), offs.to(host.device)
-    host[pages_c, 0, offs_c] = k.to(host.device, host.dtype)
-    host[pages_c, 1, offs_c] = v.to(host.device, host.dtype)
 
 
 def quest_update_pages(kmin: torch.Tensor, kmax: torch.Tensor, page_flat: torch.Tensor,
@@ -59,12 +48,6 @@ def quest_update_pages(kmin: torch.Tensor, kmax: torch.Tensor, page_flat: torch.
     non-decreasing, every page with at least one token (as the plan builds it).
     """
     _quest_update_pages(kmin, kmax, page_flat, page_new, tok_page, k)
-
-
-def quest_update(kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
-                 k: torch.Tensor, page_size: int) -> None:
-    if len(rows):
-        _quest_update(kmin, kmax, rows, pos, k, page_size)
 
 
 SCORE_BYTES = 512 << 20   # cap of one fp32 score block; a guess that keeps 32K prefill in memory

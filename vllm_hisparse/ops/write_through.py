@@ -45,8 +45,6 @@ def write_through(host: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: tor
                 f"write_through: k is on {k.device} but the CUDA op hisparse::write_through is not "
                 f"available ({why}). Build the extension (`make build`); there is no slow fallback "
                 f"for CUDA tensors.")
-        if not (host.is_cuda or host.is_pinned()):
-            raise RuntimeError("write_through: host must be pinned CPU memory (or a CUDA tensor)")
         torch.ops.hisparse.write_through(host, k, v, tok, page, off)
         return
     reference.write_through(host, k, v, tok, page, off)
