@@ -71,13 +71,13 @@ ROW = cap.quest_meta_bytes(LLAMA3_8B, 32768, 16, 2)             # 240 MiB per se
 
 def test_quest_budget_is_half_of_what_vllm_may_use():
     # 139 GiB free of 140; gpu_memory_utilization=0.9 leaves 14 GiB to others: half of 125 GiB
-    assert cap.quest_budget_bytes(H200["free"], H200["total"], 0.9) == int(62.5 * GIB)
-    assert cap.quest_budget_bytes(H200["free"], H200["total"]) == int(69.5 * GIB)
-    assert cap.quest_budget_bytes(10 * GIB, H200["total"], 0.9) == 0    # others hold the rest
+    assert cap.reservation_budget_bytes(H200["free"], H200["total"], 0.9) == int(62.5 * GIB)
+    assert cap.reservation_budget_bytes(H200["free"], H200["total"]) == int(69.5 * GIB)
+    assert cap.reservation_budget_bytes(10 * GIB, H200["total"], 0.9) == 0    # others hold the rest
 
 
 def test_quest_reservation_names_flags_and_largest_fit():
-    budget = cap.quest_budget_bytes(H200["free"], H200["total"], 0.9)
+    budget = cap.reservation_budget_bytes(H200["free"], H200["total"], 0.9)
     assert ROW == 240 * MIB
     with pytest.raises(ValueError) as e:
         cap.check_quest_reservation(1024, ROW, budget, 32768, 16)    # vLLM's default on an H200

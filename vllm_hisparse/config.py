@@ -136,6 +136,17 @@ class HiSparseConfig:
             return [i for i in range(num_layers) if i not in self.dense_layers]
         return list(range(num_layers))
 
+    def host_pool_pages(self, num_layers: int, page_bytes: int) -> int:
+        """Pages the host pool holds; page_bytes: one page of one layer (K and V)."""
+        return self.host_pool_bytes // (page_bytes * len(self.host_pool_layers(num_layers)))
+
+    def dense_pool_pages(self, page_bytes: int) -> int | None:
+        """Pages of the GPU dense pool (None without one); a sparse request takes as many there as
+        in the host pool."""
+        if not self.uses_dense_pool:
+            return None
+        return self.dense_pool_bytes // (page_bytes * len(self.dense_layers))
+
     def check_dense_pool(self, max_model_len: int, bytes_per_token_per_layer: int) -> None:
         """Fail at load if one request of max_model_len tokens cannot fit in the dense pool."""
         if not self.uses_dense_pool:

@@ -128,26 +128,28 @@ def quest_meta_bytes(m: ModelShape, max_model_len: int, page_size: int, dense_la
             * m.head_dim * m.dtype_bytes)
 
 
-QUEST_SHARE = 0.5   # guess: the bounds may take at most half of what vLLM may still use at startup;
-                    # the rest is for the weights, activations and the KV cache
+RESERVATION_SHARE = 0.5   # guess: one reservation (Quest bounds, dense pool) may take at most half
+                          # of what vLLM may still use at startup; the rest is for the weights,
+                          # activations and the KV cache
 
 
-def quest_budget_bytes(free_bytes: int, total_bytes: int,
-                       gpu_memory_utilization: float | None = None) -> int:
-    """Most bytes the Quest bounds may reserve while the model is built: ``QUEST_SHARE`` of the GPU
-    memory vLLM may still use, i.e. the free memory less the ``(1 - gpu_memory_utilization) x total``
-    that vLLM leaves to others (as if this process used all of ``total - free``)."""
+def reservation_budget_bytes(free_bytes: int, total_bytes: int,
+                             gpu_memory_utilization: float | None = None) -> int:
+    """Most bytes one startup reservation (the Quest bounds, the dense pool) may take while the
+    model is built: ``RESERVATION_SHARE`` of the GPU memory vLLM may still use, i.e. the free
+    memory less the ``(1 - gpu_memory_utilization) x total`` that vLLM leaves to others (as if this
+    process used all of ``total - free``)."""
     room = free_bytes
     if gpu_memory_utilization is not None:
         room = min(room, free_bytes - int((1 - gpu_memory_utilization) * total_bytes))
-    return int(max(room, 0) * QUEST_SHARE)
+    return int(max(room, 0) * RESERVATION_SHARE)
 
 
 def check_quest_reservation(rows: int, row_bytes: int, budget_bytes: int, max_model_len: int,
                             page_size: int, set_by: str = "max_num_seqs") -> None:
     """Raise ValueError, naming the settings to change, when ``rows`` Quest rows of ``row_bytes``
     (``quest_meta_bytes``), plus the runtime's scratch row, exceed ``budget_bytes``
-    (``quest_budget_bytes``). set_by: where ``rows`` came from ("max_num_seqs" or "quest_rows")."""
+    (``reservation_budget_bytes``). set_by: where ``rows`` came from ("max_num_seqs" or "quest_rows")."""
     need = (rows + 1) * row_bytes
     if need <= budget_bytes:
         return
@@ -159,7 +161,7 @@ def check_quest_reservation(rows: int, row_bytes: int, budget_bytes: int, max_mo
         f"hisparse: the Quest page bounds for {set_by}={rows} sequences of max_model_len="
         f"{max_model_len} tokens (page_size={page_size}) need {need / (1 << 30):.2f} GiB of GPU "
         f"memory ({row_bytes / (1 << 20):.1f} MiB per sequence), more than the "
-        f"{budget_bytes / (1 << 30):.2f} GiB allowed ({QUEST_SHARE:.0%} of the GPU memory vLLM may "
+        f"{budget_bytes / (1 << 30):.2f} GiB allowed ({RESERVATION_SHARE:.0%} of the GPU memory vLLM may "
         f"still use); {fix}")
 
 

@@ -27,8 +27,10 @@ from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.ops.write_through import write_through
 
 # Per-step metadata packed into one int64 tensor (one H2D copy): one row each, width Rp.
-_FIELDS = ("rows", "qrows", "seq", "full", "newest_blk", "wr_blk", "wr_off", "host_page", "host_off",
+_FIELDS = ("rows", "qrows", "seq", "full", "newest_blk", "off", "host_page",
            "q_page", "q_new", "is_hot")
+# The static buffers a step writes (a capture's warm-up saves and restores them).
+_STEP_BUFFERS = ("meta", "bt", "host_pt", "is_hot", "seq", "slot_map")
 
 
 def bucket(n: int, max_rows: int) -> int:
@@ -75,57 +77,56 @@ class DecodeGraphs:
     # ---- per step ----------------------------------------------------------------------------
     def fill(self, plan) -> None:
         """Copy the step's decode metadata into the bucket's static buffers (plan.graph = Rp)."""
-        rt, d = self.rt, plan.dec
-        n = len(d)
-        Rp = bucket(n, rt.max_rows)
-        st = self._static(Rp, plan)
-        P, U, scratch = rt.P, rt.U, rt.scratch_row
+        Rp = bucket(len(plan.dec), self.rt.max_rows)
+        self._load(self._static(Rp, plan), plan.dec, plan.block_table)
+        plan.graph = Rp
+
+    def _load(self, st: Static, d: list, block_table: torch.Tensor | None) -> None:
+        """Rows [0, n) from the decode rows d, the rest inert padding (all of it when d is empty)."""
+        rt = self.rt
+        n, Rp = len(d), st.meta.shape[1]
+        P, U = rt.P, rt.U
         meta = torch.zeros(len(_FIELDS), Rp, dtype=torch.int64)
         pad = torch.arange(n, Rp)
         cols = {
-            "rows": ([s.row for s in d], scratch),
+            "rows": ([s.row for s in d], rt.scratch_row),
             "qrows": ([s.qrow for s in d], rt.quest_scratch),
             "seq": ([s.seq_len for s in d], 1),
             "full": ([(s.seq_len - 1) // P for s in d], 0),
-            "host_off": ([(s.seq_len - 1) % P for s in d], 0),
-            "wr_off": ([(s.seq_len - 1) % P for s in d], 0),
+            "off": ([(s.seq_len - 1) % P for s in d], 0),     # the new token in its page
             "q_new": ([int((s.seq_len - 1) % P == 0) for s in d], 1),
             "is_hot": ([int(s.freed[1] > s.freed[0]) for s in d], 0),
+            "q_page": ([s.qrow * U + (s.seq_len - 1) // P for s in d], 0),
         }
         for name, (vals, fill) in cols.items():
             row = meta[_FIELDS.index(name)]
             row[:n] = torch.tensor(vals, dtype=torch.int64)
             row[n:] = fill
-        meta[_FIELDS.index("q_page"), :n] = torch.tensor(
-            [s.qrow * U + (s.seq_len - 1) // P for s in d], dtype=torch.int64)
         meta[_FIELDS.index("q_page"), n:] = rt.quest_scratch * U + pad % U
-        dev = rt.device
-        st.meta.copy_(meta.to(dev))
+        st.meta.copy_(meta.to(rt.device))
         # Block tables and host page tables stay on the device: gather the real rows, pad the rest.
-        idx = torch.tensor([s.idx for s in d], dtype=torch.int64).to(plan.block_table.device)
-        bt = plan.block_table[idx].to(dev, torch.int64)
-        w = min(bt.shape[1], self.W)
-        st.bt[:n, :w] = bt[:, :w]
         st.bt[n:] = 0
-        newest = st.field("full")[:n]
-        st.field("newest_blk")[:n] = torch.gather(st.bt[:n], 1, newest[:, None])[:, 0]
-        st.field("newest_blk")[n:] = 0
-        st.field("wr_blk")[:n] = st.field("newest_blk")[:n]
-        st.field("wr_blk")[n:] = 0
-        rows = st.field("rows")[:n]
-        st.host_pt[:n] = rt.host_pt[rows] if rt.pool is not None else -1
         st.host_pt[n:] = -1
-        if rt.pool is not None:
-            hp = torch.gather(st.host_pt[:n].long(), 1, newest[:, None])[:, 0]
-            st.field("host_page")[:n] = hp
-        else:
-            st.field("host_page")[:n] = -1
+        st.field("newest_blk")[n:] = 0
         st.field("host_page")[n:] = -1
+        if n:
+            idx = torch.tensor([s.idx for s in d], dtype=torch.int64).to(block_table.device)
+            bt = block_table[idx].to(rt.device, torch.int64)
+            w = min(bt.shape[1], self.W)
+            st.bt[:n, :w] = bt[:, :w]
+            newest = st.field("full")[:n]
+            st.field("newest_blk")[:n] = torch.gather(st.bt[:n], 1, newest[:, None])[:, 0]
+            if rt.pool is not None:
+                st.host_pt[:n] = rt.host_pt.table[st.field("rows")[:n]]
+                hp = torch.gather(st.host_pt[:n].long(), 1, newest[:, None])[:, 0]
+                st.field("host_page")[:n] = hp
+            else:
+                st.host_pt[:n] = -1
+                st.field("host_page")[:n] = -1
         st.is_hot.copy_(st.field("is_hot").bool())
         st.seq.copy_(st.field("seq"))
         st.slot_map.copy_(st.bt[:, :rt.S])
         st.n = n
-        plan.graph = Rp
 
     # ---- per layer ---------------------------------------------------------------------------
     def run(self, layer: int, plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -152,10 +153,10 @@ class DecodeGraphs:
         """The captured body: the eager decode path on static buffers, padding rows inert."""
         rt = self.rt
         f = st.field
-        sl.write_kv(kv, f("wr_blk"), f("wr_off"), None, st.k, st.v)
+        sl.write_kv(kv, f("newest_blk"), f("off"), None, st.k, st.v)
         host = rt.host_layer(layer)
         if host is not None:
-            write_through(host, st.k, st.v, st.tok, f("host_page"), f("host_off"))
+            write_through(host, st.k, st.v, st.tok, f("host_page"), f("off"))
         sl.quest_update_pages(rt.kmin[layer], rt.kmax[layer], f("q_page"), f("q_new").bool(),
                               st.tok, st.k)
         rows = f("rows")
@@ -170,21 +171,17 @@ class DecodeGraphs:
         """Warm up (Triton JIT, allocator) on a side stream, then capture; state the warm-up touched
         is only the inert padding of an all-padding batch."""
         layer = key[0]
-        saved = (st.n, st.meta.clone(), st.bt.clone(), st.host_pt.clone(), st.is_hot.clone(),
-                 st.seq.clone(), st.slot_map.clone())
+        saved, n = {name: getattr(st, name).clone() for name in _STEP_BUFFERS}, st.n
         hm = self.rt._hit_miss.clone()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            self._make_inert(st)
+            self._load(st, [], None)                  # an all-padding batch
             self._step(layer, st, kv, scale)          # JIT + allocator warm-up, inert rows only
         torch.cuda.current_stream().wait_stream(s)
-        st.meta.copy_(saved[1])
-        st.bt.copy_(saved[2])
-        st.host_pt.copy_(saved[3])
-        st.is_hot.copy_(saved[4])
-        st.seq.copy_(saved[5])
-        st.slot_map.copy_(saved[6])
+        for name, t in saved.items():
+            getattr(st, name).copy_(t)
+        st.n = n
         self.rt._hit_miss.copy_(hm)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -195,24 +192,6 @@ class DecodeGraphs:
         self.stats["captures"] += 1
         # Capture does not execute: the caller replays it for this step.
         return g
-
-    def _make_inert(self, st: Static) -> None:
-        rt = self.rt
-        Rp = st.meta.shape[1]
-        meta = torch.zeros_like(st.meta)
-        meta[_FIELDS.index("rows")] = rt.scratch_row
-        meta[_FIELDS.index("qrows")] = rt.quest_scratch
-        meta[_FIELDS.index("seq")] = 1
-        meta[_FIELDS.index("q_new")] = 1
-        meta[_FIELDS.index("host_page")] = -1
-        meta[_FIELDS.index("q_page")] = (rt.quest_scratch * rt.U
-                                         + torch.arange(Rp, device=meta.device) % rt.U)
-        st.meta.copy_(meta)
-        st.bt.zero_()
-        st.host_pt.fill_(-1)
-        st.is_hot.zero_()
-        st.seq.fill_(1)
-        st.slot_map.zero_()
 
     def _static(self, Rp: int, plan) -> Static:
         st = self.static.get(Rp)

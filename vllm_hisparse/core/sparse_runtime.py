@@ -24,6 +24,7 @@ import torch
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.host_pool import HostKVPool
+from vllm_hisparse.core.page_table import DevicePageTable
 from vllm_hisparse.core.residency import freed_pages, is_sparse_request
 from vllm_hisparse.core.step_plan import DenseGroup, ReqStep, StepPlan
 from vllm_hisparse.ops.write_through import write_through
@@ -63,7 +64,7 @@ class SparseRuntime:
         host_layers = cfg.host_pool_layers(num_layers)
         self._host_layer = {layer: i for i, layer in enumerate(host_layers)}
         if host_pages is None:
-            host_pages = cfg.host_pool_bytes // (page_bytes * len(host_layers))
+            host_pages = cfg.host_pool_pages(num_layers, page_bytes)
         self.pool = (HostKVPool(len(host_layers), host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
         # Quest page bounds: one row per sparse request admitted at once (cfg.quest_rows, default
@@ -82,21 +83,17 @@ class SparseRuntime:
         self.hot = [sl.HotSlots(max_rows + 1, self.S, self.U, self.device)
                     if cfg.host_tier and i not in self.dense_layers else None
                     for i in range(num_layers)]
-        # Host page of each logical page of each row, mirrored on the device (grown as the pool hands
-        # out pages, cleared at finish): RESOLVE and the write-through index it without host work.
-        self.host_pt = torch.full((max_rows, self.U), -1, dtype=torch.int32, device=self.device)
-        self._host_pt_len = [0] * max_rows
+        self.host_pt = DevicePageTable(max_rows, self.U, self.device)    # host page of each page
         # Dense layers of sparse requests: every page in a GPU pool of their own (cfg.dense_pool_gib),
         # attended with the pool's page table; without it they read given-back pages from the host.
         self.dpool = None
         if cfg.uses_dense_pool:
             nd = len(self.dense_layers)
             self.dpool = dense_pool or HostKVPool(
-                nd, cfg.dense_pool_bytes // (page_bytes * nd), self.P, num_kv_heads, head_dim, dtype,
+                nd, cfg.dense_pool_pages(page_bytes), self.P, num_kv_heads, head_dim, dtype,
                 device=self.device)
             self._dpool_layer = {layer: i for i, layer in enumerate(sorted(self.dense_layers))}
-            self.dense_pt = torch.full((max_rows, self.U), -1, dtype=torch.int32, device=self.device)
-            self._dense_pt_len = [0] * max_rows
+            self.dense_pt = DevicePageTable(max_rows, self.U, self.device)
         # Paged causal attention for prefill / dense rows: paged_dense_reference's signature. The
         # vLLM adapter plugs FlashAttention in on the GPU; the default is the plain-torch twin.
         self.dense_fn = sl.paged_dense_reference
@@ -157,14 +154,10 @@ class SparseRuntime:
         self._free_rows.append(r.row)
         if r.qrow >= 0:
             self._free_qrows.append(r.qrow)
-        if self._host_pt_len[r.row]:
-            self.host_pt[r.row] = -1
-            self._host_pt_len[r.row] = 0
+        self.host_pt.clear(r.row)
         if self.dpool is not None:
             self.dpool.free(req_id)
-            if self._dense_pt_len[r.row]:
-                self.dense_pt[r.row] = -1
-                self._dense_pt_len[r.row] = 0
+            self.dense_pt.clear(r.row)
         self.stats["finished"] += 1
         return True
 
@@ -198,7 +191,6 @@ class SparseRuntime:
         without host syncs."""
         dev = self.device
         steps = []
-        grow = {"host": ([], [], []), "dense": ([], [], [])}
         for i, rid in enumerate(req_ids):
             r = self.reqs[rid]
             t0, t1 = query_start_loc[i], query_start_loc[i + 1]
@@ -209,15 +201,13 @@ class SparseRuntime:
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
                                  freed_pages(self.cfg, start, r.num_prompt), r.qrow))
             if self.pool is not None and r.sparse:
-                self._grow(grow["host"], self._host_pt_len, r.row, self.pool.ensure(rid, n))
+                self.host_pt.grow(r.row, self.pool.ensure(rid, n))
                 if self.dpool is not None:
-                    before = self._dense_pt_len[r.row]
-                    self._grow(grow["dense"], self._dense_pt_len, r.row, self.dpool.ensure(rid, n))
-                    self.stats["dense_pool_pages_handed"] += self._dense_pt_len[r.row] - before
-        for name, table in (("host", self.host_pt), ("dense", getattr(self, "dense_pt", None))):
-            if grow[name][0]:
-                upd = torch.tensor(grow[name], dtype=torch.int64).to(dev)
-                table[upd[0], upd[1]] = upd[2].to(torch.int32)
+                    self.stats["dense_pool_pages_handed"] += self.dense_pt.grow(
+                        r.row, self.dpool.ensure(rid, n))
+        self.host_pt.flush()
+        if self.dpool is not None:
+            self.dense_pt.flush()
         plan = self._plan_writes(steps, block_table, slot_mapping)
         plan.dec = [s for s in steps if s.sparse and s.t1 - s.t0 == 1 and s.start > 0]
         dec_idx = {s.idx for s in plan.dec}
@@ -230,7 +220,7 @@ class SparseRuntime:
             plan.dense_res = self._dense_group(res, self._rows_of(res, block_table))
             if inpool:
                 rows = torch.tensor([s.row for s in inpool], device=dev)
-                plan.dense_pool = self._dense_group(inpool, self.dense_pt[rows])
+                plan.dense_pool = self._dense_group(inpool, self.dense_pt.table[rows])
         elif len(self.dense_layers):
             plan.dense_freed = [s for s in steps if s.freed[1] > s.freed[0]]
             res = [s for s in steps if s.freed[1] <= s.freed[0]]
@@ -289,22 +279,11 @@ class SparseRuntime:
                 pos_d = d[2 * ntok + 2 * npg:3 * ntok + 2 * npg]
                 rows_d = d[3 * ntok + 2 * npg:]
                 plan.host_tok = d[:ntok]
-                plan.host_page = self.host_pt[rows_d, pos_d // P].long()
+                plan.host_page = self.host_pt.table[rows_d, pos_d // P].long()
                 plan.host_off = pos_d % P
                 if self.dpool is not None:
-                    plan.dpool_page = self.dense_pt[rows_d, pos_d // P].long()
+                    plan.dpool_page = self.dense_pt.table[rows_d, pos_d // P].long()
         return plan
-
-    @staticmethod
-    def _grow(acc: tuple[list, list, list], lens: list[int], row: int, pages: list[int]) -> None:
-        """Queue the pages a pool just handed to ``row`` for its device page table."""
-        have = lens[row]
-        if len(pages) > have:
-            new = pages[have:]
-            acc[0].extend([row] * len(new))
-            acc[1].extend(range(have, have + len(new)))
-            acc[2].extend(new)
-            lens[row] = have + len(new)
 
     @staticmethod
     def _rows_of(group: list[ReqStep], block_table: torch.Tensor) -> torch.Tensor | None:
@@ -344,7 +323,7 @@ class SparseRuntime:
         if hot:
             plan.hot = torch.tensor(hot, dtype=torch.int64).to(dev)
             plan.hot_slot_map = bt[plan.hot, :self.S]
-            plan.hot_pt = self.host_pt[plan.dec_rows[plan.hot]]
+            plan.hot_pt = self.host_pt.table[plan.dec_rows[plan.hot]]
 
     # ---- per layer -----------------------------------------------------------------------------
     def forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,

@@ -44,21 +44,18 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     finished: list[str] = field(default_factory=list)   # dropped before ``new`` takes their rows
 
 
+def _page_bytes(cfg, model_config, parallel_config) -> int:
+    return HostKVPool.page_bytes(cfg.page_size, model_config.get_num_kv_heads(parallel_config),
+                                 model_config.get_head_size(), model_config.dtype)
+
+
 def host_pages_capacity(cfg, model_config, parallel_config) -> int:
-    L = len(cfg.host_pool_layers(model_config.get_num_layers(parallel_config)))
-    pb = HostKVPool.page_bytes(cfg.page_size, model_config.get_num_kv_heads(parallel_config),
-                               model_config.get_head_size(), model_config.dtype)
-    return cfg.host_pool_bytes // (pb * L)
+    return cfg.host_pool_pages(model_config.get_num_layers(parallel_config),
+                               _page_bytes(cfg, model_config, parallel_config))
 
 
 def dense_pages_capacity(cfg, model_config, parallel_config) -> int | None:
-    """Pages of the GPU dense pool (None without one): each sparse request takes as many as in the
-    host pool."""
-    if not cfg.uses_dense_pool:
-        return None
-    pb = HostKVPool.page_bytes(cfg.page_size, model_config.get_num_kv_heads(parallel_config),
-                               model_config.get_head_size(), model_config.dtype)
-    return cfg.dense_pool_bytes // (pb * len(cfg.dense_layers))
+    return cfg.dense_pool_pages(_page_bytes(cfg, model_config, parallel_config))
 
 
 class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):

@@ -41,7 +41,7 @@ def ensure_quest_meta(cfg, num_layers: int, rows: int, max_model_len: int, num_k
     row_bytes = capacity.quest_meta_bytes(model, max_model_len, cfg.page_size, dense)
     if dev != "cpu":
         free, total = torch.cuda.mem_get_info(dev)
-        budget = capacity.quest_budget_bytes(free, total, gpu_memory_utilization)
+        budget = capacity.reservation_budget_bytes(free, total, gpu_memory_utilization)
         capacity.check_quest_reservation(rows, row_bytes, budget, max_model_len, cfg.page_size,
                                          set_by)
     logger.info("hisparse: Quest page bounds reserve %.2f GiB on %s (%s=%d + 1 scratch row "
@@ -101,13 +101,13 @@ def ensure_dense_pool(cfg, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     if dev != "cpu":
         free, total = torch.cuda.mem_get_info(dev)
-        budget = capacity.quest_budget_bytes(free, total, gpu_memory_utilization)
+        budget = capacity.reservation_budget_bytes(free, total, gpu_memory_utilization)
         if cfg.dense_pool_bytes > budget:
             raise ValueError(
                 f"hisparse: dense_pool_gib={cfg.dense_pool_gib} is more than the "
                 f"{budget / (1 << 30):.2f} GiB allowed (half of the GPU memory vLLM may still use); "
                 f"lower dense_pool_gib (each request of N tokens takes "
                 f"{len(cfg.dense_layers)} dense layers x N tokens of K/V there)")
-    nd = len(cfg.dense_layers)
-    pages = cfg.dense_pool_bytes // (HostKVPool.page_bytes(cfg.page_size, num_kv_heads, head_dim, dtype) * nd)
-    dense_pool = HostKVPool(nd, pages, cfg.page_size, num_kv_heads, head_dim, dtype, device=dev)
+    pages = cfg.dense_pool_pages(HostKVPool.page_bytes(cfg.page_size, num_kv_heads, head_dim, dtype))
+    dense_pool = HostKVPool(len(cfg.dense_layers), pages, cfg.page_size, num_kv_heads, head_dim,
+                            dtype, device=dev)
