@@ -2,9 +2,10 @@
 # Source on the GPU box once every bundle piece is staged: installs vLLM, builds our extension in
 # place, exposes our entry points without pip (a dist-info folder on the path), sets the env.
 #   source scripts/gpu_setup.sh OUT
+# NO_VLLM=1: kernels only (while bundle pieces are still being staged): no install, no plugin.
 set -euo pipefail
 out=$1
-if [ ! -d /tmp/site/vllm ]; then
+if [ -z "${NO_VLLM:-}" ] && [ ! -d /tmp/site/vllm ]; then
   bash .gpu-bundle/install-vllm-bundle.sh install > "$out/install.log" 2>&1 || { tail -30 "$out/install.log"; exit 1; }
 fi
 if ls .whl/*.whl > /dev/null 2>&1; then pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; fi
