@@ -5,11 +5,20 @@
 #include <torch/all.h>
 
 #include <algorithm>
+#include <string>
 
 #include "kernels/write_through.cuh"
 #include "uva.h"
 
 namespace {
+
+// "(a, b, c)" built by hand: streaming t.strides() into TORCH_CHECK's message crashed the process on
+// the H200 (segfault instead of the RuntimeError, 2026-11-30), so no IntArrayRef goes to c10::str here.
+std::string dims(c10::IntArrayRef a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + ")";
+}
 
 // (T, Hkv, D) on dev, dtype dt, the (Hkv, D) block of each token contiguous; any token stride.
 void check_rows(const torch::Tensor& t, const char* name, const torch::Device& dev, at::ScalarType dt,
@@ -17,15 +26,15 @@ void check_rows(const torch::Tensor& t, const char* name, const torch::Device& d
   TORCH_CHECK(t.is_cuda() && t.device() == dev, "write_through: ", name, " must be on ", dev, ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == dt, "write_through: ", name, " must have host's dtype ", dt, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 3 && t.size(1) == Hkv && t.size(2) == D, "write_through: ", name, " must be (T, Hkv=", Hkv,
-              ", D=", D, "), got ", t.sizes());
+              ", D=", D, "), got ", dims(t.sizes()));
   TORCH_CHECK((D <= 1 || t.stride(2) == 1) && (Hkv <= 1 || t.stride(1) == D), "write_through: ", name,
-              "'s (Hkv, D) block must be contiguous (only the token stride may be wider), got strides ", t.strides());
+              "'s (Hkv, D) block must be contiguous (only the token stride may be wider), got strides ", dims(t.strides()));
 }
 
 void check_index(const torch::Tensor& t, const char* name, int64_t n, const torch::Device& dev) {
   TORCH_CHECK(t.is_cuda() && t.device() == dev, "write_through: ", name, " must be on ", dev, ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == torch::kInt64, "write_through: ", name, " must be int64, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "write_through: ", name, " must be (n=", n, ",), got ", t.sizes());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "write_through: ", name, " must be (n=", n, ",), got ", dims(t.sizes()));
   TORCH_CHECK(t.is_contiguous(), "write_through: ", name, " must be contiguous");
 }
 
@@ -56,7 +65,7 @@ void write_through(torch::Tensor& host, const torch::Tensor& k, const torch::Ten
   const auto dev = k.device();
   const c10::cuda::CUDAGuard guard(dev);
   TORCH_CHECK(host.dim() == 5 && host.size(1) == 2, "write_through: host must be (pages, 2, P, Hkv, D), got ",
-              host.sizes());
+              dims(host.sizes()));
   TORCH_CHECK(host.is_contiguous(), "write_through: host must be contiguous");
   TORCH_CHECK(!host.is_cuda() || host.device() == dev, "write_through: host must be pinned CPU memory or on ", dev,
               ", got ", host.device());

@@ -46,8 +46,9 @@ class HiSparseConfig:
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
     decode_graphs: run the sparse layers of pure-decode steps as one CUDA graph replay per layer
-        (batch padded to a power of two) instead of ~60 eager launches. Experimental: off until
-        validated on the GPU box (docs/vllm-integration.md); ignored with trace_dir.
+        (batch padded to a power of two) instead of ~15 eager launches. None (default) = on when
+        the KV lives on a CUDA device; True = also on the CPU (the graph body runs eagerly on the
+        padded static buffers: how CI tests it); False = off. Ignored with trace_dir.
     trace_dir: when set, selections are appended per request to trace files there.
     """
 
@@ -64,7 +65,7 @@ class HiSparseConfig:
     quest_rows: int = 0
     prefetch: bool = False
     host_tier: bool = True
-    decode_graphs: bool = False
+    decode_graphs: Optional[bool] = None
     trace_dir: Optional[str] = None
 
     def __post_init__(self):
@@ -224,7 +225,7 @@ _TYPES = {
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
     "min_context": int, "quest_rows": int, "prefetch": bool, "host_tier": bool,
-    "decode_graphs": bool,
+    "decode_graphs": (bool, type(None)),
     "trace_dir": (str, type(None)),
 }
 

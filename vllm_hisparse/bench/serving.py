@@ -161,9 +161,11 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--hisparse", default='{"top_k": 2048, "device_buffer_size": 4096, '
-                   '"dense_pool_gib": 8, "host_pool_gib": 80}',
-                   help="hisparse config (JSON); the default keeps the two dense layers in a GPU "
-                        "dense pool and pins 80 GiB of host (sized for the 128 GiB GPU box)")
+                   '"dense_pool_gib": 6, "host_pool_gib": 84, "quest_rows": 22}',
+                   help="hisparse config (JSON); the default is sized with `hisparse calc` for the "
+                        "128 GiB GPU box at 32K and gpu_memory_utilization 0.3: 84 GiB pinned host "
+                        "= 22 requests' sparse layers, 22 Quest rows, their two dense layers in a "
+                        "6 GiB GPU dense pool")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--port", type=int, default=18000)
     p.add_argument("--ready-timeout", type=float, default=900)

@@ -116,7 +116,8 @@ class SparseRuntime:
                 "head_dim": head_dim, "decode": "as served"})
         self._hit_miss = torch.zeros(2, dtype=torch.int64, device=self.device)  # read in stats_dict
         self.graphs = None
-        if cfg.decode_graphs and cfg.trace_dir is None:
+        graphs = cfg.decode_graphs if cfg.decode_graphs is not None else self.device.type == "cuda"
+        if graphs and cfg.trace_dir is None:
             from vllm_hisparse.core.decode_graph import DecodeGraphs
 
             if num_heads is None:
