@@ -34,3 +34,54 @@ def test_point_row_aggregates():
     assert row["ttft_mean_s"] == pytest.approx(1.0)
     assert row["tpot_mean_ms"] == pytest.approx(1e3 * (2.0 / 4 + 2.0 / 2) / 2)
     assert row["requests"] == 2 and row["running_max"] == 2
+
+
+class _FakeStream:
+    """An OpenAI completions stream: text chunks (several tokens merged into one, as vLLM's API
+    server does under load), then the usage chunk (stream_options include_usage)."""
+
+    def __init__(self, texts, usage):
+        self.items = [SimpleNamespace(choices=[SimpleNamespace(text=t)], usage=None) for t in texts]
+        if usage is not None:
+            self.items.append(SimpleNamespace(choices=[], usage=SimpleNamespace(completion_tokens=usage)))
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for x in self.items:
+            yield x
+
+
+class _FakeClient:
+    def __init__(self, stream):
+        self.stream, self.kwargs = stream, None
+        self.completions = SimpleNamespace(create=self._create)
+
+    async def _create(self, **kw):
+        self.kwargs = kw
+        return self.stream
+
+
+@pytest.mark.parametrize("n_chunks", [1, 3, 7])
+def test_one_request_counts_tokens_from_usage_not_chunks(n_chunks):
+    import asyncio
+    import random
+
+    from vllm_hisparse.bench.serving import one_request
+
+    out_len = random.randint(20, 600)
+    client = _FakeClient(_FakeStream([" ab" * 3] * n_chunks, usage=out_len))
+    r = asyncio.run(one_request(client, "m", [1, 2, 3], out_len))
+    assert r.output_tokens == out_len                    # not n_chunks
+    assert client.kwargs["stream_options"] == {"include_usage": True}
+    assert client.kwargs["extra_body"] == {"ignore_eos": True, "min_tokens": out_len}
+
+
+def test_one_request_without_usage_says_so():
+    import asyncio
+
+    from vllm_hisparse.bench.serving import one_request
+
+    with pytest.raises(RuntimeError, match="include_usage"):
+        asyncio.run(one_request(_FakeClient(_FakeStream(["x", "y"], usage=None)), "m", [1], 2))
