@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # On the GPU box, once every bundle piece is staged: set up (scripts/gpu_setup.sh), then run the
-# serving benchmark.
+# serving benchmark. CSV and plot come back in OUT, the server logs in OUT/serving.tgz (the box
+# sends back at most 8 files).
 #   bash scripts/gpu_serving.sh OUT [serving.py args...]
 set -euo pipefail
 out=$1; shift
 source scripts/gpu_setup.sh "$out"
 python3 -m vllm_hisparse.bench.model_shapes llama3-8b models/llama3-8b-bench > /dev/null
-python3 -m vllm_hisparse.bench.serving --model models/llama3-8b-bench --out "$out" "$@"
-for f in "$out"/server-*.log; do echo "== $f"; grep -E "Available KV cache memory|GPU KV cache size|Maximum concurrency|cudagraph_mode|hit rate" "$f" | head -8; done
+work=/tmp/serving
+mkdir -p "$work"
+set +e
+python3 -m vllm_hisparse.bench.serving --model models/llama3-8b-bench --out "$work" "$@" 2>&1 | tee "$work/stdout.txt" | grep -E '^\{|warm-up'
+rc=${PIPESTATUS[0]}
+set -e
+cp "$work"/serving.csv "$work"/serving.png "$out"/ 2>/dev/null || true
+tar czf "$out/serving.tgz" -C /tmp serving
+for f in "$work"/server-*.log; do echo "== $f"; grep -E "Available KV cache memory|GPU KV cache size|Maximum concurrency|cudagraph_mode|hit rate" "$f" | head -8; done
+exit "$rc"
