@@ -1,7 +1,8 @@
 """Decode graphs (config decode_graphs, core/decode_graph.py) on the CPU: the static step the graph
 captures, run without capture on padded static buffers, gives every real row exactly the eager
 path's output, Quest bounds, hot-slot state and hit/miss counts; padding rows touch only the
-scratch row and the null block. (The GPU test replays real CUDA graphs.)"""
+scratch row and the null block; pre-capturing on all-padding batches changes nothing. (The GPU test
+replays real CUDA graphs.)"""
 from __future__ import annotations
 
 import pytest
@@ -13,19 +14,32 @@ from vllm_hisparse.core.decode_graph import bucket
 from test_sparse_runtime_exact import P, Driver
 
 
+def precapture_all(d) -> int:
+    """What vLLM's graph-capture dummy batches do: every layer, every batch size up to max_rows+1."""
+    done = 0
+    for layer in range(d.L):
+        for rows in range(1, d.rt.max_rows + 2):
+            done += d.rt.precapture(layer, rows, d.kv[layer], d.d ** -0.5)
+    return done
+
+
 def scenario(decode_graphs: bool, host_tier: bool = True, dense_layers=(0,), dense_pool_gib=0.0,
-             **driver):
+             precapture: bool = False, **driver):
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=dense_layers,
                          min_context=0, host_pool_gib=0.01, host_tier=host_tier,
                          decode_graphs=decode_graphs, dense_pool_gib=dense_pool_gib)
     d = Driver(cfg, **driver)
+    if precapture:                                      # at startup, before any request
+        d.precaptured = precapture_all(d)
     prompts = {"a": 150, "b": 93, "c": 61}
     for rid, n in prompts.items():
         d.add(rid, n)
     d.step({"a": 64, "b": 93, "c": 61})
     d.step({"a": 86, "b": 1, "c": 1})                   # mixed: prefill chunk + decodes (eager)
-    for _ in range(30):                                 # 3 decode rows: bucket 4, one padding row
+    for i in range(30):                                 # 3 decode rows: bucket 4, one padding row
         d.step({rid: 1 for rid in prompts})
+        if precapture and i == 10:                      # again with live state: must not touch it
+            precapture_all(d)
     assert d.rt.finish("c")
     for _ in range(12):                                 # 2 rows: bucket 2, no padding
         d.step({"a": 1, "b": 1})
@@ -67,3 +81,26 @@ def test_graphs_keep_hisparse_equal_to_resident():
 def test_bucket():
     assert [bucket(n, 256) for n in (1, 2, 3, 5, 64, 65, 256)] == [1, 2, 4, 8, 64, 128, 256]
     assert bucket(300, 256) == 256 and bucket(7, 6) == 6
+
+
+@pytest.mark.parametrize("host_tier", [True, False])
+def test_precapture_changes_nothing(host_tier):
+    """Pre-capturing every (layer, bucket) on all-padding batches, at startup and again mid-run with
+    live requests, leaves outputs, hot state, Quest bounds and hit/miss counts bit-identical."""
+    dp, outs_p, stats_p, state_p, bounds_p = scenario(True, host_tier, precapture=True)
+    d0, outs_0, stats_0, state_0, bounds_0 = scenario(True, host_tier)
+    # every sparse layer (all but layer 0) x rows 1..max_rows (max_rows + 1 is refused); on the CPU
+    # nothing is recorded, so each call runs, and the mid-run pass runs them all again
+    calls = (dp.L - 1) * dp.rt.max_rows
+    assert dp.precaptured == calls and dp.rt.graphs.stats["precaptures"] == 2 * calls
+    assert dp.rt.precapture(0, 1, dp.kv[0], 1.0) is False           # dense layer 0: no graph
+    for i, (a, b) in enumerate(zip(outs_p, outs_0)):
+        assert torch.equal(a, b), f"step/layer {i} differs"
+    assert (stats_p["hits"], stats_p["misses"]) == (stats_0["hits"], stats_0["misses"])
+    # every request row identical (the scratch rows are the padding's sink, their bytes are junk)
+    for rows, (got, want) in ((dp.rt.scratch_row, (state_p, state_0)),
+                              (dp.rt.quest_scratch, (bounds_p, bounds_0))):
+        for sp, s0 in zip(got, want):
+            if sp is not None:
+                for tp, t0 in zip(sp, s0):
+                    assert torch.equal(tp[:rows], t0[:rows])

@@ -31,3 +31,17 @@ def test_graphs_close_to_eager_on_gpu(dense_pool_gib):
     assert (sg["hits"], sg["misses"]) == (se["hits"], se["misses"])    # same selections, same state
     for i, (a, b) in enumerate(zip(g, e)):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=f"step/layer {i}")
+
+
+def test_precaptured_graphs_equal_lazy_ones_on_gpu():
+    """Graphs captured ahead on all-padding batches (what vLLM's capture dummy batches trigger) serve
+    the whole run: no capture after startup, and every output equals the lazily captured run's."""
+    dp, pre, sp, _, _ = scenario(True, True, precapture=True, **GPU)
+    _, lazy, sl_, _, _ = scenario(True, True, **GPU)
+    stats = dp.rt.graphs.stats
+    assert dp.precaptured == (dp.L - 1) * 3                 # buckets 1, 2, 4 per sparse layer
+    assert stats["captures"] == stats["precaptures"] == dp.precaptured   # mid-run pass: all cached
+    assert stats["replays"] > 0
+    assert (sp["hits"], sp["misses"]) == (sl_["hits"], sl_["misses"])
+    for i, (a, b) in enumerate(zip(pre, lazy)):
+        assert torch.equal(a, b), f"step/layer {i} differs"

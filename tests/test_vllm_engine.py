@@ -156,11 +156,15 @@ def test_host_pool_full_requests_wait(tmp_path):
 
 def test_quest_rows_full_requests_wait(tmp_path):
     """quest_rows=1: one Quest bounds row on the worker, so the four long requests run one at a time
-    (the short one needs no row and runs beside them); all complete, nothing leaks."""
+    (the short one needs no row and runs beside them); all complete, nothing leaks. Decode graphs on
+    (on the CPU their body runs eagerly on the padded static buffers): the engine's pure-decode
+    steps go through them."""
     model = make_tiny_model()
-    res = generate(tmp_path, model, dict(CFG, min_context=MIN_CONTEXT, quest_rows=1), [prompts()],
-                   "questrows")
+    res = generate(tmp_path, model, dict(CFG, min_context=MIN_CONTEXT, quest_rows=1,
+                                         decode_graphs=True), [prompts()], "questrows")
     assert "Quest rows full" in res["log"]
+    assert res["stats"]["graph_replays"] == 0 and res["stats"]["graph_captures"] == 0  # CPU: none
+    assert res["stats"]["graph_runs"] > 0
     assert [len(b["tokens"]) for b in res["batches"][0]] == [MAX_TOKENS] * len(PROMPT_LENS)
     assert res["stats"]["host_pages_used"] == 0 and res["stats"]["finished"] == len(PROMPT_LENS)
 

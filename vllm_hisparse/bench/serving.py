@@ -2,8 +2,9 @@
 
 Starts `vllm serve` once per backend, then for each concurrency sends random-token prompts through the
 OpenAI-compatible completions API (streaming, outputs forced with ignore_eos) and samples the
-server's running-request gauge. Writes DIR/serving.csv and PNG plots (throughput vs concurrency,
-TTFT vs throughput: one line per backend).
+server's running-request gauge; each server is warmed up first (not measured). Writes
+DIR/serving.csv, PNG plots (throughput vs concurrency, TTFT vs throughput: one line per backend),
+the server logs and each hisparse worker's counters (DIR/stats-BACKEND.json).
 
     python -m vllm_hisparse.bench.serving --model DIR --input-len 32768 --output-len 512 \
         --concurrency 1,2,4,8,16,32,64,128,256 --backends stock,resident,hisparse \
@@ -202,7 +203,11 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for b in backends:
         log = open(os.path.join(args.out, f"server-{b}.log"), "w")
-        proc = subprocess.Popen(server_cmd(args, b, args.port), stdout=log, stderr=subprocess.STDOUT)
+        # the worker's counters (hit rate, host pages, decode-graph captures) land beside the CSV
+        env = dict(os.environ, HISPARSE_STATS_FILE=os.path.abspath(
+            os.path.join(args.out, f"stats-{b}.json")))
+        proc = subprocess.Popen(server_cmd(args, b, args.port), stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
         try:
             wait_healthy(proc, args.port, args.ready_timeout)
             warm_up(args, b, args.port, args.model, vocab)

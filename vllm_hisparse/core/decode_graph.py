@@ -71,8 +71,39 @@ class DecodeGraphs:
         self.capture = capture
         self.static: dict[int, Static] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # What a graph baked in besides the static buffers: the scale and the cache tensor.
+        self._baked: dict[tuple[int, int], tuple] = {}
         self._pool = None
-        self.stats = {"replays": 0, "captures": 0}
+        self.stats = {"runs": 0, "replays": 0, "captures": 0, "precaptures": 0}
+
+    @staticmethod
+    def _signature(kv: torch.Tensor, scale: float) -> tuple:
+        return (float(scale), kv.data_ptr(), tuple(kv.shape), tuple(kv.stride()), kv.dtype)
+
+    def precapture(self, layer: int, rows: int, kv: torch.Tensor, scale: float) -> bool:
+        """Capture (layer, bucket(rows)) ahead of the first real step, on an all-padding batch:
+        the Triton JIT and the capture then happen at startup (vLLM's own graph-capture dummy
+        batches call this) instead of inside the first requests. Runtime state is untouched
+        (padding rows are inert; _record restores the step buffers and the hit/miss counts). On the
+        CPU (capture off) it runs the all-padding step once. Returns whether it did anything."""
+        Rp = bucket(max(rows, 1), self.rt.max_rows)
+        key = (layer, Rp)
+        if key in self.graphs and self._baked.get(key) == self._signature(kv, scale):
+            return False
+        st = self._static(Rp, None)
+        if self.capture:
+            self._record(key, st, kv, scale)
+        else:
+            saved, n = {name: getattr(st, name).clone() for name in _STEP_BUFFERS}, st.n
+            hm = self.rt._hit_miss.clone()
+            self._load(st, [], None)
+            self._step(layer, st, kv, scale)
+            for name, t in saved.items():
+                getattr(st, name).copy_(t)
+            st.n = n
+            self.rt._hit_miss.copy_(hm)
+        self.stats["precaptures"] += 1
+        return True
 
     # ---- per step ----------------------------------------------------------------------------
     def fill(self, plan) -> None:
@@ -139,12 +170,13 @@ class DecodeGraphs:
         st.k[:n] = k[tok]
         st.v[:n] = v[tok]
         key = (layer, plan.graph)
+        self.stats["runs"] += 1                      # layers through this path (replayed or not)
         if not self.capture:
             self._step(layer, st, kv, scale)
         else:
             g = self.graphs.get(key)
-            if g is None:
-                g = self._record(key, st, kv, scale)
+            if g is None or self._baked.get(key) != self._signature(kv, scale):
+                g = self._record(key, st, kv, scale)   # first use, or captured with another scale/cache
             g.replay()
             self.stats["replays"] += 1
         out[tok] = st.out[:n].to(out.dtype)
@@ -189,6 +221,7 @@ class DecodeGraphs:
         with torch.cuda.graph(g, pool=self._pool):
             self._step(layer, st, kv, scale)
         self.graphs[key] = g
+        self._baked[key] = self._signature(kv, scale)
         self.stats["captures"] += 1
         # Capture does not execute: the caller replays it for this step.
         return g

@@ -327,6 +327,16 @@ class SparseRuntime:
             plan.hot_pt = self.host_pt.table[plan.dec_rows[plan.hot]]
 
     # ---- per layer -----------------------------------------------------------------------------
+    def precapture(self, layer: int, rows: int, kv: torch.Tensor, scale: float) -> bool:
+        """Capture the decode graph of a sparse layer for a batch of `rows` before serving (see
+        DecodeGraphs.precapture); nothing for dense layers, without graphs, or while the current
+        stream is itself being captured (a graph inside another's capture)."""
+        if self.graphs is None or layer in self.dense_layers or rows > self.max_rows:
+            return False
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        return self.graphs.precapture(layer, rows, kv, scale)
+
     def forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """q (T, Hq, D), k/v (T, Hkv, D) of this step's tokens; kv (N, 2, P, Hkv, D) this layer's
@@ -407,6 +417,8 @@ class SparseRuntime:
         s["host_pages_used"] = self.host_pages_used
         s["dense_pool_pages_used"] = self.dpool.used_pages if self.dpool is not None else 0
         s["live_requests"] = len(self.reqs)
+        if self.graphs is not None:              # decode graphs: layers replayed, graphs captured
+            s.update({f"graph_{k}": v for k, v in self.graphs.stats.items()})
         return s
 
     def dump_stats(self, path: str | None) -> None:

@@ -145,12 +145,14 @@ class HiSparseImpl(AttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        if attn_metadata is None:                 # profile / warm-up run
+        if attn_metadata is None:                 # profile, warm-up or vLLM's graph-capture run
+            self._precapture(layer, query.shape[0], kv_cache)
             return output
         md: HiSparseMetadata = attn_metadata
         if md.plan is None:
             ids = worker_state.req_ids_of(md.first_blocks)
             if ids is None:                       # dummy batch: nothing to attend to
+                self._precapture(layer, md.num_actual_tokens, kv_cache)
                 return output
             rt = worker_state.get_runtime()
             md.plan = rt.plan(ids, md.query_start_loc, md.seq_lens, md.block_table,
@@ -164,3 +166,12 @@ class HiSparseImpl(AttentionImpl):
         rt.forward_layer(extract_layer_index(layer.layer_name), md.plan, q, k, v, kv_cache,
                          self.scale, out)
         return output
+
+    def _precapture(self, layer, num_tokens: int, kv_cache: torch.Tensor) -> None:
+        """vLLM's dummy runs of n tokens (its PIECEWISE graph capture passes no metadata) stand for
+        decode batches of n rows: capture this layer's decode graph for that batch now, so the
+        Triton JIT and the capture happen at startup, not in the first requests. Nothing before the
+        KV cache exists (memory profiling) or without decode graphs."""
+        rt = worker_state.runtime
+        if rt is not None and kv_cache.numel() and num_tokens > 0:
+            rt.precapture(extract_layer_index(layer.layer_name), num_tokens, kv_cache, self.scale)
