@@ -1,6 +1,7 @@
 """`hisparse calc`: the per-request bytes from first principles, the bounds, and the CLI's JSON.
 (tests/test_calc_engine.py checks the same figures against a real vLLM engine.)"""
 import json
+import random
 import subprocess
 import sys
 
@@ -76,7 +77,7 @@ def test_bytes_from_first_principles(model_dir, context, B, page, dense, seqs, h
     extra = ("--max-model-len", mml) if mml else ()
     out = calc_json(model_dir, "--context", context, "--buffer", B, "--top-k", B // 2,
                     "--page-size", page, "--dense-layers", dense, "--gpu-kv-gib", G,
-                    "--host-gib", host_gib, "--max-num-seqs", seqs, *extra)
+                    "--host-gib", host_gib, "--max-num-seqs", seqs, "--min-context", 0, *extra)
     mml = mml or context
     pages, block = cdiv(context, page), page * TOK * L          # a block / host page, all layers
     # stock: every page in every layer
@@ -205,3 +206,17 @@ def test_quest_rows(model_dir):
     assert h["kv_cache_bytes"] == 40 * GIB - 11 * row
     n_gpu = (h["num_blocks"] - 1) // 257
     assert (h["max_requests"], h["bound_by"]) == ((10, "quest_rows") if n_gpu > 10 else (n_gpu, "gpu"))
+
+
+def test_default_min_context_keeps_short_requests_resident(model_dir):
+    """min_context defaults to 2 x B: a context below it is stock-like on the GPU (every page, no
+    host bytes, no Quest row); at 2 x B it is sparse."""
+    B = random.choice([1024, 2048, 4096])
+    args = ("--buffer", B, "--top-k", B // 2, "--gpu-kv-gib", 100, "--host-gib", 50,
+            "--max-num-seqs", 8, "--max-model-len", 4 * B)
+    short = calc_json(model_dir, "--context", 2 * B - 16, *args)["hisparse"]
+    long_ = calc_json(model_dir, "--context", 2 * B, *args)["hisparse"]
+    pages, block = cdiv(2 * B - 16, 16), 16 * TOK * L
+    assert (short["gpu_bytes_per_request"], short["host_bytes_per_request"]) == (pages * block, 0)
+    assert long_["host_bytes_per_request"] == cdiv(2 * B, 16) * block
+    assert long_["gpu_bytes_per_request"] == (B // 16 + 1) * block

@@ -48,7 +48,7 @@ def test_trace_per_request(tmp_path):
 def test_restart_traces_from_step_zero(tmp_path):
     """A request that restarts (preemption: recompute from token 0) traces its new run only."""
     cfg = HiSparseConfig(top_k=32, device_buffer_size=32, page_size=P, dense_layers=(0, 1),
-                         host_pool_gib=0.01, trace_dir=str(tmp_path))
+                         host_pool_gib=0.01, trace_dir=str(tmp_path), min_context=0)
     d = Driver(cfg)
     d.add("r", 40)
     d.step({"r": 40})
@@ -66,7 +66,8 @@ def test_restart_traces_from_step_zero(tmp_path):
 
 
 def test_no_trace_without_trace_dir(tmp_path):
-    d = Driver(HiSparseConfig(top_k=32, device_buffer_size=32, page_size=P, host_pool_gib=0.01))
+    d = Driver(HiSparseConfig(top_k=32, device_buffer_size=32, page_size=P, host_pool_gib=0.01,
+                               min_context=0))
     assert d.rt.trace is None
     d.add("r", 40)
     d.step({"r": 40})

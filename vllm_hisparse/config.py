@@ -38,7 +38,10 @@ class HiSparseConfig:
         requests, so those layers stay resident after the request's other GPU blocks are given
         back. 0 = no pool: a dense layer then reads the given-back pages from the host pool every
         step (exact, but PCIe-bound). Requests wait when the pool is full.
-    min_context: requests shorter than this stay fully resident (no sparsity, no host tier).
+    min_context: prompts shorter than this stay fully resident and dense (no Quest, no host
+        tier, FlashAttention on a GPU). None (default) = 2 x device_buffer_size: below that the
+        hot buffer saves less than half of the request's KV, not worth the slower sparse
+        decode. 0 = every request sparse.
     quest_rows: Quest page-bound rows on the GPU = long (sparse) requests admitted at once; each row
         is 2 x cdiv(max_model_len, page_size) x Hkv x D per sparse layer. 0 = --max-num-seqs. Set it
         when vLLM's max_num_seqs x max_model_len would not fit (requests beyond it wait).
@@ -61,7 +64,7 @@ class HiSparseConfig:
     policy: str = "lru"
     dense_layers: tuple = (0, 1)
     dense_pool_gib: float = 0.0
-    min_context: int = 0
+    min_context: Optional[int] = None
     quest_rows: int = 0
     prefetch: bool = False
     host_tier: bool = True
@@ -95,8 +98,9 @@ class HiSparseConfig:
             _fail("dense_layers", list(self.dense_layers), "list distinct layer indices >= 0, e.g. [0, 1]")
         if self.quest_rows < 0:
             _fail("quest_rows", self.quest_rows, "use 0 (= --max-num-seqs) or a positive row count")
-        if self.min_context < 0:
-            _fail("min_context", self.min_context, "use 0 (all requests sparse) or a token count")
+        if self.min_context is not None and self.min_context < 0:
+            _fail("min_context", self.min_context,
+                  "use 0 (all requests sparse), a token count, or null (2 x device_buffer_size)")
         from vllm_hisparse.core.policies import available  # local: policies import nothing of ours
 
         if self.policy not in available():
@@ -111,6 +115,11 @@ class HiSparseConfig:
     @property
     def top_k_units(self) -> int:
         return -(-self.top_k // self.unit_tokens)
+
+    @property
+    def min_context_tokens(self) -> int:
+        """The effective min_context: prompts shorter than this stay resident and dense."""
+        return 2 * self.device_buffer_size if self.min_context is None else self.min_context
 
     @property
     def num_slots(self) -> int:
@@ -224,7 +233,7 @@ _TYPES = {
     "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
-    "min_context": int, "quest_rows": int, "prefetch": bool, "host_tier": bool,
+    "min_context": (int, type(None)), "quest_rows": int, "prefetch": bool, "host_tier": bool,
     "decode_graphs": (bool, type(None)),
     "trace_dir": (str, type(None)),
 }

@@ -60,8 +60,9 @@ def add_arguments(p):
     p.add_argument("--max-model-len", type=int, default=None,
                    help="vLLM --max-model-len: sizes the Quest rows and vLLM's lines "
                         "(default: --context)")
-    p.add_argument("--min-context", type=int, default=0,
-                   help="hisparse min_context: a --context shorter than this stays resident")
+    p.add_argument("--min-context", type=int, default=None,
+                   help="hisparse min_context: a --context shorter than this stays resident "
+                        "(default: the config's, 2 x --buffer)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -85,7 +86,7 @@ def compute(args) -> dict:
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: use 1 or more, or leave it out")
     P, S, seqs = args.page_size, cfg.num_slots, args.max_num_seqs
     gpu, host = int(args.gpu_kv_gib * GIB), cfg.host_pool_bytes
-    sparse = args.context >= cfg.min_context          # residency.is_sparse_request
+    sparse = args.context >= cfg.min_context_tokens   # residency.is_sparse_request
 
     def vllm_lines(blocks: int, blocks_per_req_at_mml: int) -> dict:
         conc = cap.vllm_max_concurrency(blocks, blocks_per_req_at_mml)

@@ -12,8 +12,9 @@ from vllm_hisparse.config import HiSparseConfig
 
 
 def is_sparse_request(cfg: HiSparseConfig, num_prompt_tokens: int) -> bool:
-    """Requests shorter than ``min_context`` stay resident and dense for their whole life."""
-    return num_prompt_tokens >= cfg.min_context
+    """Requests shorter than ``min_context`` (cfg.min_context_tokens) stay resident and dense for
+    their whole life."""
+    return num_prompt_tokens >= cfg.min_context_tokens
 
 
 def freed_pages(cfg: HiSparseConfig, processed_tokens: int, num_prompt_tokens: int) -> tuple[int, int]:
