@@ -166,9 +166,14 @@ class DecodeGraphs:
         st = self.static[plan.graph]
         n = st.n
         tok = plan.dec_tok
-        st.q[:n] = q[tok]
-        st.k[:n] = k[tok]
-        st.v[:n] = v[tok]
+        if plan.dec_prefix:                          # one copy each, no gather (pure decode)
+            st.q[:n].copy_(q[:n])
+            st.k[:n].copy_(k[:n])
+            st.v[:n].copy_(v[:n])
+        else:
+            st.q[:n] = q[tok]
+            st.k[:n] = k[tok]
+            st.v[:n] = v[tok]
         key = (layer, plan.graph)
         self.stats["runs"] += 1                      # layers through this path (replayed or not)
         if not self.capture:
@@ -179,7 +184,10 @@ class DecodeGraphs:
                 g = self._record(key, st, kv, scale)   # first use, or captured with another scale/cache
             g.replay()
             self.stats["replays"] += 1
-        out[tok] = st.out[:n].to(out.dtype)
+        if plan.dec_prefix:
+            out[:n].copy_(st.out[:n])
+        else:
+            out[tok] = st.out[:n].to(out.dtype)
 
     def _step(self, layer: int, st: Static, kv: torch.Tensor, scale: float) -> None:
         """The captured body: the eager decode path on static buffers, padding rows inert."""

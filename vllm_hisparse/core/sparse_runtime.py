@@ -314,6 +314,8 @@ class SparseRuntime:
                           [(s.seq_len - 1) // self.P for s in d], [s.idx for s in d],
                           [s.qrow for s in d]], dtype=torch.int64).to(dev)
         plan.dec_tok, plan.dec_rows, plan.dec_qrows = m[0], m[1], m[5]
+        # a pure decode step: token i is decode row i, so q[:Rd] replaces the gather q[dec_tok]
+        plan.dec_prefix = all(s.t0 == i for i, s in enumerate(d))
         plan.dec_seq = m[2].to(torch.int32)
         newest = m[3]
         bt = plan.block_table.to(dev)[m[4]]
@@ -368,7 +370,8 @@ class SparseRuntime:
         self._dense(plan.dense_sparse, q, kv, scale, out)
         if not plan.dec:
             return
-        qd = q[plan.dec_tok]
+        n = len(plan.dec)
+        qd = q[:n] if plan.dec_prefix else q[plan.dec_tok]
         rows = plan.dec_rows
         sel, locs = sl.quest_topk_locs(qd, self.kmin[layer], self.kmax[layer], plan.dec_qrows,
                                        plan.dec_full, self.k_sel, plan.dec_bt)
@@ -380,9 +383,11 @@ class SparseRuntime:
             pos = torch.cat([plan.dec_full[:, None].to(sel.dtype), sel], 1)
             self.trace.append_batch([s.req_id for s in plan.dec], self._trace_row[layer],
                                     plan.dec_step, pos, [s.seq_len for s in plan.dec])
-        o = torch.empty_like(qd)
+        direct = plan.dec_prefix and out.dtype == qd.dtype
+        o = out[:n] if direct else torch.empty_like(qd)
         sl.sparse_decode(qd, kv, locs, sel, plan.dec_seq, plan.dec_newest_blk, scale, o)
-        out[plan.dec_tok] = o.to(out.dtype)
+        if not direct:
+            out[plan.dec_tok] = o.to(out.dtype)
 
     def _dense(self, g: DenseGroup | None, q: torch.Tensor, kv: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:

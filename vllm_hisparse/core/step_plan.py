@@ -59,6 +59,7 @@ class StepPlan:
     dense: list[ReqStep] = field(default_factory=list)  # everything else (prefill, short requests)
     dec_step: list[int] = field(default_factory=list)  # trace only: decode-step index of each decode row
     dec_tok: torch.Tensor | None = None        # (Rd,) token index of each decode row
+    dec_prefix: bool = False                   # dec_tok == arange(Rd): slice, don't gather
     dec_rows: torch.Tensor | None = None       # (Rd,) runtime rows (hot-slot state)
     dec_qrows: torch.Tensor | None = None      # (Rd,) Quest bounds rows
     dec_seq: torch.Tensor | None = None        # (Rd,) seq lens
