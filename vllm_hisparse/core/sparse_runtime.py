@@ -228,9 +228,13 @@ class SparseRuntime:
             plan.dense_res = (plan.dense_sparse if len(res) == len(plan.dense) else
                               self._dense_group(res, self._rows_of(res, block_table)))
         if plan.dec:
-            self._plan_decode(plan)
-            if self.graphs is not None and not plan.dense:
+            if self.graphs is not None and not plan.dense:   # every sparse layer replays a graph:
+                plan.dec_prefix = all(s.t0 == i for i, s in enumerate(plan.dec))  # its buffers
+                if not plan.dec_prefix:                       # hold the rest (fill)
+                    plan.dec_tok = torch.tensor([s.t0 for s in plan.dec]).to(dev)
                 self.graphs.fill(plan)
+            else:
+                self._plan_decode(plan)
             if self.trace is not None:
                 plan.dec_step = [self._dec_steps.get(s.req_id, 0) for s in plan.dec]
                 for s, n in zip(plan.dec, plan.dec_step):
