@@ -85,3 +85,35 @@ def test_one_request_without_usage_says_so():
 
     with pytest.raises(RuntimeError, match="include_usage"):
         asyncio.run(one_request(_FakeClient(_FakeStream(["x", "y"], usage=None)), "m", [1], 2))
+
+
+def test_parse_metrics():
+    from vllm_hisparse.bench.serving import parse_metrics
+
+    text = ('# HELP vllm:num_requests_running Number of requests.\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 7.0\n'
+            'vllm:generation_tokens_total{engine="0",model_name="m"} 12345.0\n'
+            'vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e+09\n')
+    assert parse_metrics(text) == (7, 12345.0)
+    running, gen = parse_metrics("nothing here\n")
+    assert running == -1 and gen != gen
+
+
+def test_peak_rate_finds_the_fastest_window():
+    import random
+
+    from vllm_hisparse.bench.serving import peak_rate
+
+    rng = random.Random()
+    rates = [rng.uniform(10, 100) for _ in range(40)]        # tok/s in each 1 s interval
+    peak_at = rng.randrange(5, 35)
+    rates[peak_at:peak_at + 5] = [1000.0] * 5                # one 5 s burst
+    samples, t, g = [(0.0, 0.0)], 0.0, 0.0
+    for r in rates:
+        for _ in range(2):                                   # sampled every 0.5 s
+            t += 0.5
+            g += r * 0.5
+            samples.append((t, g))
+    assert peak_rate(samples, window=5.0) == pytest.approx(1000.0)
+    assert peak_rate(samples[:5], window=5.0) == 0.0          # spans 2 s: no window
+    assert peak_rate([(0.0, float("nan")), (6.0, 60.0), (12.0, 180.0)]) == pytest.approx(20.0)

@@ -2,7 +2,9 @@
 
 Starts `vllm serve` once per backend, then for each concurrency sends random-token prompts through the
 OpenAI-compatible completions API (streaming, outputs forced with ignore_eos) and samples the
-server's running-request gauge; each server is warmed up first (not measured). Writes
+server's running-request gauge and generation-token counter (decode_peak_tok_s: the best 5 s
+window of generation, the decode phase's rate apart from prefill); each server is warmed up first
+(not measured). Writes
 DIR/serving.csv, PNG plots (throughput vs concurrency, TTFT vs throughput: one line per backend),
 the server logs and each hisparse worker's counters (DIR/stats-BACKEND.json).
 
@@ -50,6 +52,7 @@ class Point:
     wall: float = 0.0
     running_max: int = 0
     running_mean: float = 0.0
+    decode_peak: float = 0.0      # generation tok/s, best 5 s window (the server's counter)
 
     def row(self) -> dict:
         r = self.results
@@ -60,6 +63,7 @@ class Point:
             "ttft_mean_s": statistics.fmean(x.ttft for x in r) if r else float("nan"),
             "ttft_p50_s": statistics.median(x.ttft for x in r) if r else float("nan"),
             "tpot_mean_ms": 1e3 * statistics.fmean(x.tpot for x in r) if r else float("nan"),
+            "decode_peak_tok_s": round(self.decode_peak, 1),
             "running_max": self.running_max, "running_mean": round(self.running_mean, 2),
             "wall_s": round(self.wall, 2),
         }
@@ -80,10 +84,32 @@ def server_cmd(args, backend: str, port: int) -> list[str]:
     return cmd + args.extra_server_args
 
 
-def scrape_running(port: int) -> int:
+def parse_metrics(text: str) -> tuple[int, float]:
+    """(running requests, generation tokens so far) from vLLM's Prometheus text; -1 / nan if
+    absent."""
+    m = re.search(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.e+]+)", text, re.M)
+    g = re.search(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.e+]+)", text, re.M)
+    return (int(float(m.group(1))) if m else -1), (float(g.group(1)) if g else float("nan"))
+
+
+def scrape(port: int) -> tuple[int, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    m = re.search(r"^vllm:num_requests_running\{[^}]*\}\s+([0-9.e+]+)", text, re.M)
-    return int(float(m.group(1))) if m else -1
+    return parse_metrics(text)
+
+
+def peak_rate(samples: list[tuple[float, float]], window: float = 5.0) -> float:
+    """Largest increase per second of a counter over any span of at least `window` seconds between
+    two samples (t, value): the peak generation throughput of a point, the decode phase's rate
+    once prefill is done, whatever the prompt length. 0 when the samples span less than window."""
+    best, i = 0.0, 0
+    pts = [(t, v) for t, v in samples if v == v]               # drop nan
+    for j in range(len(pts)):
+        while i + 1 < j and pts[j][0] - pts[i + 1][0] >= window:
+            i += 1
+        dt = pts[j][0] - pts[i][0]
+        if dt >= window:
+            best = max(best, (pts[j][1] - pts[i][1]) / dt)
+    return best
 
 
 async def one_request(client, model: str, prompt: list[int], out_len: int) -> RequestResult:
@@ -118,7 +144,7 @@ async def run_point(args, backend: str, c: int, port: int, model: str, vocab: in
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)] for _ in range(n_req)]
     sem = asyncio.Semaphore(c)
     pt = Point(backend, c)
-    samples: list[int] = []
+    samples: list[tuple[float, int, float]] = []              # (time, running, generated)
 
     async def limited(p):
         async with sem:
@@ -127,7 +153,8 @@ async def run_point(args, backend: str, c: int, port: int, model: str, vocab: in
     async def sampler():
         while True:
             await asyncio.sleep(0.5)
-            samples.append(await asyncio.to_thread(scrape_running, port))
+            running, gen = await asyncio.to_thread(scrape, port)
+            samples.append((time.perf_counter(), running, gen))
 
     s = asyncio.create_task(sampler())
     t0 = time.perf_counter()
@@ -135,9 +162,10 @@ async def run_point(args, backend: str, c: int, port: int, model: str, vocab: in
     pt.wall = time.perf_counter() - t0
     s.cancel()
     await client.close()
-    good = [x for x in samples if x >= 0]
+    good = [x[1] for x in samples if x[1] >= 0]
     pt.running_max = max(good, default=-1)
     pt.running_mean = statistics.fmean(good) if good else -1.0
+    pt.decode_peak = peak_rate([(t, g) for t, _, g in samples])
     return pt
 
 
@@ -160,7 +188,11 @@ def plot(rows: list[dict], out: str, title: str) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     for b in dict.fromkeys(r["backend"] for r in rows):
         rs = sorted((r for r in rows if r["backend"] == b), key=lambda r: r["concurrency"])
-        ax[0].plot([r["concurrency"] for r in rs], [r["output_tok_s"] for r in rs], "o-", label=b)
+        line = ax[0].plot([r["concurrency"] for r in rs], [r["output_tok_s"] for r in rs], "o-", label=b)
+        peak = [(r["concurrency"], r["decode_peak_tok_s"]) for r in rs if r.get("decode_peak_tok_s")]
+        if peak:                                   # dashed: the decode phase's peak rate
+            ax[0].plot(*zip(*peak), "x--", color=line[0].get_color(), alpha=0.6,
+                       label=f"{b} decode peak")
         ax[1].plot([r["output_tok_s"] for r in rs], [r["ttft_mean_s"] for r in rs], "o-", label=b)
     ax[0].set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="throughput")
     ax[1].set(xlabel="output tokens/s", ylabel="mean TTFT (s)", yscale="log", title="TTFT vs throughput")
