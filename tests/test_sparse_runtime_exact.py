@@ -171,3 +171,26 @@ def test_host_pool_holds_sparse_layers_only_with_a_dense_pool():
     assert rt.pool.data.shape[0] == 1 and rt.dpool.data.shape[0] == 2       # L = 3 layers
     assert rt.host_layer(0) is None and rt.host_layer(2) is None
     assert rt.host_layer(1).data_ptr() == rt.pool.data[0].data_ptr()
+
+
+def test_host_time_is_counted_per_kind():
+    """stats_dict's host_ms_* totals: plan and each kind of layer (dense, eager sparse, graph) grow
+    with the steps that ran them, and only those."""
+    import random
+
+    cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(0,),
+                         min_context=0, host_pool_gib=0.01, decode_graphs=random.choice([True, False]))
+    d = Driver(cfg)
+    s0 = d.rt.stats_dict()
+    assert all(s0[f"host_ms_{k}"] == 0 for k in ("plan", "dense_layers", "sparse_layers",
+                                                 "graph_layers"))
+    d.add("a", 100)
+    d.step({"a": 100})                                   # prefill: eager
+    s1 = d.rt.stats_dict()
+    assert s1["host_ms_plan"] > 0 and s1["host_ms_dense_layers"] > 0
+    assert s1["host_ms_sparse_layers"] > 0 and s1["host_ms_graph_layers"] == 0
+    for _ in range(3):
+        d.step({"a": 1})                                 # decode: graphs when on
+    s2 = d.rt.stats_dict()
+    grew = {k: s2[f"host_ms_{k}"] > s1[f"host_ms_{k}"] for k in ("sparse_layers", "graph_layers")}
+    assert grew == {"sparse_layers": not cfg.decode_graphs, "graph_layers": bool(cfg.decode_graphs)}

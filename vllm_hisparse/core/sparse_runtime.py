@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,6 +125,7 @@ class SparseRuntime:
                 raise ValueError("decode_graphs needs the runtime's num_heads")
             self.graphs = DecodeGraphs(self, num_heads, self.U, capture=self.device.type == "cuda")
         self.stats = {"steps": 0, "decode_rows": 0, "finished": 0, "dense_pool_pages_handed": 0}
+        self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "graph_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add(self, req_id: str, num_prompt: int) -> None:
@@ -186,6 +188,14 @@ class SparseRuntime:
     # ---- plan once per step ----------------------------------------------------------------------
     def plan(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int],
              block_table: torch.Tensor, slot_mapping: torch.Tensor) -> StepPlan:
+        t0 = time.perf_counter()
+        try:
+            return self._plan(req_ids, query_start_loc, seq_lens, block_table, slot_mapping)
+        finally:
+            self._host_s["plan"] += time.perf_counter() - t0
+
+    def _plan(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int],
+              block_table: torch.Tensor, slot_mapping: torch.Tensor) -> StepPlan:
         """req_ids: the B requests of the batch in row order; query_start_loc: B+1 token offsets;
         seq_lens: B lengths including this step's tokens; block_table (B, W); slot_mapping (T,).
         Everything that needs the host is decided here, once per step; forward_layer then runs
@@ -345,6 +355,18 @@ class SparseRuntime:
 
     def forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """See _forward_layer; the host time it takes is counted (host_ms_* in stats_dict: with
+        a GPU, launch and Python overhead, the part of a step the GPU may wait for)."""
+        t0 = time.perf_counter()
+        try:
+            self._forward_layer(layer, plan, q, k, v, kv, scale, out)
+        finally:
+            key = ("dense_layers" if layer in self.dense_layers else
+                   "graph_layers" if plan.graph else "sparse_layers")
+            self._host_s[key] += time.perf_counter() - t0
+
+    def _forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """q (T, Hq, D), k/v (T, Hkv, D) of this step's tokens; kv (N, 2, P, Hkv, D) this layer's
         paged cache; out (T, Hq, D) is written. No host sync on the GPU path."""
         dense_layer = layer in self.dense_layers
@@ -426,6 +448,8 @@ class SparseRuntime:
         s["host_pages_used"] = self.host_pages_used
         s["dense_pool_pages_used"] = self.dpool.used_pages if self.dpool is not None else 0
         s["live_requests"] = len(self.reqs)
+        # host (CPU) time spent in plan / forward_layer, totals over all steps
+        s.update({f"host_ms_{k}": round(v * 1e3, 3) for k, v in self._host_s.items()})
         if self.graphs is not None:              # decode graphs: layers replayed, graphs captured
             s.update({f"graph_{k}": v for k, v in self.graphs.stats.items()})
         return s
