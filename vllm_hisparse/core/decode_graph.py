@@ -84,8 +84,7 @@ class DecodeGraphs:
         """Capture (layer, bucket(rows)) ahead of the first real step, on an all-padding batch:
         the Triton JIT and the capture then happen at startup (vLLM's own graph-capture dummy
         batches call this) instead of inside the first requests. Runtime state is untouched
-        (padding rows are inert; _record restores the step buffers and the hit/miss counts). On the
-        CPU (capture off) it runs the all-padding step once. Returns whether it did anything."""
+        (_padding_step). On the CPU (capture off) it runs the all-padding step once. Returns whether it did anything."""
         Rp = bucket(max(rows, 1), self.rt.max_rows)
         key = (layer, Rp)
         if key in self.graphs and self._baked.get(key) == self._signature(kv, scale):
@@ -94,14 +93,7 @@ class DecodeGraphs:
         if self.capture:
             self._record(key, st, kv, scale)
         else:
-            saved, n = {name: getattr(st, name).clone() for name in _STEP_BUFFERS}, st.n
-            hm = self.rt._hit_miss.clone()
-            self._load(st, [], None)
-            self._step(layer, st, kv, scale)
-            for name, t in saved.items():
-                getattr(st, name).copy_(t)
-            st.n = n
-            self.rt._hit_miss.copy_(hm)
+            self._padding_step(layer, st, kv, scale)
         self.stats["precaptures"] += 1
         return True
 
@@ -207,22 +199,26 @@ class DecodeGraphs:
                                 st.host_pt, rt._hit_miss, io_chunk_bytes=rt.cfg.io_chunk_bytes)
         sl.sparse_decode(st.q, kv, locs, sel, st.seq, f("newest_blk"), scale, st.out)
 
-    def _record(self, key, st: Static, kv: torch.Tensor, scale: float):
-        """Warm up (Triton JIT, allocator) on a side stream, then capture; state the warm-up touched
-        is only the inert padding of an all-padding batch."""
-        layer = key[0]
+    def _padding_step(self, layer: int, st: Static, kv: torch.Tensor, scale: float) -> None:
+        """Run the step on an all-padding batch, then put back the step buffers and the hit/miss
+        counts it touched: only inert padding state (scratch rows, null block) changes."""
         saved, n = {name: getattr(st, name).clone() for name in _STEP_BUFFERS}, st.n
         hm = self.rt._hit_miss.clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self._load(st, [], None)                  # an all-padding batch
-            self._step(layer, st, kv, scale)          # JIT + allocator warm-up, inert rows only
-        torch.cuda.current_stream().wait_stream(s)
+        self._load(st, [], None)
+        self._step(layer, st, kv, scale)
         for name, t in saved.items():
             getattr(st, name).copy_(t)
         st.n = n
         self.rt._hit_miss.copy_(hm)
+
+    def _record(self, key, st: Static, kv: torch.Tensor, scale: float):
+        """Warm up (Triton JIT, allocator) on a side stream with an all-padding step, then capture."""
+        layer = key[0]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self._padding_step(layer, st, kv, scale)  # JIT + allocator warm-up
+        torch.cuda.current_stream().wait_stream(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()

@@ -238,9 +238,10 @@ class SparseRuntime:
             plan.dense_res = (plan.dense_sparse if len(res) == len(plan.dense) else
                               self._dense_group(res, self._rows_of(res, block_table)))
         if plan.dec:
+            # a pure decode step: token i is decode row i, so q[:Rd] replaces the gather q[dec_tok]
+            plan.dec_prefix = all(s.t0 == i for i, s in enumerate(plan.dec))
             if self.graphs is not None and not plan.dense:   # every sparse layer replays a graph:
-                plan.dec_prefix = all(s.t0 == i for i, s in enumerate(plan.dec))  # its buffers
-                if not plan.dec_prefix:                       # hold the rest (fill)
+                if not plan.dec_prefix:                       # its buffers hold the rest (fill)
                     plan.dec_tok = torch.tensor([s.t0 for s in plan.dec]).to(dev)
                 self.graphs.fill(plan)
             else:
@@ -328,8 +329,6 @@ class SparseRuntime:
                           [(s.seq_len - 1) // self.P for s in d], [s.idx for s in d],
                           [s.qrow for s in d]], dtype=torch.int64).to(dev)
         plan.dec_tok, plan.dec_rows, plan.dec_qrows = m[0], m[1], m[5]
-        # a pure decode step: token i is decode row i, so q[:Rd] replaces the gather q[dec_tok]
-        plan.dec_prefix = all(s.t0 == i for i, s in enumerate(d))
         plan.dec_seq = m[2].to(torch.int32)
         newest = m[3]
         bt = plan.block_table.to(dev)[m[4]]

@@ -18,15 +18,21 @@ BLOCK = 1024   # int32 columns per program (a guess; U = 2048 pages -> 2 program
 
 
 @triton.jit
-def _take_kernel(SEL, HOT, ROWS, SU, US, LRU, COUNTS, SEL_H, SU_H, US_H, LRU_H, K, S, U,
-                 s_sel, s_su, s_us, s_lru, HOT_MODE: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _hot_row(HOT, ROWS, i, HOT_MODE: tl.constexpr):
+    """Hot row i -> (its decode row j, its runtime row)."""
     if HOT_MODE == 1:                                  # HOT: indices of the hot decode rows
         j = tl.load(HOT + i)
     else:                                              # every row (HOT_MODE 2: a bool mask)
         j = i
-    row = tl.load(ROWS + j).to(tl.int64)
+    return j, tl.load(ROWS + j).to(tl.int64)
+
+
+@triton.jit
+def _take_kernel(SEL, HOT, ROWS, SU, US, LRU, COUNTS, SEL_H, SU_H, US_H, LRU_H, K, S, U,
+                 s_sel, s_su, s_us, s_lru, HOT_MODE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    j, row = _hot_row(HOT, ROWS, i, HOT_MODE)
     i64 = i.to(tl.int64)
     m = c < S
     tl.store(SU_H + i64 * S + c, tl.load(SU + row * s_su + c, mask=m), mask=m)
@@ -50,11 +56,7 @@ def _put_kernel(LOCS, HOT, ROWS, LOCS_H, SU_H, US_H, LRU_H, SU, US, LRU, K, S, U
                 s_locs, s_su, s_us, s_lru, HOT_MODE: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    if HOT_MODE == 1:
-        j = tl.load(HOT + i)
-    else:
-        j = i
-    row = tl.load(ROWS + j).to(tl.int64)
+    j, row = _hot_row(HOT, ROWS, i, HOT_MODE)
     i64 = i.to(tl.int64)
     m = c < S
     tl.store(SU + row * s_su + c, tl.load(SU_H + i64 * S + c, mask=m), mask=m)
