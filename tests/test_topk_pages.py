@@ -1,5 +1,6 @@
 """quest_topk / quest_topk_locs (core/sparse_layer.py) give exactly what the torch code before the
-one-launch topk_pages gave (kept below as OLD_*): int32 pages best first with -1 padding, and the
+one-launch topk_pages gave (kept below as OLD_*, its torch.topk indices put in ascending order as
+topk_index returns them; random scores have no ties): int32 pages with -1 padding, and the
 runtime's block lookup. The Triton topk_pages (ops/triton_quest.py) equals reference.topk_pages on
 CPU through Triton's interpreter and on the GPU."""
 
@@ -24,7 +25,7 @@ def old_quest_topk(q, kmin, kmax, rows, num_full, k_units):
     if R == 0 or kk == 0:
         return out
     scores = quest_scores_rows(q, kmin, kmax, rows, num_full)
-    _, idx = torch.topk(scores, kk, dim=1)
+    idx = torch.topk(scores, kk, dim=1)[1].sort(dim=1).values
     idx = torch.where(idx < num_full.long()[:, None].to(idx.device), idx, -1)
     out[:, :kk] = idx.to(torch.int32)
     return out

@@ -12,7 +12,7 @@ and their physical slots come either straight from the block table (all pages st
 from RESOLVE over the hot slots (blocks ``[0, S)`` of the request). Both modes run the same
 selection and the same attention kernel, so hisparse == resident bit for bit.
 
-On CUDA a decode layer is a few launches: the Quest update (1), scores + torch.topk + pages and
+On CUDA a decode layer is a few launches: the Quest update (1), scores + top-k + pages and
 blocks (3-4, ``quest_topk_locs``), RESOLVE with its gathers/scatters (4, ``resolve_hot_into``) and
 the attention (2, ``sparse_decode``); on CPU the same functions run the plain-torch references.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from vllm_hisparse.ops import hot_rows, kernels, reference
-from vllm_hisparse.ops.quest import quest_scores_rows, topk_pages
+from vllm_hisparse.ops.quest import quest_scores_rows, topk_index, topk_pages
 from vllm_hisparse.ops.quest_update import quest_update_pages as _quest_update_pages
 
 _resolve_lru = getattr(kernels, "resolve_lru", reference.resolve_lru)
@@ -119,11 +119,11 @@ def gather_pages(kv: torch.Tensor, host: torch.Tensor, block_rows: list[torch.Te
 
 def quest_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
                num_full: torch.Tensor, k_units: int) -> torch.Tensor:
-    """(R, k_units) int32 best complete pages per row (best first), -1 padding.
+    """(R, k_units) int32 best complete pages per row (in ascending page order), -1 padding.
 
     q: (R, Hq, D); kmin/kmax: (N, U, Hkv, D) page bounds of every runtime row, read at rows (R,)
     (no copy of the bounds); num_full: (R,) complete pages per row.
-    CUDA: score kernel + torch.topk + one launch for the -1 padding and int32 (ops.quest.topk_pages).
+    CUDA: score kernel + top-k kernel + one launch for the -1 padding and int32 (ops.quest).
     """
     return topk_pages(_topk_index(q, kmin, kmax, rows, num_full, k_units), num_full, k_units)
 
@@ -140,13 +140,13 @@ def quest_topk_locs(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, row
 
 def _topk_index(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
                 num_full: torch.Tensor, k_units: int) -> torch.Tensor:
-    """(R, min(k_units, U)) int64 torch.topk indices over the Quest scores ((R, 0) if none)."""
+    """(R, min(k_units, U)) int64 indices of the top Quest scores, ascending ((R, 0) if none)."""
     R, U = q.shape[0], kmin.shape[1]
     kk = min(k_units, U)
     if R == 0 or kk <= 0:
         return torch.empty((R, 0), dtype=torch.int64, device=q.device)
     scores = quest_scores_rows(q, kmin, kmax, rows, num_full)
-    return torch.topk(scores, kk, dim=1)[1]
+    return topk_index(scores, kk)
 
 
 def resolve_hot(sel: torch.Tensor, state: "HotSlots", rows: torch.Tensor, slot_map: torch.Tensor,

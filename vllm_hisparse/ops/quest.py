@@ -2,8 +2,9 @@
 
 ``quest_scores_rows(q, kmin, kmax, rows, n)`` == ``reference.quest_scores(q, kmin[rows], kmax[rows], n)``
 without copying ``kmin[rows]`` (megabytes per row per layer) or building the reference's
-(R, U, Hkv, G, D) fp32 temporaries. ``topk_pages`` turns torch.topk's indices over those scores into
-pages (and blocks) with -1 padding in one launch. CUDA: the Triton kernels (ops/triton_quest.py);
+(R, U, Hkv, G, D) fp32 temporaries. ``topk_index`` picks each row's top pages (ascending, ties to the
+lowest index) and ``topk_pages`` turns those indices into pages (and blocks) with -1 padding in one
+launch. CUDA: the Triton kernels (ops/triton_quest.py);
 CPU: the references.
 """
 from __future__ import annotations
@@ -79,12 +80,31 @@ def quest_scores_rows(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, r
     return out
 
 
+def topk_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(R, k) int64 indices of each row's k largest scores, ascending, ties to the lowest index:
+    contract reference.topk_index. scores: (R, U) fp32; 0 <= k <= U.
+    CUDA: one Triton program per row (ops/triton_topk.py) for U <= triton_topk.MAX_U, instead of
+    torch.topk's ~4 launches; longer rows and the CPU take the reference (a stable sort)."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be (R, U) float32; got {tuple(scores.shape)} {scores.dtype}")
+    R, U = scores.shape
+    if not 0 <= k <= U:
+        raise ValueError(f"k={k} must be in [0, U={U}] (the number of scores per row)")
+    if scores.is_cuda:
+        from . import triton_topk
+        if U <= triton_topk.MAX_U:
+            out = torch.empty((R, k), dtype=torch.int64, device=scores.device)
+            return triton_topk.topk_index(scores if scores.stride(1) == 1 else scores.contiguous(),
+                                          k, out)
+    return reference.topk_index(scores, k)
+
+
 def topk_pages(idx: torch.Tensor, num_full: torch.Tensor, k_units: int,
                block_table: torch.Tensor | None = None):
     """Pages (R, k_units) int32 of a top-k over page scores, and with block_table (R, W) int also
     their blocks (R, k_units) int32 (-1 padding): contract reference.topk_pages.
 
-    idx: (R, kk) int64 (torch.topk's indices), kk <= k_units; num_full: (R,) int32/int64.
+    idx: (R, kk) int64 (topk_index's indices), kk <= k_units; num_full: (R,) int32/int64.
     CUDA: one Triton launch (ops/triton_quest.py) instead of full + lt + where + to + copy (and
     clamp + gather + ge + where + to for the blocks); the same values. CPU: the reference.
     """

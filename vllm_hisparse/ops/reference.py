@@ -185,13 +185,23 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     return s.masked_fill(~live, float("-inf"))
 
 
+def topk_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(R, k) int64 indices of the k largest scores of each row, in ascending index order; among
+    equal scores the lowest indices are taken. Scores compare by their order-preserving 32-bit key
+    (so -0.0 < +0.0; NaN is not expected). scores: (R, U) fp32, 0 <= k <= U."""
+    bits = scores.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    key = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+    return torch.sort(order, dim=1).values
+
+
 def topk_pages(idx: torch.Tensor, num_full: torch.Tensor, k_units: int,
                block_table: torch.Tensor | None = None):
     """The pages of a top-k over page scores: (R, k_units) int32, column j = idx[r, j] if j < kk
     and idx[r, j] < num_full[r], else -1. With block_table (R, W) int, also (R, k_units) int32
     block_table[r, page] of each page (-1 padding): returns (pages, blocks).
 
-    idx: (R, kk) int64 from torch.topk, kk <= k_units; num_full: (R,) int complete pages per row.
+    idx: (R, kk) int64 from topk_index (or torch.topk), kk <= k_units; num_full: (R,) int complete pages per row.
     """
     R, kk = idx.shape
     out = torch.full((R, k_units), -1, dtype=torch.int32, device=idx.device)

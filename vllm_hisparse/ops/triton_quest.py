@@ -14,7 +14,7 @@ Each program takes one row and BLOCK_U pages and loops over the KV heads in orde
 only on D, and nothing is shared between programs (no atomics), so a row's scores are the same bits
 whichever other rows are in the batch. Pages at or past num_units[r] are never read and score -inf.
 
-``topk_pages``: torch.topk's indices over the scores -> int32 pages with -1 padding (and the
+``topk_pages``: top-k indices over the scores -> int32 pages with -1 padding (and the
 pages' blocks from a block table), one launch for what took ~10 small torch ops.
 """
 from __future__ import annotations
