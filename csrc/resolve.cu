@@ -103,14 +103,15 @@ void resolve_lru(const torch::Tensor& selection, torch::Tensor& slot_unit, torch
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   // IO: entries per block halve (from 1024) until the grid has ~2 blocks per SM, so small batches
-  // still keep enough host loads in flight; the widest vector the rows and pointers allow. The
-  // floor is 8 entries: with one request (k = 128 pages) a floor of 64 gave 2 blocks for all of a
-  // layer's miss IO (one 32K request decoded 2.7 ms per step slower than resident mode on the H200,
-  // ~90 us per layer, docs/gpu-results.md); 8 gives 16.
+  // still keep enough host loads in flight; the widest vector the rows and pointers allow. Down to
+  // 1 entry per block: with one request (k = 128 pages, ~7 misses of 64 KB per layer) a floor of 8
+  // gave 16 blocks, so a block copied 1-2 pages in 4-8 serial rounds of host loads: 29.5 us per
+  // layer on the H200 (docs/gpu-results.md). With 1, each miss gets a block of its own (blocks
+  // without a miss return after one load).
   const int64_t n = R * k;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int ent = 1024;
-  while (ent > 8 && (n + ent - 1) / ent < 2 * sms) ent /= 2;
+  while (ent > 1 && (n + ent - 1) / ent < 2 * sms) ent /= 2;
   const uint8_t* hptr = hisparse::device_address(host, "resolve_lru", "host");
   uint8_t* bptr = static_cast<uint8_t*>(buffer.data_ptr());
   const uintptr_t align = reinterpret_cast<uintptr_t>(hptr) | reinterpret_cast<uintptr_t>(bptr) | (uintptr_t)row_bytes;

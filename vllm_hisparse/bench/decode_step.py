@@ -202,8 +202,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--decode-graphs", action="store_true",
                     help="config decode_graphs: replay each layer from a CUDA graph")
+    ap.add_argument("--quest-tile-elems", type=int, default=None,
+                    help="tuning: override ops/triton_quest.TILE_ELEMS (pages x D per program)")
+    ap.add_argument("--min-split-tokens", type=int, default=None,
+                    help="tuning: override ops/triton_attention.MIN_SPLIT_TOKENS")
     ap.add_argument("--out", default="out/decode_step")
     args = ap.parse_args(argv)
+    if args.quest_tile_elems is not None:
+        from vllm_hisparse.ops import triton_quest
+        triton_quest.TILE_ELEMS = args.quest_tile_elems
+    if args.min_split_tokens is not None:
+        from vllm_hisparse.ops import triton_attention
+        triton_attention.MIN_SPLIT_TOKENS = args.min_split_tokens
     os.makedirs(args.out, exist_ok=True)
     rows_out = []
     for R in (int(x) for x in args.rows.split(",")):
@@ -231,7 +241,8 @@ def main(argv=None) -> int:
         plan_ms = (time.perf_counter() - t0) * 1e3 / args.steps
         stock = stock_layer_ms(s)
         row = {"context": args.context, "rows": R, "top_k": args.top_k, "buffer": args.buffer,
-               "decode_graphs": args.decode_graphs,
+               "decode_graphs": args.decode_graphs, "io_chunk_bytes": args.io_chunk_bytes,
+               "quest_tile_elems": args.quest_tile_elems, "min_split_tokens": args.min_split_tokens,
                "q_noise": args.q_noise, "miss_rate": round(misses / max(hits + misses, 1), 4),
                "plan_ms": round(plan_ms, 3),
                "wall_ms_per_layer": round((wall - plan_ms) / args.layers, 3),
