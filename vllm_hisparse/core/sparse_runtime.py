@@ -228,7 +228,8 @@ class SparseRuntime:
         if self.dpool is not None:
             res = [s for s in steps if not s.sparse]
             inpool = [s for s in steps if s.sparse]
-            plan.dense_res = self._dense_group(res, self._rows_of(res, block_table))
+            plan.dense_res = (plan.dense_sparse if res == plan.dense else   # no sparse request
+                              self._dense_group(res, self._rows_of(res, block_table)))
             if inpool:
                 rows = torch.tensor([s.row for s in inpool], device=dev)
                 plan.dense_pool = self._dense_group(inpool, self.dense_pt.table[rows])
@@ -320,7 +321,8 @@ class SparseRuntime:
         meta = torch.tensor([cu + [s.seq_len for s in group]], dtype=torch.int32).to(dev)[0]
         return DenseGroup(group, tok.to(dev), meta[:len(cu)], meta[len(cu):],
                           table.to(dev, torch.int32),
-                          max(s.t1 - s.t0 for s in group), max(s.seq_len for s in group))
+                          max(s.t1 - s.t0 for s in group), max(s.seq_len for s in group),
+                          prefix=all(s.t0 == c for s, c in zip(group, cu)))
 
     def _plan_decode(self, plan: StepPlan) -> None:
         d = plan.dec
@@ -418,7 +420,12 @@ class SparseRuntime:
                out: torch.Tensor) -> None:
         if g is None:
             return
-        o = torch.empty((len(g.tok), *q.shape[1:]), dtype=q.dtype, device=q.device)
+        n = len(g.tok)
+        if g.prefix and out.dtype == q.dtype:         # the group's tokens are 0..n-1: no copies
+            self.dense_fn(q[:n], kv[:, 0], kv[:, 1], g.block_table, g.cu_q, g.seq_k, g.max_q,
+                          g.max_k, scale, out[:n])
+            return
+        o = torch.empty((n, *q.shape[1:]), dtype=q.dtype, device=q.device)
         self.dense_fn(q[g.tok], kv[:, 0], kv[:, 1], g.block_table, g.cu_q, g.seq_k, g.max_q,
                       g.max_k, scale, o)
         out[g.tok] = o.to(out.dtype)

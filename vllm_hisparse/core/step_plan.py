@@ -34,6 +34,7 @@ class DenseGroup:
     block_table: torch.Tensor                  # (n, W) int32
     max_q: int
     max_k: int
+    prefix: bool = False                       # tok == arange(Tq): slice q/out, don't gather
 
 
 @dataclass
