@@ -78,6 +78,20 @@ def test_one_request_counts_tokens_from_usage_not_chunks(n_chunks):
     assert client.kwargs["extra_body"] == {"ignore_eos": True, "min_tokens": out_len}
 
 
+def test_ttft_counts_chunks_without_text():
+    """A first token that decodes to no text yet still ends the time to first token; a stream with
+    no token chunk at all has no TTFT (nan), never 0."""
+    import asyncio
+    import math
+
+    from vllm_hisparse.bench.serving import one_request
+
+    r = asyncio.run(one_request(_FakeClient(_FakeStream(["", "", "x"], usage=3)), "m", [1], 3))
+    assert 0 <= r.ttft <= r.latency and not math.isnan(r.ttft)
+    r = asyncio.run(one_request(_FakeClient(_FakeStream([], usage=3)), "m", [1], 3))
+    assert math.isnan(r.ttft) and math.isnan(r.tpot)
+
+
 def test_one_request_without_usage_says_so():
     import asyncio
 

@@ -123,16 +123,16 @@ async def one_request(client, model: str, prompt: list[int], out_len: int) -> Re
                                              stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True, "min_tokens": out_len})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            if ttft is None:
-                ttft = time.perf_counter() - t0
+        if chunk.choices:                  # a token event, even with no text yet: dummy weights
+            if ttft is None:               # make tokens that decode to "" (partial UTF-8), and a
+                ttft = time.perf_counter() - t0    # whole 4K reply did so on the H200 (TTFT read 0)
             chunks += 1
         if getattr(chunk, "usage", None) is not None:
             usage = chunk.usage.completion_tokens
     if usage is None:
         raise RuntimeError("the server sent no usage chunk (stream_options include_usage): "
                            f"cannot count the output tokens ({chunks} text chunks)")
-    return RequestResult(ttft or 0.0, time.perf_counter() - t0, usage)
+    return RequestResult(float("nan") if ttft is None else ttft, time.perf_counter() - t0, usage)
 
 
 async def run_point(args, backend: str, c: int, port: int, model: str, vocab: int) -> Point:
