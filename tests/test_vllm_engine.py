@@ -140,6 +140,24 @@ def test_gpu_blocks_shrink_to_hot_buffer(runs):
 
 
 
+def test_full_decode_graphs_equal_resident(runs, tmp_path):
+    """full_decode_graphs: the builder declares FULL-graph support, single-token steps are planned
+    from the connector's start_load_kv and every layer runs core/full_decode.py's fixed body (on
+    the CPU eagerly: vLLM captures no graphs here). Tokens and logprobs equal the resident run's,
+    with sparse, dense (the 17-token prompt) and dense-pool rows in the same batches."""
+    resident, _ = runs
+    model = make_tiny_model()
+    cfg = dict(CFG, min_context=MIN_CONTEXT, dense_pool_gib=0.01, full_decode_graphs=True)
+    full = generate(tmp_path, model, cfg, [prompts(), [prompts()[1]]], "full")
+    s = full["stats"]
+    assert s["full_steps"] >= MAX_TOKENS - 1 and s["full_layers"] > 0 and s["misses"] > 0, s
+    assert s["host_pages_used"] == 0 and s["live_requests"] == 0
+    for b_res, b_full in zip(resident["batches"], full["batches"]):
+        for i, (r, f) in enumerate(zip(b_res, b_full)):
+            assert f["tokens"] == r["tokens"], f"request {i}: tokens differ"
+            assert f["logprobs"] == r["logprobs"], f"request {i}: logprobs differ"
+
+
 def test_host_pool_full_requests_wait(tmp_path):
     """A host pool that holds one max-length request (32 pages of 16 tokens): the 5 requests need
     ~70 pages in all, so some wait for others to finish; all complete, none crashes."""

@@ -52,6 +52,13 @@ class HiSparseConfig:
         (batch padded to a power of two) instead of ~15 eager launches. None (default) = on when
         the KV lives on a CUDA device; True = also on the CPU (the graph body runs eagerly on the
         padded static buffers: how CI tests it); False = off. Ignored with trace_dir.
+    full_decode_graphs: let vLLM capture whole decode steps in FULL CUDA graphs (the backend then
+        declares UNIFORM_SINGLE_TOKEN_DECODE support): single-token decode batches are planned in
+        the metadata builder and every layer runs one fixed body for any mix of sparse, dense and
+        padding rows (core/full_decode.py), so no Python runs per layer. False (default) = vLLM
+        runs the backend PIECEWISE. Needs dense_layers [] or dense_pool_gib > 0 when host_tier
+        (a dense layer that reads given-back pages from the host cannot be captured); not with
+        trace_dir. Experimental: CPU-tested, not yet run on a GPU.
     trace_dir: when set, selections are appended per request to trace files there.
     """
 
@@ -69,6 +76,7 @@ class HiSparseConfig:
     prefetch: bool = False
     host_tier: bool = True
     decode_graphs: Optional[bool] = None
+    full_decode_graphs: bool = False
     trace_dir: Optional[str] = None
 
     def __post_init__(self):
@@ -101,6 +109,15 @@ class HiSparseConfig:
         if self.min_context is not None and self.min_context < 0:
             _fail("min_context", self.min_context,
                   "use 0 (all requests sparse), a token count, or null (2 x device_buffer_size)")
+        if self.full_decode_graphs and self.trace_dir is not None:
+            _fail("full_decode_graphs", True, "tracing copies selections to the host every layer; "
+                  "set full_decode_graphs false or drop trace_dir")
+        if (self.full_decode_graphs and self.host_tier and self.dense_layers
+                and self.dense_pool_gib <= 0):
+            _fail("full_decode_graphs", True,
+                  f"dense_layers {list(self.dense_layers)} would read given-back pages from the "
+                  f"host pool, which a CUDA graph cannot capture: set dense_pool_gib > 0 (e.g. 4), "
+                  f"dense_layers [], or full_decode_graphs false")
         from vllm_hisparse.core.policies import available  # local: policies import nothing of ours
 
         if self.policy not in available():
@@ -234,7 +251,7 @@ _TYPES = {
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
     "min_context": (int, type(None)), "quest_rows": int, "prefetch": bool, "host_tier": bool,
-    "decode_graphs": (bool, type(None)),
+    "decode_graphs": (bool, type(None)), "full_decode_graphs": bool,
     "trace_dir": (str, type(None)),
 }
 

@@ -61,6 +61,25 @@ class Static:
         return self.meta[_FIELDS.index(name)]
 
 
+def sparse_body(rt, layer: int, st: Static, kv: torch.Tensor, scale: float) -> None:
+    """One sparse layer's decode on static buffers (st.q/k/v in, st.out out): the eager decode path's
+    ops in its order; rows pointing at the scratch rows with nothing selected are inert. Shared by
+    the per-layer graphs here and the FULL-graph body (core/full_decode.py)."""
+    f = st.field
+    sl.write_kv(kv, f("newest_blk"), f("off"), None, st.k, st.v)
+    host = rt.host_layer(layer)
+    if host is not None:
+        write_through(host, st.k, st.v, st.tok, f("host_page"), f("off"))
+    sl.quest_update_pages(rt.kmin[layer], rt.kmax[layer], f("q_page"), f("q_new").bool(),
+                          st.tok, st.k)
+    sel, locs = sl.quest_topk_locs(st.q, rt.kmin[layer], rt.kmax[layer], f("qrows"), f("full"),
+                                   rt.k_sel, st.bt)
+    if rt.hot[layer] is not None:                   # cold and padding rows resolve nothing
+        sl.resolve_hot_into(locs, sel, st.is_hot, f("rows"), rt.hot[layer], st.slot_map, kv, host,
+                            st.host_pt, rt._hit_miss, io_chunk_bytes=rt.cfg.io_chunk_bytes)
+    sl.sparse_decode(st.q, kv, locs, sel, st.seq, f("newest_blk"), scale, st.out)
+
+
 class DecodeGraphs:
     def __init__(self, rt, num_heads: int, max_width: int, capture: bool):
         """rt: the SparseRuntime; max_width: block-table width (max_model_len pages);
@@ -183,21 +202,7 @@ class DecodeGraphs:
 
     def _step(self, layer: int, st: Static, kv: torch.Tensor, scale: float) -> None:
         """The captured body: the eager decode path on static buffers, padding rows inert."""
-        rt = self.rt
-        f = st.field
-        sl.write_kv(kv, f("newest_blk"), f("off"), None, st.k, st.v)
-        host = rt.host_layer(layer)
-        if host is not None:
-            write_through(host, st.k, st.v, st.tok, f("host_page"), f("off"))
-        sl.quest_update_pages(rt.kmin[layer], rt.kmax[layer], f("q_page"), f("q_new").bool(),
-                              st.tok, st.k)
-        rows = f("rows")
-        sel, locs = sl.quest_topk_locs(st.q, rt.kmin[layer], rt.kmax[layer], f("qrows"), f("full"),
-                                       rt.k_sel, st.bt)
-        if rt.hot[layer] is not None:               # cold and padding rows resolve nothing
-            sl.resolve_hot_into(locs, sel, st.is_hot, rows, rt.hot[layer], st.slot_map, kv, host,
-                                st.host_pt, rt._hit_miss, io_chunk_bytes=rt.cfg.io_chunk_bytes)
-        sl.sparse_decode(st.q, kv, locs, sel, st.seq, f("newest_blk"), scale, st.out)
+        sparse_body(self.rt, layer, st, kv, scale)
 
     def _padding_step(self, layer: int, st: Static, kv: torch.Tensor, scale: float) -> None:
         """Run the step on an all-padding batch, then put back the step buffers and the hit/miss

@@ -82,12 +82,16 @@ def paged_dense_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     q/out: (Tq, Hq, D) packed rows, row i = tokens [cu_q[i], cu_q[i+1]) at the *last* positions of
     its seq_k[i] keys; k_cache/v_cache: (N, P, Hkv, D); block_table: (Bd, W) int32; cu_q (Bd+1,),
-    seq_k (Bd,) int32. max_q/max_k are FlashAttention's bounds (unused here).
+    seq_k (Bd,) int32. max_q/max_k are FlashAttention's bounds (unused here). A row with
+    seq_k 0 attends nothing and gets zeros (the FULL-graph body passes 0 for rows of another kind).
     """
     P = k_cache.shape[1]
     cu, sk = cu_q.tolist(), seq_k.tolist()
     for i, n in enumerate(sk):
         t0, t1 = cu[i], cu[i + 1]
+        if n == 0:
+            out[t0:t1] = 0
+            continue
         blocks = block_table[i, :-(-n // P)].long().to(k_cache.device)
         k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n]
         v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n]

@@ -117,15 +117,23 @@ class SparseRuntime:
                 "head_dim": head_dim, "decode": "as served"})
         self._hit_miss = torch.zeros(2, dtype=torch.int64, device=self.device)  # read in stats_dict
         self.graphs = None
+        self.full = None
         graphs = cfg.decode_graphs if cfg.decode_graphs is not None else self.device.type == "cuda"
-        if graphs and cfg.trace_dir is None:
+        if cfg.full_decode_graphs:                 # vLLM's FULL graphs replace the per-layer ones
+            from vllm_hisparse.core.full_decode import FullDecode
+
+            if num_heads is None:
+                raise ValueError("full_decode_graphs needs the runtime's num_heads")
+            self.full = FullDecode(self, num_heads, self.U)
+        elif graphs and cfg.trace_dir is None:
             from vllm_hisparse.core.decode_graph import DecodeGraphs
 
             if num_heads is None:
                 raise ValueError("decode_graphs needs the runtime's num_heads")
             self.graphs = DecodeGraphs(self, num_heads, self.U, capture=self.device.type == "cuda")
         self.stats = {"steps": 0, "decode_rows": 0, "finished": 0, "dense_pool_pages_handed": 0}
-        self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "graph_layers"), 0.0)
+        self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "graph_layers",
+                                      "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add(self, req_id: str, num_prompt: int) -> None:
@@ -254,6 +262,44 @@ class SparseRuntime:
         self.stats["steps"] += 1
         self.stats["decode_rows"] += len(plan.dec)
         return plan
+
+    def plan_full(self, req_ids: list[str], seq_lens: list[int], block_table: torch.Tensor,
+                  N: int) -> None:
+        """A single-token decode step for vLLM's FULL graphs (cfg.full_decode_graphs): req_ids and
+        seq_lens of the n real rows (rows 0..n-1 of the batch, one token each), block_table (>= n,
+        W); N >= n the padded batch size. Host pages for the new tokens, then the static buffers of
+        batch size N (core/full_decode.py) that every layer's fixed body reads."""
+        t0 = time.perf_counter()
+        steps = []
+        for i, rid in enumerate(req_ids):
+            r = self.reqs[rid]
+            n = seq_lens[i]
+            if n == 1:
+                self._reset_row(r.row)                 # a one-token prompt: the request starts
+            steps.append(ReqStep(i, rid, i, i + 1, n - 1, n, r.row, r.sparse,
+                                 freed_pages(self.cfg, n - 1, r.num_prompt), r.qrow))
+            if self.pool is not None and r.sparse:
+                self.host_pt.grow(r.row, self.pool.ensure(rid, n))
+                if self.dpool is not None:
+                    self.stats["dense_pool_pages_handed"] += self.dense_pt.grow(
+                        r.row, self.dpool.ensure(rid, n))
+        self.host_pt.flush()
+        if self.dpool is not None:
+            self.dense_pt.flush()
+        assert all(s.freed[1] <= s.freed[0] for s in steps if not s.sparse), \
+            "dense rows must be resident"
+        self.full.fill(steps, block_table, N)
+        self.stats["steps"] += 1
+        self.stats["decode_rows"] += sum(s.sparse for s in steps)
+        self._host_s["plan"] += time.perf_counter() - t0
+
+    def full_layer(self, layer: int, N: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """One layer of a plan_full step (q/out (N, Hq, D), k/v (N, Hkv, D)): recorded by vLLM's
+        FULL graph capture, or run eagerly when vLLM does not replay a graph for the step."""
+        t0 = time.perf_counter()
+        self.full.layer(layer, N, q, k, v, kv, scale, out)
+        self._host_s["full_layers"] += time.perf_counter() - t0
 
     def _plan_writes(self, steps: list[ReqStep], block_table: torch.Tensor,
                      slot_mapping: torch.Tensor) -> StepPlan:
@@ -458,6 +504,8 @@ class SparseRuntime:
         s.update({f"host_ms_{k}": round(v * 1e3, 3) for k, v in self._host_s.items()})
         if self.graphs is not None:              # decode graphs: layers replayed, graphs captured
             s.update({f"graph_{k}": v for k, v in self.graphs.stats.items()})
+        if self.full is not None:                # FULL graphs: steps planned, layers run eagerly
+            s.update(self.full.stats)
         return s
 
     def dump_stats(self, path: str | None) -> None:

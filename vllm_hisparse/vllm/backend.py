@@ -97,6 +97,9 @@ class HiSparseMetadata:
     block_table: torch.Tensor         # (B, W) int32
     slot_mapping: torch.Tensor        # (T,) int64, -1 = padding
     plan: Any = None                  # core.sparse_runtime.StepPlan, made by the first layer
+    full: int = 0                     # full_decode_graphs: N, the (padded) single-token batch size
+    full_rows: int = 0                # its real rows (the first ones; vLLM pads after them)
+    pending: bool = False             # plan_full not yet run (worker_state.resolve_full)
 
 
 class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
@@ -104,20 +107,50 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.full_graphs = hisparse_config_of(vllm_config).full_decode_graphs
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """FULL graphs of single-token decode batches with config full_decode_graphs (every
+        layer then runs core/full_decode.py's fixed body); otherwise vLLM runs us PIECEWISE."""
+        if hisparse_config_of(vllm_config).full_decode_graphs:
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> HiSparseMetadata:
         cm = common_attn_metadata
         B = cm.num_reqs
         bt = cm.block_table_tensor[:B]
-        return HiSparseMetadata(
+        qsl = cm.query_start_loc_cpu[:B + 1].tolist()
+        md = HiSparseMetadata(
             num_actual_tokens=cm.num_actual_tokens,
-            query_start_loc=cm.query_start_loc_cpu[:B + 1].tolist(),
+            query_start_loc=qsl,
             seq_lens=cm.seq_lens[:B].cpu().tolist(),
             first_blocks=bt[:, 0].cpu().tolist(),
             block_table=bt,
             slot_mapping=cm.slot_mapping[:cm.num_actual_tokens],
         )
+        if self.full_graphs and B and cm.max_query_len == 1:
+            # A single-token batch, maybe padded by vLLM to a FULL graph's size (padding rows: no
+            # query token, seq_len 0, after the real rows). Its requests are known only once the
+            # connector has bound this step's metadata, so plan_full runs there (start_load_kv,
+            # still before the graph replay) or, on an eager run without it, in the first layer.
+            md.full = B
+            md.full_rows = sum(1 for i in range(B) if qsl[i + 1] > qsl[i] and md.seq_lens[i] > 0)
+            md.pending = True
+            worker_state.pending_full = md
+        return md
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
+        """vLLM's FULL capture of a batch size: the fixed body records on an all-padding batch
+        (filled here, outside the capture: it copies from the host)."""
+        md = self.build(0, common_attn_metadata)
+        if md.full:
+            md.pending = False
+            worker_state.pending_full = None
+            worker_state.get_runtime().full.padding(md.full)
+        return md
 
 
 class HiSparseImpl(AttentionImpl):
@@ -149,6 +182,16 @@ class HiSparseImpl(AttentionImpl):
             self._precapture(layer, query.shape[0], kv_cache)
             return output
         md: HiSparseMetadata = attn_metadata
+        if md.full:                               # one fixed body for any single-token batch
+            worker_state.resolve_full(md)
+            N = md.full
+            rt = worker_state.get_runtime()
+            rt.full_layer(extract_layer_index(layer.layer_name), N,
+                          query[:N].view(N, self.num_heads, self.head_size),
+                          key[:N].view(N, self.num_kv_heads, self.head_size),
+                          value[:N].view(N, self.num_kv_heads, self.head_size), kv_cache,
+                          self.scale, output[:N].view(N, self.num_heads, self.head_size))
+            return output
         if md.plan is None:
             ids = worker_state.req_ids_of(md.first_blocks)
             if ids is None:                       # dummy batch: nothing to attend to

@@ -95,6 +95,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             fa = make_dense_fn(mc.dtype, mc.get_head_size())
             if fa is not None:
                 worker_state.runtime.dense_fn = fa
+            elif self.cfg.full_decode_graphs and device.type == "cuda":
+                raise ValueError("hisparse: full_decode_graphs needs FlashAttention for the dense "
+                                 "rows (fp16/bf16, head size <= 256 and a multiple of 8; see the "
+                                 "warning above); set full_decode_graphs false")
             self._stats_path = os.environ.get(STATS_ENV)
 
     # ---- scheduler side ----------------------------------------------------------------------
@@ -195,7 +199,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             worker_state.bind_request(rid, first_block)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        return None
+        # full_decode_graphs: plan a single-token step now that its requests are bound, before
+        # vLLM replays the step's FULL graph (which calls no backend code)
+        worker_state.resolve_full(worker_state.pending_full)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -85,6 +85,29 @@ def req_ids_of(first_blocks: list[int]) -> list[str] | None:
     return ids
 
 
+pending_full = None     # backend.HiSparseMetadata of this step awaiting plan_full, if any
+
+
+def resolve_full(md) -> None:
+    """Run plan_full for a single-token step the builder marked (full_decode_graphs): from the
+    connector's start_load_kv, after this step's requests are bound and before vLLM replays its FULL
+    graph; or from the first layer of an eager run. A batch whose rows belong to no live request
+    (vLLM's dummy runs) becomes all padding."""
+    global pending_full
+    if md is None or not md.pending:
+        return
+    md.pending = False
+    if pending_full is md:
+        pending_full = None
+    rt = get_runtime()
+    n = md.full_rows
+    ids = req_ids_of(md.first_blocks[:n]) if n else None
+    if ids is None:
+        rt.full.padding(md.full)
+    else:
+        rt.plan_full(ids, md.seq_lens[:n], md.block_table[:n], md.full)
+
+
 dense_pool = None       # core.host_pool.HostKVPool on the GPU: dense layers of sparse requests
 
 
