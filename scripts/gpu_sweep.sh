@@ -4,15 +4,23 @@
 # config is serving.py's default (84 GiB host pool, 22 Quest rows, 6 GiB dense pool: sized for 32K).
 #   bash scripts/gpu_sweep.sh OUT 32k-base       # stock + resident, 32K / 512   (~6 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-hisparse   # hisparse, 32K / 512           (~8 min)
-#   bash scripts/gpu_sweep.sh OUT 4k             # all three, 4K / 512           (~9 min)
+#   bash scripts/gpu_sweep.sh OUT 4k             # stock + hisparse, 4K / 512    (~7 min)
+#   bash scripts/gpu_sweep.sh OUT 32k-full       # hisparse with full_decode_graphs, 32K (~5 min)
+#   bash scripts/gpu_sweep.sh OUT 4k-full        # hisparse with full_decode_graphs, 4K  (~4 min)
+# Carry .whl/ (prometheus wheels: `vllm serve` imports them, the bundle lacks them).
 set -euo pipefail
 out=$1; part=$2
 common=(--output-len 512 --rounds 1 --gpu-memory-utilization 0.3)
+cfg='{"top_k": 2048, "device_buffer_size": 4096, "dense_pool_gib": 6, "host_pool_gib": 84, "quest_rows": 22'
 case "$part" in
-  32k-base)     args=(--input-len 32768 --backends stock,resident --concurrency 1,2,4,8,16
+  32k-base)     args=(--input-len 32768 --backends stock,resident --concurrency 1,2,4,8
                       --hisparse '{"top_k": 2048, "device_buffer_size": 4096}') ;;  # resident: no pools
-  32k-hisparse) args=(--input-len 32768 --backends hisparse --concurrency 1,2,4,8,16,22,32,64) ;;
-  4k)           args=(--input-len 4096 --backends stock,resident,hisparse --concurrency 1,4,16,64,256) ;;
-  *) echo "part: 32k-base, 32k-hisparse or 4k" >&2; exit 2 ;;
+  32k-hisparse) args=(--input-len 32768 --backends hisparse --concurrency 1,2,4,8,22,32) ;;
+  4k)           args=(--input-len 4096 --backends stock,hisparse --concurrency 1,4,16,64,128) ;;
+  32k-full)     args=(--input-len 32768 --backends hisparse --concurrency 1,2,4,8,32
+                      --hisparse "$cfg"', "full_decode_graphs": true}') ;;
+  4k-full)      args=(--input-len 4096 --backends hisparse --concurrency 1,4,16,64
+                      --hisparse "$cfg"', "full_decode_graphs": true}') ;;
+  *) echo "part: 32k-base, 32k-hisparse, 4k, 32k-full or 4k-full" >&2; exit 2 ;;
 esac
 exec bash scripts/gpu_serving.sh "$out" "${common[@]}" "${args[@]}"
