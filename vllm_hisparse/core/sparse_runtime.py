@@ -209,24 +209,7 @@ class SparseRuntime:
         Everything that needs the host is decided here, once per step; forward_layer then runs
         without host syncs."""
         dev = self.device
-        steps = []
-        for i, rid in enumerate(req_ids):
-            r = self.reqs[rid]
-            t0, t1 = query_start_loc[i], query_start_loc[i + 1]
-            start, n = seq_lens[i] - (t1 - t0), seq_lens[i]
-            if start == 0:
-                self._reset_row(r.row)                # a new request or a recompute after preemption
-                self._restart_trace(rid)
-            steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
-                                 freed_pages(self.cfg, start, r.num_prompt), r.qrow))
-            if self.pool is not None and r.sparse:
-                self.host_pt.grow(r.row, self.pool.ensure(rid, n))
-                if self.dpool is not None:
-                    self.stats["dense_pool_pages_handed"] += self.dense_pt.grow(
-                        r.row, self.dpool.ensure(rid, n))
-        self.host_pt.flush()
-        if self.dpool is not None:
-            self.dense_pt.flush()
+        steps = self._req_steps(req_ids, query_start_loc, seq_lens)
         plan = self._plan_writes(steps, block_table, slot_mapping)
         plan.dec = [s for s in steps if s.sparse and s.t1 - s.t0 == 1 and s.start > 0]
         dec_idx = {s.idx for s in plan.dec}
@@ -270,22 +253,7 @@ class SparseRuntime:
         W); N >= n the padded batch size. Host pages for the new tokens, then the static buffers of
         batch size N (core/full_decode.py) that every layer's fixed body reads."""
         t0 = time.perf_counter()
-        steps = []
-        for i, rid in enumerate(req_ids):
-            r = self.reqs[rid]
-            n = seq_lens[i]
-            if n == 1:
-                self._reset_row(r.row)                 # a one-token prompt: the request starts
-            steps.append(ReqStep(i, rid, i, i + 1, n - 1, n, r.row, r.sparse,
-                                 freed_pages(self.cfg, n - 1, r.num_prompt), r.qrow))
-            if self.pool is not None and r.sparse:
-                self.host_pt.grow(r.row, self.pool.ensure(rid, n))
-                if self.dpool is not None:
-                    self.stats["dense_pool_pages_handed"] += self.dense_pt.grow(
-                        r.row, self.dpool.ensure(rid, n))
-        self.host_pt.flush()
-        if self.dpool is not None:
-            self.dense_pt.flush()
+        steps = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens)
         assert all(s.freed[1] <= s.freed[0] for s in steps if not s.sparse), \
             "dense rows must be resident"
         self.full.fill(steps, block_table, N)
@@ -300,6 +268,31 @@ class SparseRuntime:
         t0 = time.perf_counter()
         self.full.layer(layer, N, q, k, v, kv, scale, out)
         self._host_s["full_layers"] += time.perf_counter() - t0
+
+    def _req_steps(self, req_ids: list[str], query_start_loc: list[int],
+                   seq_lens: list[int]) -> list[ReqStep]:
+        """The batch's requests with their tokens; one starting at token 0 (new, or recomputed
+        after a preemption) gets fresh hot-slot state; sparse requests get host (and dense-pool)
+        pages for this step's tokens, mirrored on the device."""
+        steps = []
+        for i, rid in enumerate(req_ids):
+            r = self.reqs[rid]
+            t0, t1 = query_start_loc[i], query_start_loc[i + 1]
+            start, n = seq_lens[i] - (t1 - t0), seq_lens[i]
+            if start == 0:
+                self._reset_row(r.row)
+                self._restart_trace(rid)
+            steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
+                                 freed_pages(self.cfg, start, r.num_prompt), r.qrow))
+            if self.pool is not None and r.sparse:
+                self.host_pt.grow(r.row, self.pool.ensure(rid, n))
+                if self.dpool is not None:
+                    self.stats["dense_pool_pages_handed"] += self.dense_pt.grow(
+                        r.row, self.dpool.ensure(rid, n))
+        self.host_pt.flush()
+        if self.dpool is not None:
+            self.dense_pt.flush()
+        return steps
 
     def _plan_writes(self, steps: list[ReqStep], block_table: torch.Tensor,
                      slot_mapping: torch.Tensor) -> StepPlan:
