@@ -87,6 +87,27 @@ def test_config_the_runtime_does_not_serve_is_refused(field, value, words):
     assert "\n" not in str(e.value) and "use " in str(e.value)
 
 
+@pytest.mark.parametrize("parallel, refused", [
+    ({"data_parallel_size": 2, "use_ubatching": False}, True),
+    ({"data_parallel_size": 1, "use_ubatching": True}, True),
+    ({"data_parallel_size": 1, "use_ubatching": False}, False),
+])
+def test_full_decode_graphs_refuses_data_parallel_and_micro_batches(parallel, refused):
+    """An idle data-parallel rank replays a FULL graph on a dummy batch without the connector, and
+    micro-batches would share the fixed body's buffers: refused with the flag, one line."""
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = fake_config(**{f"parallel_config__{k}": v for k, v in parallel.items()})
+    cfg.additional_config = {"hisparse": dict(HS["hisparse"], full_decode_graphs=True,
+                                              dense_layers=[])}
+    if refused:
+        with pytest.raises(ValueError, match="full_decode_graphs does not support") as e:
+            prepare_config(cfg)
+        assert "\n" not in str(e.value)
+    else:
+        prepare_config(cfg)
+
+
 def test_lru_and_no_prefetch_accepted():
     from vllm_hisparse.vllm.setup_check import prepare_config
 

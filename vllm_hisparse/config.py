@@ -58,7 +58,8 @@ class HiSparseConfig:
         padding rows (core/full_decode.py), so no Python runs per layer. False (default) = vLLM
         runs the backend PIECEWISE. Needs dense_layers [] or dense_pool_gib > 0 when host_tier
         (a dense layer that reads given-back pages from the host cannot be captured); not with
-        trace_dir. Experimental: CPU-tested, not yet run on a GPU.
+        trace_dir, data parallelism or DBO micro-batching. Experimental: CPU-tested, not yet run
+        on a GPU.
     trace_dir: when set, selections are appended per request to trace files there.
     """
 

@@ -20,6 +20,7 @@ from .compat import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
+    CUDAGraphMode,
     MultipleOf,
     extract_layer_index,
     get_current_vllm_config,
@@ -107,7 +108,16 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.full_graphs = hisparse_config_of(vllm_config).full_decode_graphs
+        # full_decode_graphs: the batch sizes whose single-token steps take the fixed body, i.e.
+        # those vLLM replays as FULL graphs (None = every size: the CPU runs the body eagerly, as
+        # CI tests it). Other steps (PIECEWISE or eager modes, larger batches) take the usual path.
+        self.full_sizes: set[int] | None = set()
+        if hisparse_config_of(vllm_config).full_decode_graphs:
+            cc = vllm_config.compilation_config
+            if torch.device(device).type != "cuda":
+                self.full_sizes = None
+            elif cc.cudagraph_mode.decode_mode() == CUDAGraphMode.FULL:
+                self.full_sizes = set(cc.cudagraph_capture_sizes or ())
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -131,11 +141,14 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
             block_table=bt,
             slot_mapping=cm.slot_mapping[:cm.num_actual_tokens],
         )
-        if self.full_graphs and B and cm.max_query_len == 1:
+        if (B and cm.max_query_len == 1 and worker_state.runtime is not None
+                and (self.full_sizes is None or B in self.full_sizes)):
             # A single-token batch, maybe padded by vLLM to a FULL graph's size (padding rows: no
             # query token, seq_len 0, after the real rows). Its requests are known only once the
             # connector has bound this step's metadata, so plan_full runs there (start_load_kv,
             # still before the graph replay) or, on an eager run without it, in the first layer.
+            # (No runtime yet: vLLM's memory profiling captures graphs before the connector exists;
+            # those runs attend nothing.)
             md.full = B
             md.full_rows = sum(1 for i in range(B) if qsl[i + 1] > qsl[i] and md.seq_lens[i] > 0)
             md.pending = True

@@ -12,6 +12,7 @@ if not VERSION.startswith(SUPPORTED):
     raise ImportError(f"vllm-hisparse supports vLLM 0.26.x; found {VERSION}")
 
 from vllm.config import VllmConfig, get_current_vllm_config  # noqa: E402
+from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
@@ -38,7 +39,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
 
 __all__ = [
-    "VERSION", "VllmConfig", "get_current_vllm_config", "KVTransferConfig", "KVConnectorFactory", "KVConnectorBase_V1", "KVConnectorMetadata",
+    "VERSION", "VllmConfig", "get_current_vllm_config", "CUDAGraphMode", "KVTransferConfig", "KVConnectorFactory", "KVConnectorBase_V1", "KVConnectorMetadata",
     "KVConnectorRole", "SupportsHMA", "init_logger", "Attention", "extract_layer_index",
     "AttentionBackend", "AttentionCGSupport", "AttentionImpl", "AttentionMetadataBuilder",
     "AttentionType", "CommonAttentionMetadata", "MultipleOf", "AttentionBackendEnum",

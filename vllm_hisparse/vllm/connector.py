@@ -218,6 +218,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self._done.add(rid)
 
     def get_finished(self, finished_req_ids: set[str]):
+        # after the step's forward: a plan_full request left by a run that never reached
+        # start_load_kv (a dummy run) must not be resolved by a later hook
+        worker_state.pending_full = None
         rt = worker_state.get_runtime()
         for rid in finished_req_ids:
             self._drop(rt, rid)

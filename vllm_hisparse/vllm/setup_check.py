@@ -30,6 +30,12 @@ def prepare_config(vllm_config) -> None:
         cfg.check_layers(mc.get_num_layers(pc))
     if pc.pipeline_parallel_size > 1:
         raise ValueError(f"hisparse: pipeline parallelism is not supported; {SUPPORTED}")
+    if cfg.full_decode_graphs and (getattr(pc, "data_parallel_size", 1) > 1
+                                   or getattr(pc, "use_ubatching", False)):
+        # an idle data-parallel rank replays a FULL graph on a dummy batch without the connector
+        # (stale static buffers); micro-batches would share one set of them
+        raise ValueError("hisparse: full_decode_graphs does not support data parallelism or "
+                         "micro-batching (DBO) yet; set full_decode_graphs false")
     if getattr(cc, "user_specified_block_size", False) and cc.block_size not in (None, cfg.page_size):
         raise ValueError(f"hisparse: --block-size {cc.block_size} must equal the hisparse "
                          f"page_size={cfg.page_size} (one vLLM block = one Quest page = one slot)")
