@@ -27,8 +27,8 @@ from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.ops.write_through import write_through
 
 # Per-step metadata packed into one int64 tensor (one H2D copy): one row each, width Rp.
-_FIELDS = ("rows", "qrows", "seq", "full", "newest_blk", "off", "host_page",
-           "q_page", "q_new", "is_hot")
+_FIELDS = ("rows", "qrows", "seq", "full", "newest", "newest_blk", "off", "host_page",
+           "q_page", "q_new", "is_hot", "sparse")
 # The static buffers a step writes (a capture's warm-up saves and restores them).
 _STEP_BUFFERS = ("meta", "bt", "host_pt", "is_hot", "seq", "slot_map")
 
@@ -59,6 +59,69 @@ class Static:
 
     def field(self, name: str) -> torch.Tensor:
         return self.meta[_FIELDS.index(name)]
+
+
+def static_buffers(rt, num_heads: int, W: int, N: int) -> dict:
+    """Static's tensors for a batch of N rows (padding contents), as keyword arguments."""
+    dev, dt, D, Hkv = rt.device, rt.dtype, rt.head_dim, rt.num_kv_heads
+    return dict(
+        q=torch.zeros(N, num_heads, D, dtype=dt, device=dev),
+        k=torch.zeros(N, Hkv, D, dtype=dt, device=dev),
+        v=torch.zeros(N, Hkv, D, dtype=dt, device=dev),
+        out=torch.zeros(N, num_heads, D, dtype=dt, device=dev),
+        meta=torch.zeros(len(_FIELDS), N, dtype=torch.int64, device=dev),
+        bt=torch.zeros(N, W, dtype=torch.int64, device=dev),
+        host_pt=torch.full((N, rt.U), -1, dtype=torch.int32, device=dev),
+        tok=torch.arange(N, dtype=torch.int64, device=dev),
+        is_hot=torch.zeros(N, dtype=torch.bool, device=dev),
+        seq=torch.ones(N, dtype=torch.int32, device=dev),
+        slot_map=torch.zeros(N, rt.S, dtype=torch.int32, device=dev))
+
+
+def load_rows(rt, st: Static, d: list, bt_rows: torch.Tensor | None) -> None:
+    """Fill st for rows [0, n) = the one-token batch rows d (core.step_plan.ReqStep) with block
+    tables bt_rows (n, W'), the rest inert padding (all of it when d is empty). A row of a sparse
+    request decodes; any other row (a dense request: the FULL body's) is inert like padding except
+    that its K/V go to its newest block: scratch rows, nothing selected, no host page, q_page on
+    the scratch Quest row (one page per row, so no two rows update the same page)."""
+    n, N, P, U = len(d), st.meta.shape[1], rt.P, rt.U
+    pad = [0] * (N - n)
+    idx = torch.arange(N)
+    sp = torch.tensor([s.sparse for s in d] + [False] * (N - n))
+    seq = torch.tensor([s.seq_len for s in d] + [1] * (N - n), dtype=torch.int64)
+    newest = torch.where(idx < n, (seq - 1) // P, 0)
+    meta = torch.zeros(len(_FIELDS), N, dtype=torch.int64)
+    F = dict(zip(_FIELDS, meta))
+    F["rows"][:] = torch.where(sp, torch.tensor([s.row for s in d] + pad), rt.scratch_row)
+    F["qrows"][:] = torch.where(sp, torch.tensor([s.qrow for s in d] + pad), rt.quest_scratch)
+    F["seq"][:] = seq
+    F["full"][:] = torch.where(sp, newest, 0)
+    F["newest"][:] = newest
+    F["off"][:] = torch.where(idx < n, (seq - 1) % P, 0)      # the new token in its page
+    F["q_new"][:] = torch.where(sp, ((seq - 1) % P == 0).long(), 1)
+    F["q_page"][:] = torch.where(sp, F["qrows"] * U + newest, rt.quest_scratch * U + idx % U)
+    F["is_hot"][:] = torch.tensor([int(s.sparse and s.freed[1] > s.freed[0]) for s in d] + pad)
+    F["sparse"][:] = sp.long()
+    st.meta.copy_(meta.to(rt.device))
+    # block tables and host page tables stay on the device: gathered for the real rows
+    st.bt.zero_()
+    if n:
+        w = min(bt_rows.shape[1], st.bt.shape[1])
+        st.bt[:n, :w] = bt_rows[:, :w].to(rt.device, torch.int64)
+    nb = st.field("newest")[:, None]
+    st.field("newest_blk").copy_(torch.gather(st.bt, 1, nb)[:, 0])     # padding: block 0
+    if rt.pool is not None:
+        on = st.field("sparse").bool()
+        pt = rt.host_pt.table[st.field("rows").clamp(max=rt.max_rows - 1)]
+        st.host_pt.copy_(torch.where(on[:, None], pt, -1))
+        st.field("host_page").copy_(torch.gather(st.host_pt.long(), 1, nb)[:, 0])
+    else:
+        st.host_pt.fill_(-1)
+        st.field("host_page").fill_(-1)
+    st.is_hot.copy_(st.field("is_hot").bool())
+    st.seq.copy_(st.field("seq"))
+    st.slot_map.copy_(st.bt[:, :rt.S])
+    st.n = n
 
 
 def sparse_body(rt, layer: int, st: Static, kv: torch.Tensor, scale: float) -> None:
@@ -125,50 +188,11 @@ class DecodeGraphs:
 
     def _load(self, st: Static, d: list, block_table: torch.Tensor | None) -> None:
         """Rows [0, n) from the decode rows d, the rest inert padding (all of it when d is empty)."""
-        rt = self.rt
-        n, Rp = len(d), st.meta.shape[1]
-        P, U = rt.P, rt.U
-        meta = torch.zeros(len(_FIELDS), Rp, dtype=torch.int64)
-        pad = torch.arange(n, Rp)
-        cols = {
-            "rows": ([s.row for s in d], rt.scratch_row),
-            "qrows": ([s.qrow for s in d], rt.quest_scratch),
-            "seq": ([s.seq_len for s in d], 1),
-            "full": ([(s.seq_len - 1) // P for s in d], 0),
-            "off": ([(s.seq_len - 1) % P for s in d], 0),     # the new token in its page
-            "q_new": ([int((s.seq_len - 1) % P == 0) for s in d], 1),
-            "is_hot": ([int(s.freed[1] > s.freed[0]) for s in d], 0),
-            "q_page": ([s.qrow * U + (s.seq_len - 1) // P for s in d], 0),
-        }
-        for name, (vals, fill) in cols.items():
-            row = meta[_FIELDS.index(name)]
-            row[:n] = torch.tensor(vals, dtype=torch.int64)
-            row[n:] = fill
-        meta[_FIELDS.index("q_page"), n:] = rt.quest_scratch * U + pad % U
-        st.meta.copy_(meta.to(rt.device))
-        # Block tables and host page tables stay on the device: gather the real rows, pad the rest.
-        st.bt[n:] = 0
-        st.host_pt[n:] = -1
-        st.field("newest_blk")[n:] = 0
-        st.field("host_page")[n:] = -1
-        if n:
+        bt = None
+        if d:
             idx = torch.tensor([s.idx for s in d], dtype=torch.int64).to(block_table.device)
-            bt = block_table[idx].to(rt.device, torch.int64)
-            w = min(bt.shape[1], self.W)
-            st.bt[:n, :w] = bt[:, :w]
-            newest = st.field("full")[:n]
-            st.field("newest_blk")[:n] = torch.gather(st.bt[:n], 1, newest[:, None])[:, 0]
-            if rt.pool is not None:
-                st.host_pt[:n] = rt.host_pt.table[st.field("rows")[:n]]
-                hp = torch.gather(st.host_pt[:n].long(), 1, newest[:, None])[:, 0]
-                st.field("host_page")[:n] = hp
-            else:
-                st.host_pt[:n] = -1
-                st.field("host_page")[:n] = -1
-        st.is_hot.copy_(st.field("is_hot").bool())
-        st.seq.copy_(st.field("seq"))
-        st.slot_map.copy_(st.bt[:, :rt.S])
-        st.n = n
+            bt = block_table[idx]
+        load_rows(self.rt, st, d, bt)
 
     # ---- per layer ---------------------------------------------------------------------------
     def run(self, layer: int, plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -238,19 +262,5 @@ class DecodeGraphs:
     def _static(self, Rp: int, plan) -> Static:
         st = self.static.get(Rp)
         if st is None:
-            rt = self.rt
-            dev, dt = rt.device, rt.dtype
-            st = Static(
-                q=torch.zeros(Rp, self.Hq, rt.head_dim, dtype=dt, device=dev),
-                k=torch.zeros(Rp, rt.num_kv_heads, rt.head_dim, dtype=dt, device=dev),
-                v=torch.zeros(Rp, rt.num_kv_heads, rt.head_dim, dtype=dt, device=dev),
-                out=torch.zeros(Rp, self.Hq, rt.head_dim, dtype=dt, device=dev),
-                meta=torch.zeros(len(_FIELDS), Rp, dtype=torch.int64, device=dev),
-                bt=torch.zeros(Rp, self.W, dtype=torch.int64, device=dev),
-                host_pt=torch.full((Rp, rt.U), -1, dtype=torch.int32, device=dev),
-                tok=torch.arange(Rp, dtype=torch.int64, device=dev),
-                is_hot=torch.zeros(Rp, dtype=torch.bool, device=dev),
-                seq=torch.ones(Rp, dtype=torch.int32, device=dev),
-                slot_map=torch.zeros(Rp, rt.S, dtype=torch.int32, device=dev))
-            self.static[Rp] = st
+            st = self.static[Rp] = Static(**static_buffers(self.rt, self.Hq, self.W, Rp))
         return st

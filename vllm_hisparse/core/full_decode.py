@@ -4,9 +4,10 @@ vLLM captures a whole decode step per padded batch size N and replays it without
 attention backend, so the body a layer records must serve *any* batch of N single-token rows:
 sparse requests (Quest + RESOLVE + sparse attention), short resident requests (dense attention over
 the paged cache) and vLLM's padding rows, in any mix. Everything per step is decided on the host
-before the replay (``SparseRuntime.plan_full`` in the metadata builder) and written into static
-buffers here (``fill``: one host->device copy of packed metadata plus on-device gathers of the block
-and page tables); the body reads only those buffers:
+before the replay (``SparseRuntime.plan_full``, from the connector's ``start_load_kv``) and written
+into static buffers here (``fill``: decode_graph's ``load_rows``, which also fills the per-layer
+graphs' buffers, plus this body's own fields; two host->device copies of packed metadata and
+on-device gathers of the block and page tables); the body reads only those buffers:
 
 - a sparse layer runs ``decode_graph.sparse_body`` over all N rows, the non-sparse rows pointing
   at the scratch rows with nothing selected (as decode-graph padding does), then FlashAttention
@@ -26,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from vllm_hisparse.core import sparse_layer as sl
-from vllm_hisparse.core.decode_graph import _FIELDS, Static, sparse_body
+from vllm_hisparse.core.decode_graph import Static, load_rows, sparse_body, static_buffers
 from vllm_hisparse.ops.write_through import write_through
 
-# extra per-row fields of the FULL body, packed after decode_graph's: rows of one int64 tensor
-_EXTRA = ("newest", "seq_dense", "seq_pool", "is_dense", "is_sparse", "dpool_page")
+# extra per-row fields of the FULL body: rows of one int64 tensor (one more host->device copy)
+_EXTRA = ("seq_dense", "seq_pool", "is_dense", "dpool_page")
 
 
 @dataclass
@@ -59,77 +60,39 @@ class FullDecode:
         self.dense_fn = None          # the dense rows' attention; None = the runtime's dense_fn
         self.stats = {"full_steps": 0, "full_layers": 0}
 
-    # ---- per step (host, in the metadata builder) --------------------------------------------
+    # ---- per step (host, before the replay) ---------------------------------------------------
     def fill(self, steps: list, block_table: torch.Tensor | None, N: int) -> FullStatic:
         """Static buffers of batch size N for the decode rows `steps` (sp.ReqStep, one token each,
         in batch order from row 0; rows past len(steps) are padding). block_table: (>= n, W') the
         batch's block tables, row i = steps[i]."""
         rt = self.rt
         st = self._static(N)
-        n, P, U = len(steps), rt.P, rt.U
+        n = len(steps)
         if n > N:
             raise ValueError(f"{n} decode rows do not fit a FULL batch of {N}")
-        meta = torch.zeros(len(_FIELDS) + len(_EXTRA), N, dtype=torch.int64)
-        F = {name: meta[i] for i, name in enumerate(_FIELDS + _EXTRA)}
-        idx = torch.arange(N)
+        load_rows(rt, st, steps, block_table[:n] if n else None)   # what sparse_body reads
+        extra = torch.zeros(len(_EXTRA), N, dtype=torch.int64)
+        X = dict(zip(_EXTRA, extra))
+        seq = torch.tensor([s.seq_len for s in steps] + [0] * (N - n))
         sp = torch.tensor([s.sparse for s in steps] + [False] * (N - n))
-        real = idx < n
-        seq = torch.tensor([s.seq_len for s in steps] + [1] * (N - n), dtype=torch.int64)
-        newest = torch.where(real, (seq - 1) // P, 0)
-        F["rows"][:] = torch.where(sp, torch.tensor([s.row for s in steps] + [0] * (N - n)),
-                                   rt.scratch_row)
-        F["qrows"][:] = torch.where(sp, torch.tensor([s.qrow for s in steps] + [0] * (N - n)),
-                                    rt.quest_scratch)
-        F["seq"][:] = seq
-        F["full"][:] = torch.where(sp, newest, 0)
-        F["off"][:] = torch.where(real, (seq - 1) % P, 0)
-        F["q_new"][:] = torch.where(sp, ((seq - 1) % P == 0).long(), 1)
-        F["q_page"][:] = torch.where(sp, F["qrows"] * U + newest, rt.quest_scratch * U + idx % U)
-        F["is_hot"][:] = torch.tensor([int(s.sparse and s.freed[1] > s.freed[0]) for s in steps]
-                                      + [0] * (N - n))
-        F["newest"][:] = newest
-        dense = real & ~sp
-        F["seq_dense"][:] = torch.where(dense, seq, 0)
-        F["seq_pool"][:] = torch.where(sp, seq, 0)
-        F["is_dense"][:] = dense.long()
-        F["is_sparse"][:] = sp.long()
-        st.meta.copy_(meta[:len(_FIELDS)].to(rt.device))
-        st.extra.copy_(meta[len(_FIELDS):].to(rt.device))
-        # block tables, host and dense-pool page tables: gathered on the device
-        st.bt.zero_()
-        if n:
-            rows_bt = block_table[:n].to(rt.device, torch.int64)
-            w = min(rows_bt.shape[1], self.W)
-            st.bt[:n, :w] = rows_bt[:, :w]
-        nb = st.x("newest")
-        st.field("newest_blk").copy_(torch.gather(st.bt, 1, nb[:, None])[:, 0])
-        st.field("newest_blk")[n:] = 0
-        srow = st.field("rows")
-        on = st.x("is_sparse").bool()
-        if rt.pool is not None:
-            st.host_pt.copy_(torch.where(on[:, None], rt.host_pt.table[srow.clamp(max=rt.max_rows - 1)],
-                                         -1))
-            hp = torch.gather(st.host_pt.long(), 1, nb[:, None])[:, 0]
-            st.field("host_page").copy_(torch.where(on, hp, -1))
-        else:
-            st.host_pt.fill_(-1)
-            st.field("host_page").fill_(-1)
+        dense = (torch.arange(N) < n) & ~sp
+        X["seq_dense"][:] = torch.where(dense, seq, 0)
+        X["seq_pool"][:] = torch.where(sp, seq, 0)
+        X["is_dense"][:] = dense.long()
+        st.extra.copy_(extra.to(rt.device))
+        on = st.field("sparse").bool()
         if rt.dpool is not None:
-            pt = rt.dense_pt.table[srow.clamp(max=rt.max_rows - 1)]
+            pt = rt.dense_pt.table[st.field("rows").clamp(max=rt.max_rows - 1)]
             st.pool_bt.copy_(torch.where(on[:, None], pt, 0)[:, :self.W])
-            dp = torch.gather(pt.long(), 1, nb[:, None])[:, 0]
+            dp = torch.gather(pt.long(), 1, st.field("newest")[:, None])[:, 0]
             st.x("dpool_page").copy_(torch.where(on, dp, -1))
         else:
             st.x("dpool_page").fill_(-1)
         st.bt32.copy_(st.bt)
-        st.is_hot.copy_(st.field("is_hot").bool())
-        st.seq.copy_(st.field("seq"))
         st.seq_dense.copy_(st.x("seq_dense"))
         st.seq_pool.copy_(st.x("seq_pool"))
         st.is_dense.copy_(st.x("is_dense").bool()[:, None, None])
         st.is_sparse.copy_(on[:, None, None])
-        st.slot_map.copy_(st.bt[:, :rt.S])
-        st.n = n
         self.stats["full_steps"] += 1
         return st
 
@@ -178,20 +141,14 @@ class FullDecode:
         st = self.static.get(N)
         if st is None:
             rt = self.rt
-            dev, dt, D, Hkv = rt.device, rt.dtype, rt.head_dim, rt.num_kv_heads
-            z = lambda *shape, dtype=dt: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
-            st = FullStatic(
-                q=z(N, self.Hq, D), k=z(N, Hkv, D), v=z(N, Hkv, D), out=z(N, self.Hq, D),
-                meta=z(len(_FIELDS), N, dtype=torch.int64), bt=z(N, self.W, dtype=torch.int64),
-                host_pt=torch.full((N, rt.U), -1, dtype=torch.int32, device=dev),
-                tok=torch.arange(N, dtype=torch.int64, device=dev),
-                is_hot=z(N, dtype=torch.bool), seq=torch.ones(N, dtype=torch.int32, device=dev),
-                slot_map=z(N, rt.S, dtype=torch.int32),
-                extra=z(len(_EXTRA), N, dtype=torch.int64), bt32=z(N, self.W, dtype=torch.int32),
-                pool_bt=z(N, self.W, dtype=torch.int32),
-                cu_q=torch.arange(N + 1, dtype=torch.int32, device=dev),
-                seq_dense=z(N, dtype=torch.int32), seq_pool=z(N, dtype=torch.int32),
-                is_dense=z(N, 1, 1, dtype=torch.bool), is_sparse=z(N, 1, 1, dtype=torch.bool),
-                o_dense=z(N, self.Hq, D), o_pool=z(N, self.Hq, D))
-            self.static[N] = st
+            dev = rt.device
+            z = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+            st = self.static[N] = FullStatic(
+                **static_buffers(rt, self.Hq, self.W, N),
+                extra=z(len(_EXTRA), N, dtype=torch.int64), bt32=z(N, self.W),
+                pool_bt=z(N, self.W), cu_q=torch.arange(N + 1, dtype=torch.int32, device=dev),
+                seq_dense=z(N), seq_pool=z(N), is_dense=z(N, 1, 1, dtype=torch.bool),
+                is_sparse=z(N, 1, 1, dtype=torch.bool),
+                o_dense=z(N, self.Hq, rt.head_dim, dtype=rt.dtype),
+                o_pool=z(N, self.Hq, rt.head_dim, dtype=rt.dtype))
         return st
