@@ -53,8 +53,8 @@ class HiSparseConfig:
         the KV lives on a CUDA device; True = also on the CPU (the graph body runs eagerly on the
         padded static buffers: how CI tests it); False = off. Ignored with trace_dir.
     full_decode_graphs: let vLLM capture whole decode steps in FULL CUDA graphs (the backend then
-        declares UNIFORM_SINGLE_TOKEN_DECODE support): single-token decode batches are planned in
-        the metadata builder and every layer runs one fixed body for any mix of sparse, dense and
+        declares UNIFORM_SINGLE_TOKEN_DECODE support): single-token decode batches are planned before
+        the replay (from the KV connector's start_load_kv) and every layer runs one fixed body for any mix of sparse, dense and
         padding rows (core/full_decode.py), so no Python runs per layer. False (default) = vLLM
         runs the backend PIECEWISE. Needs dense_layers [] or dense_pool_gib > 0 when host_tier
         (a dense layer that reads given-back pages from the host cannot be captured); not with
