@@ -102,7 +102,7 @@ def load_rows(rt, st: Static, d: list, bt_rows: torch.Tensor | None) -> None:
     F["q_page"][:] = torch.where(sp, F["qrows"] * U + newest, rt.quest_scratch * U + idx % U)
     F["is_hot"][:] = torch.tensor([int(s.sparse and s.freed[1] > s.freed[0]) for s in d] + pad)
     F["sparse"][:] = sp.long()
-    st.meta.copy_(meta.to(rt.device))
+    st.meta.copy_(rt.h2d(meta))
     # block tables and host page tables stay on the device: gathered for the real rows
     st.bt.zero_()
     if n:

@@ -79,7 +79,7 @@ class FullDecode:
         X["seq_dense"][:] = torch.where(dense, seq, 0)
         X["seq_pool"][:] = torch.where(sp, seq, 0)
         X["is_dense"][:] = dense.long()
-        st.extra.copy_(extra.to(rt.device))
+        st.extra.copy_(rt.h2d(extra))
         on = st.field("sparse").bool()
         if rt.dpool is not None:
             pt = rt.dense_pt.table[st.field("rows").clamp(max=rt.max_rows - 1)]

@@ -11,8 +11,10 @@ import torch
 
 
 class DevicePageTable:
-    def __init__(self, rows: int, width: int, device):
+    def __init__(self, rows: int, width: int, device, h2d=None):
+        """h2d: the runtime's core.staging.HostToDevice (copies that do not wait for the GPU)."""
         self.table = torch.full((rows, width), -1, dtype=torch.int32, device=device)
+        self._h2d = h2d or (lambda x, dtype: torch.tensor(x, dtype=dtype).to(device))
         self._len = [0] * rows
         self._queue: tuple[list, list, list] = ([], [], [])
 
@@ -31,7 +33,7 @@ class DevicePageTable:
     def flush(self) -> None:
         """Write the queued pages to the device table (one copy)."""
         if self._queue[0]:
-            upd = torch.tensor(self._queue, dtype=torch.int64).to(self.table.device)
+            upd = self._h2d(self._queue, dtype=torch.int64)
             self.table[upd[0], upd[1]] = upd[2].to(torch.int32)
             self._queue = ([], [], [])
 

@@ -27,6 +27,7 @@ from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.page_table import DevicePageTable
 from vllm_hisparse.core.residency import freed_pages, is_sparse_request
+from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.step_plan import DenseGroup, ReqStep, StepPlan
 from vllm_hisparse.ops.write_through import write_through
 
@@ -59,6 +60,7 @@ class SparseRuntime:
         self.k_sel = max(cfg.top_k_units - 1, 0)       # the newest page takes one unit of top_k
         self.U = -(-max_model_len // self.P)
         self.device = torch.device(device)
+        self.h2d = HostToDevice(self.device)     # per-step metadata, without waiting for the GPU
         self.num_layers = num_layers
         self.dense_layers = set(cfg.dense_layers)
         page_bytes = HostKVPool.page_bytes(self.P, num_kv_heads, head_dim, dtype)
@@ -84,7 +86,7 @@ class SparseRuntime:
         self.hot = [sl.HotSlots(max_rows + 1, self.S, self.U, self.device)
                     if cfg.host_tier and i not in self.dense_layers else None
                     for i in range(num_layers)]
-        self.host_pt = DevicePageTable(max_rows, self.U, self.device)    # host page of each page
+        self.host_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)    # host page of each page
         # Dense layers of sparse requests: every page in a GPU pool of their own (cfg.dense_pool_gib),
         # attended with the pool's page table; without it they read given-back pages from the host.
         self.dpool = None
@@ -94,7 +96,7 @@ class SparseRuntime:
                 nd, cfg.dense_pool_pages(page_bytes), self.P, num_kv_heads, head_dim, dtype,
                 device=self.device)
             self._dpool_layer = {layer: i for i, layer in enumerate(sorted(self.dense_layers))}
-            self.dense_pt = DevicePageTable(max_rows, self.U, self.device)
+            self.dense_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)
         # Paged causal attention for prefill / dense rows: paged_dense_reference's signature. The
         # vLLM adapter plugs FlashAttention in on the GPU; the default is the plain-torch twin.
         self.dense_fn = sl.paged_dense_reference
@@ -208,7 +210,6 @@ class SparseRuntime:
         seq_lens: B lengths including this step's tokens; block_table (B, W); slot_mapping (T,).
         Everything that needs the host is decided here, once per step; forward_layer then runs
         without host syncs."""
-        dev = self.device
         steps = self._req_steps(req_ids, query_start_loc, seq_lens)
         plan = self._plan_writes(steps, block_table, slot_mapping)
         plan.dec = [s for s in steps if s.sparse and s.t1 - s.t0 == 1 and s.start > 0]
@@ -222,7 +223,7 @@ class SparseRuntime:
             plan.dense_res = (plan.dense_sparse if res == plan.dense else   # no sparse request
                               self._dense_group(res, self._rows_of(res, block_table)))
             if inpool:
-                rows = torch.tensor([s.row for s in inpool], device=dev)
+                rows = self.h2d([s.row for s in inpool], torch.int64)
                 plan.dense_pool = self._dense_group(inpool, self.dense_pt.table[rows])
         elif len(self.dense_layers):
             plan.dense_freed = [s for s in steps if s.freed[1] > s.freed[0]]
@@ -234,7 +235,7 @@ class SparseRuntime:
             plan.dec_prefix = all(s.t0 == i for i, s in enumerate(plan.dec))
             if self.graphs is not None and not plan.dense:   # every sparse layer replays a graph:
                 if not plan.dec_prefix:                       # its buffers hold the rest (fill)
-                    plan.dec_tok = torch.tensor([s.t0 for s in plan.dec]).to(dev)
+                    plan.dec_tok = self.h2d([s.t0 for s in plan.dec], torch.int64)
                 self.graphs.fill(plan)
             else:
                 self._plan_decode(plan)
@@ -325,7 +326,7 @@ class SparseRuntime:
                 tok, pos // P - np.repeat(p0, n) + np.repeat(mbase, n),             # q_tok_page
                 np.repeat(qrow, m) * U + page, (page * P >= np.repeat(start, m)),   # q_page, q_new
                 pos, np.repeat(row, n)]).astype(np.int64)
-            d = torch.from_numpy(packed).to(dev)
+            d = self.h2d(packed)
             plan.q_tok, plan.q_tok_page = d[:ntok], d[ntok:2 * ntok]
             plan.q_page = d[2 * ntok:2 * ntok + npg]
             plan.q_new = d[2 * ntok + npg:2 * ntok + 2 * npg].bool()
@@ -356,9 +357,9 @@ class SparseRuntime:
         cu = [0]
         for s in group:
             cu.append(cu[-1] + s.t1 - s.t0)
-        tok = torch.cat([torch.arange(s.t0, s.t1) for s in group])
-        meta = torch.tensor([cu + [s.seq_len for s in group]], dtype=torch.int32).to(dev)[0]
-        return DenseGroup(group, tok.to(dev), meta[:len(cu)], meta[len(cu):],
+        tok = self.h2d(torch.cat([torch.arange(s.t0, s.t1) for s in group]))
+        meta = self.h2d(cu + [s.seq_len for s in group], torch.int32)
+        return DenseGroup(group, tok, meta[:len(cu)], meta[len(cu):],
                           table.to(dev, torch.int32),
                           max(s.t1 - s.t0 for s in group), max(s.seq_len for s in group),
                           prefix=all(s.t0 == c for s, c in zip(group, cu)))
@@ -366,9 +367,9 @@ class SparseRuntime:
     def _plan_decode(self, plan: StepPlan) -> None:
         d = plan.dec
         dev = self.device
-        m = torch.tensor([[s.t0 for s in d], [s.row for s in d], [s.seq_len for s in d],
-                          [(s.seq_len - 1) // self.P for s in d], [s.idx for s in d],
-                          [s.qrow for s in d]], dtype=torch.int64).to(dev)
+        m = self.h2d([[s.t0 for s in d], [s.row for s in d], [s.seq_len for s in d],
+                      [(s.seq_len - 1) // self.P for s in d], [s.idx for s in d],
+                      [s.qrow for s in d]], torch.int64)
         plan.dec_tok, plan.dec_rows, plan.dec_qrows = m[0], m[1], m[5]
         plan.dec_seq = m[2].to(torch.int32)
         newest = m[3]
@@ -378,7 +379,7 @@ class SparseRuntime:
         plan.dec_full = newest
         hot = [j for j, s in enumerate(d) if s.freed[1] > s.freed[0]]
         if hot:
-            plan.hot = torch.tensor(hot, dtype=torch.int64).to(dev)
+            plan.hot = self.h2d(hot, torch.int64)
             plan.hot_slot_map = bt[plan.hot, :self.S]
             plan.hot_pt = self.host_pt.table[plan.dec_rows[plan.hot]]
 

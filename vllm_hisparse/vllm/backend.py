@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from . import worker_state
+from .host_block_table import host_block_table
 from .compat import (
     AttentionBackend,
     AttentionCGSupport,
@@ -103,6 +104,24 @@ class HiSparseMetadata:
     pending: bool = False             # plan_full not yet run (worker_state.resolve_full)
 
 
+def _host_seq_lens(cm: CommonAttentionMetadata, B: int) -> list[int]:
+    """The batch's sequence lengths from the host copy vLLM keeps (exact unless it runs async
+    speculative decoding, when it leaves it None and the device copy is read, with a GPU sync)."""
+    host = getattr(cm, "_seq_lens_cpu", None)
+    return (host if host is not None else cm.seq_lens)[:B].tolist()
+
+
+def _host_first_blocks(bt: torch.Tensor, qsl: list[int]) -> list[int]:
+    """Block 0 of each row (its request's identity) from vLLM's host block table; -1 (no request)
+    for rows without query tokens, vLLM's padding of a FULL-graph batch, whose host rows may be
+    stale. Without the host table, the device copy (a GPU sync)."""
+    host = host_block_table(bt)
+    if host is None:
+        return bt[:, 0].cpu().tolist()
+    first = host[:bt.shape[0], 0].tolist()
+    return [b if qsl[i + 1] > qsl[i] else -1 for i, b in enumerate(first)]
+
+
 class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
@@ -136,8 +155,8 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
         md = HiSparseMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             query_start_loc=qsl,
-            seq_lens=cm.seq_lens[:B].cpu().tolist(),
-            first_blocks=bt[:, 0].cpu().tolist(),
+            seq_lens=_host_seq_lens(cm, B),
+            first_blocks=_host_first_blocks(bt, qsl),
             block_table=bt,
             slot_mapping=cm.slot_mapping[:cm.num_actual_tokens],
         )
