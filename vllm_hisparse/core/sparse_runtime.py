@@ -342,11 +342,13 @@ class SparseRuntime:
                     plan.dpool_page = self.dense_pt.table[rows_d, pos_d // P].long()
         return plan
 
-    @staticmethod
-    def _rows_of(group: list[ReqStep], block_table: torch.Tensor) -> torch.Tensor | None:
+    def _rows_of(self, group: list[ReqStep], block_table: torch.Tensor) -> torch.Tensor | None:
         if not group:
             return None
-        return block_table[torch.tensor([s.idx for s in group], device=block_table.device)]
+        idx = [s.idx for s in group]
+        if idx == list(range(len(idx))):               # the batch's first rows: a view
+            return block_table[:len(idx)]
+        return block_table[self.h2d(idx, torch.int64).to(block_table.device)]
 
     def _dense_group(self, group: list[ReqStep], table: torch.Tensor | None) -> DenseGroup | None:
         """table: (len(group), W) the block table rows of the group's requests (into the paged
