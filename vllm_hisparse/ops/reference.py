@@ -125,6 +125,34 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
     return out
 
 
+def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_k: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per row over its first seq_k[r] keys, read through its block table.
+
+    q: (R, Hq, D); k_cache/v_cache: (N, P, Hkv, D); block_table: (R, W) int32; seq_k: (R,) int32
+    (0: zeros). fp32 accumulation; returns out (R, Hq, D) in q's dtype. Keys past seq_k may hold
+    anything, NaN included. Twin of ops.triton_dense_decode (equal up to fp32 summation order).
+    """
+    R, Hq, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    W = block_table.shape[1]
+    bt = block_table.long().to(k_cache.device)
+    valid = torch.arange(W * P, device=q.device)[None] < seq_k.long().to(q.device)[:, None]
+    keep = valid[:, :, None, None]
+    kf = k_cache[bt].reshape(R, W * P, Hkv, D).float().masked_fill(~keep, 0.0)
+    vf = v_cache[bt].reshape(R, W * P, Hkv, D).float().masked_fill(~keep, 0.0)
+    qf = q.float().view(R, Hkv, Hq // Hkv, D)
+    s = torch.einsum("rhgd,rthd->rhgt", qf, kf) * scale
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    o = torch.einsum("rhgt,rthd->rhgd", p, vf).reshape(R, Hq, D)
+    if out is None:
+        return o.to(q.dtype)
+    out.copy_(o)
+    return out
+
+
 # ---- Quest -------------------------------------------------------------------------------------
 def quest_update(kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                  keys: torch.Tensor, page_size: int) -> None:

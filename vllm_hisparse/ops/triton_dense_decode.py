@@ -1,0 +1,130 @@
+"""Dense decode attention over a paged cache with split-KV that stays batch-invariant (Triton).
+
+One query token per row attends its first ``seq_k[r]`` keys, read through its block table. Why not
+FlashAttention: called with split-KV its split count is chosen per call from the whole batch, so a
+row's result would depend on which rows share the call (and hisparse and resident mode group rows
+differently); called with ``num_splits=1`` (as for prefill) it runs one CTA per KV head, 8 CTAs for
+one Llama-3-8B row: 42 us over 4K keys, 296 us over 32K on an H200 (docs/gpu-results.md). Here the
+keys are split at fixed positions — split s holds keys [s * SPLIT, (s + 1) * SPLIT) — and the
+partial results are combined one split after the other in that order, so a row's output is a
+function of its own query and keys alone: not of the batch, the block-table width or the call.
+Programs past a row's last key return at once. The plain-torch reference is
+``ops.reference.dense_decode_attention`` (equal up to fp32 summation order).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPLIT = 512           # keys per split (a multiple of BLOCK_N); fixed: results depend on it
+BLOCK_N = 64          # keys per inner step
+
+
+@triton.jit
+def _dense_split_kernel(Q, K, V, BT, SEQ, PO, PML, scale, n_splits,
+                        s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_br,
+                        PAGE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                        D: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq = tl.load(SEQ + r)
+    start = sp * SPLIT_N
+    if start < seq:                         # else nothing here: the combine reads live splits only
+        _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
+               s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_br,
+               PAGE, HKV, G, GP, D, SPLIT_N, BLOCK)
+
+
+@triton.jit
+def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
+           s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_br,
+           PAGE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+           D: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr):
+    og = tl.arange(0, GP)
+    od = tl.arange(0, D)
+    gmask = og < G
+    q = tl.load(Q + r * s_qr + (h * G + og)[:, None] * s_qh + od[None, :], mask=gmask[:, None],
+                other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    end = tl.minimum(start + SPLIT_N, seq)
+    for t0 in range(start, end, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        live = t < end
+        j = t // PAGE
+        off = t - j * PAGE
+        blk = tl.load(BT + r * s_br + j, mask=live, other=0).to(tl.int64)
+        kt = tl.load(K + (blk * s_kn + off * s_kp + h * s_kh)[:, None] + od[None, :],
+                     mask=live[:, None], other=0.0)
+        vt = tl.load(V + (blk * s_vn + off * s_vp + h * s_vh)[:, None] + od[None, :],
+                     mask=live[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kt)) * scale
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    hq = h * G + og
+    base = (r * (HKV * G) + hq) * n_splits + sp
+    tl.store(PO + base[:, None] * D + od[None, :], acc, mask=gmask[:, None])
+    tl.store(PML + base * 2, m_i, mask=gmask)
+    tl.store(PML + base * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _ordered_combine_kernel(PO, PML, SEQ, OUT, n_splits, s_or, s_oh, HQ: tl.constexpr,
+                            D: tl.constexpr, SPLIT_N: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    od = tl.arange(0, D)
+    seq = tl.load(SEQ + r)
+    live = (seq + SPLIT_N - 1) // SPLIT_N
+    base = (r * HQ + h) * n_splits
+    mx = tl.full([], float("-inf"), tl.float32)
+    for s in range(0, live):
+        mx = tl.maximum(mx, tl.load(PML + (base + s) * 2))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    den = tl.zeros([], tl.float32)
+    num = tl.zeros([D], tl.float32)
+    for s in range(0, live):                # one split after the other: a fixed order
+        w = tl.exp(tl.load(PML + (base + s) * 2) - mx)
+        den += w * tl.load(PML + (base + s) * 2 + 1)
+        num += w * tl.load(PO + (base + s) * D + od)
+    res = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(OUT + r * s_or + h * s_oh + od, res.to(OUT.dtype.element_ty))
+
+
+def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_k: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q/out (R, Hq, D) one query per row; k_cache/v_cache (N, P, Hkv, D) pages (strided views of
+    one cache are fine, last dim contiguous); block_table (R, W) int32 (W * P >= max seq_k);
+    seq_k (R,) int32 keys per row (0: zeros out). No host sync, fixed shapes: capturable."""
+    R, Hq, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    assert Hq % Hkv == 0 and D in (64, 128, 256) and k_cache.shape[3] == D
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+    if out is None:
+        out = torch.empty(R, Hq, D, dtype=q.dtype, device=q.device)
+    if R == 0:
+        return out
+    ns = max(1, -(-block_table.shape[1] * P // SPLIT))
+    po = torch.empty(R, Hq, ns, D, dtype=torch.float32, device=q.device)
+    pml = torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=q.device)
+    G = Hq // Hkv
+    _dense_split_kernel[(R, Hkv, ns)](
+        q, k_cache, v_cache, block_table, seq_k, po, pml, float(scale), ns,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        PAGE=P, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, SPLIT_N=SPLIT,
+        BLOCK=BLOCK_N if D <= 128 else 32, num_warps=4, num_stages=2)
+    _ordered_combine_kernel[(R, Hq)](po, pml, seq_k, out, ns, out.stride(0), out.stride(1), HQ=Hq,
+                                     D=D, SPLIT_N=SPLIT)
+    return out
