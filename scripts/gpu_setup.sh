@@ -5,6 +5,7 @@
 # NO_VLLM=1: kernels only (while bundle pieces are still being staged): no install, no plugin.
 set -euo pipefail
 out=$1
+mkdir -p "$out"
 if [ -z "${NO_VLLM:-}" ] && [ ! -d /tmp/site/vllm ]; then
   bash .gpu-bundle/install-vllm-bundle.sh install > "$out/install.log" 2>&1 || { tail -30 "$out/install.log"; exit 1; }
 fi

@@ -7,6 +7,8 @@
 #   bash scripts/gpu_sweep.sh OUT 4k             # stock + hisparse, 4K / 512    (~7 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-full       # hisparse with full_decode_graphs, 32K (~5 min)
 #   bash scripts/gpu_sweep.sh OUT 4k-full        # hisparse with full_decode_graphs, 4K  (~4 min)
+#   bash scripts/gpu_sweep.sh OUT 32k-split      # hisparse with split_dense_decode, 32K (~5 min)
+#   bash scripts/gpu_sweep.sh OUT 4k-split       # hisparse with split_dense_decode, 4K  (~4 min)
 # Carry .whl/ (prometheus wheels: `vllm serve` imports them, the bundle lacks them).
 set -euo pipefail
 out=$1; part=$2
@@ -21,6 +23,10 @@ case "$part" in
                       --hisparse "$cfg"', "full_decode_graphs": true}') ;;
   4k-full)      args=(--input-len 4096 --backends hisparse --concurrency 1,4,16,64
                       --hisparse "$cfg"', "full_decode_graphs": true}') ;;
-  *) echo "part: 32k-base, 32k-hisparse, 4k, 32k-full or 4k-full" >&2; exit 2 ;;
+  32k-split)    args=(--input-len 32768 --backends hisparse --concurrency 1,2,4,8,32
+                      --hisparse "$cfg"', "split_dense_decode": true}') ;;
+  4k-split)     args=(--input-len 4096 --backends hisparse --concurrency 1,4,16,64
+                      --hisparse "$cfg"', "split_dense_decode": true}') ;;
+  *) echo "part: 32k-base, 32k-hisparse, 4k, 32k-full, 4k-full, 32k-split or 4k-split" >&2; exit 2 ;;
 esac
 exec bash scripts/gpu_serving.sh "$out" "${common[@]}" "${args[@]}"

@@ -53,12 +53,13 @@ class FullDriver(Driver):
 
 
 def scenario(full: bool, host_tier=True, dense_layers=(), dense_pool_gib=0.0, padding_runs=False,
-             driver_cls=None, driver_kw=None, before=None, dense_fn=None):
+             driver_cls=None, driver_kw=None, before=None, dense_fn=None, split=False):
     """driver_cls/driver_kw: the GPU test's capturing driver and device; before(d): runs before any
     request (capture); dense_fn: the full body's dense attention instead of the runtime's."""
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=dense_layers,
                          min_context=40, host_pool_gib=0.01, host_tier=host_tier,
-                         decode_graphs=False, full_decode_graphs=full, dense_pool_gib=dense_pool_gib)
+                         decode_graphs=False, full_decode_graphs=full, dense_pool_gib=dense_pool_gib,
+                         split_dense_decode=split)
     d = (driver_cls or (FullDriver if full else Driver))(cfg, **(driver_kw or {}))
     if dense_fn is not None:
         d.rt.full.dense_fn = dense_fn
@@ -112,6 +113,21 @@ def test_full_body_equals_eager(dense_layers, dense_pool_gib):
     assert stats_f["misses"] > 0
     assert_rows_equal(state_f, state_e, df.rt.scratch_row)
     assert_rows_equal(bounds_f, bounds_e, df.rt.quest_scratch)
+
+
+@pytest.mark.parametrize("dense_layers,dense_pool_gib", [((), 0.0), ((0, 2), 0.001)])
+def test_full_body_with_split_dense_decode_equals_eager(dense_layers, dense_pool_gib):
+    """split_dense_decode: the FULL body's dense rows go through the split-KV decode kernel, as the
+    eager path sends every one-token dense row: the same bits; hisparse == resident."""
+    _, outs_f, _, _, _ = scenario(True, True, dense_layers, dense_pool_gib, split=True)
+    _, outs_e, _, _, _ = scenario(False, True, dense_layers, dense_pool_gib, split=True)
+    _, outs_r, _, _, _ = scenario(True, False, dense_layers, split=True)
+    _, outs_plain, _, _, _ = scenario(True, True, dense_layers, dense_pool_gib)
+    for i, (a, b, c) in enumerate(zip(outs_f, outs_e, outs_r)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN"
+        assert torch.equal(a, b), f"step/layer {i}: FULL body differs from eager"
+        assert torch.equal(a, c), f"step/layer {i}: hisparse differs from resident"
+    assert any(not torch.equal(a, b) for a, b in zip(outs_f, outs_plain)), "split path never taken"
 
 
 def test_full_body_keeps_hisparse_equal_to_resident():

@@ -72,10 +72,11 @@ class Driver:
                 kv[self.blocks[rid][lo:hi].long()] = float("nan")
 
 
-def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0):
+def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0, split=False):
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=dense_layers,
                          min_context=40, host_pool_gib=0.01, host_tier=host_tier,
-                         dense_pool_gib=dense_pool_gib, quest_rows=quest_rows)
+                         dense_pool_gib=dense_pool_gib, quest_rows=quest_rows,
+                         split_dense_decode=split)
     d = Driver(cfg)
     prompts = {"a": 150, "b": 93, "short": 20, "c": 61}
     for rid, n in prompts.items():
@@ -105,6 +106,31 @@ def test_hisparse_equals_resident_with_freed_blocks_poisoned(dense_layers, dense
     if dense_pool_gib:                     # the long requests' dense layers lived in the pool
         # ... and the host pool held only the sparse layers (the runtime builds it from cfg)
         assert stats["dense_pool_pages_used"] == sum(-(-n // P) for n in (150 + 40, 93 + 42, 61 + 41))
+
+
+@pytest.mark.parametrize("dense_layers,dense_pool_gib", [((0,), 0.0), ((0, 2), 0.001)])
+def test_split_dense_decode_keeps_hisparse_equal_to_resident(dense_layers, dense_pool_gib,
+                                                             monkeypatch):
+    """split_dense_decode: one-token dense rows go through the split-KV decode kernel, the others
+    through dense_fn, decided per row — so the two modes, which group rows differently, agree."""
+    from vllm_hisparse.core import dense_groups
+
+    calls = {"rows": 0}
+    real = dense_groups.kernels.dense_decode_attention
+
+    def counted(q, *a, **kw):
+        calls["rows"] += q.shape[0]
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(dense_groups.kernels, "dense_decode_attention", counted)
+    hs, _ = run(True, dense_layers, dense_pool_gib, split=True)
+    assert calls["rows"] > 0
+    res, _ = run(False, dense_layers, split=True)
+    plain, _ = run(False, dense_layers)
+    for i, (a, b) in enumerate(zip(hs, res)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN"
+        assert torch.equal(a, b), f"step/layer {i} differs"
+    assert any(not torch.equal(a, b) for a, b in zip(res, plain)), "split path never taken"
 
 
 def test_dense_layers_never_read_the_host_with_a_dense_pool(monkeypatch):

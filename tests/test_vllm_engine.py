@@ -158,6 +158,21 @@ def test_full_decode_graphs_equal_resident(runs, tmp_path):
             assert f["logprobs"] == r["logprobs"], f"request {i}: logprobs differ"
 
 
+def test_split_dense_decode_equal_resident(tmp_path):
+    """split_dense_decode through vLLM: one-token dense rows (the 17-token prompt's decode steps,
+    the dense layer of every request) take the split-KV decode kernel, rows with several tokens
+    dense_fn; hisparse (dense pool) and resident mode, which group those rows differently, give the
+    same tokens and logprobs."""
+    model = make_tiny_model()
+    cfg = dict(CFG, min_context=MIN_CONTEXT, split_dense_decode=True)
+    res = generate(tmp_path, model, dict(cfg, host_tier=False), [prompts()], "split-resident")
+    hs = generate(tmp_path, model, dict(cfg, dense_pool_gib=0.01), [prompts()], "split-hisparse")
+    assert hs["stats"]["misses"] > 0
+    for i, (r, h) in enumerate(zip(res["batches"][0], hs["batches"][0])):
+        assert h["tokens"] == r["tokens"], f"request {i}: tokens differ"
+        assert h["logprobs"] == r["logprobs"], f"request {i}: logprobs differ"
+
+
 def test_host_pool_full_requests_wait(tmp_path):
     """A host pool that holds one max-length request (32 pages of 16 tokens): the 5 requests need
     ~70 pages in all, so some wait for others to finish; all complete, none crashes."""

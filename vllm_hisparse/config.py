@@ -58,8 +58,14 @@ class HiSparseConfig:
         padding rows (core/full_decode.py), so no Python runs per layer. False (default) = vLLM
         runs the backend PIECEWISE. Needs dense_layers [] or dense_pool_gib > 0 when host_tier
         (a dense layer that reads given-back pages from the host cannot be captured); not with
-        trace_dir, data parallelism or DBO micro-batching. Experimental: CPU-tested, not yet run
-        on a GPU.
+        trace_dir, data parallelism or DBO micro-batching. Experimental: exact on the H200 but not
+        faster there than PIECEWISE (docs/gpu-results.md).
+    split_dense_decode: attend dense rows with one query token (short requests' decode steps,
+        dense layers of long ones) with the split-KV decode kernel whose splits sit at fixed key
+        positions (ops/triton_dense_decode.py: batch-invariant, so exactness holds), instead of
+        FlashAttention without split-KV (8 CTAs for one Llama-3-8B row: 42 us over 4K keys, 296 us
+        over 32K on an H200). Rows with several query tokens (prefill) keep FlashAttention. False
+        (default) while the kernel is only CPU-tested (Triton interpreter); not yet run on a GPU.
     trace_dir: when set, selections are appended per request to trace files there.
     """
 
@@ -78,6 +84,7 @@ class HiSparseConfig:
     host_tier: bool = True
     decode_graphs: Optional[bool] = None
     full_decode_graphs: bool = False
+    split_dense_decode: bool = False
     trace_dir: Optional[str] = None
 
     def __post_init__(self):

@@ -44,7 +44,8 @@ class Setup:
         cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=P,
                              dense_layers=(), host_pool_gib=1, io_chunk_bytes=args.io_chunk_bytes,
                              decode_graphs=args.decode_graphs,
-                             full_decode_graphs=getattr(args, "full", False))
+                             full_decode_graphs=getattr(args, "full", False),
+                             split_dense_decode=getattr(args, "split_dense_decode", False))
         self.S = cfg.num_slots
         max_len = args.context + args.steps + 64
         self.U = -(-max_len // P)

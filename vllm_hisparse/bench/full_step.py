@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--buffer", type=int, default=4096)
     ap.add_argument("--q-noise", type=float, default=0.3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--split-dense-decode", action="store_true",
+                    help="config split_dense_decode: dense rows through the split-KV decode kernel")
     ap.add_argument("--out", default="out/full_step")
     args = ap.parse_args(argv)
     args.full, args.decode_graphs, args.io_chunk_bytes = True, False, 64
@@ -119,7 +121,8 @@ def main(argv=None) -> int:
         for R in (int(x) for x in args.rows.split(",")):
             args.context = ctx
             s = FullSetup(args, R)
-            row = {"context": ctx, "rows": R, "sparse_rows": sum(s.rt.reqs[i].sparse for i in s.ids),
+            row = {"context": ctx, "rows": R, "split_dense_decode": args.split_dense_decode,
+                   "sparse_rows": sum(s.rt.reqs[i].sparse for i in s.ids),
                    **measure(s, args.steps)}
             stock = stock_layer_ms(s)
             row["stock_fa_ms_per_layer"] = None if stock is None else round(stock, 4)

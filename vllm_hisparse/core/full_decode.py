@@ -28,6 +28,7 @@ import torch
 
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.decode_graph import Static, load_rows, sparse_body, static_buffers
+from vllm_hisparse.ops import kernels
 from vllm_hisparse.ops.write_through import write_through
 
 # extra per-row fields of the FULL body: rows of one int64 tensor (one more host->device copy)
@@ -128,7 +129,12 @@ class FullDecode:
         st.out.copy_(torch.where(st.is_sparse, st.o_pool, st.o_dense))
 
     def _attend(self, q, cache, table, seq_k, scale, out) -> None:
-        """One query per row over `cache` pages `table` (N, W) int32 with seq_k[r] keys (0: none)."""
+        """One query per row over `cache` pages `table` (N, W) int32 with seq_k[r] keys (0: none):
+        the split-KV decode kernel with config split_dense_decode (as core/dense_groups.py gives
+        every one-token row), else the runtime's dense_fn."""
+        if self.rt.cfg.split_dense_decode and self.dense_fn is None:
+            kernels.dense_decode_attention(q, cache[:, 0], cache[:, 1], table, seq_k, scale, out)
+            return
         fn = self.dense_fn or self.rt.dense_fn
         fn(q, cache[:, 0], cache[:, 1], table, self.static[q.shape[0]].cu_q, seq_k, 1, self.max_k,
            scale, out)

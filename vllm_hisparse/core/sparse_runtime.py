@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.core import dense_groups
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.page_table import DevicePageTable
@@ -351,20 +352,7 @@ class SparseRuntime:
         return block_table[self.h2d(idx, torch.int64).to(block_table.device)]
 
     def _dense_group(self, group: list[ReqStep], table: torch.Tensor | None) -> DenseGroup | None:
-        """table: (len(group), W) the block table rows of the group's requests (into the paged
-        cache the call will read)."""
-        if not group:
-            return None
-        dev = self.device
-        cu = [0]
-        for s in group:
-            cu.append(cu[-1] + s.t1 - s.t0)
-        tok = self.h2d(torch.cat([torch.arange(s.t0, s.t1) for s in group]))
-        meta = self.h2d(cu + [s.seq_len for s in group], torch.int32)
-        return DenseGroup(group, tok, meta[:len(cu)], meta[len(cu):],
-                          table.to(dev, torch.int32),
-                          max(s.t1 - s.t0 for s in group), max(s.seq_len for s in group),
-                          prefix=all(s.t0 == c for s, c in zip(group, cu)))
+        return dense_groups.make(self, group, table)
 
     def _plan_decode(self, plan: StepPlan) -> None:
         d = plan.dec
@@ -460,17 +448,7 @@ class SparseRuntime:
 
     def _dense(self, g: DenseGroup | None, q: torch.Tensor, kv: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
-        if g is None:
-            return
-        n = len(g.tok)
-        if g.prefix and out.dtype == q.dtype:         # the group's tokens are 0..n-1: no copies
-            self.dense_fn(q[:n], kv[:, 0], kv[:, 1], g.block_table, g.cu_q, g.seq_k, g.max_q,
-                          g.max_k, scale, out[:n])
-            return
-        o = torch.empty((n, *q.shape[1:]), dtype=q.dtype, device=q.device)
-        self.dense_fn(q[g.tok], kv[:, 0], kv[:, 1], g.block_table, g.cu_q, g.seq_k, g.max_q,
-                      g.max_k, scale, o)
-        out[g.tok] = o.to(out.dtype)
+        dense_groups.attend(self, g, q, kv[:, 0], kv[:, 1], scale, out)
 
     def _dense_freed(self, plan: StepPlan, q: torch.Tensor, kv: torch.Tensor, host: torch.Tensor,
                      scale: float, out: torch.Tensor) -> None:
@@ -481,11 +459,8 @@ class SparseRuntime:
             kv, host, [bt[s.idx] for s in fr],
             [torch.tensor(self.pool.page_table(s.req_id), dtype=torch.int64) for s in fr],
             [s.seq_len for s in fr], [s.freed for s in fr])
-        g = self._dense_group(fr, table)
-        o = torch.empty((len(g.tok), *q.shape[1:]), dtype=q.dtype, device=q.device)
-        self.dense_fn(q[g.tok], pages[:, 0], pages[:, 1], g.block_table, g.cu_q, g.seq_k, g.max_q,
-                      g.max_k, scale, o)
-        out[g.tok] = o.to(out.dtype)
+        dense_groups.attend(self, self._dense_group(fr, table), q, pages[:, 0], pages[:, 1], scale,
+                            out)
 
     # ---- reporting -----------------------------------------------------------------------------
     def stats_dict(self) -> dict:

@@ -35,6 +35,11 @@ class DenseGroup:
     max_q: int
     max_k: int
     prefix: bool = False                       # tok == arange(Tq): slice q/out, don't gather
+    # config split_dense_decode (core/dense_groups.py): the one-query-token rows of the group
+    dec_rows: torch.Tensor | None = None       # (d,) int64 their rows in the group
+    dec_q: torch.Tensor | None = None          # (d,) int64 their packed query index
+    seq_fa: torch.Tensor | None = None         # (n,) int32 seq_k with 0 for them (FlashAttention's);
+                                               # None when every row is one of them
 
 
 @dataclass
