@@ -41,7 +41,8 @@ def _inputs(R, Hq, Hkv, D, P, max_seq, dt, gen, dev, extra_width=3):
 
 
 def check_invariance(case, dt, gen, dev, fn):
-    """Row r alone, in the full call, and in a call with a wider table: the same bits."""
+    """Row r alone, in the full call, in a call with a wider table and with the grid sized by the
+    longest row (max_k): the same bits."""
     q, kv, bt, seq = _inputs(*case, dt, gen, dev)
     R = q.shape[0]
     full = fn(q, kv[:, 0], kv[:, 1], bt, seq, 0.1)
@@ -50,6 +51,8 @@ def check_invariance(case, dt, gen, dev, fn):
         alone = fn(q[r:r + 1], kv[:, 0], kv[:, 1], bt[r:r + 1].contiguous(), seq[r:r + 1], 0.1)
         assert torch.equal(alone[0], full[r]), f"row {r}: differs alone vs in the batch"
     assert torch.equal(fn(q, kv[:, 0], kv[:, 1], wide, seq, 0.1), full), "table width changed it"
+    tight = fn(q, kv[:, 0], kv[:, 1], wide, seq, 0.1, max_k=int(seq.max()))
+    assert torch.equal(tight, full), "the grid bound max_k changed it"
     assert not torch.isnan(full).any()
     if R > 2:
         assert torch.equal(full[1], torch.zeros_like(full[1])), "seq 0 must give zeros"

@@ -28,8 +28,12 @@ def make(rt, group: list[ReqStep], table: torch.Tensor | None) -> DenseGroup | N
     seq = [s.seq_len for s in group]
     dec = ([i for i, s in enumerate(group) if s.t1 - s.t0 == 1] if rt.cfg.split_dense_decode
            else [])
-    seq_fa = [0 if i in set(dec) else n for i, n in enumerate(seq)] if dec else seq
     n = len(group)
+    if dec and len(dec) < n:
+        is_dec = set(dec)
+        seq_fa = [0 if i in is_dec else k for i, k in enumerate(seq)]
+    else:
+        seq_fa = seq                                   # unused: all or none of the rows
     meta = rt.h2d(cu + seq + seq_fa + dec + [cu[i] for i in dec], torch.int32)
     g = DenseGroup(group, tok, meta[:n + 1], meta[n + 1:2 * n + 1],
                    table.to(rt.device, torch.int32),
@@ -56,10 +60,12 @@ def attend(rt, g: DenseGroup | None, q: torch.Tensor, k_cache: torch.Tensor,
         rt.dense_fn(qg, k_cache, v_cache, g.block_table, g.cu_q,
                     g.seq_k if g.dec_rows is None else g.seq_fa, g.max_q, g.max_k, scale, o)
     if g.dec_rows is not None:
-        if g.seq_fa is None and len(g.dec_rows) == n:            # every row is one query token
-            kernels.dense_decode_attention(qg, k_cache, v_cache, g.block_table, g.seq_k, scale, o)
+        if g.seq_fa is None:                                     # every row is one query token
+            kernels.dense_decode_attention(qg, k_cache, v_cache, g.block_table, g.seq_k, scale, o,
+                                           max_k=g.max_k)
         else:
             o[g.dec_q] = kernels.dense_decode_attention(
-                qg[g.dec_q], k_cache, v_cache, g.block_table[g.dec_rows], g.seq_k[g.dec_rows], scale)
+                qg[g.dec_q], k_cache, v_cache, g.block_table[g.dec_rows], g.seq_k[g.dec_rows], scale,
+                max_k=g.max_k)
     if not direct:
         out[g.tok] = o.to(out.dtype)

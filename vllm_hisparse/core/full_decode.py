@@ -131,8 +131,9 @@ class FullDecode:
     def _attend(self, q, cache, table, seq_k, scale, out) -> None:
         """One query per row over `cache` pages `table` (N, W) int32 with seq_k[r] keys (0: none):
         the split-KV decode kernel with config split_dense_decode (as core/dense_groups.py gives
-        every one-token row), else the runtime's dense_fn."""
-        if self.rt.cfg.split_dense_decode and self.dense_fn is None:
+        every one-token row; its grid is sized by the table width, as a graph must), else the
+        runtime's dense_fn (or a test's override, self.dense_fn)."""
+        if self.rt.cfg.split_dense_decode:
             kernels.dense_decode_attention(q, cache[:, 0], cache[:, 1], table, seq_k, scale, out)
             return
         fn = self.dense_fn or self.rt.dense_fn

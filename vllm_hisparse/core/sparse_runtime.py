@@ -452,7 +452,13 @@ class SparseRuntime:
 
     def _dense_freed(self, plan: StepPlan, q: torch.Tensor, kv: torch.Tensor, host: torch.Tensor,
                      scale: float, out: torch.Tensor) -> None:
-        """Dense layers of requests whose pages left the GPU: read them back (slow path)."""
+        """Dense layers of requests whose pages left the GPU: read them back (slow path). The host
+        reads the pinned pool itself, so the write-through kernels queued before (earlier steps'
+        tokens of these pages) must have run: the stream is synchronised first (the plan copies
+        without syncs, and vLLM's asynchronous scheduling runs this while the last step may still
+        be on the GPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         fr = plan.dense_freed
         bt = plan.block_table
         pages, table = sl.gather_pages(

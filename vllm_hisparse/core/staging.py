@@ -5,8 +5,8 @@ waits until every kernel queued before it (the previous step's forward) has run.
 asynchronous scheduling the host prepares step t+1 while the GPU still runs step t, so one such copy
 in the plan turns the overlap off and the GPU idles for the whole plan. ``HostToDevice`` copies
 through a ring of pinned buffers with ``non_blocking=True`` instead; an event per buffer keeps the
-host from refilling one whose copy has not run yet (with a ring of 16 and a few copies per step that
-is a copy two or more steps back, long done). The destination is a fresh tensor from the caching
+host from refilling one whose copy has not run yet (a ring of 64, ~15 copies per step: a copy
+several steps back, long done). The destination is a fresh tensor from the caching
 allocator, so it is stream-ordered like any other. On the CPU it is a plain copy.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 
 class HostToDevice:
-    def __init__(self, device, slots: int = 16):
+    def __init__(self, device, slots: int = 64):
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
         self._bufs: list[torch.Tensor | None] = [None] * slots

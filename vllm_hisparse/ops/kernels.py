@@ -85,14 +85,14 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
 
 def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_k: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, max_k: int | None = None) -> torch.Tensor:
     """One query per row over its first seq_k keys through its block table (see
     reference.dense_decode_attention); on CUDA the batch-invariant split-KV Triton kernel
     (ops/triton_dense_decode.py)."""
     if q.is_cuda:
         from . import triton_dense_decode
         return triton_dense_decode.dense_decode_attention(q, k_cache, v_cache, block_table, seq_k,
-                                                          scale, out)
+                                                          scale, out, max_k)
     return reference.dense_decode_attention(q, k_cache, v_cache, block_table, seq_k, scale, out)
 
 

@@ -71,7 +71,7 @@ def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m_i = m_new
     hq = h * G + og
-    base = (r * (HKV * G) + hq) * n_splits + sp
+    base = ((r * (HKV * G) + hq) * n_splits + sp).to(tl.int64)
     tl.store(PO + base[:, None] * D + od[None, :], acc, mask=gmask[:, None])
     tl.store(PML + base * 2, m_i, mask=gmask)
     tl.store(PML + base * 2 + 1, l_i, mask=gmask)
@@ -84,8 +84,8 @@ def _ordered_combine_kernel(PO, PML, SEQ, OUT, n_splits, s_or, s_oh, HQ: tl.cons
     h = tl.program_id(1)
     od = tl.arange(0, D)
     seq = tl.load(SEQ + r)
-    live = (seq + SPLIT_N - 1) // SPLIT_N
-    base = (r * HQ + h) * n_splits
+    live = tl.minimum((seq + SPLIT_N - 1) // SPLIT_N, n_splits)
+    base = ((r * HQ + h) * n_splits).to(tl.int64)
     mx = tl.full([], float("-inf"), tl.float32)
     for s in range(0, live):
         mx = tl.maximum(mx, tl.load(PML + (base + s) * 2))
@@ -102,10 +102,12 @@ def _ordered_combine_kernel(PO, PML, SEQ, OUT, n_splits, s_or, s_oh, HQ: tl.cons
 
 def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_k: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, max_k: int | None = None) -> torch.Tensor:
     """q/out (R, Hq, D) one query per row; k_cache/v_cache (N, P, Hkv, D) pages (strided views of
     one cache are fine, last dim contiguous); block_table (R, W) int32 (W * P >= max seq_k);
-    seq_k (R,) int32 keys per row (0: zeros out). No host sync, fixed shapes: capturable."""
+    seq_k (R,) int32 keys per row (0: zeros out); max_k: a host-side bound on seq_k (None: W * P,
+    what a CUDA graph must assume) that sizes the grid and the partial results, not the result.
+    No host sync, fixed shapes: capturable."""
     R, Hq, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     assert Hq % Hkv == 0 and D in (64, 128, 256) and k_cache.shape[3] == D
@@ -115,7 +117,8 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty(R, Hq, D, dtype=q.dtype, device=q.device)
     if R == 0:
         return out
-    ns = max(1, -(-block_table.shape[1] * P // SPLIT))
+    bound = block_table.shape[1] * P if max_k is None else min(max_k, block_table.shape[1] * P)
+    ns = max(1, -(-bound // SPLIT))
     po = torch.empty(R, Hq, ns, D, dtype=torch.float32, device=q.device)
     pml = torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=q.device)
     G = Hq // Hkv

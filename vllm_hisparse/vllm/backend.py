@@ -195,6 +195,11 @@ class HiSparseImpl(AttentionImpl):
                                       "are not supported")
         if kv_sharing_target_layer_name is not None:
             raise NotImplementedError("hisparse: cross-layer KV sharing is not supported")
+        if (hisparse_config_of(get_current_vllm_config()).split_dense_decode
+                and torch.cuda.is_available() and head_size not in (64, 128, 256)):
+            raise NotImplementedError(
+                f"hisparse: split_dense_decode supports head sizes 64, 128 and 256 on the GPU, this "
+                f"model has {head_size}; set split_dense_decode false")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

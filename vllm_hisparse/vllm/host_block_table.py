@@ -39,7 +39,7 @@ def _search(ptr: int, width: int) -> torch.Tensor | None:
     except ImportError:
         return None
     for obj in gc.get_objects():
-        if isinstance(obj, BlockTable):
+        if BlockTable in type(obj).__mro__:            # not isinstance: no __class__ lookups
             buf = getattr(obj, "block_table", None)
             gpu, cpu = getattr(buf, "gpu", None), getattr(buf, "cpu", None)
             if (isinstance(gpu, torch.Tensor) and isinstance(cpu, torch.Tensor)
