@@ -302,11 +302,11 @@ class SparseRuntime:
         dev, P, U = self.device, self.P, self.U
         sm = slot_mapping.to(dev).long()
         T = sm.shape[0]
-        ok = sm >= 0
         wr_tok = None
-        if not bool(ok.all()):                         # padding: one host sync per step, not per layer
-            wr_tok = ok.nonzero()[:, 0]
-            sm = sm[wr_tok]
+        n_real = max((s.t1 for s in steps), default=0)
+        if n_real < sm.shape[0]:       # vLLM pads a step's tokens at the tail (slot -1): drop them
+            wr_tok = self.h2d(torch.arange(n_real))    # known on the host, so no sync to find them
+            sm = sm[:n_real]
         plan = StepPlan(steps, block_table, sm // P, sm % P, wr_tok)
         # Quest bounds and host write-through cover the tokens of sparse requests (vectorised over
         # the requests: this runs every step, a Python loop per request cost ~50 us each).
