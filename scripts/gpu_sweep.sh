@@ -9,6 +9,10 @@
 #   bash scripts/gpu_sweep.sh OUT 4k-full        # hisparse with full_decode_graphs, 4K  (~4 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-split      # hisparse with split_dense_decode, 32K (~5 min)
 #   bash scripts/gpu_sweep.sh OUT 4k-split       # hisparse with split_dense_decode, 4K  (~4 min)
+#   bash scripts/gpu_sweep.sh OUT 4k-resident    # resident mode, 4K / 512, up to 256   (~5 min)
+#   bash scripts/gpu_sweep.sh OUT 4k-256         # stock + hisparse at 256 requests, 4K  (~6 min)
+#   bash scripts/gpu_sweep.sh OUT 32k-1k-stock   # stock, 32K / 1024 outputs             (~5 min)
+#   bash scripts/gpu_sweep.sh OUT 32k-1k-hisparse  # hisparse, 32K / 1024 outputs         (~8 min)
 # Carry .whl/ (prometheus wheels: `vllm serve` imports them, the bundle lacks them).
 set -euo pipefail
 out=$1; part=$2
@@ -27,6 +31,12 @@ case "$part" in
                       --hisparse "$cfg"', "split_dense_decode": true}') ;;
   4k-split)     args=(--input-len 4096 --backends hisparse --concurrency 1,4,16,64
                       --hisparse "$cfg"', "split_dense_decode": true}') ;;
-  *) echo "part: 32k-base, 32k-hisparse, 4k, 32k-full, 4k-full, 32k-split or 4k-split" >&2; exit 2 ;;
+  4k-resident)  args=(--input-len 4096 --backends resident --concurrency 1,16,64,256
+                      --hisparse '{"top_k": 2048, "device_buffer_size": 4096}') ;;
+  4k-256)       args=(--input-len 4096 --backends stock,hisparse --concurrency 256) ;;
+  32k-1k-stock) args=(--input-len 32768 --output-len 1024 --backends stock --concurrency 1,8) ;;
+  32k-1k-hisparse) args=(--input-len 32768 --output-len 1024 --backends hisparse
+                         --concurrency 1,8,32) ;;
+  *) echo "part: see the list at the top of this script" >&2; exit 2 ;;
 esac
 exec bash scripts/gpu_serving.sh "$out" "${common[@]}" "${args[@]}"
