@@ -192,16 +192,28 @@ def profile(s: Setup, path: str) -> None:
         f.write(p.key_averages().table(sort_by="cpu_time_total", row_limit=25))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--rows", default="1,8,32")
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The model/runtime shape flags shared with bench/full_step."""
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=2048)
     ap.add_argument("--buffer", type=int, default=4096)
     ap.add_argument("--io-chunk-bytes", type=int, default=64)
     ap.add_argument("--q-noise", type=float, default=0.3)
     ap.add_argument("--steps", type=int, default=20)
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--rows", default="1,8,32")
+    add_shape_args(ap)
     ap.add_argument("--decode-graphs", action="store_true",
                     help="config decode_graphs: replay each layer from a CUDA graph")
     ap.add_argument("--quest-tile-elems", type=int, default=None,
@@ -254,10 +266,7 @@ def main(argv=None) -> int:
         print(row, flush=True)
         del s
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "decode_step.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-        w.writeheader()
-        w.writerows(rows_out)
+    write_csv(os.path.join(args.out, "decode_step.csv"), rows_out)
     return 0
 
 

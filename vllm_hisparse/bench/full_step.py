@@ -16,14 +16,14 @@ replays (DIR/full-profile-CONTEXT-ROWS.txt). Writes DIR/full_step.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import time
 import warnings
 
 import torch
 
-from vllm_hisparse.bench.decode_step import D, HKV, HQ, Setup, stock_layer_ms
+from vllm_hisparse.bench.decode_step import (D, HKV, HQ, Setup, add_shape_args, stock_layer_ms,
+                                              write_csv)
 
 
 class FullSetup(Setup):
@@ -105,16 +105,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", default="4096,32768")
     ap.add_argument("--rows", default="1,8")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--top-k", type=int, default=2048)
-    ap.add_argument("--buffer", type=int, default=4096)
-    ap.add_argument("--q-noise", type=float, default=0.3)
-    ap.add_argument("--steps", type=int, default=20)
+    add_shape_args(ap)
     ap.add_argument("--split-dense-decode", action="store_true",
                     help="config split_dense_decode: dense rows through the split-KV decode kernel")
     ap.add_argument("--out", default="out/full_step")
     args = ap.parse_args(argv)
-    args.full, args.decode_graphs, args.io_chunk_bytes = True, False, 64
+    args.full, args.decode_graphs = True, False
     os.makedirs(args.out, exist_ok=True)
     rows_out = []
     for ctx in (int(x) for x in args.context.split(",")):
@@ -131,10 +127,7 @@ def main(argv=None) -> int:
             print(row, flush=True)
             del s
             torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "full_step.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-        w.writeheader()
-        w.writerows(rows_out)
+    write_csv(os.path.join(args.out, "full_step.csv"), rows_out)
     return 0
 
 

@@ -110,10 +110,19 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
         g = torch.cat([g, extra_kv], 1)
         ev = torch.arange(E, device=q.device)[None] < extra_lens.long()[:, None]
         valid = torch.cat([valid, ev], 1)
-    # Rows past seq_len (or padding) may hold anything, NaN included: never let them reach the sum.
+    return _attend_rows(q, g[:, :, 0], g[:, :, 1], valid, scale, out)
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                 scale: float, out: torch.Tensor | None) -> torch.Tensor:
+    """One query per row (R, Hq, D) over its keys/values k, v (R, T, Hkv, D) where valid (R, T);
+    fp32, rows with nothing valid give zeros."""
+    R, Hq, D = q.shape
+    Hkv = k.shape[2]
+    # Keys past seq_len (or padding) may hold anything, NaN included: never let them reach the sum.
     keep = valid[:, :, None, None]
-    kf = g[:, :, 0].float().masked_fill(~keep, 0.0)                    # (R, T, Hkv, D)
-    vf = g[:, :, 1].float().masked_fill(~keep, 0.0)
+    kf = k.float().masked_fill(~keep, 0.0)
+    vf = v.float().masked_fill(~keep, 0.0)
     qf = q.float().view(R, Hkv, Hq // Hkv, D)
     s = torch.einsum("rhgd,rthd->rhgt", qf, kf) * scale
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -134,23 +143,13 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (0: zeros). fp32 accumulation; returns out (R, Hq, D) in q's dtype. Keys past seq_k may hold
     anything, NaN included. Twin of ops.triton_dense_decode (equal up to fp32 summation order).
     """
-    R, Hq, D = q.shape
-    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    R = q.shape[0]
+    P, Hkv, D = k_cache.shape[1:]
     W = block_table.shape[1]
     bt = block_table.long().to(k_cache.device)
     valid = torch.arange(W * P, device=q.device)[None] < seq_k.long().to(q.device)[:, None]
-    keep = valid[:, :, None, None]
-    kf = k_cache[bt].reshape(R, W * P, Hkv, D).float().masked_fill(~keep, 0.0)
-    vf = v_cache[bt].reshape(R, W * P, Hkv, D).float().masked_fill(~keep, 0.0)
-    qf = q.float().view(R, Hkv, Hq // Hkv, D)
-    s = torch.einsum("rhgd,rthd->rhgt", qf, kf) * scale
-    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    o = torch.einsum("rhgt,rthd->rhgd", p, vf).reshape(R, Hq, D)
-    if out is None:
-        return o.to(q.dtype)
-    out.copy_(o)
-    return out
+    return _attend_rows(q, k_cache[bt].reshape(R, W * P, Hkv, D),
+                        v_cache[bt].reshape(R, W * P, Hkv, D), valid, scale, out)
 
 
 # ---- Quest -------------------------------------------------------------------------------------
