@@ -34,6 +34,34 @@ def test_finds_the_runner_table_by_its_device_tensor():
     assert host_block_table(torch.zeros(3, 12, dtype=torch.int32)) is None   # not a runner's
 
 
+def test_found_up_the_stack_when_the_heap_is_frozen():
+    """vLLM freezes the GC heap after startup (gc.get_objects no longer lists its objects): the
+    table is then found through the caller that holds it, as the model runner calls the builder."""
+    import gc
+
+    from vllm_hisparse.vllm import host_block_table as hbt
+
+    class Batch:
+        def __init__(self, table):
+            self.block_table = table
+
+    class Runner:
+        def __init__(self, table):
+            self.input_batch = Batch(table)
+
+        def build(self):
+            return hbt.host_block_table(self.input_batch.block_table.get_device_tensor(2))
+
+    bt = _block_table([[11, 12], [13]])
+    gc.freeze()
+    try:
+        assert hbt._search(bt.block_table.gpu.data_ptr(), 12) is None      # what gc misses
+        host = Runner(bt).build()
+    finally:
+        gc.unfreeze()
+    assert host is not None and host.data_ptr() == bt.block_table.cpu.data_ptr()
+
+
 def test_builder_first_blocks_skip_padding_rows():
     from vllm_hisparse.vllm.backend import _host_first_blocks
 
