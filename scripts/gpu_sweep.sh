@@ -13,6 +13,8 @@
 #   bash scripts/gpu_sweep.sh OUT 4k-256         # stock + hisparse at 256 requests, 4K  (~6 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-1k-stock   # stock, 32K / 1024 outputs             (~5 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-1k-hisparse  # hisparse, 32K / 1024 outputs         (~8 min)
+#   bash scripts/gpu_sweep.sh OUT 4k-sized       # hisparse with pools sized for 4K work (no dense
+#                                                # pool, 1 Quest row): stock's KV at 4K  (~4 min)
 # Carry .whl/ (prometheus wheels: `vllm serve` imports them, the bundle lacks them).
 set -euo pipefail
 out=$1; part=$2
@@ -34,6 +36,9 @@ case "$part" in
   4k-resident)  args=(--input-len 4096 --backends resident --concurrency 1,16,64,256
                       --hisparse '{"top_k": 2048, "device_buffer_size": 4096}') ;;
   4k-256)       args=(--input-len 4096 --backends stock,hisparse --concurrency 256) ;;
+  4k-sized)     args=(--input-len 4096 --backends hisparse --concurrency 1,16,64,128
+                      --hisparse '{"top_k": 2048, "device_buffer_size": 4096, "dense_pool_gib": 0,
+                                   "host_pool_gib": 16, "quest_rows": 1}') ;;
   32k-1k-stock) args=(--input-len 32768 --output-len 1024 --backends stock --concurrency 1,8) ;;
   32k-1k-hisparse) args=(--input-len 32768 --output-len 1024 --backends hisparse
                          --concurrency 1,8,32) ;;
