@@ -108,6 +108,23 @@ def test_full_decode_graphs_refuses_data_parallel_and_micro_batches(parallel, re
         prepare_config(cfg)
 
 
+@pytest.mark.parametrize("device, v2, refused", [("cuda", True, True), ("cuda", False, False),
+                                                 ("cpu", True, False)])
+def test_v2_model_runner_refused_on_the_gpu(device, v2, refused):
+    """vLLM 0.26 defaults to its V2 model runner for dense models on CUDA; hisparse was verified on
+    the V1 runner only: refused there with the environment variable that selects V1."""
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = fake_config()
+    cfg.device_config = SimpleNamespace(device_type=device)
+    cfg.use_v2_model_runner = v2
+    if refused:
+        with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+            prepare_config(cfg)
+    else:
+        prepare_config(cfg)
+
+
 def test_lru_and_no_prefetch_accepted():
     from vllm_hisparse.vllm.setup_check import prepare_config
 

@@ -28,6 +28,13 @@ def prepare_config(vllm_config) -> None:
         if getattr(mc, "is_encoder_decoder", False):
             raise ValueError(f"hisparse: encoder-decoder models are not supported; {SUPPORTED}")
         cfg.check_layers(mc.get_num_layers(pc))
+    dc = getattr(vllm_config, "device_config", None)
+    if getattr(dc, "device_type", None) == "cuda" and getattr(vllm_config, "use_v2_model_runner",
+                                                             False):
+        # vLLM 0.26 picks its V2 model runner for dense models on CUDA; every GPU check of hisparse
+        # (exactness, graphs, serving) ran the V1 runner, whose host block table the builder reads
+        raise ValueError("hisparse: vLLM chose its V2 GPU model runner, which hisparse is not "
+                         "verified with; start vLLM with VLLM_USE_V2_MODEL_RUNNER=0")
     if pc.pipeline_parallel_size > 1:
         raise ValueError(f"hisparse: pipeline parallelism is not supported; {SUPPORTED}")
     if cfg.full_decode_graphs and (getattr(pc, "data_parallel_size", 1) > 1
