@@ -107,26 +107,26 @@ class FullDecode:
         st.k.copy_(k)
         st.v.copy_(v)
         if layer in rt.dense_layers:
-            self._dense_layer(layer, st, kv, scale)
+            self._dense_layer(layer, st, kv, scale, out)
         else:
             sparse_body(rt, layer, st, kv, scale)
             self._attend(st.q, kv, st.bt32, st.seq_dense, scale, st.o_dense)
-            st.out.copy_(torch.where(st.is_dense, st.o_dense, st.out))
-        out.copy_(st.out)
+            torch.where(st.is_dense, st.o_dense, st.out, out=out)
         self.stats["full_layers"] += 1
 
-    def _dense_layer(self, layer: int, st: FullStatic, kv: torch.Tensor, scale: float) -> None:
+    def _dense_layer(self, layer: int, st: FullStatic, kv: torch.Tensor, scale: float,
+                     out: torch.Tensor) -> None:
         rt = self.rt
         f = st.field
         sl.write_kv(kv, f("newest_blk"), f("off"), None, st.k, st.v)
         if rt.dpool is None:                            # no host tier: every row is resident
-            self._attend(st.q, kv, st.bt32, st.seq, scale, st.out)
+            self._attend(st.q, kv, st.bt32, st.seq, scale, out)
             return
         dp = rt.dpool.data[rt._dpool_layer[layer]]
         write_through(dp, st.k, st.v, st.tok, st.x("dpool_page"), f("off"))
         self._attend(st.q, kv, st.bt32, st.seq_dense, scale, st.o_dense)
         self._attend(st.q, dp, st.pool_bt, st.seq_pool, scale, st.o_pool)
-        st.out.copy_(torch.where(st.is_sparse, st.o_pool, st.o_dense))
+        torch.where(st.is_sparse, st.o_pool, st.o_dense, out=out)
 
     def _attend(self, q, cache, table, seq_k, scale, out) -> None:
         """One query per row over `cache` pages `table` (N, W) int32 with seq_k[r] keys (0: none):

@@ -305,7 +305,7 @@ class SparseRuntime:
         wr_tok = None
         n_real = max((s.t1 for s in steps), default=0)
         if n_real < sm.shape[0]:       # vLLM pads a step's tokens at the tail (slot -1): drop them
-            wr_tok = self.h2d(torch.arange(n_real))    # known on the host, so no sync to find them
+            wr_tok = torch.arange(n_real, device=dev)  # known on the host: no sync to find them
             sm = sm[:n_real]
         plan = StepPlan(steps, block_table, sm // P, sm % P, wr_tok)
         # Quest bounds and host write-through cover the tokens of sparse requests (vectorised over
