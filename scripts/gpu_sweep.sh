@@ -7,8 +7,8 @@
 #   bash scripts/gpu_sweep.sh OUT 4k             # stock + hisparse, 4K / 512    (~7 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-full       # hisparse with full_decode_graphs, 32K (~5 min)
 #   bash scripts/gpu_sweep.sh OUT 4k-full        # hisparse with full_decode_graphs, 4K  (~4 min)
-#   bash scripts/gpu_sweep.sh OUT 32k-split      # hisparse with split_dense_decode, 32K (~5 min)
-#   bash scripts/gpu_sweep.sh OUT 4k-split       # hisparse with split_dense_decode, 4K  (~4 min)
+#   bash scripts/gpu_sweep.sh OUT 32k-nosplit    # hisparse, split_dense_decode off, 32K (~5 min)
+#   bash scripts/gpu_sweep.sh OUT 4k-nosplit     # hisparse, split_dense_decode off, 4K  (~4 min)
 #   bash scripts/gpu_sweep.sh OUT 4k-resident    # resident mode, 4K / 512, up to 256   (~5 min)
 #   bash scripts/gpu_sweep.sh OUT 4k-256         # stock + hisparse at 256 requests, 4K  (~6 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-1k-stock   # stock, 32K / 1024 outputs             (~5 min)
@@ -29,10 +29,10 @@ case "$part" in
                       --hisparse "$cfg"', "full_decode_graphs": true}') ;;
   4k-full)      args=(--input-len 4096 --backends hisparse --concurrency 1,4,16,64
                       --hisparse "$cfg"', "full_decode_graphs": true}') ;;
-  32k-split)    args=(--input-len 32768 --backends hisparse --concurrency 1,2,4,8,32
-                      --hisparse "$cfg"', "split_dense_decode": true}') ;;
-  4k-split)     args=(--input-len 4096 --backends hisparse --concurrency 1,4,16,64
-                      --hisparse "$cfg"', "split_dense_decode": true}') ;;
+  32k-nosplit)  args=(--input-len 32768 --backends hisparse --concurrency 1,2,4,8,32
+                      --hisparse "$cfg"', "split_dense_decode": false}') ;;
+  4k-nosplit)   args=(--input-len 4096 --backends hisparse --concurrency 1,4,16,64
+                      --hisparse "$cfg"', "split_dense_decode": false}') ;;
   4k-resident)  args=(--input-len 4096 --backends resident --concurrency 1,16,64,256
                       --hisparse '{"top_k": 2048, "device_buffer_size": 4096}') ;;
   4k-256)       args=(--input-len 4096 --backends stock,hisparse --concurrency 256) ;;

@@ -34,6 +34,7 @@ def test_derived():
     ({"top_k": "2048"}, "top_k", "expected int"),
     ({"top_k": True}, "top_k", "expected int"),
     ({"prefetch": 1}, "prefetch", "expected bool"),
+    ({"split_dense_decode": "yes"}, "split_dense_decode", "expected bool or NoneType"),
     ({"dense_layers": [0, "1"]}, "dense_layers", "list of int"),
     ({"dense_layers": [1, 1]}, "dense_layers", "distinct"),
     ({"top_k": 2048, "device_buffer_size": 1024}, "device_buffer_size", "2*top_k=4096"),

@@ -5,6 +5,8 @@ resident mode bit for bit, every layer, every step; the sync-free Quest update m
 reference's."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -252,3 +254,22 @@ def test_host_time_is_counted_per_kind():
     s2 = d.rt.stats_dict()
     grew = {k: s2[f"host_ms_{k}"] > s1[f"host_ms_{k}"] for k in ("sparse_layers", "graph_layers")}
     assert grew == {"sparse_layers": not cfg.decode_graphs, "graph_layers": bool(cfg.decode_graphs)}
+
+
+@pytest.mark.parametrize("value,device,head_dim,want", [
+    (None, "cuda", 128, True), (None, "cuda", 64, True), (None, "cuda", 256, True),
+    (None, "cuda", 96, False),      # a head size the kernel lacks: FlashAttention, as before
+    (None, "cpu", 128, False), (True, "cpu", 128, True), (False, "cuda", 128, False),
+])
+def test_split_dense_decode_default_resolves_per_device_and_head_size(value, device, head_dim, want):
+    from vllm_hisparse.core.dense_groups import split_enabled
+
+    cfg = HiSparseConfig(split_dense_decode=value)
+    assert split_enabled(cfg, torch.device(device), head_dim) is want
+
+
+def test_runtime_on_cpu_leaves_split_dense_decode_off_by_default():
+    cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, host_pool_gib=0.01)
+    assert cfg.split_dense_decode is None
+    assert Driver(cfg).rt.split_dense is False
+    assert Driver(dataclasses.replace(cfg, split_dense_decode=True)).rt.split_dense is True

@@ -64,8 +64,10 @@ class HiSparseConfig:
         dense layers of long ones) with the split-KV decode kernel whose splits sit at fixed key
         positions (ops/triton_dense_decode.py: batch-invariant, so exactness holds), instead of
         FlashAttention without split-KV (8 CTAs for one Llama-3-8B row: 42 us over 4K keys, 296 us
-        over 32K on an H200). Rows with several query tokens (prefill) keep FlashAttention. False
-        (default) while the kernel is only CPU-tested (Triton interpreter); not yet run on a GPU.
+        over 32K on an H200; the kernel: ~20 us over 4K). Rows with several query tokens (prefill)
+        keep FlashAttention. None (default) = on when the KV lives on a CUDA device and the head
+        size is one the kernel has (64, 128, 256), else off; True = on (refused at startup on a
+        GPU for other head sizes; on the CPU the plain-torch twin runs); False = off.
     trace_dir: when set, selections are appended per request to trace files there.
     """
 
@@ -84,7 +86,7 @@ class HiSparseConfig:
     host_tier: bool = True
     decode_graphs: Optional[bool] = None
     full_decode_graphs: bool = False
-    split_dense_decode: bool = False
+    split_dense_decode: Optional[bool] = None
     trace_dir: Optional[str] = None
 
     def __post_init__(self):
@@ -260,6 +262,7 @@ _TYPES = {
     "dense_pool_gib": (int, float),
     "min_context": (int, type(None)), "quest_rows": int, "prefetch": bool, "host_tier": bool,
     "decode_graphs": (bool, type(None)), "full_decode_graphs": bool,
+    "split_dense_decode": (bool, type(None)),
     "trace_dir": (str, type(None)),
 }
 

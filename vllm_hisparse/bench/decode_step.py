@@ -45,7 +45,8 @@ class Setup:
                              dense_layers=(), host_pool_gib=1, io_chunk_bytes=args.io_chunk_bytes,
                              decode_graphs=args.decode_graphs,
                              full_decode_graphs=getattr(args, "full", False),
-                             split_dense_decode=getattr(args, "split_dense_decode", False))
+                             split_dense_decode={"on": True, "off": False}.get(
+                                 args.split_dense_decode))
         self.S = cfg.num_slots
         max_len = args.context + args.steps + 64
         self.U = -(-max_len // P)
@@ -200,6 +201,9 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--io-chunk-bytes", type=int, default=64)
     ap.add_argument("--q-noise", type=float, default=0.3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--split-dense-decode", choices=("default", "on", "off"), default="default",
+                    help="config split_dense_decode: one-token dense rows through the split-KV "
+                         "decode kernel (default: the config's default, on for this shape)")
 
 
 def write_csv(path: str, rows: list[dict]) -> None:

@@ -106,8 +106,6 @@ def main(argv=None) -> int:
     ap.add_argument("--context", default="4096,32768")
     ap.add_argument("--rows", default="1,8")
     add_shape_args(ap)
-    ap.add_argument("--split-dense-decode", action="store_true",
-                    help="config split_dense_decode: dense rows through the split-KV decode kernel")
     ap.add_argument("--out", default="out/full_step")
     args = ap.parse_args(argv)
     args.full, args.decode_graphs = True, False
@@ -117,7 +115,7 @@ def main(argv=None) -> int:
         for R in (int(x) for x in args.rows.split(",")):
             args.context = ctx
             s = FullSetup(args, R)
-            row = {"context": ctx, "rows": R, "split_dense_decode": args.split_dense_decode,
+            row = {"context": ctx, "rows": R, "split_dense_decode": s.rt.split_dense,
                    "sparse_rows": sum(s.rt.reqs[i].sparse for i in s.ids),
                    **measure(s, args.steps)}
             stock = stock_layer_ms(s)

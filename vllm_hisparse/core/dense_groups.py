@@ -4,7 +4,7 @@ the group is built once per step by the plan (``make``) and attended by every la
 Which kernel attends a row is decided per row, never per group, so that a row gets the same bits
 whichever rows share its group (hisparse and resident mode group rows differently): rows with several
 query tokens go through the runtime's ``dense_fn`` (FlashAttention on the GPU, ``num_splits=1``);
-with config ``split_dense_decode`` a row with one query token goes through the batch-invariant
+with config ``split_dense_decode`` (resolved per runtime: ``rt.split_dense``) a row with one query token goes through the batch-invariant
 split-KV decode kernel instead (``ops.kernels.dense_decode_attention``; FlashAttention then sees it
 with 0 keys and skips it), otherwise through ``dense_fn`` too.
 """
@@ -14,6 +14,14 @@ import torch
 
 from vllm_hisparse.core.step_plan import DenseGroup, ReqStep
 from vllm_hisparse.ops import kernels
+
+
+def split_enabled(cfg, device: torch.device, head_dim: int) -> bool:
+    """Config split_dense_decode resolved for a runtime: None (default) = on where the KV lives on
+    a CUDA device and the kernel has the head size, else as set."""
+    if cfg.split_dense_decode is not None:
+        return cfg.split_dense_decode
+    return device.type == "cuda" and head_dim in kernels.DENSE_DECODE_HEAD_SIZES
 
 
 def make(rt, group: list[ReqStep], table: torch.Tensor | None) -> DenseGroup | None:
@@ -26,7 +34,7 @@ def make(rt, group: list[ReqStep], table: torch.Tensor | None) -> DenseGroup | N
         cu.append(cu[-1] + s.t1 - s.t0)
     tok = rt.h2d(torch.cat([torch.arange(s.t0, s.t1) for s in group]))
     seq = [s.seq_len for s in group]
-    dec = ([i for i, s in enumerate(group) if s.t1 - s.t0 == 1] if rt.cfg.split_dense_decode
+    dec = ([i for i, s in enumerate(group) if s.t1 - s.t0 == 1] if rt.split_dense
            else [])
     n = len(group)
     if dec and len(dec) < n:

@@ -133,7 +133,7 @@ class FullDecode:
         the split-KV decode kernel with config split_dense_decode (as core/dense_groups.py gives
         every one-token row; its grid is sized by the table width, as a graph must), else the
         runtime's dense_fn (or a test's override, self.dense_fn)."""
-        if self.rt.cfg.split_dense_decode:
+        if self.rt.split_dense:
             kernels.dense_decode_attention(q, cache[:, 0], cache[:, 1], table, seq_k, scale, out)
             return
         fn = self.dense_fn or self.rt.dense_fn

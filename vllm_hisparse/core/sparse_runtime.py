@@ -122,6 +122,7 @@ class SparseRuntime:
         self.graphs = None
         self.full = None
         graphs = cfg.decode_graphs if cfg.decode_graphs is not None else self.device.type == "cuda"
+        self.split_dense = dense_groups.split_enabled(cfg, self.device, head_dim)
         if cfg.full_decode_graphs:                 # vLLM's FULL graphs replace the per-layer ones
             from vllm_hisparse.core.full_decode import FullDecode
 

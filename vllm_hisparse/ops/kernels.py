@@ -83,6 +83,9 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
     return reference.sparse_decode_attention(q, kv, locs, units, seq_lens, scale, extra_kv, extra_lens, out)
 
 
+DENSE_DECODE_HEAD_SIZES = (64, 128, 256)    # what the CUDA path of dense_decode_attention has
+
+
 def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_k: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, max_k: int | None = None) -> torch.Tensor:

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels import DENSE_DECODE_HEAD_SIZES
+
 SPLIT = 512           # keys per split (a multiple of BLOCK_N); fixed: results depend on it
 BLOCK_N = 64          # keys per inner step
 
@@ -110,7 +112,7 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     No host sync, fixed shapes: capturable."""
     R, Hq, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
-    assert Hq % Hkv == 0 and D in (64, 128, 256) and k_cache.shape[3] == D
+    assert Hq % Hkv == 0 and D in DENSE_DECODE_HEAD_SIZES and k_cache.shape[3] == D
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
     if out is None:

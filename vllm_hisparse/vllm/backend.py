@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_hisparse.ops.kernels import DENSE_DECODE_HEAD_SIZES
+
 from . import worker_state
 from .host_block_table import host_block_table
 from .compat import (
@@ -196,10 +198,11 @@ class HiSparseImpl(AttentionImpl):
         if kv_sharing_target_layer_name is not None:
             raise NotImplementedError("hisparse: cross-layer KV sharing is not supported")
         if (hisparse_config_of(get_current_vllm_config()).split_dense_decode
-                and torch.cuda.is_available() and head_size not in (64, 128, 256)):
+                and torch.cuda.is_available() and head_size not in DENSE_DECODE_HEAD_SIZES):
             raise NotImplementedError(
-                f"hisparse: split_dense_decode supports head sizes 64, 128 and 256 on the GPU, this "
-                f"model has {head_size}; set split_dense_decode false")
+                f"hisparse: split_dense_decode supports head sizes {DENSE_DECODE_HEAD_SIZES} on the "
+                f"GPU, this model has {head_size}; set split_dense_decode false (or leave it unset: "
+                f"then it is off for this head size)")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
