@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_online_softmax import online_softmax_step, store_partials
+
 BLOCK_N = 64          # tokens per inner step (a guess, good for D=128 on Hopper; see bench)
 TARGET_PROGRAMS = 528  # ~4 programs per H200 SM across (R, Hkv, splits) (a guess)
 MIN_SPLIT_TOKENS = 64  # one BLOCK_N step per split at least; 256 left one 32K request (2064 tokens,
@@ -71,20 +73,9 @@ def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
             vt = tl.where(is_ext[:, None],
                           tl.load(ep[:, None] + s_ec + od[None, :], mask=is_ext[:, None], other=0.0), vt)
             valid = valid | is_ext
-        s = tl.dot(q, tl.trans(kt)) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, kt, vt, valid, scale, m_i, l_i, acc)
     hq = h * G + og
-    base = (r * (HKV * G) + hq) * n_splits + sp
-    tl.store(PO + base[:, None] * D + od[None, :], acc, mask=gmask[:, None])
-    tl.store(PML + base * 2, m_i, mask=gmask)
-    tl.store(PML + base * 2 + 1, l_i, mask=gmask)
+    store_partials(PO, PML, (r * (HKV * G) + hq) * n_splits + sp, acc, m_i, l_i, gmask, od, D)
 
 
 @triton.jit

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .kernels import DENSE_DECODE_HEAD_SIZES
+from .triton_online_softmax import online_softmax_step, store_partials
 
 SPLIT = 512           # keys per split (a multiple of BLOCK_N); fixed: results depend on it
 BLOCK_N = 64          # keys per inner step
@@ -63,20 +64,10 @@ def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
                      mask=live[:, None], other=0.0)
         vt = tl.load(V + (blk * s_vn + off * s_vp + h * s_vh)[:, None] + od[None, :],
                      mask=live[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kt)) * scale
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, kt, vt, live, scale, m_i, l_i, acc)
     hq = h * G + og
-    base = ((r * (HKV * G) + hq) * n_splits + sp).to(tl.int64)
-    tl.store(PO + base[:, None] * D + od[None, :], acc, mask=gmask[:, None])
-    tl.store(PML + base * 2, m_i, mask=gmask)
-    tl.store(PML + base * 2 + 1, l_i, mask=gmask)
+    store_partials(PO, PML, ((r * (HKV * G) + hq) * n_splits + sp).to(tl.int64), acc, m_i, l_i,
+                   gmask, od, D)
 
 
 @triton.jit
