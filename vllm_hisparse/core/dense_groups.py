@@ -4,9 +4,10 @@ the group is built once per step by the plan (``make``) and attended by every la
 Which kernel attends a row is decided per row, never per group, so that a row gets the same bits
 whichever rows share its group (hisparse and resident mode group rows differently): rows with several
 query tokens go through the runtime's ``dense_fn`` (FlashAttention on the GPU, ``num_splits=1``);
-with config ``split_dense_decode`` (resolved per runtime: ``rt.split_dense``) a row with one query token goes through the batch-invariant
-split-KV decode kernel instead (``ops.kernels.dense_decode_attention``; FlashAttention then sees it
-with 0 keys and skips it), otherwise through ``dense_fn`` too.
+with config ``split_dense_decode`` (resolved per runtime: ``rt.split_dense``) a row with one query
+token goes through the batch-invariant split-KV decode kernel instead
+(``ops.kernels.dense_decode_attention``; FlashAttention then sees it with 0 keys and skips it),
+otherwise through ``dense_fn`` too.
 """
 from __future__ import annotations
 
