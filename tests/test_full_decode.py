@@ -52,6 +52,20 @@ class FullDriver(Driver):
         self.rt.full_layer(layer, N, q, k, v, kv, scale, out)
 
 
+class DenseOnlyDriver(FullDriver):
+    """What the vLLM adapter does (vllm/full_dispatch.py): FULL graphs with the dense-only body for
+    single-token batches without sparse rows, every other step on the eager path."""
+
+    def __init__(self, cfg, **kw):
+        super().__init__(cfg, **kw)
+        self.rt.full.dense_only = True
+
+    def step(self, todo: dict[str, int]):
+        if self.rt.has_sparse(todo):
+            return Driver.step(self, todo)
+        return super().step(todo)
+
+
 def scenario(full: bool, host_tier=True, dense_layers=(), dense_pool_gib=0.0, padding_runs=False,
              driver_cls=None, driver_kw=None, before=None, dense_fn=None, split=False):
     """driver_cls/driver_kw: the GPU test's capturing driver and device; before(d): runs before any
@@ -156,3 +170,34 @@ def test_config_refuses_what_a_graph_cannot_capture(kw, match):
         HiSparseConfig(full_decode_graphs=True, **kw)
     HiSparseConfig(full_decode_graphs=True, dense_layers=(0, 1), dense_pool_gib=4)   # fine
     HiSparseConfig(full_decode_graphs=True, dense_layers=(0, 1), host_tier=False)    # fine
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dense_layers,dense_pool_gib", [((), 0.0), ((0, 2), 0.001)])
+def test_dense_only_body_equals_eager(dense_layers, dense_pool_gib, split):
+    """The dense-only FULL body (batches without sparse rows; the others eager, as vLLM runs them
+    PIECEWISE): every row bit for bit what the eager path gives, padding rows included."""
+    d, outs_f, stats_f, state_f, _ = scenario(True, True, dense_layers, dense_pool_gib,
+                                              driver_cls=DenseOnlyDriver, split=split)
+    _, outs_e, stats_e, state_e, _ = scenario(False, True, dense_layers, dense_pool_gib,
+                                              split=split)
+    assert stats_f["full_steps"] == 6 and stats_f["full_layers"] == 6 * d.L   # the "short" steps
+    assert len(outs_f) == len(outs_e)
+    for i, (a, b) in enumerate(zip(outs_f, outs_e)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN"
+        assert torch.equal(a, b), f"step/layer {i} differs"
+    for key in ("hits", "misses", "decode_rows", "steps"):
+        assert stats_f[key] == stats_e[key], key
+    assert_rows_equal(state_f, state_e, d.rt.scratch_row)
+
+
+def test_dense_only_body_refuses_sparse_rows():
+    cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(),
+                         min_context=40, host_pool_gib=0.01, decode_graphs=False,
+                         full_decode_graphs=True)
+    d = FullDriver(cfg)
+    d.rt.full.dense_only = True
+    d.add("long", 150)
+    d.step({"long": 150})
+    with pytest.raises(RuntimeError, match="dense-only body got sparse rows"):
+        d.step({"long": 1})

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from test_full_decode import PAD, FullDriver, scenario
+from test_sparse_runtime_exact import Driver
 
 pytestmark = [pytest.mark.cuda, pytest.mark.ext]
 GPU = dict(device="cuda", dtype=torch.bfloat16, dims=(8, 2, 64))
@@ -83,4 +84,32 @@ def test_captured_full_body_hisparse_equals_resident_on_gpu():
     _, hs, _ = run(True, True)
     _, res, _ = run(True, False)
     for i, (a, b) in enumerate(zip(hs, res)):
+        assert torch.equal(a, b), f"step/layer {i} differs"
+
+
+class CapturedDenseOnlyDriver(CapturedDriver):
+    """The dense-only body in recorded graphs, used (as the vLLM adapter does) only for steps
+    without sparse rows; the other steps eager."""
+
+    def __init__(self, cfg, **kw):
+        super().__init__(cfg, **kw)
+        self.rt.full.dense_only = True
+
+    def step(self, todo):
+        if self.rt.has_sparse(todo):
+            return Driver.step(self, todo)
+        return super().step(todo)
+
+
+def test_captured_dense_only_body_equals_eager_on_gpu():
+    """The dense-only body recorded on an all-padding batch and replayed for the dense-only steps
+    (with the batch-invariant split-KV kernel): bit for bit the eager path's rows."""
+    dc, cap, sc, _, _ = scenario(True, True, (0, 2), 0.001, driver_cls=CapturedDenseOnlyDriver,
+                                 driver_kw=GPU, before=lambda d: d.capture([1 + PAD]), split=True)
+    _, eag, se, _, _ = scenario(False, True, (0, 2), 0.001, driver_kw=GPU, split=True)
+    assert dc.rt.split_dense and len(dc.graphs) == dc.L
+    assert sc["full_layers"] >= 6 * dc.L and (sc["hits"], sc["misses"]) == (se["hits"], se["misses"])
+    assert len(cap) == len(eag)
+    for i, (a, b) in enumerate(zip(cap, eag)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN"
         assert torch.equal(a, b), f"step/layer {i} differs"

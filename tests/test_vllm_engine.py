@@ -27,6 +27,7 @@ PAGE = 16
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
        "host_pool_gib": 0.05}
 PROMPT_LENS = (150, 333, 90, 260, 17)       # 17 < min_context below: stays resident and dense
+SHORT_LENS = (17, 25, 9, 30)                  # a batch of dense requests only
 MAX_TOKENS = 40
 MIN_CONTEXT = 32
 
@@ -37,9 +38,14 @@ def make_tiny_model() -> str:
     return out
 
 
-def prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPT_LENS]
+def prompts(lens=PROMPT_LENS, seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lens]
+
+
+def batches() -> list[list[list[int]]]:
+    """Mixed sparse and dense requests; the serve test's request alone; dense requests only."""
+    return [prompts(), [prompts()[1]], prompts(SHORT_LENS, seed=1)]
 
 
 def generate(tmp, model: str, cfg: dict, batches: list[list], tag: str, extra=()) -> dict:
@@ -63,12 +69,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
     model = make_tiny_model()
     cfg = dict(CFG, min_context=MIN_CONTEXT)
-    batches = [prompts(), [prompts()[1]]]      # batch 2: the serve test's request, alone
-    resident = generate(tmp, model, dict(cfg, host_tier=False), batches, "resident")
+    resident = generate(tmp, model, dict(cfg, host_tier=False), batches(), "resident")
     # hisparse keeps the dense layer of long requests in a GPU dense pool (dense_pool_gib); the
     # host read-back of dense layers is covered by the pool-full and preemption runs below.
     hisparse = generate(tmp, model, dict(cfg, trace_dir=str(tmp / "traces"), dense_pool_gib=0.01),
-                        batches, "hisparse")
+                        batches(), "hisparse")
     hisparse["trace_dir"] = tmp / "traces"
     return resident, hisparse
 
@@ -106,7 +111,7 @@ def test_host_pool_empty_afterwards(runs):
                      if n >= MIN_CONTEXT)
     assert hisparse["stats"]["dense_pool_pages_handed"] == long_pages   # the pool was used
     assert hisparse["stats"]["live_requests"] == 0
-    assert hisparse["stats"]["finished"] == len(PROMPT_LENS) + 1
+    assert hisparse["stats"]["finished"] == len(PROMPT_LENS) + 1 + len(SHORT_LENS)
     assert resident["stats"]["host_pages_used"] == 0
 
 
@@ -148,19 +153,22 @@ def test_gpu_blocks_shrink_to_hot_buffer(runs):
 
 
 def test_full_decode_graphs_equal_resident(runs, tmp_path):
-    """full_decode_graphs: the builder declares FULL-graph support, single-token steps are planned
-    from the connector's start_load_kv and every layer runs core/full_decode.py's fixed body (on
-    the CPU eagerly: vLLM captures no graphs here). Tokens and logprobs equal the resident run's,
-    with sparse, dense (the 17-token prompt) and dense-pool rows in the same batches."""
+    """full_decode_graphs: the builder declares FULL-graph support; a single-token step of dense
+    requests only (the third batch) is planned from the connector's start_load_kv and every layer
+    runs core/full_decode.py's dense-only body (on the CPU eagerly: vLLM captures no graphs here);
+    a step holding a sparse request has FULL graphs disabled by vllm/full_dispatch.py and runs the
+    per-layer path (the dense-only body would raise on it). Tokens and logprobs equal the resident
+    run's."""
     resident, _ = runs
     model = make_tiny_model()
     cfg = dict(CFG, min_context=MIN_CONTEXT, dense_pool_gib=0.01, full_decode_graphs=True)
-    full = generate(tmp_path, model, cfg, [prompts(), [prompts()[1]]], "full")
+    full = generate(tmp_path, model, cfg, batches(), "full")
     s = full["stats"]
-    assert s["full_steps"] >= MAX_TOKENS - 1 and s["full_layers"] > 0 and s["misses"] > 0, s
+    assert s["full_steps"] >= MAX_TOKENS - 1 and s["full_layers"] > 0, s     # the dense batch
+    assert s["misses"] > 0 and s["decode_rows"] > 0, s            # sparse steps ran, not FULL
     assert s["host_pages_used"] == 0 and s["live_requests"] == 0
-    for b_res, b_full in zip(resident["batches"], full["batches"]):
-        for i, (r, f) in enumerate(zip(b_res, b_full)):
+    for b_res, b_full in zip(resident["batches"], full["batches"], strict=True):
+        for i, (r, f) in enumerate(zip(b_res, b_full, strict=True)):
             assert f["tokens"] == r["tokens"], f"request {i}: tokens differ"
             assert f["logprobs"] == r["logprobs"], f"request {i}: logprobs differ"
 

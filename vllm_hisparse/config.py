@@ -53,13 +53,14 @@ class HiSparseConfig:
         the KV lives on a CUDA device; True = also on the CPU (the graph body runs eagerly on the
         padded static buffers: how CI tests it); False = off. Ignored with trace_dir.
     full_decode_graphs: let vLLM capture whole decode steps in FULL CUDA graphs (the backend then
-        declares UNIFORM_SINGLE_TOKEN_DECODE support): single-token decode batches are planned before
-        the replay (from the KV connector's start_load_kv) and every layer runs one fixed body for any mix of sparse, dense and
-        padding rows (core/full_decode.py), so no Python runs per layer. False (default) = vLLM
-        runs the backend PIECEWISE. Needs dense_layers [] or dense_pool_gib > 0 when host_tier
-        (a dense layer that reads given-back pages from the host cannot be captured); not with
-        trace_dir, data parallelism or DBO micro-batching. Experimental: exact on the H200 but not
-        faster there than PIECEWISE (docs/gpu-results.md).
+        declares UNIFORM_SINGLE_TOKEN_DECODE support) and replay them for single-token batches
+        without sparse requests: planned before the replay (from the KV connector's
+        start_load_kv), every layer runs a dense-only body (core/full_decode.py), so no Python runs
+        per layer. Steps holding a sparse request run PIECEWISE (vllm/full_dispatch.py decides per
+        step). False (default) = every step PIECEWISE. Needs dense_layers [] or dense_pool_gib > 0
+        when host_tier; not with trace_dir, data parallelism or DBO micro-batching. Experimental:
+        CPU-tested in this form; the earlier all-rows body was exact on the H200 but not faster
+        there than PIECEWISE (docs/gpu-results.md).
     split_dense_decode: attend dense rows with one query token (short requests' decode steps,
         dense layers of long ones) with the split-KV decode kernel whose splits sit at fixed key
         positions (ops/triton_dense_decode.py: batch-invariant, so exactness holds), instead of

@@ -31,6 +31,11 @@ class FullSetup(Setup):
 
     def __init__(self, args, rows: int):
         super().__init__(args, rows)
+        if getattr(args, "dense_only", False):       # the vLLM adapter's body (dense rows only)
+            if any(self.rt.reqs[i].sparse for i in self.ids):
+                raise SystemExit(f"--dense-only needs dense rows: context {args.context} is sparse "
+                                 f"(min_context {self.rt.cfg.min_context_tokens}); use a shorter one")
+            self.rt.full.dense_only = True
         N, dev = rows, "cuda"
         self.io = [torch.zeros(N, h, D, dtype=torch.bfloat16, device=dev) for h in (HQ, HKV, HKV, HQ)]
         self.rt.full.padding(N)
@@ -106,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", default="4096,32768")
     ap.add_argument("--rows", default="1,8")
     add_shape_args(ap)
+    ap.add_argument("--dense-only", action="store_true",
+                    help="the dense-only body the vLLM adapter replays (contexts below min_context)")
     ap.add_argument("--out", default="out/full_step")
     args = ap.parse_args(argv)
     args.full, args.decode_graphs = True, False
@@ -116,6 +123,7 @@ def main(argv=None) -> int:
             args.context = ctx
             s = FullSetup(args, R)
             row = {"context": ctx, "rows": R, "split_dense_decode": s.rt.split_dense,
+                   "dense_only": s.rt.full.dense_only,
                    "sparse_rows": sum(s.rt.reqs[i].sparse for i in s.ids),
                    **measure(s, args.steps)}
             stock = stock_layer_ms(s)

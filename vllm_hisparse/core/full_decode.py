@@ -19,6 +19,11 @@ on-device gathers of the block and page tables); the body reads only those buffe
 Each row's result depends only on its own inputs (both attention kernels are per-row with fixed
 splits), so a real row gets exactly what the eager path gives it, whatever the other rows are
 (tests/test_full_decode.py). Padding rows write K/V into vLLM's null block 0 and nothing else.
+
+``dense_only``: the body for batches without sparse rows (the vLLM adapter lets vLLM replay FULL
+graphs only for those, vllm/full_dispatch.py; batches with sparse rows run PIECEWISE with the
+per-layer decode graphs): every layer writes K/V and attends every row over the paged cache — what
+stock vLLM's graph does, with the batch-invariant kernel. ``fill`` refuses sparse rows then.
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ class FullDecode:
         self.static: dict[int, FullStatic] = {}
         self.max_k = max_width * rt.P                  # FlashAttention's max_seqlen_k (fixed)
         self.dense_fn = None          # the dense rows' attention; None = the runtime's dense_fn
+        self.dense_only = False       # the body for batches without sparse rows (module doc)
         self.stats = {"full_steps": 0, "full_layers": 0}
 
     # ---- per step (host, before the replay) ---------------------------------------------------
@@ -71,6 +77,11 @@ class FullDecode:
         n = len(steps)
         if n > N:
             raise ValueError(f"{n} decode rows do not fit a FULL batch of {N}")
+        if self.dense_only and any(s.sparse for s in steps):
+            raise RuntimeError(
+                "hisparse: a FULL decode graph with the dense-only body got sparse rows "
+                f"({[s.req_id for s in steps if s.sparse]}); their pages are not all on the GPU. "
+                "vLLM must run such batches PIECEWISE (vllm/full_dispatch.py decides per step)")
         load_rows(rt, st, steps, block_table[:n] if n else None)   # what sparse_body reads
         extra = torch.zeros(len(_EXTRA), N, dtype=torch.int64)
         X = dict(zip(_EXTRA, extra))
@@ -103,6 +114,11 @@ class FullDecode:
         """q/out (N, Hq, D), k/v (N, Hkv, D): the step's (padded) tokens, row i = token i."""
         rt = self.rt
         st = self._static(N)
+        if self.dense_only:                   # no sparse row: vLLM's buffers are read directly
+            sl.write_kv(kv, st.field("newest_blk"), st.field("off"), None, k, v)
+            self._attend(q, kv, st.bt32, st.seq_dense, scale, out)
+            self.stats["full_layers"] += 1
+            return
         st.q.copy_(q)
         st.k.copy_(k)
         st.v.copy_(v)

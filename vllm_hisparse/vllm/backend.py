@@ -163,6 +163,7 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
             slot_mapping=cm.slot_mapping[:cm.num_actual_tokens],
         )
         if (B and cm.max_query_len == 1 and worker_state.runtime is not None
+                and not worker_state.sparse_batch
                 and (self.full_sizes is None or B in self.full_sizes)):
             # A single-token batch, maybe padded by vLLM to a FULL graph's size (padding rows: no
             # query token, seq_len 0, after the real rows). Its requests are known only once the

@@ -23,7 +23,7 @@ from vllm_hisparse.core.residency import is_sparse_request
 from vllm_hisparse.core.host_pool import HostKVPool, HostPoolPinError
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
-from . import worker_state
+from . import full_dispatch, worker_state
 from .flash_dense import make_dense_fn
 from .compat import (
     KVConnectorBase_V1,
@@ -92,6 +92,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
                 raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib,
                                        e.pinned) from e.__cause__
+            if worker_state.runtime.full is not None:    # FULL graphs: dense-only batches
+                worker_state.runtime.full.dense_only = True
+                full_dispatch.install()
             fa = make_dense_fn(mc.dtype, mc.get_head_size())
             if fa is not None:
                 worker_state.runtime.dense_fn = fa

@@ -86,6 +86,7 @@ def req_ids_of(first_blocks: list[int]) -> list[str] | None:
 
 
 pending_full = None     # backend.HiSparseMetadata of this step awaiting plan_full, if any
+sparse_batch = False    # this step holds a sparse request: no FULL graph (vllm/full_dispatch.py)
 
 
 def resolve_full(md) -> None:
