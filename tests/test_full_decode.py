@@ -67,12 +67,14 @@ class DenseOnlyDriver(FullDriver):
 
 
 def scenario(full: bool, host_tier=True, dense_layers=(), dense_pool_gib=0.0, padding_runs=False,
-             driver_cls=None, driver_kw=None, before=None, dense_fn=None, split=False):
+             driver_cls=None, driver_kw=None, before=None, dense_fn=None, split=False,
+             decode_graphs=False):
     """driver_cls/driver_kw: the GPU test's capturing driver and device; before(d): runs before any
     request (capture); dense_fn: the full body's dense attention instead of the runtime's."""
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=dense_layers,
                          min_context=40, host_pool_gib=0.01, host_tier=host_tier,
-                         decode_graphs=False, full_decode_graphs=full, dense_pool_gib=dense_pool_gib,
+                         decode_graphs=decode_graphs, full_decode_graphs=full,
+                         dense_pool_gib=dense_pool_gib,
                          split_dense_decode=split)
     d = (driver_cls or (FullDriver if full else Driver))(cfg, **(driver_kw or {}))
     if dense_fn is not None:
@@ -172,13 +174,17 @@ def test_config_refuses_what_a_graph_cannot_capture(kw, match):
     HiSparseConfig(full_decode_graphs=True, dense_layers=(0, 1), host_tier=False)    # fine
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split,graphs", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dense_layers,dense_pool_gib", [((), 0.0), ((0, 2), 0.001)])
-def test_dense_only_body_equals_eager(dense_layers, dense_pool_gib, split):
+def test_dense_only_body_equals_eager(dense_layers, dense_pool_gib, split, graphs):
     """The dense-only FULL body (batches without sparse rows; the others eager, as vLLM runs them
-    PIECEWISE): every row bit for bit what the eager path gives, padding rows included."""
+    PIECEWISE, with the per-layer decode graphs when `graphs`: on the CPU their bodies run
+    eagerly): every row bit for bit what the eager path gives, padding rows included."""
     d, outs_f, stats_f, state_f, _ = scenario(True, True, dense_layers, dense_pool_gib,
-                                              driver_cls=DenseOnlyDriver, split=split)
+                                              driver_cls=DenseOnlyDriver, split=split,
+                                              decode_graphs=graphs)
+    if graphs:
+        assert stats_f["graph_runs"] > 0, stats_f      # the sparse steps took the decode graphs
     _, outs_e, stats_e, state_e, _ = scenario(False, True, dense_layers, dense_pool_gib,
                                               split=split)
     assert stats_f["full_steps"] == 6 and stats_f["full_layers"] == 6 * d.L   # the "short" steps

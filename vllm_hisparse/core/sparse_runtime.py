@@ -123,13 +123,13 @@ class SparseRuntime:
         self.full = None
         graphs = cfg.decode_graphs if cfg.decode_graphs is not None else self.device.type == "cuda"
         self.split_dense = dense_groups.split_enabled(cfg, self.device, head_dim)
-        if cfg.full_decode_graphs:                 # vLLM's FULL graphs replace the per-layer ones
+        if cfg.full_decode_graphs:     # vLLM's FULL graphs (the adapter: dense-only batches)
             from vllm_hisparse.core.full_decode import FullDecode
 
             if num_heads is None:
                 raise ValueError("full_decode_graphs needs the runtime's num_heads")
             self.full = FullDecode(self, num_heads, self.U)
-        elif graphs and cfg.trace_dir is None:
+        if graphs and cfg.trace_dir is None:       # per-layer graphs: sparse steps run PIECEWISE
             from vllm_hisparse.core.decode_graph import DecodeGraphs
 
             if num_heads is None:
