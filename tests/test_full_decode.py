@@ -61,7 +61,7 @@ class DenseOnlyDriver(FullDriver):
         self.rt.full.dense_only = True
 
     def step(self, todo: dict[str, int]):
-        if self.rt.has_sparse(todo):
+        if self.rt.may_hold_sparse(todo):
             return Driver.step(self, todo)
         return super().step(todo)
 

@@ -96,7 +96,7 @@ class CapturedDenseOnlyDriver(CapturedDriver):
         self.rt.full.dense_only = True
 
     def step(self, todo):
-        if self.rt.has_sparse(todo):
+        if self.rt.may_hold_sparse(todo):
             return Driver.step(self, todo)
         return super().step(todo)
 

@@ -139,9 +139,10 @@ class SparseRuntime:
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "graph_layers",
                                       "full_layers"), 0.0)
 
-    def has_sparse(self, req_ids) -> bool:
-        """Whether any of these requests is sparse (requests not added yet are not)."""
-        return any(r is not None and r.sparse for r in map(self.reqs.get, req_ids))
+    def may_hold_sparse(self, req_ids) -> bool:
+        """Whether any of these requests is sparse, or not added yet (vLLM picks a step's graph
+        mode before the connector adds the step's new requests; one of them may be sparse)."""
+        return any(r is None or r.sparse for r in map(self.reqs.get, req_ids))
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add(self, req_id: str, num_prompt: int) -> None:
