@@ -107,6 +107,16 @@ def scenario(full: bool, host_tier=True, dense_layers=(), dense_pool_gib=0.0, pa
     return d, d.outs, d.rt.stats_dict(), state, bounds
 
 
+def assert_same_run(outs_f, outs_e, stats_f, stats_e):
+    """Every step/layer output bit for bit (no NaN: nothing read a freed block), same counters."""
+    assert len(outs_f) == len(outs_e)
+    for i, (a, b) in enumerate(zip(outs_f, outs_e)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN"
+        assert torch.equal(a, b), f"step/layer {i} differs"
+    for key in ("hits", "misses", "decode_rows", "steps"):
+        assert stats_f[key] == stats_e[key], key
+
+
 def assert_rows_equal(got, want, upto):
     for sg, se in zip(got, want):
         if sg is not None:
@@ -120,12 +130,7 @@ def test_full_body_equals_eager(dense_layers, dense_pool_gib):
     de, outs_e, stats_e, state_e, bounds_e = scenario(False, True, dense_layers, dense_pool_gib)
     assert stats_f["full_steps"] == 42 and stats_f["full_layers"] == 42 * df.L
     assert set(df.rt.full.static) == {4 + PAD, 1 + PAD, 2 + PAD}
-    assert len(outs_f) == len(outs_e)
-    for i, (a, b) in enumerate(zip(outs_f, outs_e)):
-        assert not torch.isnan(a).any(), f"step/layer {i}: NaN"
-        assert torch.equal(a, b), f"step/layer {i} differs"
-    for key in ("hits", "misses", "decode_rows", "steps"):
-        assert stats_f[key] == stats_e[key], key
+    assert_same_run(outs_f, outs_e, stats_f, stats_e)
     assert stats_f["misses"] > 0
     assert_rows_equal(state_f, state_e, df.rt.scratch_row)
     assert_rows_equal(bounds_f, bounds_e, df.rt.quest_scratch)
@@ -188,12 +193,7 @@ def test_dense_only_body_equals_eager(dense_layers, dense_pool_gib, split, graph
     _, outs_e, stats_e, state_e, _ = scenario(False, True, dense_layers, dense_pool_gib,
                                               split=split)
     assert stats_f["full_steps"] == 6 and stats_f["full_layers"] == 6 * d.L   # the "short" steps
-    assert len(outs_f) == len(outs_e)
-    for i, (a, b) in enumerate(zip(outs_f, outs_e)):
-        assert not torch.isnan(a).any(), f"step/layer {i}: NaN"
-        assert torch.equal(a, b), f"step/layer {i} differs"
-    for key in ("hits", "misses", "decode_rows", "steps"):
-        assert stats_f[key] == stats_e[key], key
+    assert_same_run(outs_f, outs_e, stats_f, stats_e)
     assert_rows_equal(state_f, state_e, d.rt.scratch_row)
 
 
