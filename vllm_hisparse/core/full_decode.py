@@ -77,11 +77,15 @@ class FullDecode:
         n = len(steps)
         if n > N:
             raise ValueError(f"{n} decode rows do not fit a FULL batch of {N}")
-        if self.dense_only and any(s.sparse for s in steps):
-            raise RuntimeError(
-                "hisparse: a FULL decode graph with the dense-only body got sparse rows "
-                f"({[s.req_id for s in steps if s.sparse]}); their pages are not all on the GPU. "
-                "vLLM must run such batches PIECEWISE (vllm/full_dispatch.py decides per step)")
+        if self.dense_only:
+            if any(s.sparse for s in steps):
+                raise RuntimeError(
+                    "hisparse: a FULL decode graph with the dense-only body got sparse rows "
+                    f"({[s.req_id for s in steps if s.sparse]}); their pages are not all on the "
+                    "GPU. vLLM must run such batches PIECEWISE (vllm/full_dispatch.py decides)")
+            self._fill_dense_only(st, steps, block_table, N)
+            self.stats["full_steps"] += 1
+            return st
         load_rows(rt, st, steps, block_table[:n] if n else None)   # what sparse_body reads
         extra = torch.zeros(len(_EXTRA), N, dtype=torch.int64)
         X = dict(zip(_EXTRA, extra))
@@ -107,6 +111,23 @@ class FullDecode:
         st.is_sparse.copy_(on[:, None, None])
         self.stats["full_steps"] += 1
         return st
+
+    def _fill_dense_only(self, st: FullStatic, steps: list, block_table: torch.Tensor | None,
+                         N: int) -> None:
+        """What the dense-only body reads, in one host->device copy: each row's newest block and
+        the new token's offset there (padding rows: vLLM's null block 0, offset 0), its block table
+        and its key count (padding: 0)."""
+        rt, n, P = self.rt, len(steps), self.rt.P
+        seq = [s.seq_len for s in steps] + [0] * (N - n)
+        m = rt.h2d([[max(k - 1, 0) // P for k in seq], [max(k - 1, 0) % P for k in seq], seq],
+                   torch.int64)
+        st.bt32.zero_()
+        if n:
+            w = min(block_table.shape[1], self.W)
+            st.bt32[:n, :w] = block_table[:n, :w].to(rt.device, torch.int32)
+        st.field("newest_blk").copy_(torch.gather(st.bt32, 1, m[0][:, None])[:, 0])
+        st.field("off").copy_(m[1])
+        st.seq_dense.copy_(m[2])
 
     # ---- per layer (recorded into vLLM's graph, or run eagerly) ------------------------------
     def layer(self, layer: int, N: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
