@@ -58,22 +58,34 @@ class FullStatic(Static):
         return self.extra[_EXTRA.index(name)]
 
 
+@dataclass
+class DenseOnlyStatic:
+    """What the dense-only body reads, for one padded batch size N (a few KiB per row, where
+    FullStatic also holds the sparse body's q/k/v/out copies and tables)."""
+    newest_blk: torch.Tensor       # (N,) int64 block of each row's new token (padding: null 0)
+    off: torch.Tensor              # (N,) int64 the new token's offset in it
+    bt32: torch.Tensor             # (N, W) int32 block tables (padding rows: 0)
+    seq: torch.Tensor              # (N,) int32 keys per row (padding: 0)
+    cu_q: torch.Tensor             # (N+1,) int32 arange: one query per row
+
+
 class FullDecode:
     def __init__(self, rt, num_heads: int, max_width: int):
         self.rt, self.Hq, self.W = rt, num_heads, max_width
         self.static: dict[int, FullStatic] = {}
+        self.static_dense: dict[int, DenseOnlyStatic] = {}
         self.max_k = max_width * rt.P                  # FlashAttention's max_seqlen_k (fixed)
         self.dense_fn = None          # the dense rows' attention; None = the runtime's dense_fn
         self.dense_only = False       # the body for batches without sparse rows (module doc)
         self.stats = {"full_steps": 0, "full_layers": 0}
 
     # ---- per step (host, before the replay) ---------------------------------------------------
-    def fill(self, steps: list, block_table: torch.Tensor | None, N: int) -> FullStatic:
+    def fill(self, steps: list, block_table: torch.Tensor | None,
+             N: int) -> FullStatic | DenseOnlyStatic:
         """Static buffers of batch size N for the decode rows `steps` (sp.ReqStep, one token each,
         in batch order from row 0; rows past len(steps) are padding). block_table: (>= n, W') the
         batch's block tables, row i = steps[i]."""
         rt = self.rt
-        st = self._static(N)
         n = len(steps)
         if n > N:
             raise ValueError(f"{n} decode rows do not fit a FULL batch of {N}")
@@ -83,9 +95,9 @@ class FullDecode:
                     "hisparse: a FULL decode graph with the dense-only body got sparse rows "
                     f"({[s.req_id for s in steps if s.sparse]}); their pages are not all on the "
                     "GPU. vLLM must run such batches PIECEWISE (vllm/full_dispatch.py decides)")
-            self._fill_dense_only(st, steps, block_table, N)
             self.stats["full_steps"] += 1
-            return st
+            return self._fill_dense_only(steps, block_table, N)
+        st = self._static(N)
         load_rows(rt, st, steps, block_table[:n] if n else None)   # what sparse_body reads
         extra = torch.zeros(len(_EXTRA), N, dtype=torch.int64)
         X = dict(zip(_EXTRA, extra))
@@ -112,12 +124,11 @@ class FullDecode:
         self.stats["full_steps"] += 1
         return st
 
-    def _fill_dense_only(self, st: FullStatic, steps: list, block_table: torch.Tensor | None,
-                         N: int) -> None:
-        """What the dense-only body reads, in one host->device copy: each row's newest block and
-        the new token's offset there (padding rows: vLLM's null block 0, offset 0), its block table
-        and its key count (padding: 0)."""
+    def _fill_dense_only(self, steps: list, block_table: torch.Tensor | None,
+                         N: int) -> DenseOnlyStatic:
+        """DenseOnlyStatic of batch size N, the per-row values in one host->device copy."""
         rt, n, P = self.rt, len(steps), self.rt.P
+        st = self._dense_static(N)
         seq = [s.seq_len for s in steps] + [0] * (N - n)
         m = rt.h2d([[max(k - 1, 0) // P for k in seq], [max(k - 1, 0) % P for k in seq], seq],
                    torch.int64)
@@ -125,21 +136,23 @@ class FullDecode:
         if n:
             w = min(block_table.shape[1], self.W)
             st.bt32[:n, :w] = block_table[:n, :w].to(rt.device, torch.int32)
-        st.field("newest_blk").copy_(torch.gather(st.bt32, 1, m[0][:, None])[:, 0])
-        st.field("off").copy_(m[1])
-        st.seq_dense.copy_(m[2])
+        st.newest_blk.copy_(torch.gather(st.bt32, 1, m[0][:, None])[:, 0])
+        st.off.copy_(m[1])
+        st.seq.copy_(m[2])
+        return st
 
     # ---- per layer (recorded into vLLM's graph, or run eagerly) ------------------------------
     def layer(self, layer: int, N: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """q/out (N, Hq, D), k/v (N, Hkv, D): the step's (padded) tokens, row i = token i."""
         rt = self.rt
-        st = self._static(N)
+        self.stats["full_layers"] += 1
         if self.dense_only:                   # no sparse row: vLLM's buffers are read directly
-            sl.write_kv(kv, st.field("newest_blk"), st.field("off"), None, k, v)
-            self._attend(q, kv, st.bt32, st.seq_dense, scale, out)
-            self.stats["full_layers"] += 1
+            d = self._dense_static(N)
+            sl.write_kv(kv, d.newest_blk, d.off, None, k, v)
+            self._attend(q, kv, d.bt32, d.seq, d.cu_q, scale, out)
             return
+        st = self._static(N)
         st.q.copy_(q)
         st.k.copy_(k)
         st.v.copy_(v)
@@ -147,9 +160,8 @@ class FullDecode:
             self._dense_layer(layer, st, kv, scale, out)
         else:
             sparse_body(rt, layer, st, kv, scale)
-            self._attend(st.q, kv, st.bt32, st.seq_dense, scale, st.o_dense)
+            self._attend(st.q, kv, st.bt32, st.seq_dense, st.cu_q, scale, st.o_dense)
             torch.where(st.is_dense, st.o_dense, st.out, out=out)
-        self.stats["full_layers"] += 1
 
     def _dense_layer(self, layer: int, st: FullStatic, kv: torch.Tensor, scale: float,
                      out: torch.Tensor) -> None:
@@ -157,15 +169,15 @@ class FullDecode:
         f = st.field
         sl.write_kv(kv, f("newest_blk"), f("off"), None, st.k, st.v)
         if rt.dpool is None:                            # no host tier: every row is resident
-            self._attend(st.q, kv, st.bt32, st.seq, scale, out)
+            self._attend(st.q, kv, st.bt32, st.seq, st.cu_q, scale, out)
             return
         dp = rt.dpool.data[rt._dpool_layer[layer]]
         write_through(dp, st.k, st.v, st.tok, st.x("dpool_page"), f("off"))
-        self._attend(st.q, kv, st.bt32, st.seq_dense, scale, st.o_dense)
-        self._attend(st.q, dp, st.pool_bt, st.seq_pool, scale, st.o_pool)
+        self._attend(st.q, kv, st.bt32, st.seq_dense, st.cu_q, scale, st.o_dense)
+        self._attend(st.q, dp, st.pool_bt, st.seq_pool, st.cu_q, scale, st.o_pool)
         torch.where(st.is_sparse, st.o_pool, st.o_dense, out=out)
 
-    def _attend(self, q, cache, table, seq_k, scale, out) -> None:
+    def _attend(self, q, cache, table, seq_k, cu_q, scale, out) -> None:
         """One query per row over `cache` pages `table` (N, W) int32 with seq_k[r] keys (0: none):
         the split-KV decode kernel with config split_dense_decode (as core/dense_groups.py gives
         every one-token row; its grid is sized by the table width, as a graph must), else the
@@ -174,12 +186,21 @@ class FullDecode:
             kernels.dense_decode_attention(q, cache[:, 0], cache[:, 1], table, seq_k, scale, out)
             return
         fn = self.dense_fn or self.rt.dense_fn
-        fn(q, cache[:, 0], cache[:, 1], table, self.static[q.shape[0]].cu_q, seq_k, 1, self.max_k,
-           scale, out)
+        fn(q, cache[:, 0], cache[:, 1], table, cu_q, seq_k, 1, self.max_k, scale, out)
 
-    def padding(self, N: int) -> FullStatic:
+    def padding(self, N: int) -> FullStatic | DenseOnlyStatic:
         """An all-padding batch of N (vLLM's capture runs): every row inert."""
         return self.fill([], None, N)
+
+    def _dense_static(self, N: int) -> DenseOnlyStatic:
+        st = self.static_dense.get(N)
+        if st is None:
+            dev = self.rt.device
+            z = lambda *shape, dtype=torch.int32: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+            st = self.static_dense[N] = DenseOnlyStatic(
+                newest_blk=z(N, dtype=torch.int64), off=z(N, dtype=torch.int64), bt32=z(N, self.W),
+                seq=z(N), cu_q=torch.arange(N + 1, dtype=torch.int32, device=dev))
+        return st
 
     def _static(self, N: int) -> FullStatic:
         st = self.static.get(N)
