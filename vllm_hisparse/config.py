@@ -57,10 +57,10 @@ class HiSparseConfig:
         without sparse requests: planned before the replay (from the KV connector's
         start_load_kv), every layer runs a dense-only body (core/full_decode.py), so no Python runs
         per layer. Steps holding a sparse request (or one new that step) run PIECEWISE
-        (vllm/full_dispatch.py decides per step). False (default) = every step PIECEWISE. Needs dense_layers [] or dense_pool_gib > 0
-        when host_tier; not with trace_dir, data parallelism or DBO micro-batching. Experimental:
-        CPU-tested in this form; the earlier all-rows body was exact on the H200 but not faster
-        there than PIECEWISE (docs/gpu-results.md).
+        (vllm/full_dispatch.py decides per step). False (default) = every step PIECEWISE. Needs
+        dense_layers [] or dense_pool_gib > 0 when host_tier; not with trace_dir, data parallelism
+        or DBO micro-batching. Experimental: CPU-tested in this form; the earlier all-rows body was
+        exact on the H200 but not faster there than PIECEWISE (docs/gpu-results.md).
     split_dense_decode: attend dense rows with one query token (short requests' decode steps,
         dense layers of long ones) with the split-KV decode kernel whose splits sit at fixed key
         positions (ops/triton_dense_decode.py: batch-invariant, so exactness holds), instead of

@@ -259,7 +259,8 @@ def main(argv=None) -> int:
         plan_ms = (time.perf_counter() - t0) * 1e3 / args.steps
         stock = stock_layer_ms(s)
         row = {"context": args.context, "rows": R, "top_k": args.top_k, "buffer": args.buffer,
-               "decode_graphs": args.decode_graphs, "io_chunk_bytes": args.io_chunk_bytes,
+               "decode_graphs": args.decode_graphs, "split_dense_decode": s.rt.split_dense,
+               "io_chunk_bytes": args.io_chunk_bytes,
                "quest_tile_elems": args.quest_tile_elems, "min_split_tokens": args.min_split_tokens,
                "q_noise": args.q_noise, "miss_rate": round(misses / max(hits + misses, 1), 4),
                "plan_ms": round(plan_ms, 3),
