@@ -1,11 +1,13 @@
 """GPU check of the vLLM integration: a Llama-3-8B-shaped model with random weights
-(load_format=dummy, bf16), max_model_len 32K, gpu_memory_utilization 0.9, piecewise CUDA graphs.
+(load_format=dummy, bf16), max_model_len 32K, gpu_memory_utilization 0.9, vLLM's CUDA graphs (FULL
+for uniform decode steps, PIECEWISE for the others).
 
     python scripts/gpu_exactness.py run resident OUT_DIR     # one engine per call (fits 10 min)
     python scripts/gpu_exactness.py run hisparse OUT_DIR
     python scripts/gpu_exactness.py compare OUT_DIR          # identical tokens + logprobs?
-    HISPARSE_EXTRA='{"decode_graphs": true, "dense_pool_gib": 4}' python scripts/gpu_exactness.py ...
+    HISPARSE_EXTRA='{"dense_pool_gib": 4}' python scripts/gpu_exactness.py ...
                                                              # merged into both modes' config
+    EXACT_PROMPTS=6000,20000,12000,9000 ...                  # other prompt lengths (tokens)
 
 Each run writes OUT_DIR/MODE.json (tokens, logprobs, runtime stats) and OUT_DIR/MODE.log, and
 prints vLLM's KV-capacity lines (KV memory, KV tokens, maximum concurrency at max_model_len).
@@ -22,7 +24,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = {"top_k": 512, "device_buffer_size": 1024, "page_size": 16, "dense_layers": [0, 1],
        "host_pool_gib": 16}
-PROMPT_LENS = (5000, 2100, 3500, 1200)
+PROMPT_LENS = tuple(int(x) for x in os.environ.get("EXACT_PROMPTS", "5000,2100,3500,1200").split(","))
 MAX_LEN = 32768
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

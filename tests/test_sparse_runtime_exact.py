@@ -22,13 +22,14 @@ P, L, HKV, D, HQ, W = 8, 3, 2, 8, 4, 40          # W pages per request (max_mode
 class Driver:
     """The adapter's job in miniature: block tables (block 0 left as vLLM's null block), slot
     mapping, one plan per step, every layer; blocks the scheduler would free are poisoned.
-    device/dtype/dims: the GPU variant (tests/test_decode_graph_gpu.py) needs a head size the
-    Triton attention kernel takes (64/128/256) and fp16/bf16. shape: (page, layers, pages per
-    request) for other tests."""
+    device/dtype/dims: a GPU variant needs a head size the Triton attention kernel takes
+    (64/128/256) and fp16/bf16. shape: (page, layers, pages per request) for other tests.
+    full: steps whose rows all have one token go as vLLM's FULL-graph steps do (plan_full, the
+    batch padded to a power of two with junk rows, full_layer per layer)."""
 
     def __init__(self, cfg, rows=4, seed=0, device="cpu", dtype=torch.float32, dims=(HQ, HKV, D),
-                 shape=(P, L, W), pad=0):
-        self.cfg = cfg
+                 shape=(P, L, W), pad=0, full=False):
+        self.cfg, self.full = cfg, full
         # pad: vLLM-style padding tokens after the real ones (slot -1, junk q/k/v drawn from another
         # generator, so the real tokens draw what an unpadded driver draws)
         self.pad, self.pad_g = pad, torch.Generator().manual_seed(7)
@@ -36,7 +37,7 @@ class Driver:
         self.P, self.L, self.W = shape
         self.dev, self.dt = torch.device(device), dtype
         self.rt = SparseRuntime(cfg, self.L, self.hkv, self.d, dtype, self.dev, rows,
-                                self.W * self.P, host_pages=400, num_heads=self.hq)
+                                self.W * self.P, host_pages=400)
         self.kv = [torch.zeros(1 + rows * self.W, 2, self.P, self.hkv, self.d, dtype=dtype,
                                device=self.dev) for _ in range(self.L)]    # block 0: vLLM's null
         self.blocks, self.lens, self.prompt = {}, {}, {}
@@ -64,7 +65,34 @@ class Driver:
             self.lens[rid] = n
         slots.append(torch.full((self.pad,), -1, dtype=torch.long))
         bt = torch.stack([self.blocks[r] for r in ids]).to(self.dev)
-        plan = self.rt.plan(ids, qsl, seq, bt, torch.cat(slots).to(self.dev))
+        T = qsl[-1]
+        if self.full and T == len(ids):
+            self._full_step(ids, seq, bt)
+        else:
+            self._step(ids, qsl, seq, bt, torch.cat(slots).to(self.dev))
+        for rid in ids:                          # what the scheduler frees, nobody may read
+            lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid])
+            for kv in self.kv:
+                kv[self.blocks[rid][lo:hi].long()] = float("nan")
+
+    def _full_step(self, ids, seq, bt):
+        n = len(ids)
+        N = 1 << (n - 1).bit_length()
+        self.rt.plan_full(ids, seq, N)
+        junk = torch.randint(0, 1 + len(self.blocks) * self.W, (N - n, bt.shape[1]),
+                             generator=self.pad_g, dtype=torch.int32).to(self.dev)
+        btp = torch.cat([bt, junk])                 # vLLM's padding rows: stale tables
+        for layer in range(self.L):
+            q, k, v = self._rand(n, self.hq, self.d), self._rand(n, self.hkv, self.d), \
+                self._rand(n, self.hkv, self.d)
+            q, k, v = (torch.cat([x, torch.randn(N - n, *x.shape[1:], generator=self.pad_g)
+                                  .to(x)]) for x in (q, k, v))
+            out = torch.full((N, self.hq, self.d), float("nan"), dtype=self.dt, device=self.dev)
+            self.rt.full_layer(layer, N, q, k, v, self.kv[layer], btp, self.d ** -0.5, out)
+            self.outs.append(out[:n])
+
+    def _step(self, ids, qsl, seq, bt, slot_mapping):
+        plan = self.rt.plan(ids, qsl, seq, bt, slot_mapping)
         T = qsl[-1]
         for layer in range(self.L):
             q, k, v = self._rand(T, self.hq, self.d), self._rand(T, self.hkv, self.d), \
@@ -77,18 +105,15 @@ class Driver:
             self.rt.forward_layer(layer, plan, q, k, v, self.kv[layer], self.d ** -0.5, out)
             out = out[:T]
             self.outs.append(out)
-        for rid in ids:                          # what the scheduler frees, nobody may read
-            lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid])
-            for kv in self.kv:
-                kv[self.blocks[rid][lo:hi].long()] = float("nan")
 
 
-def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0, split=False):
+def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0, split=False,
+        full=False):
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=dense_layers,
                          min_context=40, host_pool_gib=0.01, host_tier=host_tier,
                          dense_pool_gib=dense_pool_gib, quest_rows=quest_rows,
                          split_dense_decode=split)
-    d = Driver(cfg)
+    d = Driver(cfg, full=full)
     prompts = {"a": 150, "b": 93, "short": 20, "c": 61}
     for rid, n in prompts.items():
         d.add(rid, n)
@@ -105,10 +130,11 @@ def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0, sp
     return d.outs, stats
 
 
+@pytest.mark.parametrize("full", [False, True])
 @pytest.mark.parametrize("dense_layers,dense_pool_gib", [((0,), 0.0), ((), 0.0), ((0, 2), 0.001)])
-def test_hisparse_equals_resident_with_freed_blocks_poisoned(dense_layers, dense_pool_gib):
-    hs, stats = run(True, dense_layers, dense_pool_gib)
-    res, _ = run(False, dense_layers)
+def test_hisparse_equals_resident_with_freed_blocks_poisoned(dense_layers, dense_pool_gib, full):
+    hs, stats = run(True, dense_layers, dense_pool_gib, full=full)
+    res, _ = run(False, dense_layers, full=full)
     assert len(hs) == len(res)
     for i, (a, b) in enumerate(zip(hs, res)):
         assert not torch.isnan(a).any(), f"step/layer {i}: NaN (read a freed block or missed a row)"
@@ -117,31 +143,6 @@ def test_hisparse_equals_resident_with_freed_blocks_poisoned(dense_layers, dense
     if dense_pool_gib:                     # the long requests' dense layers lived in the pool
         # ... and the host pool held only the sparse layers (the runtime builds it from cfg)
         assert stats["dense_pool_pages_used"] == sum(-(-n // P) for n in (150 + 40, 93 + 42, 61 + 41))
-
-
-@pytest.mark.parametrize("dense_layers,dense_pool_gib", [((0,), 0.0), ((0, 2), 0.001)])
-def test_split_dense_decode_keeps_hisparse_equal_to_resident(dense_layers, dense_pool_gib,
-                                                             monkeypatch):
-    """split_dense_decode: one-token dense rows go through the split-KV decode kernel, the others
-    through dense_fn, decided per row — so the two modes, which group rows differently, agree."""
-    from vllm_hisparse.core import dense_groups
-
-    calls = {"rows": 0}
-    real = dense_groups.kernels.dense_decode_attention
-
-    def counted(q, *a, **kw):
-        calls["rows"] += q.shape[0]
-        return real(q, *a, **kw)
-
-    monkeypatch.setattr(dense_groups.kernels, "dense_decode_attention", counted)
-    hs, _ = run(True, dense_layers, dense_pool_gib, split=True)
-    assert calls["rows"] > 0
-    res, _ = run(False, dense_layers, split=True)
-    plain, _ = run(False, dense_layers)
-    for i, (a, b) in enumerate(zip(hs, res)):
-        assert not torch.isnan(a).any(), f"step/layer {i}: NaN"
-        assert torch.equal(a, b), f"step/layer {i} differs"
-    assert any(not torch.equal(a, b) for a, b in zip(res, plain)), "split path never taken"
 
 
 def test_padding_tokens_at_the_tail_change_nothing():
@@ -174,7 +175,7 @@ def test_dense_layers_never_read_the_host_with_a_dense_pool(monkeypatch):
 
     def boom(*a, **k):
         raise AssertionError("dense layer read the host pool")
-    monkeypatch.setattr(srt.SparseRuntime, "_dense_freed", boom)
+    monkeypatch.setattr(srt.SparseRuntime, "_attend_from_host", boom)
     outs, _ = run(True, (0, 2), 0.001)
     assert not any(torch.isnan(o).any() for o in outs)
 
@@ -234,26 +235,27 @@ def test_host_pool_holds_sparse_layers_only_with_a_dense_pool():
 
 
 def test_host_time_is_counted_per_kind():
-    """stats_dict's host_ms_* totals: plan and each kind of layer (dense, eager sparse, graph) grow
-    with the steps that ran them, and only those."""
-    import random
-
+    """stats_dict's host_ms_* totals: plan and each kind of layer (dense, sparse in eager steps,
+    the decode batch's layers of FULL-graph steps) grow with the steps that ran them, and only
+    those."""
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(0,),
-                         min_context=0, host_pool_gib=0.01, decode_graphs=random.choice([True, False]))
-    d = Driver(cfg)
+                         min_context=0, host_pool_gib=0.01)
+    d = Driver(cfg, full=True)
     s0 = d.rt.stats_dict()
-    assert all(s0[f"host_ms_{k}"] == 0 for k in ("plan", "dense_layers", "sparse_layers",
-                                                 "graph_layers"))
+    kinds = ("plan", "dense_layers", "sparse_layers", "full_layers")
+    assert all(s0[f"host_ms_{k}"] == 0 for k in kinds)
     d.add("a", 100)
     d.step({"a": 100})                                   # prefill: eager
     s1 = d.rt.stats_dict()
     assert s1["host_ms_plan"] > 0 and s1["host_ms_dense_layers"] > 0
-    assert s1["host_ms_sparse_layers"] > 0 and s1["host_ms_graph_layers"] == 0
+    assert s1["host_ms_sparse_layers"] > 0 and s1["host_ms_full_layers"] == 0
     for _ in range(3):
-        d.step({"a": 1})                                 # decode: graphs when on
+        d.step({"a": 1})                                 # decode: FULL-graph steps
     s2 = d.rt.stats_dict()
-    grew = {k: s2[f"host_ms_{k}"] > s1[f"host_ms_{k}"] for k in ("sparse_layers", "graph_layers")}
-    assert grew == {"sparse_layers": not cfg.decode_graphs, "graph_layers": bool(cfg.decode_graphs)}
+    grew = {k: s2[f"host_ms_{k}"] > s1[f"host_ms_{k}"] for k in kinds}
+    assert grew == {"plan": True, "dense_layers": False, "sparse_layers": False,
+                    "full_layers": True}
+    assert s2["full_steps"] == 3 and s2["decode_rows"] == 3
 
 
 @pytest.mark.parametrize("value,device,head_dim,want", [

@@ -1,15 +1,15 @@
-"""topk_index (ops/quest.py): each row's k largest scores as ascending indices, ties to the lowest
-index. The reference is checked against torch.topk (as sets, on tie-free scores) and against a
-brute-force (-score, index) ordering on scores full of ties; the Triton kernel (ops/triton_topk.py)
-must equal the reference exactly, through Triton's interpreter on CPU and on the GPU."""
+"""topk_index: each row's k largest scores as ascending indices, ties to the lowest index. The
+reference is checked against torch.topk (as sets, on tie-free scores) and against a brute-force
+(-score, index) ordering on scores full of ties; the top-k of the decode batch's select_resolve
+kernel (ops/triton_select.py) must equal the reference exactly, on special scores too (ties,
+-inf, signed zeros), through Triton's interpreter on CPU and on the GPU."""
 
 import pytest
 import torch
 
 from triton_interpreter import run_cases
 
-from vllm_hisparse.ops import reference
-from vllm_hisparse.ops.quest import topk_index
+from vllm_hisparse.ops import decode_ops, reference
 
 # (R, U, k): k at 0, 1, U, U - 1; U not a power of two, one below / above a power of two, one score
 CASES = [(3, 40, 9), (1, 1, 1), (2, 17, 17), (4, 33, 32), (5, 2081, 127), (2, 64, 0), (3, 300, 1),
@@ -52,37 +52,41 @@ def test_reference_is_the_ordered_top_k(case, kind):
         assert torch.equal(got, want)
 
 
-def test_cpu_dispatch_is_the_reference():
-    s = make_scores(3, 100, "ties", seed=1)
-    assert torch.equal(topk_index(s, 10), reference.topk_index(s, 10))
-
-
-@pytest.mark.parametrize("scores, k, match", [
-    (torch.zeros(2, 5, dtype=torch.float16), 2, "float32"),
-    (torch.zeros(5), 2, r"\(R, U\)"),
-    (torch.zeros(2, 5), 6, "k=6"),
-    (torch.zeros(2, 5), -1, "k=-1"),
-])
-def test_bad_arguments_are_named(scores, k, match):
-    with pytest.raises(ValueError, match=match):
-        topk_index(scores, k)
+def select_top(launch, s: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-k part of select_resolve (every page live, resident rows): its selection, as
+    reference.topk_index's indices (ascending; the kernel pads with -1 past min(k, U))."""
+    R, U = s.shape
+    dev = s.device
+    seq = torch.full((R,), U * 16 + 1, dtype=torch.int64, device=dev)
+    full = torch.full((R,), U, dtype=torch.int64, device=dev)
+    bt = torch.arange(U + 1, dtype=torch.int32, device=dev).repeat(R, 1)
+    sel = torch.full((R, k), -7, dtype=torch.int32, device=dev)
+    locs = torch.full_like(sel, -7)
+    work = tuple(torch.zeros(sh, dtype=torch.int32, device=dev)
+                 for sh in decode_ops.workspace_shapes(R, k, 1))
+    launch(s, seq, full, k, bt, sel, locs, work)
+    assert torch.equal(sel, locs), "resident rows: block i holds page i here"
+    return sel.long()
 
 
 def check_kernel(launch, dev):
     for case in CASES:
         R, U, k = case
+        if k == 0:
+            continue
         for j, kind in enumerate(KINDS):
             s = make_scores(R, U, kind, seed=sum(case) + j, dev=dev)
-            out = torch.full((R, k), -7, dtype=torch.int64, device=dev)
-            got = launch(s, k, out)
             want = reference.topk_index(s.cpu(), k)
-            assert torch.equal(got.cpu(), want), (case, kind)
+            assert torch.equal(select_top(launch, s, k).cpu(), want), (case, kind)
 
 
 def run_interpreter_cases():
-    from vllm_hisparse.ops import triton_topk
+    from vllm_hisparse.ops import triton_select
 
-    check_kernel(triton_topk.topk_index, "cpu")
+    def launch(s, seq, full, k, bt, sel, locs, work):
+        triton_select.select_resolve(s, seq, full, k, bt, sel, locs, *work)
+
+    check_kernel(launch, "cpu")
     print("interpreter ok")
 
 
@@ -93,33 +97,14 @@ def test_triton_kernel_in_interpreter():
 # ---- on the GPU ----------------------------------------------------------------------------------
 @pytest.mark.cuda
 def test_gpu_kernel_equals_reference():
-    from vllm_hisparse.ops import triton_topk
-
-    check_kernel(triton_topk.topk_index, "cuda")
+    check_kernel(decode_ops.select_resolve, "cuda")
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("U", [4096, 16384, 16385])
+@pytest.mark.parametrize("U", [4096, 16384])
 def test_gpu_long_rows(U):
-    """The largest row one program holds, and one past it (the reference path)."""
+    """Rows of up to 16384 pages (256K tokens of 16-token pages) in one program."""
     s = make_scores(3, U, "neg_inf_tail", seed=U, dev="cuda")
     s[1] = torch.randint(0, 3, (U,), device="cuda").float()
-    got = topk_index(s, 1000)
-    assert got.is_cuda and torch.equal(got.cpu(), reference.topk_index(s.cpu(), 1000))
-
-
-@pytest.mark.cuda
-def test_gpu_strided_scores_and_cuda_graph():
-    base = make_scores(4, 600, "ties", seed=3, dev="cuda")
-    s = base[:, 50:550]                                  # a row stride wider than the row
-    want = reference.topk_index(s.cpu(), 64)
-    assert torch.equal(topk_index(s, 64).cpu(), want)
-    static = s.contiguous()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = topk_index(static, 64)
-    static.copy_(make_scores(4, 500, "random", seed=4, dev="cuda"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), reference.topk_index(static.cpu(), 64))
+    got = select_top(decode_ops.select_resolve, s, 1000)
+    assert torch.equal(got.cpu(), reference.topk_index(s.cpu(), 1000))

@@ -94,18 +94,24 @@ def test_config_the_runtime_does_not_serve_is_refused(field, value, words):
 ])
 def test_full_decode_graphs_refuses_data_parallel_and_micro_batches(parallel, refused):
     """An idle data-parallel rank replays a FULL graph on a dummy batch without the connector, and
-    micro-batches would share the fixed body's buffers: refused with the flag, one line."""
+    micro-batches would share the decode batch's buffers: full_decode_graphs true is refused with
+    the flag, one line; left unset, the graphs are off (vllm/graph_mode.py) and the run starts."""
     from vllm_hisparse.vllm.setup_check import prepare_config
 
     cfg = fake_config(**{f"parallel_config__{k}": v for k, v in parallel.items()})
     cfg.additional_config = {"hisparse": dict(HS["hisparse"], full_decode_graphs=True,
                                               dense_layers=[])}
     if refused:
-        with pytest.raises(ValueError, match="full_decode_graphs does not support") as e:
+        with pytest.raises(ValueError, match="full_decode_graphs=true cannot run: data par") as e:
             prepare_config(cfg)
         assert "\n" not in str(e.value)
     else:
         prepare_config(cfg)
+    unset = fake_config(**{f"parallel_config__{k}": v for k, v in parallel.items()})
+    unset.additional_config = {"hisparse": dict(HS["hisparse"], dense_layers=[])}
+    prepare_config(unset)
+    from vllm_hisparse.vllm import graph_mode
+    assert (graph_mode.blocker(unset) is not None) is refused
 
 
 @pytest.mark.parametrize("device, v2, refused", [("cuda", True, True), ("cuda", False, False),

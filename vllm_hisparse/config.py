@@ -48,19 +48,16 @@ class HiSparseConfig:
     prefetch: overlap miss IO with the previous layer when layers share a selection.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
-    decode_graphs: run the sparse layers of pure-decode steps as one CUDA graph replay per layer
-        (batch padded to a power of two) instead of ~15 eager launches. None (default) = on when
-        the KV lives on a CUDA device; True = also on the CPU (the graph body runs eagerly on the
-        padded static buffers: how CI tests it); False = off. Ignored with trace_dir.
-    full_decode_graphs: let vLLM capture whole decode steps in FULL CUDA graphs (the backend then
-        declares UNIFORM_SINGLE_TOKEN_DECODE support) and replay them for single-token batches
-        without sparse requests: planned before the replay (from the KV connector's
-        start_load_kv), every layer runs a dense-only body (core/full_decode.py), so no Python runs
-        per layer. Steps holding a sparse request (or one new that step) run PIECEWISE
-        (vllm/full_dispatch.py decides per step). False (default) = every step PIECEWISE. Needs
-        dense_layers [] or dense_pool_gib > 0 when host_tier; not with trace_dir, data parallelism
-        or DBO micro-batching. Experimental: CPU-tested in this form; the earlier all-rows body was
-        exact on the H200 but not faster there than PIECEWISE (docs/gpu-results.md).
+    full_decode_graphs: let vLLM replay whole decode steps as FULL CUDA graphs, as stock vLLM does
+        (the backend declares UNIFORM_SINGLE_TOKEN_DECODE): every step whose rows each have one
+        query token is one decode batch (core/decode_batch.py), planned before the replay (from the
+        KV connector's start_load_kv), and every layer's recorded body (core/decode_body.py) serves
+        any mix of sparse, dense and padding rows, the kernels of a kind behind a conditional graph
+        node that the GPU skips when the batch has no row of that kind. Mixed prefill/decode steps
+        run PIECEWISE (the same body eagerly for their one-token rows). None (default) = on where
+        it can run: a CUDA device, split_dense_decode on, no trace_dir, and dense_layers [] or
+        dense_pool_gib > 0 with the host tier (``full_graphs_blocker``); True = on, refused at
+        startup where it cannot run; False = off (every layer eagerly between vLLM's graph pieces).
     split_dense_decode: attend dense rows with one query token (short requests' decode steps,
         dense layers of long ones) with the split-KV decode kernel whose splits sit at fixed key
         positions (ops/triton_dense_decode.py: batch-invariant, so exactness holds), instead of
@@ -85,8 +82,7 @@ class HiSparseConfig:
     quest_rows: int = 0
     prefetch: bool = False
     host_tier: bool = True
-    decode_graphs: Optional[bool] = None
-    full_decode_graphs: bool = False
+    full_decode_graphs: Optional[bool] = None
     split_dense_decode: Optional[bool] = None
     trace_dir: Optional[str] = None
 
@@ -120,21 +116,29 @@ class HiSparseConfig:
         if self.min_context is not None and self.min_context < 0:
             _fail("min_context", self.min_context,
                   "use 0 (all requests sparse), a token count, or null (2 x device_buffer_size)")
-        if self.full_decode_graphs and self.trace_dir is not None:
-            _fail("full_decode_graphs", True, "tracing copies selections to the host every layer; "
-                  "set full_decode_graphs false or drop trace_dir")
-        if (self.full_decode_graphs and self.host_tier and self.dense_layers
-                and self.dense_pool_gib <= 0):
-            _fail("full_decode_graphs", True,
-                  f"dense_layers {list(self.dense_layers)} would read given-back pages from the "
-                  f"host pool, which a CUDA graph cannot capture: set dense_pool_gib > 0 (e.g. 4), "
-                  f"dense_layers [], or full_decode_graphs false")
+        if self.full_decode_graphs and self.full_graphs_blocker():
+            _fail("full_decode_graphs", True, self.full_graphs_blocker())
         from vllm_hisparse.core.policies import available  # local: policies import nothing of ours
 
         if self.policy not in available():
             _fail("policy", self.policy, f"choose one of {', '.join(available())}")
 
     # ---- derived -------------------------------------------------------------------------------
+    def full_graphs_blocker(self) -> str | None:
+        """Why this config cannot run FULL decode graphs (None: it can, given a CUDA device and a
+        head size the split-KV decode kernel has): the fix, as an error message would give it."""
+        if self.trace_dir is not None:
+            return ("tracing copies selections to the host every layer; set full_decode_graphs "
+                    "false or drop trace_dir")
+        if self.host_tier and self.dense_layers and self.dense_pool_gib <= 0:
+            return (f"dense_layers {list(self.dense_layers)} would read given-back pages from the "
+                    f"host pool, which a CUDA graph cannot capture: set dense_pool_gib > 0 (e.g. "
+                    f"4), dense_layers [], or full_decode_graphs false")
+        if self.split_dense_decode is False:
+            return ("the graphs attend dense rows with the split-KV decode kernel: leave "
+                    "split_dense_decode unset (or true), or set full_decode_graphs false")
+        return None
+
     @property
     def unit_tokens(self) -> int:
         """Tokens per selection unit: a page for Quest, one token for DSA."""
@@ -262,7 +266,7 @@ _TYPES = {
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
     "min_context": (int, type(None)), "quest_rows": int, "prefetch": bool, "host_tier": bool,
-    "decode_graphs": (bool, type(None)), "full_decode_graphs": bool,
+    "full_decode_graphs": (bool, type(None)),
     "split_dense_decode": (bool, type(None)),
     "trace_dir": (str, type(None)),
 }

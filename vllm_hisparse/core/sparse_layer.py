@@ -1,30 +1,17 @@
-"""Per-layer HiSparse attention on a paged KV cache (torch and the ops layer's kernels; the adapter
-only forwards here).
+"""Per-layer pieces of the prefill path on a paged KV cache, and the hot-slot state.
 
 Layouts (one layer): ``kv``  (N, 2, P, Hkv, D) paged KV cache, block b = one page of P tokens (K at
 [:, 0], V at [:, 1]); ``host`` (pages, 2, P, Hkv, D) the same layer of the host pool; ``kmin``/
 ``kmax`` (rows, U, Hkv, D) Quest page bounds per Quest row. ``StepPlan`` (step_plan.py) holds
-everything decided once per step; these functions do the per-layer work.
-
-Decode of a sparse request: Quest scores the complete pages ``[0, newest)``, the best
-``top_k_units - 1`` of them are selected (the newest page is always attended, as ``extra`` rows),
-and their physical slots come either straight from the block table (all pages still resident) or
-from RESOLVE over the hot slots (blocks ``[0, S)`` of the request). Both modes run the same
-selection and the same attention kernel, so hisparse == resident bit for bit.
-
-On CUDA a decode layer is a few launches: the Quest update (1), scores + top-k + pages and
-blocks (3-4, ``quest_topk_locs``), RESOLVE with its gathers/scatters (4, ``resolve_hot_into``) and
-the attention (2, ``sparse_decode``); on CPU the same functions run the plain-torch references.
+everything decided once per step; these functions do the per-layer work of the rows with several
+query tokens (write K/V, fold keys into the Quest bounds, dense causal attention, reading given-back
+pages back from the host). Decode rows go through core/decode_body.py.
 """
 from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.ops import hot_rows, kernels, reference
-from vllm_hisparse.ops.quest import quest_scores_rows, topk_index, topk_pages
 from vllm_hisparse.ops.quest_update import quest_update_pages as _quest_update_pages
-
-_resolve_lru = getattr(kernels, "resolve_lru", reference.resolve_lru)
 
 
 def write_kv(kv: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tok: torch.Tensor | None,
@@ -132,71 +119,6 @@ def gather_pages(kv: torch.Tensor, host: torch.Tensor, block_rows: list[torch.Te
     return torch.cat(parts), torch.stack(tables).to(kv.device)
 
 
-def quest_topk(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
-               num_full: torch.Tensor, k_units: int) -> torch.Tensor:
-    """(R, k_units) int32 best complete pages per row (in ascending page order), -1 padding.
-
-    q: (R, Hq, D); kmin/kmax: (N, U, Hkv, D) page bounds of every runtime row, read at rows (R,)
-    (no copy of the bounds); num_full: (R,) complete pages per row.
-    CUDA: score kernel + top-k kernel + one launch for the -1 padding and int32 (ops.quest).
-    """
-    return topk_pages(_topk_index(q, kmin, kmax, rows, num_full, k_units), num_full, k_units)
-
-
-def quest_topk_locs(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
-                    num_full: torch.Tensor, k_units: int,
-                    block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quest_topk and the selected pages' blocks in one go: (sel, locs), both (R, k_units) int32,
-    locs[r, j] = block_table[r, sel[r, j]], -1 where sel is -1 (the resident mode's slots).
-    block_table: (R, W) int32/int64. On CUDA no more launches than quest_topk."""
-    return topk_pages(_topk_index(q, kmin, kmax, rows, num_full, k_units), num_full, k_units,
-                      block_table)
-
-
-def _topk_index(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
-                num_full: torch.Tensor, k_units: int) -> torch.Tensor:
-    """(R, min(k_units, U)) int64 indices of the top Quest scores, ascending ((R, 0) if none)."""
-    R, U = q.shape[0], kmin.shape[1]
-    kk = min(k_units, U)
-    if R == 0 or kk <= 0:
-        return torch.empty((R, 0), dtype=torch.int64, device=q.device)
-    scores = quest_scores_rows(q, kmin, kmax, rows, num_full)
-    return topk_index(scores, kk)
-
-
-def resolve_hot(sel: torch.Tensor, state: "HotSlots", rows: torch.Tensor, slot_map: torch.Tensor,
-                kv: torch.Tensor, host: torch.Tensor, host_pt: torch.Tensor,
-                io_chunk_bytes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """RESOLVE the selections (Rh, k) of hot rows: (device slots (Rh, k) int32, (2,) int64
-    [hits, misses] on the device — counted without a host sync, the caller reads them when needed).
-    io_chunk_bytes (config field) goes to the CUDA kernel; the CPU reference ignores it."""
-    counts = torch.zeros(2, dtype=torch.int64, device=sel.device)
-    locs = torch.empty_like(sel)
-    resolve_hot_into(locs, sel, None, rows, state, slot_map, kv, host, host_pt, counts,
-                     io_chunk_bytes=io_chunk_bytes)
-    return locs, counts
-
-
-def resolve_hot_into(locs: torch.Tensor, sel: torch.Tensor, hot: torch.Tensor | None,
-                     rows: torch.Tensor, state: "HotSlots", slot_map: torch.Tensor, kv: torch.Tensor,
-                     host: torch.Tensor, host_pt: torch.Tensor, counts: torch.Tensor,
-                     io_chunk_bytes: int = 64) -> None:
-    """RESOLVE the hot decode rows in place: locs[hot] = their device slots, counts += [hits, misses].
-
-    locs, sel: (Rd, k) int32 of the decode rows (locs of the other rows are left alone); hot: (Rh,)
-    int64 indices of the hot rows among them, or a (Rd,) bool mask of them (fixed shapes for CUDA
-    graphs: Rh = Rd, cold rows resolve nothing), or None = all (RESOLVE writes locs directly);
-    rows: (Rd,) int64 runtime rows; slot_map (Rh, S), host_pt (Rh, U) int32 of the hot rows;
-    counts: (2,) int64 on the device. CUDA: 4 launches (gather + count, RESOLVE's two, scatter).
-    """
-    st = (state.slot_unit, state.unit_slot, state.lru)
-    sel_h, su, us, lru = hot_rows.take_hot_rows(sel, hot, rows, *st, counts)
-    out = locs if hot is None else torch.empty_like(sel_h)
-    _resolve_lru(sel_h, su, us, lru, slot_map.to(torch.int32), kv, host, host_pt, out,
-                 io_chunk_bytes=io_chunk_bytes)
-    hot_rows.put_hot_rows(locs, hot, rows, out, su, us, lru, *st)
-
-
 class HotSlots:
     """LRU hot-buffer state of one layer for every runtime row (see ops.reference.resolve_lru)."""
 
@@ -209,14 +131,3 @@ class HotSlots:
         self.slot_unit[row] = -1
         self.unit_slot[row] = -1
         self.lru[row] = torch.arange(self.lru.shape[1], dtype=torch.int32, device=self.lru.device)
-
-
-def sparse_decode(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor, sel: torch.Tensor,
-                  seq_lens: torch.Tensor, newest_blocks: torch.Tensor, scale: float,
-                  out: torch.Tensor) -> None:
-    """Attention of one token per row over the selected pages (locs (R, k)) then its newest page.
-
-    newest_blocks: (R,) block of each row's newest page; its first ``(seq_len-1) % P + 1`` rows
-    are attended after the selected ones, read from kv in place (two launches on CUDA).
-    """
-    kernels.sparse_decode_attention_newest(q, kv, locs, sel, seq_lens, newest_blocks, scale, out)

@@ -5,6 +5,9 @@ and the per-layer hot-slot state, keyed by *runtime rows* (one per live request)
 tells it about requests (``add`` / ``finish``), builds one ``StepPlan`` per step from the batch
 (block table, sequence lengths, query ranges) and calls ``forward_layer`` for every attention
 layer. Everything per step is decided in ``plan``; ``forward_layer`` only does the layer's work.
+The rows with one query token of a step form its decode batch (core/decode_batch.py), whose layers
+run core/decode_body.py; a uniform decode step is planned by ``plan_full`` for vLLM's FULL CUDA
+graph of its padded size and its layers run ``full_layer`` (recorded once, then replayed).
 
 With ``cfg.trace_dir`` set, every sparse layer's Quest selection of every decode row is appended to
 a per-request trace (``sim.recorder_hook.TraceWriter``, format ``sim/trace.py``, unit = one page,
@@ -17,19 +20,21 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core import dense_groups
+from vllm_hisparse.core import decode_body, dense_groups
 from vllm_hisparse.core import sparse_layer as sl
+from vllm_hisparse.core.decode_batch import DecodeBatch, fill
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.page_table import DevicePageTable
 from vllm_hisparse.core.residency import freed_pages, is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.step_plan import DenseGroup, ReqStep, StepPlan
+from vllm_hisparse.ops import kernels
 from vllm_hisparse.ops.write_through import write_through
 
 
@@ -45,9 +50,9 @@ class SparseRuntime:
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, max_rows: int, max_model_len: int,
                  host_pages: int | None = None, quest_meta: tuple[list, list] | None = None,
-                 dense_pool: HostKVPool | None = None, num_heads: int | None = None):
+                 dense_pool: HostKVPool | None = None):
         """max_rows: requests at once; the Quest bounds and hot-slot state have one more row, the
-        scratch row that decode-graph padding points at (core/decode_graph.py).
+        scratch row that padding rows of a decode batch point at (core/decode_batch.py).
         quest_meta: per-layer (kmin, kmax) tensors (max_rows + 1, U, Hkv, D), None for dense layers,
         allocated by the caller (the vLLM adapter does it before memory profiling); default: here.
         dense_pool: the GPU pool holding the dense layers of sparse requests when
@@ -119,30 +124,11 @@ class SparseRuntime:
                 "num_layers": num_layers, "sparse_layers": sparse, "kv_heads": num_kv_heads,
                 "head_dim": head_dim, "decode": "as served"})
         self._hit_miss = torch.zeros(2, dtype=torch.int64, device=self.device)  # read in stats_dict
-        self.graphs = None
-        self.full = None
-        graphs = cfg.decode_graphs if cfg.decode_graphs is not None else self.device.type == "cuda"
         self.split_dense = dense_groups.split_enabled(cfg, self.device, head_dim)
-        if cfg.full_decode_graphs:     # vLLM's FULL graphs (the adapter: dense-only batches)
-            from vllm_hisparse.core.full_decode import FullDecode
-
-            if num_heads is None:
-                raise ValueError("full_decode_graphs needs the runtime's num_heads")
-            self.full = FullDecode(self, num_heads, self.U)
-        if graphs and cfg.trace_dir is None:       # per-layer graphs: sparse steps run PIECEWISE
-            from vllm_hisparse.core.decode_graph import DecodeGraphs
-
-            if num_heads is None:
-                raise ValueError("decode_graphs needs the runtime's num_heads")
-            self.graphs = DecodeGraphs(self, num_heads, self.U, capture=self.device.type == "cuda")
-        self.stats = {"steps": 0, "decode_rows": 0, "finished": 0, "dense_pool_pages_handed": 0}
-        self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "graph_layers",
-                                      "full_layers"), 0.0)
-
-    def may_hold_sparse(self, req_ids) -> bool:
-        """Whether any of these requests is sparse, or not added yet (vLLM picks a step's graph
-        mode before the connector adds the step's new requests; one of them may be sparse)."""
-        return any(r is None or r.sparse for r in map(self.reqs.get, req_ids))
+        self._batches: dict[int, DecodeBatch] = {}         # decode batches by size (fixed buffers)
+        self.stats = {"steps": 0, "decode_rows": 0, "finished": 0, "dense_pool_pages_handed": 0,
+                      "full_steps": 0}
+        self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add(self, req_id: str, num_prompt: int) -> None:
@@ -192,6 +178,12 @@ class SparseRuntime:
             if h is not None:
                 h.reset(row)
 
+    def dense_pool_layer(self, layer: int) -> torch.Tensor | None:
+        """The GPU dense pool's pages of a dense layer (None: no dense pool, or a sparse layer)."""
+        if self.dpool is None or layer not in self.dense_layers:
+            return None
+        return self.dpool.data[self._dpool_layer[layer]]
+
     def host_layer(self, layer: int) -> torch.Tensor | None:
         """The host pool's copy of one layer (None: no host tier, or a dense layer kept in the
         dense pool)."""
@@ -216,73 +208,100 @@ class SparseRuntime:
         """req_ids: the B requests of the batch in row order; query_start_loc: B+1 token offsets;
         seq_lens: B lengths including this step's tokens; block_table (B, W); slot_mapping (T,).
         Everything that needs the host is decided here, once per step; forward_layer then runs
-        without host syncs."""
-        steps = self._req_steps(req_ids, query_start_loc, seq_lens)
-        plan = self._plan_writes(steps, block_table, slot_mapping)
-        plan.dec = [s for s in steps if s.sparse and s.t1 - s.t0 == 1 and s.start > 0]
-        dec_idx = {s.idx for s in plan.dec}
-        plan.dense = [s for s in steps if s.idx not in dec_idx]
-        assert all(s.freed[1] <= s.freed[0] for s in plan.dense), "dense rows must be resident"
-        plan.dense_sparse = self._dense_group(plan.dense, self._rows_of(plan.dense, block_table))
+        without host syncs. Rows with one query token form the decode batch; the others
+        (prefill chunks) are attended densely here."""
+        steps, pages = self._req_steps(req_ids, query_start_loc, seq_lens)
+        dec = [s for s in steps if s.t1 - s.t0 == 1]
+        multi = [s for s in steps if s.t1 - s.t0 > 1]
+        plan = self._plan_writes(multi, block_table, slot_mapping)
+        plan.dense = multi
+        assert all(s.freed[1] <= s.freed[0] for s in multi), "prefill rows must be resident"
+        plan.dense_sparse = self._dense_group(multi, self._rows_of(multi, block_table))
         if self.dpool is not None:
-            res = [s for s in steps if not s.sparse]
-            inpool = [s for s in steps if s.sparse]
-            plan.dense_res = (plan.dense_sparse if res == plan.dense else   # no sparse request
+            res = [s for s in multi if not s.sparse]
+            inpool = [s for s in multi if s.sparse]
+            plan.dense_res = (plan.dense_sparse if len(res) == len(multi) else
                               self._dense_group(res, self._rows_of(res, block_table)))
             if inpool:
                 rows = self.h2d([s.row for s in inpool], torch.int64)
                 plan.dense_pool = self._dense_group(inpool, self.dense_pt.table[rows])
         elif len(self.dense_layers):
-            plan.dense_freed = [s for s in steps if s.freed[1] > s.freed[0]]
-            res = [s for s in steps if s.freed[1] <= s.freed[0]]
-            plan.dense_res = (plan.dense_sparse if len(res) == len(plan.dense) else
+            plan.dense_freed = [s for s in multi if s.freed[1] > s.freed[0]]
+            res = [s for s in multi if s.freed[1] <= s.freed[0]]
+            plan.dense_res = (plan.dense_sparse if len(res) == len(multi) else
                               self._dense_group(res, self._rows_of(res, block_table)))
-        if plan.dec:
-            # a pure decode step: token i is decode row i, so q[:Rd] replaces the gather q[dec_tok]
-            plan.dec_prefix = all(s.t0 == i for i, s in enumerate(plan.dec))
-            if self.graphs is not None and not plan.dense:   # every sparse layer replays a graph:
-                if not plan.dec_prefix:                       # its buffers hold the rest (fill)
-                    plan.dec_tok = self.h2d([s.t0 for s in plan.dec], torch.int64)
-                self.graphs.fill(plan)
-            else:
-                self._plan_decode(plan)
-            if self.trace is not None:
-                plan.dec_step = [self._dec_steps.get(s.req_id, 0) for s in plan.dec]
-                for s, n in zip(plan.dec, plan.dec_step):
-                    self._dec_steps[s.req_id] = n + 1
+        if dec:
+            db = plan.db = self._batch(len(dec))
+            fill(self, db, dec, pages)
+            self._trace_steps(db)
+            plan.db_bt = self._rows_of(dec, block_table)
+            if any(s.t0 != i for i, s in enumerate(dec)):
+                plan.db_tok = self.h2d([s.t0 for s in dec], torch.int64)
         self.stats["steps"] += 1
-        self.stats["decode_rows"] += len(plan.dec)
+        self.stats["decode_rows"] += sum(s.sparse for s in dec)
         return plan
 
-    def plan_full(self, req_ids: list[str], seq_lens: list[int], block_table: torch.Tensor,
-                  N: int) -> None:
-        """A single-token decode step for vLLM's FULL graphs (cfg.full_decode_graphs): req_ids and
-        seq_lens of the n real rows (rows 0..n-1 of the batch, one token each), block_table (>= n,
-        W); N >= n the padded batch size. Host pages for the new tokens, then the static buffers of
-        batch size N (core/full_decode.py) that every layer's fixed body reads."""
+    def plan_full(self, req_ids: list[str], seq_lens: list[int], N: int) -> None:
+        """A step whose rows each have one query token (vLLM's FULL graphs): req_ids and seq_lens
+        of its n real rows (rows 0..n-1, vLLM pads after them), N >= n its padded size. Host pages
+        for the new tokens, then decode batch N, which every layer's body (full_layer) reads."""
         t0 = time.perf_counter()
-        steps = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens)
-        assert all(s.freed[1] <= s.freed[0] for s in steps if not s.sparse), \
-            "dense rows must be resident"
-        self.full.fill(steps, block_table, N)
+        steps, pages = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens)
+        db = self._batch(N)
+        fill(self, db, steps, pages)
+        self._trace_steps(db)
         self.stats["steps"] += 1
+        self.stats["full_steps"] += 1
         self.stats["decode_rows"] += sum(s.sparse for s in steps)
         self._host_s["plan"] += time.perf_counter() - t0
 
     def full_layer(self, layer: int, N: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-        """One layer of a plan_full step (q/out (N, Hq, D), k/v (N, Hkv, D)): recorded by vLLM's
-        FULL graph capture, or run eagerly when vLLM does not replay a graph for the step."""
+                   kv: torch.Tensor, block_table: torch.Tensor, scale: float,
+                   out: torch.Tensor) -> None:
+        """One layer of a plan_full step (q/out (N, Hq, D), k/v (N, Hkv, D), block_table (N, W)
+        int32: row i = decode-batch row i): recorded by vLLM's FULL graph capture and replayed, or
+        run eagerly when vLLM replays no graph for the step."""
         t0 = time.perf_counter()
-        self.full.layer(layer, N, q, k, v, kv, scale, out)
+        body = decode_body.dense_layer if layer in self.dense_layers else decode_body.sparse_layer
+        body(self, layer, self._batch(N), q, k, v, kv, block_table, scale, out)
         self._host_s["full_layers"] += time.perf_counter() - t0
 
+    def _batch(self, N: int) -> DecodeBatch:
+        db = self._batches.get(N)
+        if db is None:
+            db = self._batches[N] = DecodeBatch(N, self.device)
+        return db
+
+    def _trace_steps(self, db: DecodeBatch) -> None:
+        """Trace mode: the decode-step index of each sparse row of the batch (counted here)."""
+        if self.trace is None:
+            return
+        db.trace_steps = []
+        for s in db.steps:
+            if s.sparse:
+                n = self._dec_steps.get(s.req_id, 0)
+                db.trace_steps.append(n)
+                self._dec_steps[s.req_id] = n + 1
+
+    def trace_decode(self, layer: int, db: DecodeBatch, sel: torch.Tensor) -> None:
+        """Trace mode: append the layer's selections of the batch's sparse rows (newest page
+        first, then Quest's choice; one host copy)."""
+        sp = [i for i, s in enumerate(db.steps) if s.sparse]
+        if not sp:
+            return
+        st = [db.steps[i] for i in sp]
+        newest = torch.tensor([(s.seq_len - 1) // self.P for s in st], dtype=torch.int64)
+        pos = torch.cat([newest[:, None], sel[sp].cpu().long()], 1)
+        self.trace.append_batch([s.req_id for s in st], self._trace_row[layer], db.trace_steps,
+                                pos, [s.seq_len for s in st])
+
     def _req_steps(self, req_ids: list[str], query_start_loc: list[int],
-                   seq_lens: list[int]) -> list[ReqStep]:
+                   seq_lens: list[int]) -> tuple[list[ReqStep], dict]:
         """The batch's requests with their tokens; one starting at token 0 (new, or recomputed
         after a preemption) gets fresh hot-slot state; sparse requests get host (and dense-pool)
-        pages for this step's tokens, mirrored on the device."""
-        steps = []
+        pages for this step's tokens, mirrored on the device. Also returns req_id -> (host pages,
+        dense-pool pages) of the sparse requests (None where there is no such pool)."""
+        steps, pages = [], {}
         for i, rid in enumerate(req_ids):
             r = self.reqs[rid]
             t0, t1 = query_start_loc[i], query_start_loc[i + 1]
@@ -293,26 +312,33 @@ class SparseRuntime:
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
                                  freed_pages(self.cfg, start, r.num_prompt), r.qrow))
             if self.pool is not None and r.sparse:
-                self.host_pt.grow(r.row, self.pool.ensure(rid, n))
+                hp = self.pool.ensure(rid, n)
+                self.host_pt.grow(r.row, hp)
+                dp = None
                 if self.dpool is not None:
-                    self.stats["dense_pool_pages_handed"] += self.dense_pt.grow(
-                        r.row, self.dpool.ensure(rid, n))
+                    dp = self.dpool.ensure(rid, n)
+                    self.stats["dense_pool_pages_handed"] += self.dense_pt.grow(r.row, dp)
+                pages[rid] = (hp, dp)
         self.host_pt.flush()
         if self.dpool is not None:
             self.dense_pt.flush()
-        return steps
+        return steps, pages
 
     def _plan_writes(self, steps: list[ReqStep], block_table: torch.Tensor,
                      slot_mapping: torch.Tensor) -> StepPlan:
-        """Cache slots, Quest page updates and host write-through of this step's tokens."""
+        """Cache slots, Quest page updates and host write-through of the tokens of the rows
+        `steps` (the prefill rows; the decode batch writes its own)."""
         dev, P, U = self.device, self.P, self.U
-        sm = slot_mapping.to(dev).long()
-        T = sm.shape[0]
-        wr_tok = None
-        n_real = max((s.t1 for s in steps), default=0)
-        if n_real < sm.shape[0]:       # vLLM pads a step's tokens at the tail (slot -1): drop them
-            wr_tok = torch.arange(n_real, device=dev)  # known on the host: no sync to find them
-            sm = sm[:n_real]
+        tok_l = [t for s in steps for t in range(s.t0, s.t1)]
+        T = slot_mapping.shape[0]
+        if tok_l == list(range(T)):
+            wr_tok, sm = None, slot_mapping.to(dev).long()
+        elif tok_l == list(range(len(tok_l))):          # the first tokens (vLLM pads at the tail)
+            wr_tok = torch.arange(len(tok_l), device=dev)
+            sm = slot_mapping[:len(tok_l)].to(dev).long()
+        else:
+            wr_tok = self.h2d(tok_l, torch.int64)
+            sm = slot_mapping.to(dev).long()[wr_tok]
         plan = StepPlan(steps, block_table, sm // P, sm % P, wr_tok)
         # Quest bounds and host write-through cover the tokens of sparse requests (vectorised over
         # the requests: this runs every step, a Python loop per request cost ~50 us each).
@@ -360,36 +386,7 @@ class SparseRuntime:
     def _dense_group(self, group: list[ReqStep], table: torch.Tensor | None) -> DenseGroup | None:
         return dense_groups.make(self, group, table)
 
-    def _plan_decode(self, plan: StepPlan) -> None:
-        d = plan.dec
-        dev = self.device
-        m = self.h2d([[s.t0 for s in d], [s.row for s in d], [s.seq_len for s in d],
-                      [(s.seq_len - 1) // self.P for s in d], [s.idx for s in d],
-                      [s.qrow for s in d]], torch.int64)
-        plan.dec_tok, plan.dec_rows, plan.dec_qrows = m[0], m[1], m[5]
-        plan.dec_seq = m[2].to(torch.int32)
-        newest = m[3]
-        bt = plan.block_table.to(dev)[m[4]]
-        plan.dec_bt = bt.long()
-        plan.dec_newest_blk = torch.gather(plan.dec_bt, 1, newest[:, None])[:, 0]
-        plan.dec_full = newest
-        hot = [j for j, s in enumerate(d) if s.freed[1] > s.freed[0]]
-        if hot:
-            plan.hot = self.h2d(hot, torch.int64)
-            plan.hot_slot_map = bt[plan.hot, :self.S]
-            plan.hot_pt = self.host_pt.table[plan.dec_rows[plan.hot]]
-
     # ---- per layer -----------------------------------------------------------------------------
-    def precapture(self, layer: int, rows: int, kv: torch.Tensor, scale: float) -> bool:
-        """Capture the decode graph of a sparse layer for a batch of `rows` before serving (see
-        DecodeGraphs.precapture); nothing for dense layers, without graphs, or while the current
-        stream is itself being captured (a graph inside another's capture)."""
-        if self.graphs is None or layer in self.dense_layers or rows > self.max_rows:
-            return False
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
-        return self.graphs.precapture(layer, rows, kv, scale)
-
     def forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """See _forward_layer; the host time it takes is counted (host_ms_* in stats_dict: with
@@ -398,22 +395,40 @@ class SparseRuntime:
         try:
             self._forward_layer(layer, plan, q, k, v, kv, scale, out)
         finally:
-            key = ("dense_layers" if layer in self.dense_layers else
-                   "graph_layers" if plan.graph else "sparse_layers")
+            key = "dense_layers" if layer in self.dense_layers else "sparse_layers"
             self._host_s[key] += time.perf_counter() - t0
 
     def _forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """q (T, Hq, D), k/v (T, Hkv, D) of this step's tokens; kv (N, 2, P, Hkv, D) this layer's
         paged cache; out (T, Hq, D) is written. No host sync on the GPU path."""
-        dense_layer = layer in self.dense_layers
-        if plan.graph and not dense_layer:                     # one replay, core/decode_graph.py
-            self.graphs.run(layer, plan, q, k, v, kv, scale, out)
+        if plan.dense:
+            self._prefill_layer(layer, plan, q, k, v, kv, scale, out)
+        db = plan.db
+        if db is None:
             return
+        n, tok = db.n, plan.db_tok
+        body = decode_body.dense_layer if layer in self.dense_layers else decode_body.sparse_layer
+        if tok is None and out.dtype == q.dtype:        # the decode rows are the first tokens
+            body(self, layer, db, q[:n], k[:n], v[:n], kv, plan.db_bt, scale, out[:n])
+            return
+        o = torch.empty_like(q[:n]) if tok is None else torch.empty_like(q[tok])
+        qd, kd, vd = (q[:n], k[:n], v[:n]) if tok is None else (q[tok], k[tok], v[tok])
+        body(self, layer, db, qd, kd, vd, kv, plan.db_bt, scale, o)
+        if tok is None:
+            out[:n] = o.to(out.dtype)
+        else:
+            out[tok] = o.to(out.dtype)
+
+    def _prefill_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """The prefill rows of a step: their tokens written (cache, host / dense pool, Quest
+        bounds) and attended densely over the paged cache (or the dense pool / the host pool)."""
+        dense_layer = layer in self.dense_layers
         sl.write_kv(kv, plan.wr_blk, plan.wr_off, plan.wr_tok, k, v)
         host = self.host_layer(layer)
-        if dense_layer and self.dpool is not None:            # the dense pool, not the host
-            dp = self.dpool.data[self._dpool_layer[layer]]
+        dp = self.dense_pool_layer(layer)
+        if dp is not None:                                 # the dense pool, not the host
             if plan.host_tok is not None:
                 write_through(dp, k, v, plan.host_tok, plan.dpool_page, plan.host_off)
             self._dense(plan.dense_res, q, kv, scale, out)
@@ -428,49 +443,43 @@ class SparseRuntime:
         if dense_layer:
             self._dense(plan.dense_res, q, kv, scale, out)
             if plan.dense_freed:
-                self._dense_freed(plan, q, kv, host, scale, out)
+                self._attend_from_host(plan.dense_freed, plan.block_table, q, kv, host, scale, out)
             return
         self._dense(plan.dense_sparse, q, kv, scale, out)
-        if not plan.dec:
-            return
-        n = len(plan.dec)
-        qd = q[:n] if plan.dec_prefix else q[plan.dec_tok]
-        rows = plan.dec_rows
-        sel, locs = sl.quest_topk_locs(qd, self.kmin[layer], self.kmax[layer], plan.dec_qrows,
-                                       plan.dec_full, self.k_sel, plan.dec_bt)
-        if plan.hot is not None:
-            sl.resolve_hot_into(locs, sel, plan.hot, rows, self.hot[layer], plan.hot_slot_map, kv,
-                                host, plan.hot_pt, self._hit_miss,
-                                io_chunk_bytes=self.cfg.io_chunk_bytes)
-        if self.trace is not None:                     # newest page first, then Quest's choice
-            pos = torch.cat([plan.dec_full[:, None].to(sel.dtype), sel], 1)
-            self.trace.append_batch([s.req_id for s in plan.dec], self._trace_row[layer],
-                                    plan.dec_step, pos, [s.seq_len for s in plan.dec])
-        direct = plan.dec_prefix and out.dtype == qd.dtype
-        o = out[:n] if direct else torch.empty_like(qd)
-        sl.sparse_decode(qd, kv, locs, sel, plan.dec_seq, plan.dec_newest_blk, scale, o)
-        if not direct:
-            out[plan.dec_tok] = o.to(out.dtype)
 
     def _dense(self, g: DenseGroup | None, q: torch.Tensor, kv: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
         dense_groups.attend(self, g, q, kv[:, 0], kv[:, 1], scale, out)
 
-    def _dense_freed(self, plan: StepPlan, q: torch.Tensor, kv: torch.Tensor, host: torch.Tensor,
-                     scale: float, out: torch.Tensor) -> None:
+    def dense_from_host(self, layer: int, db: DecodeBatch, q: torch.Tensor, kv: torch.Tensor,
+                        bt: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """Dense layers, no dense pool: the decode batch's sparse rows whose pages left the GPU
+        (db.freed), attended over their pages read back from the host pool (eager only). Row i of
+        q/out/bt is decode-batch row i."""
+        pos = {id(s): i for i, s in enumerate(db.steps)}
+        rows = [replace(s, idx=pos[id(s)], t0=pos[id(s)], t1=pos[id(s)] + 1) for s in db.freed]
+        self._attend_from_host(rows, bt, q, kv, self.host_layer(layer), scale, out)
+
+    def _attend_from_host(self, fr: list[ReqStep], bt: torch.Tensor, q: torch.Tensor,
+                          kv: torch.Tensor, host: torch.Tensor, scale: float,
+                          out: torch.Tensor) -> None:
         """Dense layers of requests whose pages left the GPU: read them back (slow path). The host
         reads the pinned pool itself, so the write-through kernels queued before (earlier steps'
         tokens of these pages) must have run: the stream is synchronised first (the plan copies
         without syncs, and vLLM's asynchronous scheduling runs this while the last step may still
-        be on the GPU)."""
+        be on the GPU). One-token rows go through the same kernel as the other decode rows."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        fr = plan.dense_freed
-        bt = plan.block_table
         pages, table = sl.gather_pages(
             kv, host, [bt[s.idx] for s in fr],
             [torch.tensor(self.pool.page_table(s.req_id), dtype=torch.int64) for s in fr],
             [s.seq_len for s in fr], [s.freed for s in fr])
+        if all(s.t1 - s.t0 == 1 for s in fr) and (self.split_dense or not q.is_cuda):
+            idx = torch.tensor([s.t0 for s in fr], dtype=torch.int64, device=q.device)
+            seq = torch.tensor([s.seq_len for s in fr], dtype=torch.int32, device=q.device)
+            out[idx] = kernels.dense_decode_attention(q[idx], pages[:, 0], pages[:, 1], table,
+                                                      seq, scale).to(out.dtype)
+            return
         dense_groups.attend(self, self._dense_group(fr, table), q, pages[:, 0], pages[:, 1], scale,
                             out)
 
@@ -485,10 +494,6 @@ class SparseRuntime:
         s["live_requests"] = len(self.reqs)
         # host (CPU) time spent in plan / forward_layer, totals over all steps
         s.update({f"host_ms_{k}": round(v * 1e3, 3) for k, v in self._host_s.items()})
-        if self.graphs is not None:              # decode graphs: layers replayed, graphs captured
-            s.update({f"graph_{k}": v for k, v in self.graphs.stats.items()})
-        if self.full is not None:                # FULL graphs: steps planned, layers run eagerly
-            s.update(self.full.stats)
         return s
 
     def dump_stats(self, path: str | None) -> None:

@@ -23,9 +23,11 @@ class HostToDevice:
         self._events: list = [None] * slots
         self._next = 0
 
-    def __call__(self, x, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(self, x, dtype: torch.dtype | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """x: a CPU tensor, numpy array or (nested) list -> a new tensor on the device with its
-        values (dtype: the list's, or as given)."""
+        values (dtype: the list's, or as given), or those values copied into ``out`` (a device
+        tensor of as many elements, contiguous; returned)."""
         if isinstance(x, np.ndarray):
             t = torch.from_numpy(np.ascontiguousarray(x))
         elif isinstance(x, torch.Tensor):
@@ -34,8 +36,10 @@ class HostToDevice:
             t = torch.tensor(x, dtype=dtype)
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
+        if out is not None:
+            t = t.to(out.dtype).view(out.shape)
         if not self.pinned:
-            return t.to(self.device, copy=True)
+            return t.to(self.device, copy=True) if out is None else out.copy_(t)
         nbytes = t.numel() * t.element_size()
         i = self._next
         self._next = (i + 1) % len(self._bufs)
@@ -47,7 +51,8 @@ class HostToDevice:
             buf = self._bufs[i] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         staged = buf[:nbytes].view(t.dtype).view(t.shape)
         staged.copy_(t)
-        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        if out is None:
+            out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
         out.copy_(staged, non_blocking=True)
         if self._events[i] is None:
             self._events[i] = torch.cuda.Event()

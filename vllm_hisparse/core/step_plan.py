@@ -1,6 +1,7 @@
 """What one step of the serving runtime decided, once, on the host (``SparseRuntime.plan``): the
-requests of the batch, their cache / Quest / host-pool indices, and how their attention is split
-between the dense paged call and the sparse decode path. ``forward_layer`` only reads it."""
+requests of the batch, the cache / Quest / host-pool indices of the prefill rows' tokens and their
+dense attention groups, and the decode batch of the one-token rows (core/decode_batch.py).
+``forward_layer`` only reads it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,8 +26,8 @@ class ReqStep:
 
 @dataclass
 class DenseGroup:
-    """Requests attended densely in one paged-attention call (prefill chunks, short requests, and
-    every request in dense layers): their tokens packed in batch order."""
+    """Requests attended densely in one paged-attention call (prefill chunks; dense layers' rows
+    read back from the host pool): their tokens packed in batch order."""
     steps: list[ReqStep]
     tok: torch.Tensor                          # (Tq,) token index of each packed query
     cu_q: torch.Tensor                         # (n+1,) int32 packed query offsets
@@ -35,11 +36,6 @@ class DenseGroup:
     max_q: int
     max_k: int
     prefix: bool = False                       # tok == arange(Tq): slice q/out, don't gather
-    # config split_dense_decode (core/dense_groups.py): the one-query-token rows of the group
-    dec_rows: torch.Tensor | None = None       # (d,) int64 their rows in the group
-    dec_q: torch.Tensor | None = None          # (d,) int64 their packed query index
-    seq_fa: torch.Tensor | None = None         # (n,) int32 seq_k with 0 for them (FlashAttention's);
-                                               # None when every row is one of them
 
 
 @dataclass
@@ -61,18 +57,7 @@ class StepPlan:
     dense_freed: list[ReqStep] = field(default_factory=list)  # dense layers: pages left the GPU
     dense_pool: DenseGroup | None = None       # dense layers: sparse requests, from the dense pool
     dpool_page: torch.Tensor | None = None     # (n,) dense-pool page of each host_tok token
-    dec: list[ReqStep] = field(default_factory=list)  # sparse single-token decode rows
-    dense: list[ReqStep] = field(default_factory=list)  # everything else (prefill, short requests)
-    dec_step: list[int] = field(default_factory=list)  # trace only: decode-step index of each decode row
-    dec_tok: torch.Tensor | None = None        # (Rd,) token index of each decode row
-    dec_prefix: bool = False                   # dec_tok == arange(Rd): slice, don't gather
-    dec_rows: torch.Tensor | None = None       # (Rd,) runtime rows (hot-slot state)
-    dec_qrows: torch.Tensor | None = None      # (Rd,) Quest bounds rows
-    dec_seq: torch.Tensor | None = None        # (Rd,) seq lens
-    dec_newest_blk: torch.Tensor | None = None  # (Rd,) block of the newest page
-    dec_full: torch.Tensor | None = None       # (Rd,) complete pages
-    dec_bt: torch.Tensor | None = None         # (Rd, W) int64 block tables of the decode rows
-    hot: torch.Tensor | None = None            # (Rh,) indices into the decode rows using RESOLVE
-    hot_slot_map: torch.Tensor | None = None   # (Rh, S) blocks [0, S) of the hot rows
-    hot_pt: torch.Tensor | None = None         # (Rh, U) int32 host page of each logical page
-    graph: int = 0                             # decode-graph bucket of this step (0 = eager)
+    dense: list[ReqStep] = field(default_factory=list)  # the prefill rows (several query tokens)
+    db: object = None                          # core.decode_batch.DecodeBatch: one-token rows
+    db_bt: torch.Tensor | None = None          # (n, W) int32 block tables of the decode rows
+    db_tok: torch.Tensor | None = None         # (n,) int64 their tokens; None = tokens 0..n-1

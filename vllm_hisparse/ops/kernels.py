@@ -88,34 +88,55 @@ DENSE_DECODE_HEAD_SIZES = (64, 128, 256)    # what the CUDA path of dense_decode
 
 def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_k: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None, max_k: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, max_k: int | None = None,
+                           table_rows: torch.Tensor | None = None,
+                           work: tuple | None = None) -> torch.Tensor:
     """One query per row over its first seq_k keys through its block table (see
     reference.dense_decode_attention); on CUDA the batch-invariant split-KV Triton kernel
-    (ops/triton_dense_decode.py)."""
+    (ops/triton_dense_decode.py). table_rows (R,) int64: row r reads block_table[table_rows[r]].
+    work: the kernel's preallocated partials; with it (also on CPU) rows with seq_k 0 leave their
+    out rows as they are (another call's rows)."""
     if q.is_cuda:
         from . import triton_dense_decode
         return triton_dense_decode.dense_decode_attention(q, k_cache, v_cache, block_table, seq_k,
-                                                          scale, out, max_k)
-    return reference.dense_decode_attention(q, k_cache, v_cache, block_table, seq_k, scale, out)
+                                                          scale, out, max_k, table_rows, work)
+    if work is None:
+        bt = block_table if table_rows is None else block_table[table_rows]
+        return reference.dense_decode_attention(q, k_cache, v_cache, bt, seq_k, scale, out)
+    live = torch.nonzero(seq_k > 0)[:, 0]            # the other rows are another call's
+    bt = block_table[live if table_rows is None else table_rows[live]]
+    out[live] = reference.dense_decode_attention(q[live], k_cache, v_cache, bt, seq_k[live],
+                                                 scale).to(out.dtype)
+    return out
 
 
 def sparse_decode_attention_newest(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor,
                                    units: torch.Tensor, seq_lens: torch.Tensor,
                                    newest_blocks: torch.Tensor, scale: float,
-                                   out: torch.Tensor | None = None) -> torch.Tensor:
+                                   out: torch.Tensor | None = None,
+                                   work: tuple | None = None) -> torch.Tensor:
     """sparse_decode_attention whose extra rows are each row's newest page, read from kv in place.
 
     Equal to sparse_decode_attention(..., extra_kv=kv[newest_blocks].transpose(1, 2) (R, unit, 2,
     Hkv, D), extra_lens=(seq_lens - 1) % unit + 1 (floor modulo)): the same bits on CUDA, where
     the Triton kernel reads block newest_blocks[r] itself (two launches in all, no gather);
     exactly that on CPU. newest_blocks: (R,) int32/int64 on q's device; on CUDA -1 means no extra
-    rows (a padding row). Other args as sparse_decode_attention.
+    rows (a padding row). Other args as sparse_decode_attention. work: the kernel's preallocated
+    partials (triton_attention.partials_shape); with it (also on CPU) rows with seq_lens 0 leave
+    their out rows as they are (another call's rows).
     """
     if q.is_cuda:
         from . import triton_attention
         return triton_attention.sparse_decode_attention_newest(q, kv, locs, units, seq_lens,
-                                                               newest_blocks, scale, out)
+                                                               newest_blocks, scale, out, work)
     unit = kv.shape[2]
     extra = kv[newest_blocks.long()].transpose(1, 2).contiguous()       # (R, unit, 2, Hkv, D)
     extra_lens = ((seq_lens.long() - 1) % unit + 1).to(torch.int32)
-    return reference.sparse_decode_attention(q, kv, locs, units, seq_lens, scale, extra, extra_lens, out)
+    if work is None:
+        return reference.sparse_decode_attention(q, kv, locs, units, seq_lens, scale, extra,
+                                                 extra_lens, out)
+    live = torch.nonzero(seq_lens > 0)[:, 0]         # the other rows are another call's
+    out[live] = reference.sparse_decode_attention(
+        q[live], kv, locs[live], units[live], seq_lens[live], scale, extra[live],
+        extra_lens[live]).to(out.dtype)
+    return out

@@ -2,10 +2,8 @@
 
 ``quest_scores_rows(q, kmin, kmax, rows, n)`` == ``reference.quest_scores(q, kmin[rows], kmax[rows], n)``
 without copying ``kmin[rows]`` (megabytes per row per layer) or building the reference's
-(R, U, Hkv, G, D) fp32 temporaries. ``topk_index`` picks each row's top pages (ascending, ties to the
-lowest index) and ``topk_pages`` turns those indices into pages (and blocks) with -1 padding in one
-launch. CUDA: the Triton kernels (ops/triton_quest.py);
-CPU: the references.
+(R, U, Hkv, G, D) fp32 temporaries. CUDA: the Triton kernel (ops/triton_quest.py); CPU: the
+reference. The top pages of the scores are picked by ops/decode_ops.select_resolve.
 """
 from __future__ import annotations
 
@@ -47,7 +45,8 @@ def _check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.
 
 
 def quest_scores_rows(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
-                      num_units: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                      num_units: torch.Tensor, out: torch.Tensor | None = None,
+                      live_only: bool = False) -> torch.Tensor:
     """(R, U) fp32 Quest upper bounds of q.k per page of row ``rows[r]`` of kmin/kmax.
 
     score[r, u] = sum over KV heads h, the G = Hq/Hkv query heads of group h and d of
@@ -58,6 +57,8 @@ def quest_scores_rows(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, r
     device; num_units: (R,) int32/int64 on q's device, values > U mean all U pages; out: optional
     (R, U) fp32 to write into. A row with num_units[r] == 0 reads no bounds on CUDA and is all -inf
     (so rows[r] = -1 is a safe padding row there; on CPU it reads row N-1 and is still all -inf).
+    live_only: on CUDA, pages at or past num_units[r] are left unwritten (their programs return
+    at once; the decode batch reads only the live ones); the CPU writes -inf there as always.
     CUDA: no host sync and no allocation beyond ``out``; deterministic (a row's bits do not depend
     on the other rows in the batch); equal to the reference up to fp32 summation order provided
     kmin <= kmax on live pages (see ops/triton_quest.py). CPU: exactly the reference.
@@ -70,62 +71,15 @@ def quest_scores_rows(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, r
                 raise ValueError(f"{name} must have a contiguous last dim on CUDA; got strides {t.stride()}")
         if kmax.stride() != kmin.stride():
             raise ValueError(f"kmax must have kmin's strides on CUDA; got {kmax.stride()} vs {kmin.stride()}")
+        if kmin.shape[2] > 1 and kmin.stride(2) != D:
+            raise ValueError(f"kmin's (Hkv, D) block of a page must be contiguous on CUDA; got "
+                             f"strides {kmin.stride()}")
         if out is None:
             out = torch.empty(q.shape[0], kmin.shape[1], dtype=torch.float32, device=q.device)
-        return triton_quest.quest_scores_rows(q, kmin, kmax, rows.contiguous(), num_units.contiguous(), out)
+        return triton_quest.quest_scores_rows(q, kmin, kmax, rows.contiguous(), num_units.contiguous(), out,
+                                              live_only)
     s = reference.quest_scores(q, kmin[rows], kmax[rows], num_units)
     if out is None:
         return s
     out.copy_(s)
     return out
-
-
-def topk_index(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """(R, k) int64 indices of each row's k largest scores, ascending, ties to the lowest index:
-    contract reference.topk_index. scores: (R, U) fp32; 0 <= k <= U.
-    CUDA: one Triton program per row (ops/triton_topk.py) for U <= triton_topk.MAX_U, instead of
-    torch.topk's ~4 launches; longer rows and the CPU take the reference (a stable sort)."""
-    if scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores must be (R, U) float32; got {tuple(scores.shape)} {scores.dtype}")
-    R, U = scores.shape
-    if not 0 <= k <= U:
-        raise ValueError(f"k={k} must be in [0, U={U}] (the number of scores per row)")
-    if scores.is_cuda:
-        from . import triton_topk
-        if U <= triton_topk.MAX_U:
-            out = torch.empty((R, k), dtype=torch.int64, device=scores.device)
-            return triton_topk.topk_index(scores if scores.stride(1) == 1 else scores.contiguous(),
-                                          k, out)
-    return reference.topk_index(scores, k)
-
-
-def topk_pages(idx: torch.Tensor, num_full: torch.Tensor, k_units: int,
-               block_table: torch.Tensor | None = None):
-    """Pages (R, k_units) int32 of a top-k over page scores, and with block_table (R, W) int also
-    their blocks (R, k_units) int32 (-1 padding): contract reference.topk_pages.
-
-    idx: (R, kk) int64 (topk_index's indices), kk <= k_units; num_full: (R,) int32/int64.
-    CUDA: one Triton launch (ops/triton_quest.py) instead of full + lt + where + to + copy (and
-    clamp + gather + ge + where + to for the blocks); the same values. CPU: the reference.
-    """
-    if not idx.is_cuda:
-        return reference.topk_pages(idx, num_full, k_units, block_table)
-    from . import triton_quest
-    R, kk = idx.shape
-    if kk > k_units or idx.dtype != torch.int64 or (kk > 1 and idx.stride(1) != 1):
-        raise ValueError(f"idx must be (R, kk<={k_units}) int64 with a contiguous last dim; got "
-                         f"{tuple(idx.shape)} {idx.dtype} strides {idx.stride()}")
-    if num_full.shape != (R,) or num_full.dtype not in _INTS or num_full.device != idx.device:
-        raise ValueError(f"num_full must be ({R},) int32/int64 on {idx.device}; got "
-                         f"{tuple(num_full.shape)} {num_full.dtype} on {num_full.device}")
-    out = torch.empty((R, k_units), dtype=torch.int32, device=idx.device)
-    if block_table is None:
-        triton_quest.topk_pages(idx, num_full, out)
-        return out
-    if (block_table.dim() != 2 or block_table.shape[0] != R or block_table.dtype not in _INTS
-            or block_table.device != idx.device):
-        raise ValueError(f"block_table must be ({R}, W) int32/int64 on {idx.device}; got "
-                         f"{tuple(block_table.shape)} {block_table.dtype} on {block_table.device}")
-    blocks = torch.empty_like(out)
-    triton_quest.topk_pages(idx, num_full, out, block_table, blocks)
-    return out, blocks

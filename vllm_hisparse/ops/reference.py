@@ -141,15 +141,24 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     q: (R, Hq, D); k_cache/v_cache: (N, P, Hkv, D); block_table: (R, W) int32; seq_k: (R,) int32
     (0: zeros). fp32 accumulation; returns out (R, Hq, D) in q's dtype. Keys past seq_k may hold
-    anything, NaN included. Twin of ops.triton_dense_decode (equal up to fp32 summation order).
+    anything, NaN included. Row by row over exactly its keys, so a row's bits do not depend on the
+    other rows or the table's width (as the Triton twin, ops.triton_dense_decode; the two are
+    equal up to fp32 summation order).
     """
     R = q.shape[0]
     P, Hkv, D = k_cache.shape[1:]
-    W = block_table.shape[1]
-    bt = block_table.long().to(k_cache.device)
-    valid = torch.arange(W * P, device=q.device)[None] < seq_k.long().to(q.device)[:, None]
-    return _attend_rows(q, k_cache[bt].reshape(R, W * P, Hkv, D),
-                        v_cache[bt].reshape(R, W * P, Hkv, D), valid, scale, out)
+    res = torch.zeros(R, *q.shape[1:], dtype=q.dtype, device=q.device)
+    for r, n in enumerate(seq_k.tolist()):
+        if n > 0:
+            blocks = block_table[r, :-(-n // P)].long().to(k_cache.device)
+            k = k_cache[blocks].reshape(-1, Hkv, D)[:n]
+            v = v_cache[blocks].reshape(-1, Hkv, D)[:n]
+            ok = torch.ones(1, n, dtype=torch.bool, device=q.device)
+            res[r] = _attend_rows(q[r:r + 1], k[None], v[None], ok, scale, None)[0]
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
 
 
 # ---- Quest -------------------------------------------------------------------------------------
@@ -275,3 +284,77 @@ def write_through(host: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: tor
     p, o = page[keep].to(host.device), off[keep].to(host.device)
     host[p, 0, o] = k[t].to(host.device)
     host[p, 1, o] = v[t].to(host.device)
+
+
+# ---- decode batch: the new token, and SELECT + RESOLVE -----------------------------------------
+def decode_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
+                 seq: torch.Tensor, newest: torch.Tensor, dst: torch.Tensor | None = None,
+                 dst_page: torch.Tensor | None = None, kmin: torch.Tensor | None = None,
+                 kmax: torch.Tensor | None = None, q_page: torch.Tensor | None = None) -> None:
+    """The new token of each decode row, in place: row r (one token at position seq[r] - 1; seq 0 =
+    padding, writes nothing) stores k[r]/v[r] (N, Hkv, D) at kv[b, 0/1, off] (kv (blocks, 2, P, Hkv,
+    D), b = block_table[r, pos // P], off = pos % P), and at dst[dst_page[r], 0/1, off] where
+    dst_page[r] >= 0 (dst: a pool in kv's layout), and folds k[r] into the Quest bounds kmin/kmax
+    (R, U, Hkv, D) at flat page q_page[r] = qrow * U + page where q_page[r] >= 0 (restarting the
+    page's bounds when off == 0). newest (N,) int32 gets b (-1 for padding).
+    seq, dst_page, q_page: (N,) int64; block_table (N, W) int."""
+    P = kv.shape[2]
+    live = seq > 0
+    pos = (seq - 1).clamp(min=0)
+    page, off = pos // P, pos % P
+    blk = torch.gather(block_table.long(), 1, page[:, None])[:, 0]
+    newest.copy_(torch.where(live, blk, -1).to(newest.dtype))
+    r = torch.nonzero(live)[:, 0]
+    kv[blk[r], 0, off[r]] = k[r].to(kv.dtype)
+    kv[blk[r], 1, off[r]] = v[r].to(kv.dtype)
+    if dst is not None:
+        r = torch.nonzero(live & (dst_page >= 0))[:, 0]
+        dp, o = dst_page[r].to(dst.device), off[r].to(dst.device)
+        dst[dp, 0, o] = k[r].to(dst.device, dst.dtype)
+        dst[dp, 1, o] = v[r].to(dst.device, dst.dtype)
+    if kmin is not None:
+        r = torch.nonzero(live & (q_page >= 0))[:, 0]
+        R, U = kmin.shape[:2]
+        kq = k[r].to(kmin.dtype)
+        new = (off[r] == 0)[:, None, None]
+        for b, f in ((kmin, torch.minimum), (kmax, torch.maximum)):
+            flat = b.view(R * U, *b.shape[2:])
+            flat[q_page[r]] = torch.where(new, kq, f(flat[q_page[r]], kq))
+
+
+def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tensor, k: int,
+                   block_table: torch.Tensor, sel: torch.Tensor, locs: torch.Tensor,
+                   hot: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                   state: tuple | None = None, host_pt: torch.Tensor | None = None,
+                   host: torch.Tensor | None = None, kv: torch.Tensor | None = None,
+                   counts: torch.Tensor | None = None) -> None:
+    """Each live row's top pages and their physical blocks, in place (the plain-torch twin of
+    ops/triton_select.py, composed from topk_index, topk_pages and resolve_lru).
+
+    scores: (N, U) fp32 page scores (only pages [0, num_full[r]) are read); seq, num_full: (N,) int
+    (a row is live when seq > 0; other rows' sel/locs are left as they are); k: pages to select;
+    block_table: (N, W) int; sel, locs: (N, k) int32 out: pages ascending then -1, and their blocks.
+    hot: (N,) int, non-zero = the row resolves through its hot slots: state = (slot_unit, unit_slot,
+    lru_order) (M, S)/(M, U)/(M, S) int32 read and written at runtime rows rows (N,) int64, slot s =
+    block_table[r, s]; misses come from host[host_pt[rows[r], page]] into kv (both (*, 2, P, Hkv,
+    D)); counts (2,) int64 += [hits, misses]."""
+    N, U = scores.shape
+    live = seq > 0
+    if N == 0 or k == 0 or not bool(live.any()):
+        return
+    n = num_full.long()
+    s = torch.where(torch.arange(U, device=scores.device)[None] < n[:, None], scores, float("-inf"))
+    pages, blocks = topk_pages(topk_index(s, min(k, U)), n, k, block_table)
+    sel.copy_(torch.where(live[:, None], pages, sel))
+    locs.copy_(torch.where(live[:, None], blocks, locs))
+    if hot is None:
+        return
+    h = torch.nonzero(live & (num_full > 0) & (hot != 0))[:, 0]
+    if len(h) == 0:
+        return
+    S = state[0].shape[1]
+    sel_h, su, us, lru = take_hot_rows(pages, h, rows, *state, counts)
+    out = torch.empty_like(sel_h)
+    resolve_lru(sel_h, su, us, lru, block_table[h, :S].to(torch.int32), kv, host,
+                host_pt[rows[h]], out)
+    put_hot_rows(locs, h, rows, out, su, us, lru, *state)

@@ -28,8 +28,23 @@ def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
                   s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
                   UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                   D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                  EXTRA_IN_KV: tl.constexpr):
+                  EXTRA_IN_KV: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     r = tl.program_id(0)
+    live = True
+    if SKIP_EMPTY:                      # a row with seq 0 is not this call's: nothing to do
+        live = tl.load(SEQ + r) > 0
+    if live:
+        _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, split_tokens,
+               n_splits, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
+               r, UNIT, HKV, G, GP, D, BLOCK, HAS_EXTRA, EXTRA_IN_KV)
+
+
+@triton.jit
+def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, split_tokens,
+           n_splits, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
+           r, UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+           D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr,
+           EXTRA_IN_KV: tl.constexpr):
     h = tl.program_id(1)
     sp = tl.program_id(2)
     og = tl.arange(0, GP)
@@ -79,9 +94,19 @@ def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
 
 
 @triton.jit
-def _combine_kernel(PO, PML, OUT, n_splits, s_or, s_oh, HQ: tl.constexpr, D: tl.constexpr,
-                    SP: tl.constexpr):
+def _combine_kernel(PO, PML, OUT, SEQ, n_splits, s_or, s_oh, HQ: tl.constexpr, D: tl.constexpr,
+                    SP: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     r = tl.program_id(0)
+    live = True
+    if SKIP_EMPTY:                      # its out row is left as it is
+        live = tl.load(SEQ + r) > 0
+    if live:
+        _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, HQ, D, SP)
+
+
+@triton.jit
+def _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, HQ: tl.constexpr, D: tl.constexpr,
+             SP: tl.constexpr):
     h = tl.program_id(1)
     os_ = tl.arange(0, SP)
     od = tl.arange(0, D)
@@ -125,18 +150,36 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
 def sparse_decode_attention_newest(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor,
                                    units: torch.Tensor, seq_lens: torch.Tensor,
                                    newest_blocks: torch.Tensor, scale: float,
-                                   out: torch.Tensor | None = None) -> torch.Tensor:
+                                   out: torch.Tensor | None = None,
+                                   work: tuple | None = None) -> torch.Tensor:
     """sparse_decode_attention with extra rows = the first (seq_lens[r] - 1) % unit + 1 rows of
     block newest_blocks[r] of kv, read in place: the same bits as gathering them into extra_kv
     (R, unit, 2, Hkv, D) with those extra_lens (same token order, same splits).
 
     newest_blocks: (R,) int32/int64, -1 = no extra rows (a padding row); other args as above.
+    work: preallocated (po, pml) partials of at least ``partials_shape(R, Hq, Hkv, k * unit +
+    unit)`` each; with it, rows with seq_lens 0 are skipped (their out rows are left as they are)
+    and nothing is allocated (a CUDA graph's conditional body).
     """
     return _launch(q, kv, locs, units, seq_lens, scale, out, kv.shape[2], newest_blocks, seq_lens,
-                   (kv.stride(0), kv.stride(2), kv.stride(1), kv.stride(3)), True)
+                   (kv.stride(0), kv.stride(2), kv.stride(1), kv.stride(3)), True, work)
 
 
-def _launch(q, kv, locs, units, seq_lens, scale, out, E, ex, el, es, in_kv):
+def split_layout(R: int, Hkv: int, n_tok: int) -> tuple[int, int]:
+    """(splits, tokens per split) of a call: a function of the shapes only."""
+    ns = num_splits(R, Hkv, n_tok)
+    split = -(-max(n_tok, 1) // ns)
+    split = -(-split // BLOCK_N) * BLOCK_N
+    return max(1, -(-n_tok // split)), split
+
+
+def partials_shape(R: int, Hq: int, Hkv: int, n_tok: int, D: int) -> tuple[tuple, tuple]:
+    """Shapes of the (po, pml) partial results of a call over n_tok tokens per row."""
+    ns = split_layout(R, Hkv, n_tok)[0]
+    return (R, Hq, ns, D), (R, Hq, ns, 2)
+
+
+def _launch(q, kv, locs, units, seq_lens, scale, out, E, ex, el, es, in_kv, work=None):
     """Both kernels; the extra rows: E per row, from ex (a tensor, or newest blocks when in_kv) with
     strides es = (row or block, token, K/V, head)."""
     R, Hq, D = q.shape
@@ -151,12 +194,13 @@ def _launch(q, kv, locs, units, seq_lens, scale, out, E, ex, el, es, in_kv):
     G = Hq // Hkv
     n_sel = k * unit
     n_tok = n_sel + E
-    ns = num_splits(R, Hkv, n_tok)
-    split = -(-max(n_tok, 1) // ns)
-    split = -(-split // BLOCK_N) * BLOCK_N
-    ns = max(1, -(-n_tok // split))
-    po = torch.empty(R, Hq, ns, D, dtype=torch.float32, device=q.device)
-    pml = torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=q.device)
+    ns, split = split_layout(R, Hkv, n_tok)
+    if work is None:
+        po = torch.empty(R, Hq, ns, D, dtype=torch.float32, device=q.device)
+        pml = torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=q.device)
+    else:
+        po, pml = work
+        assert po.numel() >= R * Hq * ns * D and pml.numel() >= R * Hq * ns * 2, "work too small"
     block = BLOCK_N if D <= 128 else 32
     _split_kernel[(R, Hkv, ns)](
         q, kv, locs, units, seq_lens, ex, el, po, pml,
@@ -164,7 +208,7 @@ def _launch(q, kv, locs, units, seq_lens, scale, out, E, ex, el, es, in_kv):
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         locs.stride(0), units.stride(0), es[0], es[1], es[2], es[3],
         UNIT=unit, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=block,
-        HAS_EXTRA=E > 0, EXTRA_IN_KV=in_kv, num_warps=4, num_stages=2)
-    _combine_kernel[(R, Hq)](po, pml, out, ns, out.stride(0), out.stride(1), HQ=Hq, D=D,
-                             SP=max(2, triton.next_power_of_2(ns)))
+        HAS_EXTRA=E > 0, EXTRA_IN_KV=in_kv, SKIP_EMPTY=work is not None, num_warps=4, num_stages=2)
+    _combine_kernel[(R, Hq)](po, pml, out, seq_lens, ns, out.stride(0), out.stride(1), HQ=Hq, D=D,
+                             SP=max(2, triton.next_power_of_2(ns)), SKIP_EMPTY=work is not None)
     return out

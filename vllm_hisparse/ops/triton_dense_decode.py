@@ -25,24 +25,28 @@ BLOCK_N = 64          # keys per inner step
 
 
 @triton.jit
-def _dense_split_kernel(Q, K, V, BT, SEQ, PO, PML, scale, n_splits,
+def _dense_split_kernel(Q, K, V, BT, BT_ROWS, SEQ, PO, PML, scale, n_splits,
                         s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_br,
                         PAGE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                        D: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr):
+                        D: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_BT_ROWS: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     seq = tl.load(SEQ + r)
     start = sp * SPLIT_N
     if start < seq:                         # else nothing here: the combine reads live splits only
-        _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
-               s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_br,
+        bt = BT + r * s_br
+        if HAS_BT_ROWS:                     # row r reads table row BT_ROWS[r]
+            bt = BT + tl.load(BT_ROWS + r).to(tl.int64) * s_br
+        _split(Q, K, V, bt, PO, PML, scale, n_splits, r, h, sp, start, seq,
+               s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh,
                PAGE, HKV, G, GP, D, SPLIT_N, BLOCK)
 
 
 @triton.jit
 def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
-           s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_br,
+           s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh,
            PAGE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
            D: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr):
     og = tl.arange(0, GP)
@@ -59,7 +63,7 @@ def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
         live = t < end
         j = t // PAGE
         off = t - j * PAGE
-        blk = tl.load(BT + r * s_br + j, mask=live, other=0).to(tl.int64)
+        blk = tl.load(BT + j, mask=live, other=0).to(tl.int64)
         kt = tl.load(K + (blk * s_kn + off * s_kp + h * s_kh)[:, None] + od[None, :],
                      mask=live[:, None], other=0.0)
         vt = tl.load(V + (blk * s_vn + off * s_vp + h * s_vh)[:, None] + od[None, :],
@@ -72,11 +76,21 @@ def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
 
 @triton.jit
 def _ordered_combine_kernel(PO, PML, SEQ, OUT, n_splits, s_or, s_oh, HQ: tl.constexpr,
-                            D: tl.constexpr, SPLIT_N: tl.constexpr):
+                            D: tl.constexpr, SPLIT_N: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     r = tl.program_id(0)
+    seq = tl.load(SEQ + r)
+    live = True
+    if SKIP_EMPTY:                          # a row with no keys is not this call's: out untouched
+        live = seq > 0
+    if live:
+        _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, seq, HQ, D, SPLIT_N)
+
+
+@triton.jit
+def _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, seq, HQ: tl.constexpr, D: tl.constexpr,
+             SPLIT_N: tl.constexpr):
     h = tl.program_id(1)
     od = tl.arange(0, D)
-    seq = tl.load(SEQ + r)
     live = tl.minimum((seq + SPLIT_N - 1) // SPLIT_N, n_splits)
     base = ((r * HQ + h) * n_splits).to(tl.int64)
     mx = tl.full([], float("-inf"), tl.float32)
@@ -95,12 +109,16 @@ def _ordered_combine_kernel(PO, PML, SEQ, OUT, n_splits, s_or, s_oh, HQ: tl.cons
 
 def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_k: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None, max_k: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, max_k: int | None = None,
+                           table_rows: torch.Tensor | None = None,
+                           work: tuple | None = None) -> torch.Tensor:
     """q/out (R, Hq, D) one query per row; k_cache/v_cache (N, P, Hkv, D) pages (strided views of
-    one cache are fine, last dim contiguous); block_table (R, W) int32 (W * P >= max seq_k);
-    seq_k (R,) int32 keys per row (0: zeros out); max_k: a host-side bound on seq_k (None: W * P,
-    what a CUDA graph must assume) that sizes the grid and the partial results, not the result.
-    No host sync, fixed shapes: capturable."""
+    one cache are fine, last dim contiguous); block_table (R, W) int32 (W * P >= max seq_k), or
+    (M, W) read at rows table_rows (R,) int64; seq_k (R,) int32 keys per row (0: zeros out);
+    max_k: a host-side bound on seq_k (None: W * P, what a CUDA graph must assume) that sizes the
+    grid and the partial results, not the result. work: preallocated (po, pml) partials (at least
+    ``partials_numel``); with it, rows with seq_k 0 are skipped, their out rows left as they are,
+    and nothing is allocated. No host sync, fixed shapes: capturable."""
     R, Hq, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     assert Hq % Hkv == 0 and D in DENSE_DECODE_HEAD_SIZES and k_cache.shape[3] == D
@@ -112,15 +130,27 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     bound = block_table.shape[1] * P if max_k is None else min(max_k, block_table.shape[1] * P)
     ns = max(1, -(-bound // SPLIT))
-    po = torch.empty(R, Hq, ns, D, dtype=torch.float32, device=q.device)
-    pml = torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=q.device)
+    if work is None:
+        po = torch.empty(R, Hq, ns, D, dtype=torch.float32, device=q.device)
+        pml = torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=q.device)
+    else:
+        po, pml = work
+        assert po.numel() >= R * Hq * ns * D and pml.numel() >= R * Hq * ns * 2, "work too small"
     G = Hq // Hkv
+    has_rows = table_rows is not None
     _dense_split_kernel[(R, Hkv, ns)](
-        q, k_cache, v_cache, block_table, seq_k, po, pml, float(scale), ns,
+        q, k_cache, v_cache, block_table, table_rows if has_rows else seq_k, seq_k, po, pml,
+        float(scale), ns,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         PAGE=P, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, SPLIT_N=SPLIT,
-        BLOCK=BLOCK_N if D <= 128 else 32, num_warps=4, num_stages=2)
+        BLOCK=BLOCK_N if D <= 128 else 32, HAS_BT_ROWS=has_rows, num_warps=4, num_stages=2)
     _ordered_combine_kernel[(R, Hq)](po, pml, seq_k, out, ns, out.stride(0), out.stride(1), HQ=Hq,
-                                     D=D, SPLIT_N=SPLIT)
+                                     D=D, SPLIT_N=SPLIT, SKIP_EMPTY=work is not None)
     return out
+
+
+def partials_numel(R: int, Hq: int, D: int, max_k: int) -> tuple[int, int]:
+    """Elements of the (po, pml) partial results of a call of R rows with keys bounded by max_k."""
+    ns = max(1, -(-max_k // SPLIT))
+    return R * Hq * ns * D, R * Hq * ns * 2

@@ -14,7 +14,7 @@ import torch
 
 from vllm_hisparse.ops.kernels import DENSE_DECODE_HEAD_SIZES
 
-from . import worker_state
+from . import graph_mode, worker_state
 from .host_block_table import host_block_table
 from .compat import (
     AttentionBackend,
@@ -23,7 +23,6 @@ from .compat import (
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
-    CUDAGraphMode,
     MultipleOf,
     extract_layer_index,
     get_current_vllm_config,
@@ -101,7 +100,7 @@ class HiSparseMetadata:
     block_table: torch.Tensor         # (B, W) int32
     slot_mapping: torch.Tensor        # (T,) int64, -1 = padding
     plan: Any = None                  # core.sparse_runtime.StepPlan, made by the first layer
-    full: int = 0                     # full_decode_graphs: N, the (padded) single-token batch size
+    full: int = 0                     # a uniform decode step: N, its (padded) single-token batch size
     full_rows: int = 0                # its real rows (the first ones; vLLM pads after them)
     pending: bool = False             # plan_full not yet run (worker_state.resolve_full)
 
@@ -129,22 +128,12 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # full_decode_graphs: the batch sizes whose single-token steps take the fixed body, i.e.
-        # those vLLM replays as FULL graphs (None = every size: the CPU runs the body eagerly, as
-        # CI tests it). Other steps (PIECEWISE or eager modes, larger batches) take the usual path.
-        self.full_sizes: set[int] | None = set()
-        if hisparse_config_of(vllm_config).full_decode_graphs:
-            cc = vllm_config.compilation_config
-            if torch.device(device).type != "cuda":
-                self.full_sizes = None
-            elif cc.cudagraph_mode.decode_mode() == CUDAGraphMode.FULL:
-                self.full_sizes = set(cc.cudagraph_capture_sizes or ())
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        """FULL graphs of single-token decode batches with config full_decode_graphs (every
-        layer then runs core/full_decode.py's fixed body); otherwise vLLM runs us PIECEWISE."""
-        if hisparse_config_of(vllm_config).full_decode_graphs:
+        """FULL graphs of single-token decode steps when full_decode_graphs resolves on
+        (vllm/graph_mode.py); vLLM runs other steps (and every step otherwise) PIECEWISE."""
+        if graph_mode.full_graphs(vllm_config):
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
 
@@ -162,15 +151,14 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
             block_table=bt,
             slot_mapping=cm.slot_mapping[:cm.num_actual_tokens],
         )
-        if (B and cm.max_query_len == 1 and worker_state.runtime is not None
-                and not worker_state.sparse_batch
-                and (self.full_sizes is None or B in self.full_sizes)):
-            # A single-token batch, maybe padded by vLLM to a FULL graph's size (padding rows: no
-            # query token, seq_len 0, after the real rows). Its requests are known only once the
-            # connector has bound this step's metadata, so plan_full runs there (start_load_kv,
-            # still before the graph replay) or, on an eager run without it, in the first layer.
-            # (No runtime yet: vLLM's memory profiling captures graphs before the connector exists;
-            # those runs attend nothing.)
+        if B and cm.max_query_len == 1 and worker_state.runtime is not None:
+            # A uniform decode step (one query token per row), maybe padded by vLLM to a FULL
+            # graph's size (padding rows: no query token, seq_len 0, after the real rows): one
+            # decode batch of B rows whatever vLLM then does (replay a graph, or call us eagerly).
+            # Its requests are known only once the connector has bound this step's metadata, so
+            # plan_full runs there (start_load_kv, still before a graph replay) or, on a run
+            # without it, in the first layer. (No runtime yet: vLLM's memory profiling runs before
+            # the connector exists; those runs attend nothing.)
             md.full = B
             md.full_rows = sum(1 for i in range(B) if qsl[i + 1] > qsl[i] and md.seq_lens[i] > 0)
             md.pending = True
@@ -178,13 +166,13 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
         return md
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
-        """vLLM's FULL capture of a batch size: the fixed body records on an all-padding batch
-        (filled here, outside the capture: it copies from the host)."""
+        """vLLM's FULL capture of a batch size: the body records on an all-padding batch (planned
+        here, outside the capture: the plan copies from the host)."""
         md = self.build(0, common_attn_metadata)
         if md.full:
             md.pending = False
             worker_state.pending_full = None
-            worker_state.get_runtime().full.padding(md.full)
+            worker_state.get_runtime().plan_full([], [], md.full)
         return md
 
 
@@ -220,10 +208,9 @@ class HiSparseImpl(AttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if attn_metadata is None:                 # profile, warm-up or vLLM's graph-capture run
-            self._precapture(layer, query.shape[0], kv_cache)
             return output
         md: HiSparseMetadata = attn_metadata
-        if md.full:                               # one fixed body for any single-token batch
+        if md.full:                               # a uniform decode step: the decode batch body
             worker_state.resolve_full(md)
             N = md.full
             rt = worker_state.get_runtime()
@@ -231,12 +218,12 @@ class HiSparseImpl(AttentionImpl):
                           query[:N].view(N, self.num_heads, self.head_size),
                           key[:N].view(N, self.num_kv_heads, self.head_size),
                           value[:N].view(N, self.num_kv_heads, self.head_size), kv_cache,
-                          self.scale, output[:N].view(N, self.num_heads, self.head_size))
+                          md.block_table, self.scale,
+                          output[:N].view(N, self.num_heads, self.head_size))
             return output
         if md.plan is None:
             ids = worker_state.req_ids_of(md.first_blocks)
             if ids is None:                       # dummy batch: nothing to attend to
-                self._precapture(layer, md.num_actual_tokens, kv_cache)
                 return output
             rt = worker_state.get_runtime()
             md.plan = rt.plan(ids, md.query_start_loc, md.seq_lens, md.block_table,
@@ -250,12 +237,3 @@ class HiSparseImpl(AttentionImpl):
         rt.forward_layer(extract_layer_index(layer.layer_name), md.plan, q, k, v, kv_cache,
                          self.scale, out)
         return output
-
-    def _precapture(self, layer, num_tokens: int, kv_cache: torch.Tensor) -> None:
-        """vLLM's dummy runs of n tokens (its PIECEWISE graph capture passes no metadata) stand for
-        decode batches of n rows: capture this layer's decode graph for that batch now, so the
-        Triton JIT and the capture happen at startup, not in the first requests. Nothing before the
-        KV cache exists (memory profiling) or without decode graphs."""
-        rt = worker_state.runtime
-        if rt is not None and kv_cache.numel() and num_tokens > 0:
-            rt.precapture(extract_layer_index(layer.layer_name), num_tokens, kv_cache, self.scale)

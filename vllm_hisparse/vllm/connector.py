@@ -23,7 +23,7 @@ from vllm_hisparse.core.residency import is_sparse_request
 from vllm_hisparse.core.host_pool import HostKVPool, HostPoolPinError
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
-from . import full_dispatch, worker_state
+from . import worker_state
 from .flash_dense import make_dense_fn
 from .compat import (
     KVConnectorBase_V1,
@@ -88,20 +88,13 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                     self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
                     mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
                     host_pages=self.capacity, quest_meta=worker_state.quest_meta,
-                    dense_pool=worker_state.dense_pool, num_heads=mc.get_num_attention_heads(pc))
+                    dense_pool=worker_state.dense_pool)
             except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
                 raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib,
                                        e.pinned) from e.__cause__
-            if worker_state.runtime.full is not None:    # FULL graphs: dense-only batches
-                worker_state.runtime.full.dense_only = True
-                full_dispatch.install()
             fa = make_dense_fn(mc.dtype, mc.get_head_size())
             if fa is not None:
                 worker_state.runtime.dense_fn = fa
-            elif self.cfg.full_decode_graphs and device.type == "cuda":
-                raise ValueError("hisparse: full_decode_graphs needs FlashAttention for the dense "
-                                 "rows (fp16/bf16, head size <= 256 and a multiple of 8; see the "
-                                 "warning above); set full_decode_graphs false")
             self._stats_path = os.environ.get(STATS_ENV)
 
     # ---- scheduler side ----------------------------------------------------------------------

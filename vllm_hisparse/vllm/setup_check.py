@@ -2,6 +2,7 @@
 ``check_and_update_config`` while vLLM builds its VllmConfig, in the front-end process)."""
 from __future__ import annotations
 
+from . import graph_mode
 from .compat import KVTransferConfig, hisparse_config_of, init_logger
 
 logger = init_logger(__name__)
@@ -37,12 +38,11 @@ def prepare_config(vllm_config) -> None:
                          "verified with; start vLLM with VLLM_USE_V2_MODEL_RUNNER=0")
     if pc.pipeline_parallel_size > 1:
         raise ValueError(f"hisparse: pipeline parallelism is not supported; {SUPPORTED}")
-    if cfg.full_decode_graphs and (getattr(pc, "data_parallel_size", 1) > 1
-                                   or getattr(pc, "use_ubatching", False)):
-        # an idle data-parallel rank replays a FULL graph on a dummy batch without the connector
-        # (stale static buffers); micro-batches would share one set of them
-        raise ValueError("hisparse: full_decode_graphs does not support data parallelism or "
-                         "micro-batching (DBO) yet; set full_decode_graphs false")
+    why = graph_mode.blocker(vllm_config)
+    if cfg.full_decode_graphs and why:
+        raise ValueError(f"hisparse: full_decode_graphs=true cannot run: {why}")
+    if cfg.full_decode_graphs is None and why:
+        logger.info("hisparse: FULL decode CUDA graphs off (%s)", why)
     if getattr(cc, "user_specified_block_size", False) and cc.block_size not in (None, cfg.page_size):
         raise ValueError(f"hisparse: --block-size {cc.block_size} must equal the hisparse "
                          f"page_size={cfg.page_size} (one vLLM block = one Quest page = one slot)")

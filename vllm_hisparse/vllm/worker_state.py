@@ -86,14 +86,13 @@ def req_ids_of(first_blocks: list[int]) -> list[str] | None:
 
 
 pending_full = None     # backend.HiSparseMetadata of this step awaiting plan_full, if any
-sparse_batch = False    # this step holds a sparse request: no FULL graph (vllm/full_dispatch.py)
 
 
 def resolve_full(md) -> None:
-    """Run plan_full for a single-token step the builder marked (full_decode_graphs): from the
-    connector's start_load_kv, after this step's requests are bound and before vLLM replays its FULL
-    graph; or from the first layer of an eager run. A batch whose rows belong to no live request
-    (vLLM's dummy runs) becomes all padding."""
+    """Run plan_full for a uniform decode step the builder marked: from the connector's
+    start_load_kv, after this step's requests are bound and before vLLM replays its FULL graph; or
+    from the first layer of a run without it. A batch whose rows belong to no live request (vLLM's
+    dummy runs) becomes all padding."""
     global pending_full
     if md is None or not md.pending:
         return
@@ -104,9 +103,9 @@ def resolve_full(md) -> None:
     n = md.full_rows
     ids = req_ids_of(md.first_blocks[:n]) if n else None
     if ids is None:
-        rt.full.padding(md.full)
+        rt.plan_full([], [], md.full)
     else:
-        rt.plan_full(ids, md.seq_lens[:n], md.block_table[:n], md.full)
+        rt.plan_full(ids, md.seq_lens[:n], md.full)
 
 
 dense_pool = None       # core.host_pool.HostKVPool on the GPU: dense layers of sparse requests

@@ -1,0 +1,134 @@
+"""On the GPU: the decode batch's body recorded into CUDA graphs as vLLM's FULL graphs record it
+(one graph per padded batch size over every layer, captured on an all-padding batch, the kernels of
+each row kind behind conditional nodes), replayed on real steps: equal to the same body run eagerly,
+bit for bit, and hisparse == resident. Plus the conditional node itself."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_sparse_runtime_exact import Driver
+from vllm_hisparse.config import HiSparseConfig
+
+pytestmark = [pytest.mark.cuda, pytest.mark.ext]
+
+
+def test_run_if_skips_its_bodies_in_a_replay_by_flag():
+    from vllm_hisparse.ops.graph_cond import run_if
+
+    preds = torch.zeros(2, dtype=torch.int64, device="cuda")
+    x = torch.zeros(4, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)                                     # always
+        run_if(preds, [False, False], [lambda: x.mul_(10), lambda: x.add_(100)])
+        x.add_(1)
+    want = {(0, 0): 2.0, (1, 0): 11.0, (0, 1): 102.0, (1, 1): 112.0}
+    for (a, b), v in want.items():
+        preds[0], preds[1] = a, b
+        x.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert x.tolist() == [v] * 4, (a, b)
+    x.zero_()
+    run_if(preds, [True, False], [lambda: x.add_(5), lambda: x.add_(100)])   # eagerly: flags
+    torch.cuda.synchronize()
+    assert x.tolist() == [5.0] * 4
+
+
+def test_run_if_refuses_a_body_that_allocates():
+    from vllm_hisparse.ops.graph_cond import run_if
+
+    preds = torch.ones(1, dtype=torch.int64, device="cuda")
+    x = torch.zeros(4, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(Exception, match="allocat"):
+        with torch.cuda.graph(g):
+            run_if(preds, [True], [lambda: x.copy_(x + 1)])
+
+
+class GraphDriver(Driver):
+    """Driver whose FULL-graph steps replay one CUDA graph per padded batch size over every layer,
+    recorded on an all-padding batch (as vLLM records its FULL graphs)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, full=True, **kw)
+        self.graphs = {}
+
+    def _full_step(self, ids, seq, bt):
+        n = len(ids)
+        N = 1 << (n - 1).bit_length()
+        if N not in self.graphs:
+            self._record(N, bt.shape[1])
+        g, io = self.graphs[N]
+        self.rt.plan_full(ids, seq, N)
+        io["bt"][:n] = bt
+        for layer in range(self.L):
+            q, k, v = self._rand(n, self.hq, self.d), self._rand(n, self.hkv, self.d), \
+                self._rand(n, self.hkv, self.d)
+            io["q"][layer][:n], io["k"][layer][:n], io["v"][layer][:n] = q, k, v
+        for o in io["out"]:
+            o.fill_(float("nan"))
+        g.replay()
+        self.outs.extend(o[:n].clone() for o in io["out"])
+
+    def _record(self, N, W):
+        z = lambda *s: torch.zeros(*s, dtype=self.dt, device=self.dev)  # noqa: E731
+        io = {"q": [z(N, self.hq, self.d) for _ in range(self.L)],
+              "k": [z(N, self.hkv, self.d) for _ in range(self.L)],
+              "v": [z(N, self.hkv, self.d) for _ in range(self.L)],
+              "out": [z(N, self.hq, self.d) for _ in range(self.L)],
+              "bt": torch.zeros(N, W, dtype=torch.int32, device=self.dev)}
+
+        def layers():
+            for layer in range(self.L):
+                self.rt.full_layer(layer, N, io["q"][layer], io["k"][layer], io["v"][layer],
+                                   self.kv[layer], io["bt"], self.d ** -0.5, io["out"][layer])
+
+        self.rt.plan_full([], [], N)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            layers()                                   # warm-up on the padding batch: inert
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            layers()
+        self.graphs[N] = (g, io)
+
+
+def run(cls, host_tier: bool, dense_layers, dense_pool_gib):
+    cfg = HiSparseConfig(top_k=48, device_buffer_size=64, page_size=16, dense_layers=dense_layers,
+                         min_context=160, host_pool_gib=0.05, host_tier=host_tier,
+                         dense_pool_gib=dense_pool_gib)
+    d = cls(cfg, rows=4, device="cuda", dtype=torch.bfloat16, dims=(8, 2, 64), shape=(16, 3, 40))
+    prompts = {"a": 500, "b": 330, "short": 60, "c": 210}
+    for rid, n in prompts.items():
+        d.add(rid, n)
+    d.step({"a": 256, "b": 330, "short": 60})
+    d.step({"a": 244, "b": 1, "short": 1, "c": 210})
+    for i in range(30):                      # 4, then 3 rows (a padded batch of 4 with junk)
+        d.step({rid: 1 for rid in prompts if not (rid == "short" and i >= 20)})
+    stats = d.rt.stats_dict()
+    for rid in prompts:
+        assert d.rt.finish(rid)
+    assert d.rt.host_pages_used == 0
+    return d.outs, stats
+
+
+@pytest.mark.parametrize("dense_layers,dense_pool_gib", [((0,), 0.01), ((), 0.0)])
+def test_replayed_graphs_equal_eager_and_resident(dense_layers, dense_pool_gib):
+    g_hs, stats = run(GraphDriver, True, dense_layers, dense_pool_gib)
+    e_hs, _ = run(lambda *a, **k: Driver(*a, full=True, **k), True, dense_layers, dense_pool_gib)
+    g_res, _ = run(GraphDriver, False, dense_layers, 0.0)
+    assert stats["misses"] > 0 and stats["full_steps"] >= 30
+    assert len(g_hs) == len(e_hs) == len(g_res)
+    for i, (a, b, c) in enumerate(zip(g_hs, e_hs, g_res)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN in the replay"
+        assert torch.equal(a, b), f"step/layer {i}: replay differs from eager"
+        assert torch.equal(a, c), f"step/layer {i}: hisparse differs from resident"

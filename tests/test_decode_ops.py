@@ -1,0 +1,247 @@
+"""The decode batch's fused ops (ops/decode_ops.py): decode_write and select_resolve.
+
+The references are checked against computations of their own (a per-row loop; the selection's
+defining property and the resolve invariants), then the Triton kernels against the references, bit
+for bit, on fresh random inputs: on CPU through Triton's interpreter, on the GPU for real."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_interpreter import run_cases
+
+from vllm_hisparse.ops import decode_ops, reference
+
+# (N rows, P, Hkv, D, W blocks per row)
+WRITE_CASES = [(5, 16, 2, 64, 6), (3, 4, 1, 32, 9), (8, 16, 8, 128, 4)]
+# (N rows, P, Hkv, D, U pages per row, k selected, S slots)
+SELECT_CASES = [(4, 4, 2, 32, 40, 5, 8), (3, 2, 1, 16, 70, 31, 33), (5, 4, 2, 16, 33, 32, 32),
+                (2, 4, 1, 16, 300, 16, 17)]
+STEPS = 6
+
+
+def write_inputs(N, P, Hkv, D, W, gen, dev="cpu", dt=torch.float32):
+    blocks = N * W + 3
+    kv = torch.randn(blocks, 2, P, Hkv, D, generator=gen).to(dt)
+    bt = torch.randperm(blocks, generator=gen)[:N * W].view(N, W).int()
+    seq = torch.randint(1, W * P + 1, (N,), generator=gen)
+    seq[0] = 0                                          # a padding row
+    seq[1] = P + 1 if N > 2 else seq[1]                 # a page's first token
+    k = torch.randn(N, Hkv, D, generator=gen).to(dt)
+    v = torch.randn(N, Hkv, D, generator=gen).to(dt)
+    dst = torch.randn(N + 4, 2, P, Hkv, D, generator=gen).to(dt)
+    dst_page = torch.randperm(N + 4, generator=gen)[:N]
+    dst_page[-1] = -1
+    R, U = N + 1, W
+    kmin = torch.randn(R, U, Hkv, D, generator=gen).to(dt)
+    kmax = kmin + torch.rand(R, U, Hkv, D, generator=gen).to(dt)
+    qrow = torch.randperm(R, generator=gen)[:N]
+    q_page = qrow * U + (seq - 1).clamp(min=0) // P
+    q_page[N // 2] = -1
+    t = [kv, bt, seq, k, v, dst, dst_page, kmin, kmax, q_page]
+    return [x.to(dev) for x in t]
+
+
+def write_loop(kv, bt, seq, k, v, dst, dst_page, kmin, kmax, q_page):
+    """decode_write row by row, the obvious way (the reference's reference)."""
+    P = kv.shape[2]
+    newest = torch.full((len(seq),), -1, dtype=torch.int32)
+    for r in range(len(seq)):
+        if seq[r] <= 0:
+            continue
+        pos = int(seq[r]) - 1
+        b, off = int(bt[r, pos // P]), pos % P
+        newest[r] = b
+        kv[b, 0, off], kv[b, 1, off] = k[r], v[r]
+        if dst_page[r] >= 0:
+            dst[dst_page[r], 0, off], dst[dst_page[r], 1, off] = k[r], v[r]
+        if q_page[r] >= 0:
+            U = kmin.shape[1]
+            qr, pg = divmod(int(q_page[r]), U)
+            if off == 0:
+                kmin[qr, pg], kmax[qr, pg] = k[r], k[r]
+            else:
+                kmin[qr, pg] = torch.minimum(kmin[qr, pg], k[r])
+                kmax[qr, pg] = torch.maximum(kmax[qr, pg], k[r])
+    return newest
+
+
+def run_write(fn, t):
+    kv, bt, seq, k, v, dst, dst_page, kmin, kmax, q_page = [x.clone() for x in t]
+    newest = torch.full((len(seq),), 7, dtype=torch.int32, device=kv.device)
+    fn(kv, k, v, bt, seq, newest, dst, dst_page, kmin, kmax, q_page)
+    return kv, dst, kmin, kmax, newest
+
+
+@pytest.mark.parametrize("case", WRITE_CASES)
+def test_decode_write_reference_equals_loop(case):
+    t = write_inputs(*case, torch.Generator().manual_seed(sum(case)))
+    got = run_write(reference.decode_write, t)
+    kv, bt, seq, k, v, dst, dst_page, kmin, kmax, q_page = [x.clone() for x in t]
+    newest = write_loop(kv, bt, seq, k, v, dst, dst_page, kmin, kmax, q_page)
+    for a, b in zip(got, (kv, dst, kmin, kmax, newest)):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[0], t[0]), "nothing was written"
+
+
+def select_inputs(N, P, Hkv, D, U, k, S, gen, dev="cpu"):
+    """N rows over a (M = N + 2)-row state: row 0 padding, the last one resident (hot 0, when N > 2), the rest
+    hot; scores rounded so ties happen; a host pool of distinct bytes per page."""
+    M = N + 2
+    W = U + 1
+    blocks = N * W + 2
+    kv = torch.full((blocks, 2, P, Hkv, D), float("nan"))
+    bt = (torch.randperm(blocks - 2, generator=gen)[:N * W] + 2).view(N, W).int()
+    host = torch.randn(N * U + 5, 2, P, Hkv, D, generator=gen)
+    host_pt = torch.full((M, U), -1, dtype=torch.int32)
+    rows = torch.randperm(M, generator=gen)[:N]
+    for i in range(N):
+        host_pt[rows[i]] = torch.randperm(N * U + 5, generator=gen)[:U].int()
+    seq = torch.full((N,), U * P + 1, dtype=torch.int64)
+    seq[0] = 0
+    full = torch.randint(1, U + 1, (N,), generator=gen)
+    full[1] = min(k, U)                                  # exactly k pages: all taken
+    if N > 3:
+        full[2] = 0                                      # no complete page yet: all -1
+    hot = torch.ones(N, dtype=torch.int64)
+    if N > 2:
+        hot[-1] = 0
+    su = torch.full((M, S), -1, dtype=torch.int32)
+    us = torch.full((M, U), -1, dtype=torch.int32)
+    lru = torch.arange(S, dtype=torch.int32).repeat(M, 1)
+    t = dict(kv=kv, bt=bt, host=host, host_pt=host_pt, rows=rows, seq=seq, full=full, hot=hot,
+             state=(su, us, lru), counts=torch.zeros(2, dtype=torch.int64))
+    return {n: (tuple(x.to(dev) for x in v) if isinstance(v, tuple) else v.to(dev))
+            for n, v in t.items()}
+
+
+def random_scores(N, U, gen, dev):
+    return (torch.randn(N, U, generator=gen) * 4).round().div(4).to(dev)   # many ties
+
+
+def run_select(fn, t, scores, k, work=None):
+    N = scores.shape[0]
+    sel = torch.full((N, k), -7, dtype=torch.int32, device=scores.device)
+    locs = torch.full_like(sel, -7)
+    kw = {} if work is None else {"work": work}
+    fn(scores, t["seq"], t["full"], k, t["bt"], sel, locs, hot=t["hot"], rows=t["rows"],
+       state=t["state"], host_pt=t["host_pt"], host=t["host"], kv=t["kv"], counts=t["counts"],
+       **kw)
+    return sel, locs
+
+
+def check_select_properties(t, scores, k, sel, locs, before):
+    """What the selection and RESOLVE must satisfy, checked without the reference's code."""
+    su, us, lru = t["state"]
+    for r in range(scores.shape[0]):
+        n = int(t["full"][r])
+        if int(t["seq"][r]) == 0:
+            assert (sel[r] == -7).all() and (locs[r] == -7).all(), "padding row written"
+            continue
+        got = [int(x) for x in sel[r] if x >= 0]
+        assert got == sorted(got) and len(got) == min(n, k)
+        if n > k:                   # every unselected live score <= every selected one
+            s = scores[r, :n]
+            chosen = torch.zeros(n, dtype=torch.bool)
+            chosen[got] = True
+            assert s[~chosen].max() <= s[chosen].min()
+        for j, p in enumerate(got):
+            b = int(locs[r, j])
+            if int(t["hot"][r]) == 0:
+                assert b == int(t["bt"][r, p])
+            else:                   # resident now, in one of the row's S hot blocks, holding p
+                row = int(t["rows"][r])
+                slot = int(us[row, p])
+                assert slot >= 0 and int(su[row, slot]) == p and b == int(t["bt"][r, slot])
+                hp = int(t["host_pt"][row, p])
+                assert torch.equal(t["kv"][b], t["host"][hp]), "wrong bytes in the hot block"
+        if int(t["hot"][r]):
+            row = int(t["rows"][r])
+            assert sorted(lru[row].tolist()) == list(range(lru.shape[1]))
+            assert (before[row] == lru[row]).all() or set(lru[row, :len(got)].tolist()) == {
+                int(us[row, p]) for p in got}, "the selected slots are not the most recent"
+
+
+@pytest.mark.parametrize("case", SELECT_CASES)
+def test_select_resolve_reference_properties(case):
+    N, P, Hkv, D, U, k, S = case
+    gen = torch.Generator().manual_seed(sum(case))
+    t = select_inputs(*case, gen)
+    total = 0
+    for _ in range(STEPS):
+        scores = random_scores(N, U, gen, "cpu")
+        before = t["state"][2].clone()
+        sel, locs = run_select(decode_ops.select_resolve, t, scores, k)
+        check_select_properties(t, scores, k, sel, locs, before)
+        total += sum(min(int(t["full"][r]), k) for r in range(N)
+                     if int(t["seq"][r]) and int(t["hot"][r]))
+    assert int(t["counts"].sum()) == total and int(t["counts"][1]) > 0
+
+
+def compare_select(case, gen, dev, fn_triton, pinned_host=False):
+    """Triton vs reference over STEPS steps of one episode: everything bit for bit (pinned_host:
+    the kernel's host pool is a pinned CPU copy of the reference's)."""
+    N, P, Hkv, D, U, k, S = case
+    a = select_inputs(*case, gen, dev)
+    b = {n: (tuple(x.clone() for x in v) if isinstance(v, tuple) else v.clone())
+         for n, v in a.items()}
+    if pinned_host:
+        b["host"] = a["host"].cpu().pin_memory()
+    shapes = decode_ops.workspace_shapes(N, k, S)
+    work = tuple(torch.zeros(s, dtype=torch.int32, device=dev) for s in shapes)
+    for step in range(STEPS):
+        scores = random_scores(N, U, gen, dev)
+        want = run_select(reference.select_resolve, a, scores, k)
+        got = run_select(fn_triton, b, scores, k, work)
+        for name, x, y in (("sel", want[0], got[0]), ("locs", want[1], got[1]),
+                           ("slot_unit", a["state"][0], b["state"][0]),
+                           ("unit_slot", a["state"][1], b["state"][1]),
+                           ("lru", a["state"][2], b["state"][2]), ("counts", a["counts"], b["counts"])):
+            assert torch.equal(x, y), f"step {step}: {name} differs"
+        assert torch.equal(a["kv"].nan_to_num(-9.0), b["kv"].nan_to_num(-9.0)), f"step {step}: kv"
+    return a
+
+
+def compare_write(case, gen, dev, fn):
+    t = write_inputs(*case, gen, dev)
+    want = run_write(reference.decode_write, t)
+    got = run_write(fn, t)
+    for name, x, y in zip(("kv", "dst", "kmin", "kmax", "newest"), want, got):
+        assert torch.equal(x, y), f"{name} differs"
+
+
+def run_interpreter_cases():
+    """Called in a subprocess with TRITON_INTERPRET=1 (it must be set before triton is imported)."""
+    from vllm_hisparse.ops import triton_decode_write, triton_select
+    for i, case in enumerate(WRITE_CASES):
+        compare_write(case, torch.Generator().manual_seed(40 + i), "cpu",
+                      triton_decode_write.decode_write)
+
+    def tri(scores, seq, full, k, bt, sel, locs, work, **kw):
+        triton_select.select_resolve(scores, seq, full, k, bt, sel, locs, *work, **kw)
+
+    for i, case in enumerate(SELECT_CASES):
+        compare_select(case, torch.Generator().manual_seed(50 + i), "cpu", tri)
+    print("interpreter ok")
+
+
+def test_triton_kernels_in_interpreter():
+    run_cases("test_decode_ops")
+
+
+@pytest.mark.cuda
+@pytest.mark.ext
+@pytest.mark.parametrize("case", WRITE_CASES)
+def test_gpu_decode_write(case):
+    compare_write(case, torch.Generator().manual_seed(60 + sum(case)), "cuda",
+                  decode_ops.decode_write)
+
+
+@pytest.mark.cuda
+@pytest.mark.ext
+@pytest.mark.parametrize("case", SELECT_CASES + [(4, 16, 8, 128, 2048, 127, 256)])
+def test_gpu_select_resolve(case):
+    """On the GPU the kernel reads the host pool as pinned CPU memory, through its UVA alias."""
+    a = compare_select(case, torch.Generator().manual_seed(70 + sum(case)), "cuda",
+                       decode_ops.select_resolve, pinned_host=True)
+    assert int(a["counts"][1]) > 0

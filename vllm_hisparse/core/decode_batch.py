@@ -1,0 +1,107 @@
+"""The decode batch: every row of a step that has one query token, with what its layers need,
+decided once per step on the host and copied to the device in one go.
+
+A uniform decode step of vLLM (each row one token, padded by vLLM to a CUDA-graph size N) is one
+decode batch of N rows; in a mixed step the one-token rows form it (N = their number) and the
+prefill rows go their own way. Every layer of the step runs ``core/decode_body.py`` on it — eagerly,
+or recorded once into vLLM's FULL CUDA graph of size N and replayed: so everything the body reads
+per step lives in buffers of fixed address per N (``meta``, ``newest``), rewritten by ``fill``
+before the forward. Per row (one int64 field each, ``FIELDS``):
+
+- ``seq``: keys including the new token; 0 = padding (the row writes and reads nothing);
+- ``full``, ``sp_seq``: a sparse row's complete pages and its seq (0 for any other row: the sparse
+  kernels skip it); ``hot``: its pages left the GPU (RESOLVE through its hot slots);
+- ``row``, ``qrow``: runtime row (hot-slot state, host / dense-pool page tables) and Quest row
+  (scratch rows for rows that own none);
+- ``host_page``, ``dpool_page``, ``q_page``: where the new token goes besides the cache (-1: not);
+- ``dn_seq``: keys of a dense row in sparse layers; ``dl_seq`` / ``pool_seq``: keys read in dense
+  layers from the cache / the dense pool (0 where the row reads the other).
+
+and four batch flags (``COND``) that gate the kernels of a kind inside a CUDA graph
+(ops/graph_cond.py): any sparse row, any dense row, any dense-layer row on the cache, on the pool
+(on the device as planned; on the host all true for an all-padding batch, so that an eager run of
+one, such as vLLM's warm-up before a capture, compiles every kernel).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+FIELDS = ("seq", "full", "sp_seq", "hot", "row", "qrow", "host_page", "dpool_page", "q_page",
+          "dn_seq", "dl_seq", "pool_seq")
+COND = ("has_sparse", "has_dense", "has_dl", "has_pool")
+_COND_OF = {"has_sparse": "sp_seq", "has_dense": "dn_seq", "has_dl": "dl_seq",
+            "has_pool": "pool_seq"}
+
+
+class DecodeBatch:
+    """The buffers of one batch size N (fixed addresses: a FULL graph of size N reads them)."""
+
+    def __init__(self, N: int, device):
+        self.N = N
+        F = len(FIELDS)
+        self.meta = torch.zeros(F * N + len(COND), dtype=torch.int64, device=device)
+        self.newest = torch.full((N,), -1, dtype=torch.int32, device=device)
+        self._f = {name: self.meta[i * N:(i + 1) * N] for i, name in enumerate(FIELDS)}
+        self.flags = dict.fromkeys(COND, False)      # the same flags, on the host
+        self.steps: list = []                         # core.step_plan.ReqStep of rows 0..n-1
+        self.freed: list = []                         # dense layers read these rows from the host
+        self.tok: torch.Tensor | None = None          # (n,) token of each row (mixed steps)
+
+    def field(self, name: str) -> torch.Tensor:
+        return self._f[name]
+
+    def conds(self, *names: str) -> tuple[torch.Tensor, list[bool]]:
+        """The batch flags ``names`` (consecutive in COND): (n,) int64 on the device, and on the
+        host."""
+        i = COND.index(names[0])
+        assert COND[i:i + len(names)] == names, names
+        F = len(FIELDS) * self.N
+        return self.meta[F + i:F + i + len(names)], [self.flags[n] for n in names]
+
+    @property
+    def n(self) -> int:
+        return len(self.steps)
+
+
+def fill(rt, db: DecodeBatch, steps: list, host_pages: dict) -> None:
+    """Rows 0..n-1 of db = ``steps`` (core.step_plan.ReqStep, one query token each), the rest
+    padding; one host->device copy. rt: the SparseRuntime (page size, scratch rows, pools,
+    whether dense layers read sparse rows from the dense pool); host_pages: req_id -> (host page
+    list, dense-pool page list or None) of the sparse rows, as the plan just grew them."""
+    N, n, P, U = db.N, len(steps), rt.P, rt.U
+    if n > N:
+        raise ValueError(f"{n} one-token rows do not fit a decode batch of {N}")
+    m = np.zeros((len(FIELDS), N), dtype=np.int64)
+    F = dict(zip(FIELDS, m))
+    F["row"][:] = rt.scratch_row
+    F["qrow"][:] = rt.quest_scratch
+    F["host_page"][:] = F["dpool_page"][:] = F["q_page"][:] = -1
+    freed = []
+    for i, s in enumerate(steps):
+        seq = s.seq_len
+        page = (seq - 1) // P
+        F["seq"][i] = seq
+        F["row"][i] = s.row
+        if s.sparse:
+            F["full"][i], F["sp_seq"][i] = page, seq
+            F["hot"][i] = s.freed[1] > s.freed[0]
+            F["qrow"][i] = s.qrow
+            F["q_page"][i] = s.qrow * U + page
+            hp, dp = host_pages.get(s.req_id, (None, None))
+            if hp is not None:
+                F["host_page"][i] = hp[page]
+            if dp is not None:
+                F["dpool_page"][i], F["pool_seq"][i] = dp[page], seq
+            elif s.freed[1] > s.freed[0]:
+                freed.append(s)                       # dense layers: the host read-back path
+            else:
+                F["dl_seq"][i] = seq
+        else:
+            F["dn_seq"][i] = F["dl_seq"][i] = seq
+    # an all-padding batch (vLLM's warm-up and capture runs) runs every kernel on the host's say:
+    # inert rows, but Triton compiles them before a capture records them
+    flags = {c: n == 0 or bool(F[_COND_OF[c]].any()) for c in COND}
+    rt.h2d(np.concatenate([m.reshape(-1), np.array([flags[c] for c in COND], dtype=np.int64)]),
+           out=db.meta)
+    db.flags, db.steps, db.freed = flags, list(steps), freed

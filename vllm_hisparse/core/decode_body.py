@@ -1,0 +1,132 @@
+"""One layer of a decode batch (core/decode_batch.py): the only code that decodes a row, run eagerly
+(CPU, mixed steps, batch sizes vLLM has no graph for) and recorded into vLLM's FULL CUDA graphs.
+
+Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind return at once):
+
+1. ``decode_write``: the new token into its block, through to the host pool, into the Quest bounds;
+2. if the batch has sparse rows (a conditional graph node, ops/graph_cond.py): Quest page scores ->
+   ``select_resolve`` (top-k pages, RESOLVE, then the miss copies from the host pool) -> sparse
+   attention over the selected pages and the newest page;
+3. if it has dense rows (a second conditional node; one kernel sets both conditions): the
+   batch-invariant split-KV dense decode over the paged cache.
+
+Dense layer: the new token into its block (and the dense pool, or the host pool); dense decode of
+the rows whose keys are on the GPU over the cache, of sparse rows over the dense pool; sparse rows
+whose pages left the GPU without a dense pool read them back from the host (eager only).
+
+Every output and workspace is allocated before the conditional parts (they must not allocate);
+each kernel's result for a row depends only on that row, so a row gets the same bits whatever the
+batch, eager or replayed — and hisparse == resident, which differ only in where pages sit.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_hisparse.ops import decode_ops, kernels
+from vllm_hisparse.ops.graph_cond import run_if
+from vllm_hisparse.ops.quest import quest_scores_rows
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _dense_work(q: torch.Tensor, max_k: int):
+    """The split-KV dense decode's partial results for every row of q (CUDA; a marker on CPU)."""
+    if not q.is_cuda:
+        return ()
+    from vllm_hisparse.ops.triton_dense_decode import partials_numel
+    n_o, n_m = partials_numel(q.shape[0], q.shape[1], q.shape[2], max_k)
+    return (torch.empty(n_o, dtype=torch.float32, device=q.device),
+            torch.empty(n_m, dtype=torch.float32, device=q.device))
+
+
+def _max_k(db, q: torch.Tensor, bt: torch.Tensor, P: int) -> int:
+    """Keys bound of the dense calls (it sizes their grid and partials, not their result): the
+    block table's width in a graph (it serves any batch), else this batch's longest row."""
+    if _capturing(q):
+        return bt.shape[1] * P
+    return max([s.seq_len for s in db.steps] + [1])
+
+
+def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv: torch.Tensor, bt: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """q/out (N, Hq, D), k/v (N, Hkv, D): row i = row i of db; kv (blocks, 2, P, Hkv, D) this
+    layer's cache; bt (N, W) int32 the rows' block tables."""
+    f = db.field
+    N, dev = q.shape[0], q.device
+    host = rt.host_layer(layer)
+    decode_ops.decode_write(kv, k, v, bt, f("seq"), db.newest, host, f("host_page"),
+                            rt.kmin[layer], rt.kmax[layer], f("q_page"))
+    K, P = rt.k_sel, rt.P
+    scores = torch.empty(N, rt.U, dtype=torch.float32, device=dev)
+    sel = torch.empty(N, K, dtype=torch.int32, device=dev)
+    locs = torch.empty_like(sel)
+    work = sw = ()
+    if q.is_cuda:
+        from vllm_hisparse.ops.triton_attention import partials_shape
+        work = tuple(torch.empty(s, dtype=torch.int32, device=dev)
+                     for s in decode_ops.workspace_shapes(N, K, rt.S))
+        sw = tuple(torch.empty(s, dtype=torch.float32, device=dev)
+                   for s in partials_shape(N, q.shape[1], kv.shape[3], K * P + P, q.shape[2]))
+    hs = rt.hot[layer]
+
+    def sparse():
+        quest_scores_rows(q, rt.kmin[layer], rt.kmax[layer], f("qrow"), f("full"), scores,
+                          live_only=True)
+        hot = {} if hs is None else dict(
+            hot=f("hot"), rows=f("row"), state=(hs.slot_unit, hs.unit_slot, hs.lru),
+            host_pt=rt.host_pt.table, host=host, kv=kv, counts=rt._hit_miss)
+        decode_ops.select_resolve(scores, f("sp_seq"), f("full"), K, bt, sel, locs, work, **hot)
+        if rt.trace is not None:
+            rt.trace_decode(layer, db, sel)
+        kernels.sparse_decode_attention_newest(q, kv, locs, sel, f("sp_seq"), db.newest, scale,
+                                               out, work=sw)
+
+    max_k = _max_k(db, q, bt, P)
+    dense = _dense(rt, q, kv, bt, f("dn_seq"), scale, out, max_k, _dense_work(q, max_k))
+    run_if(*db.conds("has_sparse", "has_dense"), [sparse, dense])
+
+
+def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: torch.Tensor, bt: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """A dense layer (cfg.dense_layers) of the decode batch; arguments as sparse_layer."""
+    f = db.field
+    dp = rt.dense_pool_layer(layer)
+    if dp is not None:
+        dst, dst_page = dp, f("dpool_page")
+    else:
+        dst, dst_page = rt.host_layer(layer), f("host_page")
+    decode_ops.decode_write(kv, k, v, bt, f("seq"), db.newest, dst, dst_page)
+    max_k = _max_k(db, q, bt, rt.P)
+    work = _dense_work(q, max_k)
+    on_gpu = _dense(rt, q, kv, bt, f("dl_seq"), scale, out, max_k, work)
+    if dp is None:
+        preds, flags = db.conds("has_dl")
+        run_if(preds, flags, [on_gpu])
+    else:
+        in_pool = _dense(rt, q, dp, rt.dense_pt.table, f("pool_seq"), scale, out, max_k, work,
+                         rows=f("row"))
+        run_if(*db.conds("has_dl", "has_pool"), [on_gpu, in_pool])
+    if db.freed:                     # no dense pool: pages that left the GPU come from the host
+        rt.dense_from_host(layer, db, q, kv, bt, scale, out)
+
+
+def _dense(rt, q, cache, table, seq, scale, out, max_k: int, work, rows=None):
+    """The dense decode of the rows with seq > 0 over cache pages table (rows: table row of each),
+    as a callable: the split-KV decode kernel (its plain-torch twin on the CPU), or, with
+    split_dense_decode off on a GPU, the runtime's dense_fn (FlashAttention; FULL graphs are off
+    then) merged by row."""
+    if rt.split_dense or not q.is_cuda:
+        return lambda: kernels.dense_decode_attention(
+            q, cache[:, 0], cache[:, 1], table, seq, scale, out, max_k=max_k, table_rows=rows,
+            work=work)
+
+    def fa():
+        N = q.shape[0]
+        tmp = torch.empty_like(q)
+        tbl = (table if rows is None else table[rows]).to(torch.int32)
+        cu = torch.arange(N + 1, dtype=torch.int32, device=q.device)
+        rt.dense_fn(q, cache[:, 0], cache[:, 1], tbl, cu, seq.to(torch.int32), 1, max_k, scale, tmp)
+        out.copy_(torch.where((seq > 0)[:, None, None], tmp, out))
+    return fa

@@ -1,0 +1,71 @@
+"""The decode batch's fused ops: Triton on CUDA tensors, the plain-torch references otherwise.
+
+``decode_write`` (the new token into the cache, a second pool and the Quest bounds: one launch)
+and ``select_resolve`` (top-k pages + RESOLVE with the miss copies: one launch), contracts in
+``reference.decode_write`` / ``reference.select_resolve``. Both are allocation-free on CUDA (the
+caller passes every output and workspace), so they can sit in a conditional CUDA-graph body.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import kernels, reference
+
+
+def _device_alias(t: torch.Tensor | None, dev: torch.device) -> torch.Tensor | None:
+    """A pinned CPU pool as a CUDA tensor over the same memory (UVA), for the Triton kernels."""
+    if t is None or t.device == dev:
+        return t
+    if not kernels.available():
+        raise RuntimeError(f"hisparse: reading the pinned host pool from a Triton kernel needs the "
+                           f"compiled extension (vllm_hisparse._C): {kernels.import_error()}")
+    return torch.ops.hisparse.uva_view(t)
+
+
+def decode_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
+                 seq: torch.Tensor, newest: torch.Tensor, dst: torch.Tensor | None = None,
+                 dst_page: torch.Tensor | None = None, kmin: torch.Tensor | None = None,
+                 kmax: torch.Tensor | None = None, q_page: torch.Tensor | None = None) -> None:
+    """reference.decode_write (shapes there); one Triton launch on CUDA. k/v rows may be strided
+    (views of a fused qkv output) with each (Hkv, D) block contiguous."""
+    if not k.is_cuda:
+        reference.decode_write(kv, k, v, block_table, seq, newest, dst, dst_page, kmin, kmax,
+                               q_page)
+        return
+    from . import triton_decode_write
+    assert kv.is_contiguous() and k.stride(2) == 1 and v.stride(2) == 1
+    assert k.shape[1] == 1 or k.stride(1) == k.shape[2], "k's (Hkv, D) block must be contiguous"
+    if kmin is not None:
+        assert kmin.stride(0) == kmin.shape[1] * kmin.stride(1) and kmin.stride() == kmax.stride()
+    triton_decode_write.decode_write(kv, k, v, block_table, seq, newest,
+                                     _device_alias(dst, kv.device), dst_page, kmin, kmax, q_page)
+
+
+def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tensor, k: int,
+                   block_table: torch.Tensor, sel: torch.Tensor, locs: torch.Tensor,
+                   work: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   hot: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                   state: tuple | None = None, host_pt: torch.Tensor | None = None,
+                   host: torch.Tensor | None = None, kv: torch.Tensor | None = None,
+                   counts: torch.Tensor | None = None) -> None:
+    """reference.select_resolve (shapes there); one Triton launch on CUDA. work: the (scratch,
+    victims) int32 workspaces of workspace_shapes(N, k, S) (CUDA only)."""
+    if not scores.is_cuda:
+        reference.select_resolve(scores, seq, num_full, k, block_table, sel, locs, hot, rows,
+                                 state, host_pt, host, kv, counts)
+        return
+    from . import triton_select
+    if hot is not None:
+        assert host is not None and host.dtype == kv.dtype and kv.is_contiguous()
+        assert host[0].numel() == kv[0].numel(), "host pages and cache blocks must have one layout"
+        assert all(t.stride(1) == 1 for t in (*state, host_pt))
+    triton_select.select_resolve(scores, seq, num_full, k, block_table, sel, locs, *work, hot,
+                                 rows, state, host_pt, _device_alias(host, scores.device), kv,
+                                 counts)
+
+
+def workspace_shapes(N: int, k: int, S: int) -> tuple[tuple, tuple]:
+    """Shapes of select_resolve's (scratch, victims) workspaces for a batch of N rows."""
+    from .triton_select import select_widths
+    KB, SB = select_widths(k, S)
+    return (N, SB), (N, KB)

@@ -1,0 +1,224 @@
+"""SELECT + RESOLVE of a decode batch (Triton): one program per row takes the row's Quest page
+scores, picks its top pages, and maps them to physical blocks — through the block table while every
+page is on the GPU, or through the row's hot slots (LRU) otherwise; a second launch, one program per
+selected page, copies the missing pages from the pinned host pool with GPU loads (a row's misses in
+parallel: one program copying them one after the other moved 13 GB/s on the H200).
+
+Per row r (program r; rows with ``seq[r] == 0`` stop at once, rows without a complete page get
+``sel = locs = -1``):
+
+1. **Top-k** over the scores of pages [0, n), n = num_full[r]: all of them when n <= K, else the K
+   largest by an order-preserving 32-bit key, found by four 8-bit radix passes (a histogram each),
+   then every larger key and the first ties in page order (contract ``reference.topk_index``).
+   ``sel[r]`` = the pages in ascending order, -1 after them.
+2. **Resident rows**: ``locs[r, j] = block_table[r, sel[r, j]]``.
+3. **Hot rows** (RESOLVE, contract ``reference.resolve_lru``): hits through the page table
+   ``unit_slot``; victims in eviction order (the LRU end first), empty slots before occupied ones
+   that are not hit now; the i-th miss in selection order takes the i-th victim; the new order is
+   hits (later selection entries more recent), then misses, then the rest in their old order. Slot
+   s of the row is block ``block_table[r, s]`` (the request's first S blocks are its hot slots).
+   The state rows are read and written in place through the runtime row ``rows[r]``; hits and
+   misses are added to ``counts``; a miss's locs entry is marked ``-2 - block`` until the IO
+   program has copied ``host[host_pt[row, unit]]`` into the block.
+
+Every decision is a function of the row's state and scores (scans in fixed orders, no atomics but
+the integer counts), so a row's result does not depend on the other rows of the batch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _topk_take(SC, n, K, UB: tl.constexpr):
+    """(UB,) bool: the pages [0, n) among the K best scores of the row at SC (n > K)."""
+    o = tl.arange(0, UB)
+    live = o < n
+    x = tl.load(SC + o, mask=live, other=0.0)
+    bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    key = tl.where(live, key, -1)
+    bins = tl.arange(0, 256)
+    need = K
+    prefix = tl.zeros([], tl.int64)
+    for p in tl.static_range(4):
+        sh = 24 - 8 * p
+        if p == 0:
+            match = live
+        else:
+            match = live & ((key >> (sh + 8)) == prefix)
+        dig = tl.where(match, (key >> sh) & 255, 0).to(tl.int32)
+        # unmatched entries land in bin 0: take them out again
+        hist = tl.histogram(dig, 256) - tl.where(bins == 0, UB - tl.sum(match.to(tl.int32), 0), 0)
+        ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # entries with digit >= bin
+        d = tl.max(tl.where(ge >= need, bins, -1), 0)
+        need -= tl.sum(tl.where(bins > d, hist, 0), 0)
+        prefix = (prefix << 8) | d
+    eq = (key == prefix).to(tl.int32)
+    return (key > prefix) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < need))
+
+
+@triton.jit
+def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
+                 s_bt, s_su, s_us, s_lru, KB: tl.constexpr, SB: tl.constexpr):
+    valid = u >= 0
+    us = US + row * s_us
+    su = SU + row * s_su
+    lru = LRU + row * s_lru
+    bt = BT + r.to(tl.int64) * s_bt
+    scr = SCR + r.to(tl.int64) * SB
+    vic = VIC + r.to(tl.int64) * KB
+    cur = tl.load(us + u, mask=valid, other=-1)
+    hit = valid & (cur >= 0)
+    miss = valid & (cur < 0)
+    hit_i = hit.to(tl.int32)
+    miss_i = miss.to(tl.int32)
+    h = tl.sum(hit_i, 0)
+    m = tl.sum(miss_i, 0)
+    tl.atomic_add(COUNTS, h.to(tl.int64))
+    tl.atomic_add(COUNTS + 1, m.to(tl.int64))
+    os_ = tl.arange(0, SB)
+    sm = os_ < S
+    lo = tl.load(lru + os_, mask=sm, other=0)                 # slot at recency position p (MRU first)
+    lo_rev = tl.load(lru + (S - 1 - os_), mask=sm, other=0)   # eviction order: LRU end first
+    su_rev = tl.load(su + lo_rev, mask=sm, other=0)
+    tl.store(scr + os_, 0, mask=sm)                            # flags per slot: 1 hit, 2 victim
+    tl.debug_barrier()
+    tl.store(scr + cur, 1, mask=hit)
+    tl.debug_barrier()
+    hitf = tl.load(scr + lo_rev, mask=sm, other=0, volatile=True) == 1
+    empty = sm & (su_rev < 0)
+    occ = sm & (su_rev >= 0) & ~hitf
+    e_i = empty.to(tl.int32)
+    o_i = occ.to(tl.int32)
+    n_empty = tl.sum(e_i, 0)
+    rank = tl.where(empty, tl.cumsum(e_i, 0) - e_i,
+                    tl.where(occ, n_empty + tl.cumsum(o_i, 0) - o_i, 1 << 30))
+    is_v = rank < m
+    tl.store(vic + rank, lo_rev, mask=is_v)
+    tl.store(us + su_rev, -1, mask=is_v & ~empty)             # a victim forgets its old page
+    tl.store(scr + lo_rev, 2, mask=is_v)
+    tl.debug_barrier()
+    mi = tl.cumsum(miss_i, 0) - miss_i                         # rank of each miss
+    vs = tl.load(vic + mi, mask=miss, other=0, volatile=True)
+    tl.store(su + vs, u, mask=miss)
+    tl.store(us + u, vs, mask=miss)
+    phys = tl.load(bt + tl.where(hit, cur, vs), mask=valid, other=-1)
+    # a miss is marked -2 - block: _miss_io_kernel copies its page in, then writes the block
+    tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(hit, phys, tl.where(miss, -2 - phys, -1)),
+             mask=jk < K)
+    hi = tl.cumsum(hit_i, 0) - hit_i
+    tl.store(lru + (h - 1 - hi), cur, mask=hit)
+    tl.store(lru + (h + m - 1 - mi), vs, mask=miss)
+    stay = sm & (tl.load(scr + lo, mask=sm, other=1, volatile=True) == 0)
+    st_i = stay.to(tl.int32)
+    tl.store(lru + (h + m + tl.cumsum(st_i, 0) - st_i), lo, mask=stay)
+
+
+@triton.jit
+def _miss_io_kernel(LOCS, SEL, SEQ, NFULL, HOT, ROWS, HPT, HOST, KV, K, s_hpt, ROW: tl.constexpr,
+                    CH: tl.constexpr):
+    """Program (r, j): if selection entry j of row r (a row the select kernel resolved: live, hot,
+    with complete pages; other rows' locs are not this call's) is a marked miss, copy its page
+    from the host pool (UVA loads) into its block, then write the block into locs."""
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    mine = (tl.load(SEQ + r) > 0) & (tl.load(NFULL + r) > 0) & (tl.load(HOT + r) != 0)
+    loc = tl.load(LOCS + r.to(tl.int64) * K + j, mask=mine, other=0)
+    if loc <= -2:
+        phys = -2 - loc
+        row = tl.load(ROWS + r).to(tl.int64)
+        hp = tl.load(HPT + row * s_hpt + tl.load(SEL + r.to(tl.int64) * K + j)).to(tl.int64)
+        oc = tl.arange(0, CH)
+        src = HOST + hp * ROW
+        dst = KV + phys.to(tl.int64) * ROW
+        for c in tl.static_range(0, ROW, 2 * CH):        # two chunks in flight per round
+            x = tl.load(src + c + oc)
+            if c + CH < ROW:
+                y = tl.load(src + c + CH + oc)
+            tl.store(dst + c + oc, x)
+            if c + CH < ROW:
+                tl.store(dst + c + CH + oc, y)
+        tl.store(LOCS + r.to(tl.int64) * K + j, phys)
+
+
+@triton.jit
+def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS, SEL, LOCS, K, S,
+                   s_sc, s_bt, s_su, s_us, s_lru, UB: tl.constexpr, KB: tl.constexpr,
+                   SB: tl.constexpr, HAS_HOT: tl.constexpr):
+    r = tl.program_id(0)
+    n = tl.load(NFULL + r).to(tl.int32)
+    jk = tl.arange(0, KB)
+    sel = SEL + r.to(tl.int64) * K
+    if (tl.load(SEQ + r) > 0) & (n == 0):             # no complete page yet: nothing selected
+        tl.store(sel + jk, -1, mask=jk < K)
+        tl.store(LOCS + r.to(tl.int64) * K + jk, -1, mask=jk < K)
+    if (tl.load(SEQ + r) > 0) & (n > 0):
+        o = tl.arange(0, UB)
+        take = o < n
+        if n > K:
+            take = _topk_take(SC + r.to(tl.int64) * s_sc, n, K, UB)
+        ti = take.to(tl.int32)
+        tl.store(sel + tl.cumsum(ti, 0) - ti, o, mask=take)
+        tl.store(sel + jk, -1, mask=(jk >= tl.minimum(n, K)) & (jk < K))
+        tl.debug_barrier()
+        u = tl.load(sel + jk, mask=jk < K, other=-1, volatile=True)
+        hot = 0
+        if HAS_HOT:
+            hot = tl.load(HOT + r)
+        if hot != 0:
+            _resolve_row(r, tl.load(ROWS + r).to(tl.int64), u, jk, K, S, BT, SU, US, LRU, SCR,
+                         VIC, COUNTS, LOCS, s_bt, s_su, s_us, s_lru, KB, SB)
+        else:
+            blk = tl.load(BT + r.to(tl.int64) * s_bt + u, mask=u >= 0, other=-1)
+            tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(u >= 0, blk, -1), mask=jk < K)
+
+
+def row_chunk(row_elems: int) -> int:
+    """Elements of a page one IO program moves per load: the largest power of two dividing the
+    page, at most 8192 (16 KiB of bf16: 64 per thread at 4 warps)."""
+    ch = 1
+    while ch < 8192 and row_elems % (2 * ch) == 0:
+        ch *= 2
+    return ch
+
+
+def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tensor, k: int,
+                   block_table: torch.Tensor, sel: torch.Tensor, locs: torch.Tensor,
+                   scratch: torch.Tensor, victims: torch.Tensor, hot: torch.Tensor | None = None,
+                   rows: torch.Tensor | None = None, state: tuple | None = None,
+                   host_pt: torch.Tensor | None = None, host: torch.Tensor | None = None,
+                   kv: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
+    """Launch on checked inputs (ops/decode_ops.py); also runs under TRITON_INTERPRET=1. Shapes as
+    reference.select_resolve; scratch (N, SB) / victims (N, KB) int32 workspaces with SB, KB the
+    powers of two >= S, k (select_widths); host on the device (the pool's CUDA alias)."""
+    N, U = scores.shape
+    if N == 0 or k == 0:
+        return
+    has_hot = hot is not None
+    if has_hot:
+        su, us, lru = state
+        S = su.shape[1]
+        row = kv[0].numel()
+    else:
+        su = us = lru = host_pt = sel
+        host = kv = scores
+        hot = rows = seq
+        counts = seq
+        S, row = 1, 1
+    KB, SB = select_widths(k, S)
+    _select_kernel[(N,)](
+        scores, seq, num_full, hot, rows, block_table, su, us, lru, scratch, victims, counts, sel,
+        locs, k, S, scores.stride(0), block_table.stride(0), su.stride(0), us.stride(0),
+        lru.stride(0), UB=max(16, triton.next_power_of_2(U)), KB=KB, SB=SB, HAS_HOT=has_hot,
+        num_warps=8)
+    if has_hot:
+        _miss_io_kernel[(N, k)](locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k,
+                                host_pt.stride(0), ROW=row, CH=row_chunk(row), num_warps=4)
+
+
+def select_widths(k: int, S: int) -> tuple[int, int]:
+    """(KB, SB): the register widths of a row's selection and slots (the workspaces' widths)."""
+    return max(16, triton.next_power_of_2(k)), max(16, triton.next_power_of_2(S))

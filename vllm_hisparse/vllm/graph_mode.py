@@ -1,0 +1,37 @@
+"""Whether a run lets vLLM replay FULL CUDA graphs of decode steps (config full_decode_graphs,
+resolved once per process from the VllmConfig): the metadata builder declares the graph support
+from it, the startup check refuses an explicit ``true`` that cannot run."""
+from __future__ import annotations
+
+import torch
+
+from vllm_hisparse.ops.kernels import DENSE_DECODE_HEAD_SIZES
+
+from .compat import hisparse_config_of
+
+
+def blocker(vllm_config) -> str | None:
+    """Why FULL decode graphs cannot run with this config and model (None: they can; the CPU has
+    no CUDA graphs, which is no reason to refuse: the body then runs eagerly, as CI tests it)."""
+    cfg = hisparse_config_of(vllm_config)
+    why = cfg.full_graphs_blocker()
+    if why:
+        return why
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    if mc is not None and torch.cuda.is_available() and mc.get_head_size() not in DENSE_DECODE_HEAD_SIZES:
+        return (f"the graphs attend dense rows with the split-KV decode kernel, which has head "
+                f"sizes {DENSE_DECODE_HEAD_SIZES}, not {mc.get_head_size()}; set "
+                f"full_decode_graphs false")
+    if getattr(pc, "data_parallel_size", 1) > 1 or getattr(pc, "use_ubatching", False):
+        # an idle data-parallel rank replays a FULL graph on a dummy batch without the connector
+        # (stale buffers); micro-batches would share one set of them
+        return ("data parallelism and micro-batching (DBO) are not supported with FULL decode "
+                "graphs yet; set full_decode_graphs false")
+    return None
+
+
+def full_graphs(vllm_config) -> bool:
+    """FULL decode graphs on for this run: not switched off, nothing blocks them, a CUDA device."""
+    if hisparse_config_of(vllm_config).full_decode_graphs is False:
+        return False
+    return torch.cuda.is_available() and blocker(vllm_config) is None
