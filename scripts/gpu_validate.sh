@@ -29,6 +29,10 @@ case "$part" in
     timeout 200 python3 -m vllm_hisparse.bench.decode_step --context 4096,32768 --rows 1,32 \
       --layers 4 --steps 20 --q-noise 0.3 --out /tmp/validate/ds-3 2>&1 \
       | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
+    echo "without conditional nodes:" | tee -a "$out/bench.txt"
+    HISPARSE_GRAPH_COND=0 timeout 120 python3 -m vllm_hisparse.bench.decode_step \
+      --context 4096,32768 --rows 1 --layers 4 --steps 20 --q-noise 0 --out /tmp/validate/ds-nc \
+      2>&1 | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
     tar czf "$out/validate-kernels.tgz" -C /tmp validate $(cd /tmp && ls pytest-*.log) ;;
   vllm)
     timeout 200 python3 -m vllm_hisparse.bench.decode_step --context 4096,32768 --rows 1,8,32 \

@@ -71,7 +71,7 @@ def quest_scores_rows(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, r
                 raise ValueError(f"{name} must have a contiguous last dim on CUDA; got strides {t.stride()}")
         if kmax.stride() != kmin.stride():
             raise ValueError(f"kmax must have kmin's strides on CUDA; got {kmax.stride()} vs {kmin.stride()}")
-        if kmin.shape[2] > 1 and kmin.stride(2) != D:
+        if kmin.shape[2] > 1 and kmin.stride(2) != q.shape[2]:
             raise ValueError(f"kmin's (Hkv, D) block of a page must be contiguous on CUDA; got "
                              f"strides {kmin.stride()}")
         if out is None:
