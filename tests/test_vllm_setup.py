@@ -210,3 +210,23 @@ def test_prompt_that_cannot_prefill_on_gpu_is_refused_at_startup():
         HiSparseConnector.bind_gpu_block_pool(me, SimpleNamespace(num_gpu_blocks=64))
     resident = SimpleNamespace(cfg=HiSparseConfig(host_tier=False), max_model_len=10**6)
     HiSparseConnector.bind_gpu_block_pool(resident, SimpleNamespace(num_gpu_blocks=2))
+
+
+@pytest.mark.parametrize("sizes, max_size, n, want", [
+    ([1, 2, 4, 8, 16, 24, 32, 40], 40, 22, [1, 2, 4, 8, 16, 22, 24, 32, 40]),
+    ([1, 2, 4, 8, 16, 24, 32, 40], 40, 16, [1, 2, 4, 8, 16, 24, 32, 40]),      # already there
+    ([1, 2, 4, 8], 8, 22, [1, 2, 4, 8]),                                      # beyond the largest
+    ([], 0, 22, []),                                                          # no CUDA graphs
+])
+def test_max_num_seqs_becomes_a_capture_size(sizes, max_size, n, want):
+    """vLLM captures FULL decode graphs for capture sizes <= max_num_seqs only, and pads a decode
+    batch to the next capture size: a full batch of max_num_seqs rows must be one of them."""
+    from types import SimpleNamespace
+
+    from vllm_hisparse.vllm.graph_mode import capture_full_batch
+
+    vc = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_capture_sizes=list(sizes),
+                                                            max_cudagraph_capture_size=max_size),
+                         scheduler_config=SimpleNamespace(max_num_seqs=n))
+    capture_full_batch(vc)
+    assert vc.compilation_config.cudagraph_capture_sizes == want

@@ -35,3 +35,19 @@ def full_graphs(vllm_config) -> bool:
     if hisparse_config_of(vllm_config).full_decode_graphs is False:
         return False
     return torch.cuda.is_available() and blocker(vllm_config) is None
+
+
+def capture_full_batch(vllm_config, logger=None) -> None:
+    """Make max_num_seqs a CUDA-graph capture size. vLLM captures FULL decode graphs only for
+    capture sizes <= max_num_seqs and pads a decode batch up to the next capture size; with
+    max_num_seqs = 22 and sizes [1, 2, 4, 8, 16, 24, ...] a batch of 17-22 rows found no FULL graph
+    and ran every layer eagerly (the host then sets the pace: 32K serving at capacity, H200,
+    docs/gpu-results.md). Called from the startup check, after vLLM has chosen its sizes."""
+    cc, n = vllm_config.compilation_config, vllm_config.scheduler_config.max_num_seqs
+    sizes = list(cc.cudagraph_capture_sizes or [])
+    if not sizes or n in sizes or n > (cc.max_cudagraph_capture_size or 0):
+        return
+    cc.cudagraph_capture_sizes = sorted(sizes + [n])
+    if logger is not None:
+        logger.info("hisparse: added max_num_seqs=%d to cudagraph_capture_sizes, so a full decode "
+                    "batch replays a FULL graph", n)

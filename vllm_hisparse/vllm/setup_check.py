@@ -43,6 +43,8 @@ def prepare_config(vllm_config) -> None:
         raise ValueError(f"hisparse: full_decode_graphs=true cannot run: {why}")
     if cfg.full_decode_graphs is None and why:
         logger.info("hisparse: FULL decode CUDA graphs off (%s)", why)
+    if graph_mode.full_graphs(vllm_config):
+        graph_mode.capture_full_batch(vllm_config, logger)
     if getattr(cc, "user_specified_block_size", False) and cc.block_size not in (None, cfg.page_size):
         raise ValueError(f"hisparse: --block-size {cc.block_size} must equal the hisparse "
                          f"page_size={cfg.page_size} (one vLLM block = one Quest page = one slot)")
