@@ -18,11 +18,14 @@ from .triton_online_softmax import online_softmax_step, store_partials
 
 BLOCK_N = 64          # tokens per inner step (a guess, good for D=128 on Hopper; see bench)
 TARGET_PROGRAMS = 528  # ~4 programs per H200 SM across (R, Hkv, splits) (a guess)
+MAX_SPLITS = 64        # the combine holds this many (one width: one compiled combine kernel)
 MIN_SPLIT_TOKENS = 64  # one BLOCK_N step per split at least; 256 left one 32K request (2064 tokens,
                        # 8 KV heads) with 72 programs: 14.0 us, 7.7 us with 64 (H200, gpu-results)
 
 
-@triton.jit
+# The split layout follows the batch size (num_splits): not specialised on, so a decode batch of a
+# new size does not compile the kernels again (a JIT in the middle of serving stalls the step).
+@triton.jit(do_not_specialize=["split_tokens", "n_splits"])
 def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
                   scale, n_sel, n_tok, split_tokens, n_splits,
                   s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
@@ -93,7 +96,7 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
     store_partials(PO, PML, (r * (HKV * G) + hq) * n_splits + sp, acc, m_i, l_i, gmask, od, D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def _combine_kernel(PO, PML, OUT, SEQ, n_splits, s_or, s_oh, HQ: tl.constexpr, D: tl.constexpr,
                     SP: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     r = tl.program_id(0)
@@ -128,7 +131,7 @@ def num_splits(R: int, Hkv: int, n_tok: int) -> int:
     """Splits per (row, KV head): a function of the shapes only (exactness depends on it)."""
     want = max(1, -(-TARGET_PROGRAMS // max(1, R * Hkv)))
     most = max(1, -(-n_tok // MIN_SPLIT_TOKENS))
-    return min(want, most, 64)
+    return min(want, most, MAX_SPLITS)
 
 
 def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor, units: torch.Tensor,
@@ -210,5 +213,5 @@ def _launch(q, kv, locs, units, seq_lens, scale, out, E, ex, el, es, in_kv, work
         UNIT=unit, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK=block,
         HAS_EXTRA=E > 0, EXTRA_IN_KV=in_kv, SKIP_EMPTY=work is not None, num_warps=4, num_stages=2)
     _combine_kernel[(R, Hq)](po, pml, out, seq_lens, ns, out.stride(0), out.stride(1), HQ=Hq, D=D,
-                             SP=max(2, triton.next_power_of_2(ns)), SKIP_EMPTY=work is not None)
+                             SP=MAX_SPLITS, SKIP_EMPTY=work is not None)
     return out
