@@ -221,12 +221,13 @@ class HiSparseConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "HiSparseConfig":
         if not isinstance(d, Mapping):
-            raise HiSparseConfigError(f"hisparse config must be a JSON object, got {type(d).__name__}")
+            raise HiSparseConfigError(f"hisparse config must be a JSON object such as "
+                                      f"{{\"top_k\": 2048}}, got {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
             raise HiSparseConfigError(
-                f"unknown hisparse config key(s) {unknown}; known keys: {', '.join(sorted(names))}")
+                f"hisparse config: unknown key(s) {unknown}; known keys: {', '.join(sorted(names))}")
         kw = dict(d)
         if isinstance(kw.get("dense_layers"), list):
             kw["dense_layers"] = tuple(kw["dense_layers"])
