@@ -41,3 +41,11 @@ def test_the_fixed_pool_was_too_small_for_smollm2():
 def test_model_argument_must_be_a_folder_or_smollm2(tmp_path):
     with pytest.raises(SystemExit, match="not an HF model folder"):
         demo._model_dir(str(tmp_path))
+
+
+def test_bad_config_is_one_line_and_exit_2(capsys):
+    from vllm_hisparse import cli
+
+    assert cli.main(["demo", "--core", "--config", '{"top_k": 0}']) == 2
+    assert capsys.readouterr().err == ("hisparse demo: hisparse config: top_k=0 is invalid: use a "
+                                       "positive token count such as 2048\n")
