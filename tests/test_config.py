@@ -74,3 +74,50 @@ def test_bad_json(tmp_path):
         HiSparseConfig.from_json(p)
     with pytest.raises(HiSparseConfigError, match="JSON object"):
         HiSparseConfig.from_dict([1])
+
+
+@pytest.mark.parametrize("src, words", [
+    (5, "hisparse=5 is invalid: give an object of settings"),
+    ("/nonexistent/hs.json", "'/nonexistent/hs.json' cannot be read (No such file or directory)"),
+    ('{"top_k": 64,', "the JSON string '{\"top_k\": 64,' is not valid JSON (Expecting property"),
+])
+def test_load_errors_are_one_config_line(src, words):
+    """What used to be a bare TypeError, FileNotFoundError or JSONDecodeError."""
+    with pytest.raises(HiSparseConfigError) as e:
+        HiSparseConfig.load(src)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_policy_error_offers_what_vllm_serves():
+    with pytest.raises(HiSparseConfigError) as e:
+        HiSparseConfig(policy="mru")
+    assert 'use "lru" (what vLLM serves); belady, crf, fifo, random, vanilla run only in' in str(e.value)
+
+
+def test_tiny_pools_name_a_size_that_fits():
+    """A tiny pool used to say "needs 0.00 GiB"; the fix now names a value that holds the request
+    (63 pages of 16 tokens x 512 bytes x 3 layers = 1548288 bytes = 0.001442 GiB)."""
+    c = HiSparseConfig(top_k=16, device_buffer_size=16, host_pool_gib=0.0001, dense_pool_gib=0.0001,
+                       dense_layers=(0,))
+    with pytest.raises(HiSparseConfigError) as e:
+        c.check_host_pool(max_model_len=1000, bytes_per_token_per_layer=512, num_sparse_layers=3)
+    assert str(e.value).endswith("needs 1.5 MiB; set host_pool_gib to at least 0.00145 or lower "
+                                 "max_model_len")
+    HiSparseConfig(host_pool_gib=0.00145).check_host_pool(1000, 512, 3)
+    with pytest.raises(HiSparseConfigError):
+        HiSparseConfig(host_pool_gib=0.00144).check_host_pool(1000, 512, 3)
+    with pytest.raises(HiSparseConfigError, match=r"needs 0.5 MiB for its 1 dense layers; set "
+                                                  r"dense_pool_gib to at least 0.000481, "):
+        c.check_dense_pool(max_model_len=1000, bytes_per_token_per_layer=512)
+
+
+@pytest.mark.parametrize("nbytes", [1, 1000, 1 << 20, (1 << 30) + 1, 3 * (1 << 30), 123456789012])
+def test_gib_at_least_holds_the_bytes(nbytes):
+    """Three significant digits, rounded up: holds nbytes, and one step less would not."""
+    from vllm_hisparse.config import GIB, gib_at_least
+
+    g = gib_at_least(nbytes)
+    assert float(f"{g:.3g}") == g and int(g * GIB) >= nbytes
+    digits = f"{g:.2e}"                         # e.g. 1.45e-03: one step = 0.01e-03
+    step = float("1e" + str(int(digits.split("e")[1]) - 2))
+    assert int((g - step) * GIB) < nbytes

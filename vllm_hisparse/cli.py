@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from vllm_hisparse.config import HiSparseConfigError
+
 # name -> (module, one-line help)
 COMMANDS = {
     "sim": ("vllm_hisparse.sim.cli", "replay selection traces through cache policies"),
@@ -28,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     mod = importlib.import_module(COMMANDS[name][0])
     p2 = argparse.ArgumentParser(prog=f"hisparse {name}", description=COMMANDS[name][1])
     mod.add_arguments(p2)
-    return int(mod.run(p2.parse_args(argv[1:])) or 0)
+    args = p2.parse_args(argv[1:])
+    try:
+        return int(mod.run(args) or 0)
+    except HiSparseConfigError as e:        # a bad --config: its one line, argparse's exit code
+        print(f"hisparse {name}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -121,7 +122,9 @@ class HiSparseConfig:
         from vllm_hisparse.core.policies import available  # local: policies import nothing of ours
 
         if self.policy not in available():
-            _fail("policy", self.policy, f"choose one of {', '.join(available())}")
+            others = ", ".join(p for p in available() if p != "lru")
+            _fail("policy", self.policy, f"use \"lru\" (what vLLM serves); {others} run only in the "
+                  f"core and the simulator (hisparse sim)")
 
     # ---- derived -------------------------------------------------------------------------------
     def full_graphs_blocker(self) -> str | None:
@@ -197,9 +200,10 @@ class HiSparseConfig:
         need = pages * self.page_size * bytes_per_token_per_layer * len(self.dense_layers)
         if need > self.dense_pool_bytes:
             _fail("dense_pool_gib", self.dense_pool_gib,
-                  f"one request of max_model_len={max_model_len} needs {need / GIB:.2f} GiB for "
-                  f"its {len(self.dense_layers)} dense layers; raise dense_pool_gib, lower "
-                  f"max_model_len, or set dense_pool_gib to 0 (dense layers read the host pool)")
+                  f"one request of max_model_len={max_model_len} needs {_size(need)} for its "
+                  f"{len(self.dense_layers)} dense layers; set dense_pool_gib to at least "
+                  f"{gib_at_least(need)}, lower max_model_len, or set dense_pool_gib to 0 (dense "
+                  f"layers read the host pool)")
 
     def check_host_pool(self, max_model_len: int, bytes_per_token_per_layer: int,
                         num_sparse_layers: int) -> None:
@@ -208,8 +212,8 @@ class HiSparseConfig:
         need = pages * self.page_size * bytes_per_token_per_layer * num_sparse_layers
         if need > self.host_pool_bytes:
             _fail("host_pool_gib", self.host_pool_gib,
-                  f"one request of max_model_len={max_model_len} needs {need / GIB:.2f} GiB; "
-                  f"raise host_pool_gib or lower max_model_len")
+                  f"one request of max_model_len={max_model_len} needs {_size(need)}; set "
+                  f"host_pool_gib to at least {gib_at_least(need)} or lower max_model_len")
 
     def check_layers(self, num_layers: int) -> None:
         bad = [x for x in self.dense_layers if x >= num_layers]
@@ -221,12 +225,13 @@ class HiSparseConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "HiSparseConfig":
         if not isinstance(d, Mapping):
-            raise HiSparseConfigError(f"hisparse config must be a JSON object, got {type(d).__name__}")
+            raise HiSparseConfigError(f"hisparse config must be a JSON object such as "
+                                      f"{{\"top_k\": 2048}}, got {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
             raise HiSparseConfigError(
-                f"unknown hisparse config key(s) {unknown}; known keys: {', '.join(sorted(names))}")
+                f"hisparse config: unknown key(s) {unknown}; known keys: {', '.join(sorted(names))}")
         kw = dict(d)
         if isinstance(kw.get("dense_layers"), list):
             kw["dense_layers"] = tuple(kw["dense_layers"])
@@ -239,6 +244,10 @@ class HiSparseConfig:
                 d = json.load(f)
         except json.JSONDecodeError as e:
             raise HiSparseConfigError(f"hisparse config file {path} is not valid JSON: {e}") from None
+        except OSError as e:
+            raise HiSparseConfigError(
+                f"hisparse config file {os.fspath(path)!r} cannot be read ({e.strerror}): give the "
+                f"path of a JSON file of hisparse settings, e.g. {{\"top_k\": 2048}}") from None
         return cls.from_dict(d)
 
     @classmethod
@@ -250,9 +259,18 @@ class HiSparseConfig:
             return src
         if isinstance(src, Mapping):
             return cls.from_dict(src)
+        if not isinstance(src, (str, os.PathLike)):
+            _fail("hisparse", src, "give an object of settings such as {\"top_k\": 2048}, a JSON "
+                  "string of one, or the path of a JSON file")
         s = os.fspath(src)
         if s.lstrip().startswith("{"):
-            return cls.from_dict(json.loads(s))
+            try:
+                d = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise HiSparseConfigError(f"hisparse config: the JSON string {s!r} is not valid "
+                                          f"JSON ({e}); fix it or put the settings in a file "
+                                          f"(--hisparse-config FILE.json)") from None
+            return cls.from_dict(d)
         return cls.from_json(s)
 
     def to_dict(self) -> dict:
@@ -284,6 +302,22 @@ def _check_types(cfg: HiSparseConfig) -> None:
             if name == "dense_layers":
                 want = "list of int"
             _fail(name, list(v) if isinstance(v, tuple) else v, f"expected {want}")
+
+
+def _size(nbytes: int) -> str:
+    """A size that stays readable below 0.01 GiB (tiny pools used to read "needs 0.00 GiB")."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 100 else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def gib_at_least(nbytes: int) -> float:
+    """The smallest GiB value of three significant digits whose pool (``int(gib * GIB)`` bytes)
+    holds ``nbytes``."""
+    gib = max(nbytes, 1) / GIB
+    step = 10.0 ** (math.floor(math.log10(gib)) - 2)
+    n = math.ceil(round(gib / step, 6))
+    while int(float(f"{n * step:.10g}") * GIB) < nbytes:
+        n += 1
+    return float(f"{n * step:.10g}")
 
 
 def _fail(name: str, value: Any, fix: str):

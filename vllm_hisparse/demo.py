@@ -5,6 +5,8 @@ GPU), send one long request with the OpenAI client, print the answer and the hot
 The vLLM demo builds a tiny random Llama offline (vllm_hisparse.tiny_model), so its answer is
 gibberish; what it shows is the path: `--attention-backend hisparse`, Quest selection, misses
 fetched from the host pool, GPU blocks shrinking to the hot buffer, the host pool empty at the end.
+`--model smollm2` serves the real SmolLM2-135M instead (vllm_hisparse.smollm2, built on first use);
+`--model DIR` any HF model folder. The pools are sized from the model for MAX_MODEL_LEN tokens.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from vllm_hisparse.ops import reference as ref
 
 SERVE_CONFIG = {"top_k": 64, "device_buffer_size": 128, "page_size": 16, "dense_layers": [0],
                 "host_pool_gib": 0.1, "dense_pool_gib": 0.05}
+MAX_MODEL_LEN = 4096
+POOL_REQUESTS = 2        # the pools hold this many max_model_len requests (the demo sends one)
 
 
 def add_arguments(p):
@@ -35,7 +39,9 @@ def add_arguments(p):
     p.add_argument("--steps", type=int, default=32, help="--core: decode steps")
     p.add_argument("--config", default=None,
                    help="hisparse config (JSON string or file); default: a small one per mode")
-    p.add_argument("--model", default=None, help="serve this HF model folder instead of the tiny one")
+    p.add_argument("--model", default=None,
+                   help="'smollm2' (the real SmolLM2-135M) or an HF model folder; default: a tiny "
+                        "random Llama")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--port", type=int, default=0, help="0 = any free port")
 
@@ -65,15 +71,15 @@ def _prompt_text() -> str:
 def run_serve(args) -> int:
     from vllm_hisparse import tiny_model
 
-    cfg = HiSparseConfig.load(args.config or SERVE_CONFIG)
-    model = args.model or tiny_model.build(tiny_model.DEFAULT_OUT)
+    model = _model_dir(args.model) if args.model else tiny_model.build(tiny_model.DEFAULT_OUT)
+    cfg = HiSparseConfig.load(args.config or sized_config(model))
     port = args.port or _free_port()
     work = tempfile.mkdtemp(prefix="hisparse-demo-")
     stats_path = os.path.join(work, "stats.json")
     vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
     cmd = [vllm, "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--attention-backend", "hisparse", "--additional-config",
-           json.dumps({"hisparse": cfg.to_dict()}), "--max-model-len", "4096",
+           json.dumps({"hisparse": cfg.to_dict()}), "--max-model-len", str(MAX_MODEL_LEN),
            "--max-num-seqs", "8", "--enforce-eager"]
     if not torch.cuda.is_available():
         cmd += ["--dtype", "float32"]
@@ -89,6 +95,34 @@ def run_serve(args) -> int:
             return _talk(proc, port, model, args.max_tokens, stats_path, log_path, cfg)
         finally:
             stop(proc)
+
+
+def _model_dir(name: str) -> str:
+    from vllm_hisparse import smollm2
+
+    if name.lower() == smollm2.NAME:
+        print(f"demo: building SmolLM2-135M into {smollm2.DEFAULT_OUT} (once)")
+        return smollm2.build(smollm2.DEFAULT_OUT)
+    if not os.path.exists(os.path.join(name, "config.json")):
+        raise SystemExit(f"demo: --model {name!r} is not an HF model folder (no config.json); "
+                         f"use '{smollm2.NAME}' or a folder")
+    return name
+
+
+def sized_config(model_dir: str, max_model_len: int = MAX_MODEL_LEN) -> dict:
+    """SERVE_CONFIG with the host and dense pools holding POOL_REQUESTS requests of max_model_len
+    tokens of this model (fp32 bytes: the CPU's dtype, an upper bound on a GPU), at least its
+    defaults (sized for the tiny model)."""
+    from vllm_hisparse.config import gib_at_least
+    from vllm_hisparse.core import capacity as cap
+
+    m = cap.ModelShape.from_hf_config(model_dir, dtype="float32")
+    base = HiSparseConfig.load(SERVE_CONFIG)
+    tokens = cap.cdiv(max_model_len, base.page_size) * base.page_size * POOL_REQUESTS
+    host = tokens * m.token_bytes_per_layer * len(base.host_pool_layers(m.num_layers))
+    dense = tokens * m.token_bytes_per_layer * len(base.dense_layers)
+    return dict(SERVE_CONFIG, host_pool_gib=max(SERVE_CONFIG["host_pool_gib"], gib_at_least(host)),
+                dense_pool_gib=max(SERVE_CONFIG["dense_pool_gib"], gib_at_least(dense)))
 
 
 def _talk(proc, port, model, max_tokens, stats_path, log_path, cfg) -> int:

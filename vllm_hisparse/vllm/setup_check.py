@@ -2,6 +2,10 @@
 ``check_and_update_config`` while vLLM builds its VllmConfig, in the front-end process)."""
 from __future__ import annotations
 
+from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.config import HiSparseConfigError as Refused   # a ValueError; the CLI prints its
+                                                                  # line alone (cli_check.py)
+
 from . import graph_mode
 from .compat import KVTransferConfig, hisparse_config_of, init_logger
 
@@ -10,44 +14,51 @@ SUPPORTED = ("hisparse supports decoder-only GQA/MHA models (Llama, Qwen, Mistra
              "tensor parallelism only")
 
 
+def check_served(cfg: HiSparseConfig) -> None:
+    """Refuse settings the serving runtime does not implement (needs no model: the command line
+    runs it before vLLM builds anything, cli_check.py)."""
+    if cfg.indexer != "quest":
+        raise Refused(f"hisparse: indexer={cfg.indexer!r} is not wired into vLLM yet; use "
+                      f"\"quest\"")
+    if cfg.policy != "lru":
+        raise Refused(f"hisparse: policy={cfg.policy!r} is available in the simulator (hisparse "
+                      f"sim) and the core, not yet in the serving runtime (the RESOLVE kernel "
+                      f"implements 'lru'); use \"lru\"")
+    if cfg.prefetch:
+        raise Refused("hisparse: prefetch=True is not implemented in the serving runtime yet; "
+                      "use false (misses are fetched inside RESOLVE)")
+
+
 def prepare_config(vllm_config) -> None:
     cfg = hisparse_config_of(vllm_config)          # validated: errors name field, value and fix
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if cfg.indexer != "quest":
-        raise ValueError(f"hisparse: indexer={cfg.indexer!r} is not wired into vLLM yet; use "
-                         f"\"quest\"")
-    if cfg.policy != "lru":
-        raise ValueError(f"hisparse: policy={cfg.policy!r} is available in the simulator (hisparse "
-                         f"sim) and the core, not yet in the serving runtime (the RESOLVE kernel "
-                         f"implements 'lru'); use \"lru\"")
-    if cfg.prefetch:
-        raise ValueError("hisparse: prefetch=True is not implemented in the serving runtime yet; "
-                         "use false (misses are fetched inside RESOLVE)")
+    check_served(cfg)
     if mc is not None:
         if getattr(mc, "use_mla", False):
-            raise ValueError(f"hisparse: MLA models are not supported; {SUPPORTED}")
+            raise Refused(f"hisparse: MLA models are not supported; {SUPPORTED}")
         if getattr(mc, "is_encoder_decoder", False):
-            raise ValueError(f"hisparse: encoder-decoder models are not supported; {SUPPORTED}")
+            raise Refused(f"hisparse: encoder-decoder models are not supported; {SUPPORTED}")
         cfg.check_layers(mc.get_num_layers(pc))
+        warn_never_sparse(cfg, mc.max_model_len)
     dc = getattr(vllm_config, "device_config", None)
     if getattr(dc, "device_type", None) == "cuda" and getattr(vllm_config, "use_v2_model_runner",
                                                              False):
         # vLLM 0.26 picks its V2 model runner for dense models on CUDA; every GPU check of hisparse
         # (exactness, graphs, serving) ran the V1 runner, whose host block table the builder reads
-        raise ValueError("hisparse: vLLM chose its V2 GPU model runner, which hisparse is not "
-                         "verified with; start vLLM with VLLM_USE_V2_MODEL_RUNNER=0")
+        raise Refused("hisparse: vLLM chose its V2 GPU model runner, which hisparse is not "
+                      "verified with; start vLLM with VLLM_USE_V2_MODEL_RUNNER=0")
     if pc.pipeline_parallel_size > 1:
-        raise ValueError(f"hisparse: pipeline parallelism is not supported; {SUPPORTED}")
+        raise Refused(f"hisparse: pipeline parallelism is not supported; {SUPPORTED}")
     why = graph_mode.blocker(vllm_config)
     if cfg.full_decode_graphs and why:
-        raise ValueError(f"hisparse: full_decode_graphs=true cannot run: {why}")
+        raise Refused(f"hisparse: full_decode_graphs=true cannot run: {why}")
     if cfg.full_decode_graphs is None and why:
         logger.info("hisparse: FULL decode CUDA graphs off (%s)", why)
     if graph_mode.full_graphs(vllm_config):
         graph_mode.capture_full_batch(vllm_config, logger)
     if getattr(cc, "user_specified_block_size", False) and cc.block_size not in (None, cfg.page_size):
-        raise ValueError(f"hisparse: --block-size {cc.block_size} must equal the hisparse "
-                         f"page_size={cfg.page_size} (one vLLM block = one Quest page = one slot)")
+        raise Refused(f"hisparse: --block-size {cc.block_size} must equal the hisparse "
+                      f"page_size={cfg.page_size} (one vLLM block = one Quest page = one slot)")
     cc.block_size = cfg.page_size
     cc.user_specified_block_size = True
     if cc.enable_prefix_caching:
@@ -72,6 +83,21 @@ def prepare_config(vllm_config) -> None:
             kv_connector="HiSparseConnector", kv_connector_module_path="vllm_hisparse.vllm.connector",
             kv_role="kv_both")
     elif ktc.kv_connector != "HiSparseConnector":
-        raise ValueError(f"hisparse brings its own KV connector; drop --kv-transfer-config "
-                         f"({ktc.kv_connector})")
+        raise Refused(f"hisparse brings its own KV connector; drop --kv-transfer-config "
+                      f"({ktc.kv_connector})")
     logger.info("hisparse: %s", cfg.to_dict())
+
+
+def warn_never_sparse(cfg: HiSparseConfig, max_model_len: int) -> None:
+    """Prompts shorter than min_context stay dense and resident (core/residency.py): with a
+    max_model_len below it no request ever runs sparse, yet the pools are reserved."""
+    if max_model_len >= cfg.min_context_tokens:
+        return
+    unset = "" if cfg.min_context is not None else " (unset: 2 x device_buffer_size)"
+    pool = (f" and the {cfg.host_pool_gib:g} GiB host pool is reserved for nothing"
+            if cfg.host_tier else "")
+    logger.warning("hisparse: max_model_len=%d is below min_context=%d%s: every request stays "
+                   "dense and fully resident, no decode step is sparse%s; set min_context below "
+                   "max_model_len (0 = every request sparse), or serve without "
+                   "--attention-backend hisparse",
+                   max_model_len, cfg.min_context_tokens, unset, pool)
