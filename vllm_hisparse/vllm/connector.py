@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vllm_hisparse.core import capacity
 from vllm_hisparse.core.residency import is_sparse_request
 from vllm_hisparse.core.host_pool import HostKVPool, HostPoolPinError
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
@@ -30,6 +31,7 @@ from .compat import (
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
+    get_tensor_model_parallel_rank,
     hisparse_config_of,
     init_logger,
 )
@@ -50,8 +52,11 @@ def _page_bytes(cfg, model_config, parallel_config) -> int:
 
 
 def host_pages_capacity(cfg, model_config, parallel_config) -> int:
-    return cfg.host_pool_pages(model_config.get_num_layers(parallel_config),
-                               _page_bytes(cfg, model_config, parallel_config))
+    """Pages of each rank's host pool: host_pool_gib is the engine's total, each tensor-parallel
+    rank allocates its share (its own KV heads of every page); scheduler and workers agree."""
+    share = capacity.host_pool_rank_bytes(cfg.host_pool_bytes, parallel_config.tensor_parallel_size)
+    layers = len(cfg.host_pool_layers(model_config.get_num_layers(parallel_config)))
+    return share // (_page_bytes(cfg, model_config, parallel_config) * layers)
 
 
 def dense_pages_capacity(cfg, model_config, parallel_config) -> int | None:
@@ -90,8 +95,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                     host_pages=self.capacity, quest_meta=worker_state.quest_meta,
                     dense_pool=worker_state.dense_pool, num_heads=mc.get_num_attention_heads(pc))
             except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
-                raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib,
-                                       e.pinned) from e.__cause__
+                raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib, e.pinned,
+                                       pc.tensor_parallel_size) from e.__cause__
             if worker_state.runtime.full is not None:    # FULL graphs: dense-only batches
                 worker_state.runtime.full.dense_only = True
                 full_dispatch.install()
@@ -102,7 +107,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ValueError("hisparse: full_decode_graphs needs FlashAttention for the dense "
                                  "rows (fp16/bf16, head size <= 256 and a multiple of 8; see the "
                                  "warning above); set full_decode_graphs false")
+            rank = get_tensor_model_parallel_rank()
             self._stats_path = os.environ.get(STATS_ENV)
+            if self._stats_path and rank > 0:         # one file per rank: rank 0 keeps the name
+                self._stats_path = f"{self._stats_path}.rank{rank}"
 
     # ---- scheduler side ----------------------------------------------------------------------
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
