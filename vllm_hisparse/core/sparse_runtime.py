@@ -135,7 +135,8 @@ class SparseRuntime:
             if num_heads is None:
                 raise ValueError("decode_graphs needs the runtime's num_heads")
             self.graphs = DecodeGraphs(self, num_heads, self.U, capture=self.device.type == "cuda")
-        self.stats = {"steps": 0, "decode_rows": 0, "finished": 0, "dense_pool_pages_handed": 0}
+        self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
+                      "dense_pool_pages_handed": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "graph_layers",
                                       "full_layers"), 0.0)
 
@@ -199,6 +200,12 @@ class SparseRuntime:
         return None if self.pool is None or i is None else self.pool.data[i]
 
     @property
+    def hit_miss(self) -> torch.Tensor:
+        """(2,) int64 on the device: RESOLVE's hits and misses so far (vllm/metrics.py reads it
+        without waiting for the GPU)."""
+        return self._hit_miss
+
+    @property
     def host_pages_used(self) -> int:
         return self.pool.used_pages if self.pool is not None else 0
 
@@ -252,6 +259,7 @@ class SparseRuntime:
                     self._dec_steps[s.req_id] = n + 1
         self.stats["steps"] += 1
         self.stats["decode_rows"] += len(plan.dec)
+        self.stats["dense_decode_rows"] += sum(s.t1 - s.t0 == 1 and s.start > 0 for s in plan.dense)
         return plan
 
     def plan_full(self, req_ids: list[str], seq_lens: list[int], block_table: torch.Tensor,
@@ -267,6 +275,7 @@ class SparseRuntime:
         self.full.fill(steps, block_table, N)
         self.stats["steps"] += 1
         self.stats["decode_rows"] += sum(s.sparse for s in steps)
+        self.stats["dense_decode_rows"] += sum(not s.sparse and s.start > 0 for s in steps)
         self._host_s["plan"] += time.perf_counter() - t0
 
     def full_layer(self, layer: int, N: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
