@@ -38,10 +38,6 @@ class HiSparseStats(KVConnectorStats):
     newer gauges (``other`` is the newer report: vLLM aggregates ranks of one step, then steps in
     order)."""
 
-    def __post_init__(self):
-        if not self.data:
-            self.data = {}
-
     def reset(self):
         self.data = {}
 
