@@ -33,4 +33,5 @@ def scrape(base_url: str, timeout: float = 10) -> dict[str, float]:
 def hisparse(series: dict[str, float]) -> dict[str, float]:
     """The hisparse series only, without the ``vllm:hisparse_`` prefix."""
     p = "vllm:hisparse_"
-    return {k[len(p):]: v for k, v in series.items() if k.startswith(p) and not k.endswith("_created")}
+    return {k[len(p):]: v for k, v in series.items()
+            if k.startswith(p) and not k.split("{")[0].endswith("_created")}

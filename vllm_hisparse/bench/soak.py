@@ -199,8 +199,8 @@ def soak(a) -> dict:
         if not a.serve:
             raise SystemExit("give --url of a running server, or -- MODEL [vllm serve flags]")
         serve = a.serve[1:] if a.serve[0] == "--" else a.serve
-        cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", *serve,
-               "--host", "127.0.0.1", "--port", str(a.port)]
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *serve,   # no `vllm`
+               "--host", "127.0.0.1", "--port", str(a.port)]            # script on the GPU box
         log = open(os.path.join(a.out, "serve.log"), "w")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{a.port}"
