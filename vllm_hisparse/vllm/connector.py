@@ -256,7 +256,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         waiting = {f"waiting_{r}": 0 for r in metrics.WAIT_REASONS}
         for reason in self._waiting.values():
             waiting[f"waiting_{reason}"] += 1
-        now = {"host_pages_reserved": self._reserved_total, "host_pages": self.capacity, **waiting}
+        pages = self.capacity if self.cfg.host_tier else 0         # resident mode has no pool
+        now = {"host_pages_reserved": self._reserved_total, "host_pages": pages, **waiting}
         if now == self._sched_report:
             return None
         self._sched_report = now
