@@ -8,6 +8,8 @@ for uniform decode steps, PIECEWISE for the others).
     HISPARSE_EXTRA='{"dense_pool_gib": 4}' python scripts/gpu_exactness.py ...
                                                              # merged into both modes' config
     EXACT_PROMPTS=6000,20000,12000,9000 ...                  # other prompt lengths (tokens)
+    HISPARSE_TP=2 [HISPARSE_EXECUTOR=ray] python scripts/gpu_exactness.py ...
+                                                             # tensor parallel (scripts/gpu_tp.sh)
 
 Each run writes OUT_DIR/MODE.json (tokens, logprobs, runtime stats) and OUT_DIR/MODE.log, and
 prints vLLM's KV-capacity lines (KV memory, KV tokens, maximum concurrency at max_model_len).
@@ -55,7 +57,10 @@ def run(mode: str, out: str) -> int:
            "--dtype", "bfloat16", "--load-format", "dummy", "--skip-tokenizer", "--cuda-graphs",
            "--max-model-len", str(MAX_LEN), "--max-num-seqs", "32",
            "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.9",
-           "--out", os.path.join(out, f"{mode}.json")]
+           "--out", os.path.join(out, f"{mode}.json"),
+           "--tensor-parallel-size", os.environ.get("HISPARSE_TP", "1")]
+    if os.environ.get("HISPARSE_EXECUTOR"):
+        cmd += ["--distributed-executor-backend", os.environ["HISPARSE_EXECUTOR"]]
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0")
     with open(os.path.join(out, f"{mode}.log"), "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
@@ -81,6 +86,8 @@ def compare(out: str) -> int:
               f"logprobs identical {same_l}")
     print("hisparse stats:", json.dumps(b["stats"]), "peak decode blocks", b["peak_decode_blocks"],
           "vs resident", a["peak_decode_blocks"])
+    for rank, s in enumerate(b.get("rank_stats", [])[1:], 1):
+        print(f"hisparse rank {rank} stats:", json.dumps(s))
     print("elapsed s: resident", round(a["elapsed_s"], 1), "hisparse", round(b["elapsed_s"], 1))
     print("EXACT" if ok else "MISMATCH")
     return 0 if ok else 1

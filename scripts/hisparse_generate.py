@@ -7,6 +7,9 @@ Each ``--prompts`` file is a list of prompts (token-id lists or strings) generat
 in order, by one engine. Runs the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that,
 after the batches, it can drain the delayed frees and report the worker runtime's statistics
 (hit rate, host pages still used) and the peak GPU blocks any request held after its prefill.
+With ``--tensor-parallel-size N`` (N > 1) the workers are N processes (vLLM's mp executor): their
+statistics come back through ``LLM.collective_rpc``, one dict per rank ("rank_stats"; "stats" is
+rank 0's).
 The output: {"batches": [[{"tokens": [...], "logprobs": [[[id, lp], ...], ...]}, ...]], "stats":
 {...}, "peak_decode_blocks": int, "prompt_blocks": [...]}.
 """
@@ -37,6 +40,8 @@ def main(argv=None) -> int:
                    help="override the number of KV blocks (small: forces preemption)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="no --enforce-eager: vLLM's piecewise CUDA graphs around attention")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--distributed-executor-backend", default=None, help="mp or ray (TP > 1)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -78,6 +83,8 @@ def main(argv=None) -> int:
               seed=0, attention_backend="hisparse", additional_config={"hisparse": cfg.to_dict()},
               load_format=a.load_format, skip_tokenizer_init=a.skip_tokenizer,
               gpu_memory_utilization=a.gpu_memory_utilization, num_gpu_blocks_override=a.num_blocks,
+              tensor_parallel_size=a.tensor_parallel_size,
+              distributed_executor_backend=a.distributed_executor_backend,
               **({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}
                  if a.cuda_graphs else {}))
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, logprobs=a.logprobs,
@@ -92,17 +99,36 @@ def main(argv=None) -> int:
                          "logprobs": [sorted([k, v.logprob] for k, v in d.items())
                                       for d in o.outputs[0].logprobs],
                          "prompt_len": len(o.prompt_token_ids)} for o in outs])
-    rt = worker_state.get_runtime()
+    if a.tensor_parallel_size == 1:
+        rank_stats = lambda: [_runtime_stats(worker_state.get_runtime())]  # noqa: E731
+    else:                                     # the runtimes live in the worker processes
+        rank_stats = lambda: llm.collective_rpc(_worker_stats)  # noqa: E731
     for _ in range(20):                       # delayed frees complete on the following steps
-        if not rt.reqs:
+        stats = rank_stats()
+        if all(s["live_requests"] == 0 for s in stats):
             break
         llm.llm_engine.step()
-    res = {"batches": batches, "stats": rt.stats_dict(), "peak_decode_blocks": peak["blocks"],
-           "config": cfg.to_dict(), "elapsed_s": time.time() - t0, "preemptions": preempt["n"]}
+    res = {"batches": batches, "stats": stats[0], "rank_stats": stats,
+           "peak_decode_blocks": peak["blocks"], "config": cfg.to_dict(),
+           "elapsed_s": time.time() - t0, "preemptions": preempt["n"]}
     with open(a.out, "w") as f:
         json.dump(res, f)
     print(json.dumps(res["stats"]))
     return 0
+
+
+def _runtime_stats(rt) -> dict:
+    """The runtime's statistics and the size of its host pool (pages, bytes)."""
+    pool = rt.pool
+    return dict(rt.stats_dict(), host_pool_pages=pool.num_pages if pool is not None else 0,
+                host_pool_bytes=pool.data.numel() * pool.data.element_size() if pool else 0)
+
+
+def _worker_stats(worker) -> dict:
+    """Runs in each worker process (LLM.collective_rpc): that rank's runtime statistics."""
+    from vllm_hisparse.vllm import worker_state
+
+    return _runtime_stats(worker_state.get_runtime())
 
 
 if __name__ == "__main__":

@@ -221,18 +221,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_vllm_serve_openai_client(runs, tmp_path):
-    """`vllm serve --attention-backend HiSparse --hisparse-config F` + the OpenAI client: the
-    answer equals the offline resident engine's for the same request, token for token and logprob
-    for logprob; the server's worker then reports its host pool empty."""
-    from openai import OpenAI
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One `vllm serve --attention-backend HiSparse --hisparse-config F` for the module's server
+    tests; its worker writes HISPARSE_STATS_FILE."""
+    from types import SimpleNamespace
 
-    resident, _ = runs
-    want = resident["batches"][1][0]
+    tmp = tmp_path_factory.mktemp("serve")
     model = make_tiny_model()
     port = _free_port()
-    stats = tmp_path / "stats.json"
-    cfg_file = tmp_path / "hisparse.json"           # through the --hisparse-config shorthand
+    stats = tmp / "stats.json"
+    cfg_file = tmp / "hisparse.json"                # through the --hisparse-config shorthand
     cfg_file.write_text(json.dumps(dict(CFG, min_context=MIN_CONTEXT)))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                HISPARSE_STATS_FILE=str(stats))
@@ -242,25 +241,83 @@ def test_vllm_serve_openai_client(runs, tmp_path):
            "--hisparse-config", str(cfg_file),
            "--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
            "--enforce-eager", "--seed", "0"]
-    log = open(tmp_path / "serve.log", "w")
+    log = open(tmp / "serve.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(proc, port, timeout=480)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        r = client.completions.create(model=model, prompt=prompts()[1], max_tokens=MAX_TOKENS,
-                                      temperature=0.0, logprobs=1,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
-        c = r.choices[0]
-        assert c.token_ids == want["tokens"]
-        chosen = [dict(map(tuple, lp))[t] for lp, t in zip(want["logprobs"], want["tokens"])]
-        assert c.logprobs.token_logprobs == chosen
-        for _ in range(60):                  # the delayed free lands a step or two later
-            if stats.exists() and json.loads(stats.read_text())["live_requests"] == 0:
-                break
-            time.sleep(0.5)
-        st = json.loads(stats.read_text())
-        assert st["host_pages_used"] == 0 and st["live_requests"] == 0
-        assert st["misses"] > 0
+        yield SimpleNamespace(model=model, port=port, stats=stats, url=f"http://127.0.0.1:{port}")
     finally:
         stop(proc)
         log.close()
+
+
+def _wait_idle(stats, done=lambda st: True, tries=120) -> dict:
+    """The worker's stats once no request is live and ``done(stats)`` holds (the delayed free, and
+    what reports after it, land a step or two after the last answer)."""
+    st = {}
+    for _ in range(tries):
+        if stats.exists():
+            st = json.loads(stats.read_text())
+            if st["live_requests"] == 0 and done(st):
+                break
+        time.sleep(0.5)
+    return st
+
+
+def test_vllm_serve_openai_client(runs, server):
+    """`vllm serve --attention-backend HiSparse --hisparse-config F` + the OpenAI client: the
+    answer equals the offline resident engine's for the same request, token for token and logprob
+    for logprob; the server's worker then reports its host pool empty."""
+    from openai import OpenAI
+
+    resident, _ = runs
+    want = resident["batches"][1][0]
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    r = client.completions.create(model=server.model, prompt=prompts()[1], max_tokens=MAX_TOKENS,
+                                  temperature=0.0, logprobs=1,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = r.choices[0]
+    assert c.token_ids == want["tokens"]
+    chosen = [dict(map(tuple, lp))[t] for lp, t in zip(want["logprobs"], want["tokens"])]
+    assert c.logprobs.token_logprobs == chosen
+    st = _wait_idle(server.stats)
+    assert st["host_pages_used"] == 0 and st["live_requests"] == 0
+    assert st["misses"] > 0
+
+
+def test_metrics_on_prometheus_agree_with_worker_stats(server):
+    """vLLM's /metrics carries the hisparse series (vllm/metrics.py, through the KV-connector stats
+    path): after a long (sparse) and a short (dense) request they have moved, and they equal the
+    worker's own counters (HISPARSE_STATS_FILE, written when a request is dropped): hits, lookups
+    = hits + misses, miss bytes = misses x one page of one layer, decode rows by kind; the host
+    pool is empty again, its capacity the connector's, nobody waits."""
+    from openai import OpenAI
+
+    from vllm_hisparse.bench import prom
+
+    before = prom.hisparse(prom.scrape(server.url))
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    for p in (prompts()[0], prompts()[4]):                     # 150 tokens: sparse; 17: dense
+        client.completions.create(model=server.model, prompt=p, max_tokens=MAX_TOKENS,
+                                  temperature=0.0, extra_body={"ignore_eos": True})
+    page_bytes = 2 * PAGE * 2 * 32 * 4                        # K+V, Hkv=2, D=32, fp32: one layer
+    m = {}
+
+    def agree(st):
+        nonlocal m
+        m = prom.hisparse(prom.scrape(server.url))
+        return (m["hot_buffer_lookups_total"] == st["hits"] + st["misses"]
+                and m['decode_rows_total{kind="dense"}'] == st["dense_decode_rows"])
+
+    st = _wait_idle(server.stats, agree)
+    assert m["hot_buffer_hits_total"] == st["hits"] > before["hot_buffer_hits_total"]
+    assert m["hot_buffer_lookups_total"] == st["hits"] + st["misses"]
+    assert m["miss_bytes_total"] == st["misses"] * page_bytes > before["miss_bytes_total"]
+    assert m['decode_rows_total{kind="sparse"}'] == st["decode_rows"] \
+        > before['decode_rows_total{kind="sparse"}']
+    assert m['decode_rows_total{kind="dense"}'] == st["dense_decode_rows"] \
+        > before['decode_rows_total{kind="dense"}']
+    assert m["host_pool_pages_used"] == m["host_pool_pages_reserved"] == 0
+    assert m["host_pool_pages_capacity"] == int(CFG["host_pool_gib"] * (1 << 30)) // (page_bytes * 4)
+    assert all(m[f'requests_waiting{{reason="{r}"}}'] == 0
+               for r in ("host_pool", "dense_pool", "quest_rows"))

@@ -19,7 +19,9 @@ def fake_config(**over):
                          get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 32)
     cfg = SimpleNamespace(
         additional_config=dict(HS), model_config=mc,
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1,
+                                        world_size=1, local_world_size=1,
+                                        data_parallel_size_local=1),
         cache_config=SimpleNamespace(block_size=None, user_specified_block_size=False,
                                      enable_prefix_caching=True),
         kv_transfer_config=None)

@@ -30,7 +30,11 @@ backends' max requests (vLLM never runs more than max_num_seqs at once).
 
 max requests counts decoding requests of --context tokens: whole blocks, vLLM's null block left out;
 a hisparse request keeps S+1 = B/page+1 blocks in every layer after its prefill (dense layers
-included: they are not kept resident yet) and all its pages during prefill."""
+included: they are not kept resident yet) and all its pages during prefill.
+
+With --tensor-parallel-size N every GPU holds 1/N of the KV heads (or one head when there are fewer
+heads than GPUs, as vLLM does): GPU bytes, blocks, Quest rows and vLLM's lines are per GPU, host
+bytes per request are the engine's (all ranks), and each rank pins --host-gib / N."""
 
 
 def add_arguments(p):
@@ -63,6 +67,10 @@ def add_arguments(p):
     p.add_argument("--min-context", type=int, default=None,
                    help="hisparse min_context: a --context shorter than this stays resident "
                         "(default: the config's, 2 x --buffer)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vLLM --tensor-parallel-size N: each GPU holds 1/N of the KV heads "
+                        "(--gpu-kv-gib and --dense-pool-gib are per GPU); --host-gib is the "
+                        "engine's total host pool, each rank pinning 1/N (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -78,6 +86,13 @@ def compute(args) -> dict:
                          f"or its config.json)") from None
     except (ValueError, KeyError) as e:
         raise SystemExit(f"--model {args.model}: {e}") from None
+    tp = args.tensor_parallel_size
+    if tp < 1 or (m.num_kv_heads % tp and tp % m.num_kv_heads):
+        raise SystemExit(f"--tensor-parallel-size {tp}: vLLM splits the model's {m.num_kv_heads} "
+                         f"KV heads over the ranks; use a divisor or a multiple of it")
+    # from here on, m is one rank's shape (its KV heads): every GPU figure is per GPU
+    m = cap.ModelShape(m.num_layers, cap.rank_kv_heads(m.num_kv_heads, tp), m.head_dim,
+                       m.dtype_bytes)
     if args.dense_layers > m.num_layers:
         raise SystemExit(f"--dense-layers {args.dense_layers} exceeds the model's {m.num_layers} layers")
     if args.context > mml:
@@ -85,7 +100,7 @@ def compute(args) -> dict:
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: use 1 or more, or leave it out")
     P, S, seqs = args.page_size, cfg.num_slots, args.max_num_seqs
-    gpu, host = int(args.gpu_kv_gib * GIB), cfg.host_pool_bytes
+    gpu, host = int(args.gpu_kv_gib * GIB), cap.host_pool_rank_bytes(cfg.host_pool_bytes, tp)
     sparse = args.context >= cfg.min_context_tokens   # residency.is_sparse_request
 
     def vllm_lines(blocks: int, blocks_per_req_at_mml: int) -> dict:
@@ -139,20 +154,21 @@ def compute(args) -> dict:
     else:
         n_h, by_h = cap.max_requests(limits)
     hisparse = {"gpu_bytes_per_request": cap.hisparse_gpu_bytes(m, args.context, P, S, sparse),
-                "host_bytes_per_request": cap.hisparse_host_bytes(m, args.context, P, sparse,
-                                                                  host_layers),
+                "host_bytes_per_request": tp * cap.hisparse_host_bytes(m, args.context, P, sparse,
+                                                                       host_layers),
                 "max_requests": n_h, "bound_by": by_h,
                 "quest_meta_bytes_per_request": row, "quest_rows": n_seqs,
                 "max_num_seqs": seqs if seqs is not None else n_seqs,
                 "quest_meta_bytes": (n_seqs + 1) * row, "kv_cache_bytes": kv, "num_blocks": h_blocks,
                 "prefill_fits": cap.hisparse_prefill_fits(h_blocks, mml, P),
-                "host_pool_pages": host_pages,
+                "host_pool_pages": host_pages, "host_pool_bytes_per_rank": host,
                 "dense_pool_bytes": dense_bytes, "dense_pool_pages": dense_pages,
                 "dense_pool_bytes_per_request": (h_pages * P * m.token_bytes_per_layer
                                                  * args.dense_layers if dense_bytes else 0),
                 # HiSparseSpec.max_memory_usage_bytes ignores min_context: vLLM's lines assume S+1
                 **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S))}
-    return {"max_model_len": mml, "baseline": baseline, "hisparse": hisparse}
+    return {"max_model_len": mml, "tensor_parallel_size": tp, "baseline": baseline,
+            "hisparse": hisparse}
 
 
 def _gib(x: int) -> str:
@@ -165,9 +181,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
+    tp = r["tensor_parallel_size"]
+    per_gpu = f" per GPU x {tp} GPUs" if tp > 1 else ""
     print(f"context {args.context} tokens (max_model_len {mml}), B={args.buffer}, top_k={args.top_k}, "
-          f"page {args.page_size}, GPU KV {args.gpu_kv_gib} GiB, host pool {args.host_gib} GiB")
-    print(f"{'':10s} {'GPU/request':>14s} {'host/request':>14s} {'max requests':>13s}  bound by")
+          f"page {args.page_size}, GPU KV {args.gpu_kv_gib} GiB{per_gpu}, host pool {args.host_gib} GiB"
+          + (f" ({_gib(h['host_pool_bytes_per_rank'])} pinned by each of {tp} ranks)" if tp > 1 else ""))
+    print(f"{'':10s} {'GPU/request' if tp == 1 else 'GPU/req/GPU':>14s} {'host/request':>14s} "
+          f"{'max requests':>13s}  bound by")
     for name, v in (("baseline", b), ("hisparse", h)):
         print(f"{name:10s} {_gib(v['gpu_bytes_per_request']):>14s} {_gib(v['host_bytes_per_request']):>14s}"
               f" {v['max_requests']:13d}  {v['bound_by']}")

@@ -186,6 +186,19 @@ def host_pool_pages(host_bytes: int, m: ModelShape, page_size: int, layers: int 
     return host_bytes // _layer_pages(m, page_size, layers)
 
 
+def host_pool_rank_bytes(host_pool_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Host pool bytes one tensor-parallel rank allocates: ``host_pool_gib`` is the engine's total,
+    split evenly over the ranks (each holds its own KV heads of the same page ids, so every rank
+    has the same number of pages: ``connector.host_pages_capacity``)."""
+    return host_pool_bytes // tensor_parallel_size
+
+
+def rank_kv_heads(num_kv_heads: int, tensor_parallel_size: int = 1) -> int:
+    """KV heads one tensor-parallel rank holds (vLLM's ``ModelConfig.get_num_kv_heads``: split,
+    or replicated when there are fewer heads than ranks)."""
+    return max(1, num_kv_heads // tensor_parallel_size)
+
+
 def hisparse_prefill_fits(blocks: int, max_model_len: int, page_size: int) -> bool:
     """The connector's startup check (``bind_gpu_block_pool``): a ``max_model_len`` prompt, fully
     resident during its prefill (+1 block), fits the blocks other than the null block."""

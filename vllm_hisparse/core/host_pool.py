@@ -29,15 +29,17 @@ class HostPoolPinError(RuntimeError):
     machine has and what host_pool_gib to use instead."""
 
     def __init__(self, nbytes: int, cause: str, host_pool_gib: float | None = None,
-                 pinned: bool = True):
+                 pinned: bool = True, ranks: int = 1):
         self.nbytes, self.cause, self.pinned = nbytes, cause, pinned
-        super().__init__(pin_failure_message(nbytes, cause, host_pool_gib, pinned, host_memory()))
+        super().__init__(pin_failure_message(nbytes, cause, host_pool_gib, pinned, host_memory(),
+                                             ranks))
 
 
 def host_memory() -> dict[str, int]:
     """Host RAM in bytes: ``total`` and ``available`` (/proc/meminfo MemTotal, MemAvailable; else
     sysconf, whose free pages stand in for available), and ``limit`` when a cgroup (container)
-    memory limit is below the total. Keys whose value is unknown are left out."""
+    memory limit is below the total, with ``used``: what the cgroup holds already (its
+    memory.current). Keys whose value is unknown are left out."""
     mem: dict[str, int] = {}
     try:
         with open("/proc/meminfo") as f:
@@ -53,7 +55,9 @@ def host_memory() -> dict[str, int]:
                 mem[key] = os.sysconf(name) * os.sysconf("SC_PAGE_SIZE")
             except (ValueError, OSError, AttributeError):
                 pass
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    for path, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                       ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                        "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
         try:
             with open(path) as f:
                 limit = int(f.read().strip())       # "max" (no limit) raises ValueError
@@ -61,32 +65,89 @@ def host_memory() -> dict[str, int]:
             continue
         if limit < mem.get("total", limit + 1):
             mem["limit"] = limit
+            try:
+                with open(used) as f:
+                    mem["used"] = int(f.read().strip())
+            except (OSError, ValueError):
+                pass
         break
     return mem
 
 
-def pin_failure_message(nbytes: int, cause: str, host_pool_gib: float | None, pinned: bool,
-                        mem: dict[str, int]) -> str:
-    """One line: what could not be pinned, what the machine has, which host_pool_gib to use."""
-    setting = f"host_pool_gib={host_pool_gib}" if host_pool_gib is not None else "set by host_pool_gib"
+def host_room(mem: dict[str, int]) -> int | None:
+    """Bytes a new allocation can still get: the available RAM, and under a container limit at
+    most the limit less what the container already uses; None when neither is known."""
+    rooms = [mem["available"]] if "available" in mem else []
+    if "limit" in mem:
+        rooms.append(mem["limit"] - mem.get("used", 0))
+    return max(min(rooms), 0) if rooms else None
+
+
+def _have(mem: dict[str, int]) -> str:
     have = []
     if "total" in mem:
         have.append(f"{mem['total'] / GIB:.1f} GiB of RAM")
     if "available" in mem:
         have.append(f"{mem['available'] / GIB:.1f} GiB available now")
     if "limit" in mem:
-        have.append(f"a container memory limit of {mem['limit'] / GIB:.1f} GiB")
-    room = min((mem[k] for k in ("available", "limit") if k in mem), default=None)
+        used = f", {mem['used'] / GIB:.1f} GiB of it in use" if "used" in mem else ""
+        have.append(f"a container memory limit of {mem['limit'] / GIB:.1f} GiB{used}")
+    return ", ".join(have) or "an unknown amount of RAM"
+
+
+def _gib_str(gib: float) -> str:
+    return str(int(gib)) if gib >= 1 else str(round(gib, 2))
+
+
+def _suggest(room: int | None, ranks_total: int = 1, ranks_here: int = 1) -> str:
+    """The fix: a host_pool_gib (the engine's total over ranks_total ranks, ranks_here of which
+    pin on this host) whose share here is SUGGEST_SHARE of the room."""
     if room is None:
-        fix = "lower host_pool_gib"
-    else:
-        gib = SUGGEST_SHARE * room / GIB
-        fix = (f"lower host_pool_gib to about {int(gib) if gib >= 1 else round(gib, 2)} "
-               f"({SUGGEST_SHARE:.0%} of the available memory)" if gib >= 0.01 else
-               "free host memory (other processes hold it) or lower host_pool_gib")
+        return "lower host_pool_gib"
+    gib = SUGGEST_SHARE * room / GIB * ranks_total / ranks_here
+    if gib < 0.01:
+        return "free host memory (other processes hold it) or lower host_pool_gib"
+    return (f"lower host_pool_gib to about {_gib_str(gib)} ({SUGGEST_SHARE:.0%} of the available "
+            f"memory{'' if ranks_here == ranks_total else ' on this host'})")
+
+
+def pin_failure_message(nbytes: int, cause: str, host_pool_gib: float | None, pinned: bool,
+                        mem: dict[str, int], ranks: int = 1) -> str:
+    """One line: what could not be pinned, what the machine has, which host_pool_gib to use.
+    ranks: tensor-parallel ranks sharing host_pool_gib (nbytes is then one rank's share)."""
+    setting = f"host_pool_gib={host_pool_gib}" if host_pool_gib is not None else "set by host_pool_gib"
+    if ranks > 1:
+        setting += f", this rank's share of {ranks}"
     return (f"hisparse: could not {'pin' if pinned else 'allocate'} {nbytes / GIB:.2f} GiB of host "
-            f"memory for the host KV pool ({setting}): this machine has "
-            f"{', '.join(have) or 'an unknown amount of RAM'}; {fix} (torch: {cause})")
+            f"memory for the host KV pool ({setting}): this machine has {_have(mem)}; "
+            f"{_suggest(host_room(mem), ranks, ranks)} (torch: {cause})")
+
+
+PIN_SHARE = 0.9   # guess: refuse a pool above 90% of the room, leaving the rest to vLLM's processes
+
+
+class HostPoolTooLarge(ValueError):
+    """The host pools of the ranks on this host would not fit its memory (checked at startup,
+    before any rank allocates)."""
+
+
+def check_host_room(host_pool_gib: float, rank_bytes: int, ranks_total: int, ranks_here: int,
+                    pinned: bool, mem: dict[str, int] | None = None) -> None:
+    """Refuse, in one line naming host_pool_gib and a value that fits, when the pools that the
+    ranks_here ranks on this host allocate (rank_bytes each; host_pool_gib is the engine's total
+    over ranks_total ranks) exceed PIN_SHARE of this host's room (``host_room``: the available RAM
+    and the container limit). Nothing is checked when the room is unknown."""
+    mem = host_memory() if mem is None else mem
+    room = host_room(mem)
+    need = rank_bytes * ranks_here
+    if room is None or need <= PIN_SHARE * room:
+        return
+    split = f" ({ranks_here} ranks x {rank_bytes / GIB:.2f} GiB)" if ranks_here > 1 else ""
+    raise HostPoolTooLarge(
+        f"hisparse: host_pool_gib={host_pool_gib} needs {need / GIB:.2f} GiB of "
+        f"{'pinned ' if pinned else ''}host memory on this host{split}, more than "
+        f"{PIN_SHARE:.0%} of the {room / GIB:.2f} GiB it can still give (this machine has "
+        f"{_have(mem)}); {_suggest(room, ranks_total, ranks_here)}")
 
 
 class HostKVPool:

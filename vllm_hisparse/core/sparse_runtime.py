@@ -126,8 +126,8 @@ class SparseRuntime:
         self._hit_miss = torch.zeros(2, dtype=torch.int64, device=self.device)  # read in stats_dict
         self.split_dense = dense_groups.split_enabled(cfg, self.device, head_dim)
         self._batches: dict[int, DecodeBatch] = {}         # decode batches by size (fixed buffers)
-        self.stats = {"steps": 0, "decode_rows": 0, "finished": 0, "dense_pool_pages_handed": 0,
-                      "full_steps": 0}
+        self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
+                      "dense_pool_pages_handed": 0, "full_steps": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -191,6 +191,12 @@ class SparseRuntime:
         return None if self.pool is None or i is None else self.pool.data[i]
 
     @property
+    def hit_miss(self) -> torch.Tensor:
+        """(2,) int64 on the device: RESOLVE's hits and misses so far (vllm/metrics.py reads it
+        without waiting for the GPU)."""
+        return self._hit_miss
+
+    @property
     def host_pages_used(self) -> int:
         return self.pool.used_pages if self.pool is not None else 0
 
@@ -238,7 +244,7 @@ class SparseRuntime:
             if any(s.t0 != i for i, s in enumerate(dec)):
                 plan.db_tok = self.h2d([s.t0 for s in dec], torch.int64)
         self.stats["steps"] += 1
-        self.stats["decode_rows"] += sum(s.sparse for s in dec)
+        self._count_rows(dec)
         return plan
 
     def plan_full(self, req_ids: list[str], seq_lens: list[int], N: int) -> None:
@@ -252,7 +258,8 @@ class SparseRuntime:
         self._trace_steps(db)
         self.stats["steps"] += 1
         self.stats["full_steps"] += 1
-        self.stats["decode_rows"] += sum(s.sparse for s in steps)
+        self._count_rows(steps)
+        self.stats["dense_decode_rows"] += sum(not s.sparse and s.start > 0 for s in steps)
         self._host_s["plan"] += time.perf_counter() - t0
 
     def full_layer(self, layer: int, N: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -265,6 +272,11 @@ class SparseRuntime:
         body = decode_body.dense_layer if layer in self.dense_layers else decode_body.sparse_layer
         body(self, layer, self._batch(N), q, k, v, kv, block_table, scale, out)
         self._host_s["full_layers"] += time.perf_counter() - t0
+
+    def _count_rows(self, dec: list[ReqStep]) -> None:
+        """Decode rows by kind (stats): sparse ones, and dense ones past their prompt's start."""
+        self.stats["decode_rows"] += sum(s.sparse for s in dec)
+        self.stats["dense_decode_rows"] += sum(not s.sparse and s.start > 0 for s in dec)
 
     def _batch(self, N: int) -> DecodeBatch:
         db = self._batches.get(N)

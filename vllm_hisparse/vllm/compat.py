@@ -21,6 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: E402
 from vllm.logger import init_logger as _vllm_init_logger  # noqa: E402
 from vllm.model_executor.layers.attention.attention import Attention  # noqa: E402
 from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
@@ -37,10 +42,12 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
+from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
 
 __all__ = [
     "VERSION", "VllmConfig", "get_current_vllm_config", "CUDAGraphMode", "KVTransferConfig", "KVConnectorFactory", "KVConnectorBase_V1", "KVConnectorMetadata",
-    "KVConnectorRole", "SupportsHMA", "init_logger", "Attention", "extract_layer_index",
+    "KVConnectorRole", "SupportsHMA", "KVConnectorStats", "KVConnectorPromMetrics",
+    "create_metric_per_engine", "get_tensor_model_parallel_rank", "init_logger", "Attention", "extract_layer_index",
     "AttentionBackend", "AttentionCGSupport", "AttentionImpl", "AttentionMetadataBuilder",
     "AttentionType", "CommonAttentionMetadata", "MultipleOf", "AttentionBackendEnum",
     "register_backend", "FullAttentionManager", "FullAttentionSpec", "KVCacheSpecRegistry",

@@ -19,17 +19,19 @@ from typing import Any
 
 import torch
 
+from vllm_hisparse.core import capacity
 from vllm_hisparse.core.residency import is_sparse_request
 from vllm_hisparse.core.host_pool import HostKVPool, HostPoolPinError
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
-from . import worker_state
+from . import metrics, worker_state
 from .flash_dense import make_dense_fn
 from .compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
+    get_tensor_model_parallel_rank,
     hisparse_config_of,
     init_logger,
 )
@@ -50,8 +52,11 @@ def _page_bytes(cfg, model_config, parallel_config) -> int:
 
 
 def host_pages_capacity(cfg, model_config, parallel_config) -> int:
-    return cfg.host_pool_pages(model_config.get_num_layers(parallel_config),
-                               _page_bytes(cfg, model_config, parallel_config))
+    """Pages of each rank's host pool: host_pool_gib is the engine's total, each tensor-parallel
+    rank allocates its share (its own KV heads of every page); scheduler and workers agree."""
+    share = capacity.host_pool_rank_bytes(cfg.host_pool_bytes, parallel_config.tensor_parallel_size)
+    layers = len(cfg.host_pool_layers(model_config.get_num_layers(parallel_config)))
+    return share // (_page_bytes(cfg, model_config, parallel_config) * layers)
 
 
 def dense_pages_capacity(cfg, model_config, parallel_config) -> int | None:
@@ -68,6 +73,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         # A sparse request takes the same number of pages in the host pool and the dense pool.
         self.admit_pages = self.capacity if dense is None else min(self.capacity, dense)
         self._bound = "host" if dense is None or self.capacity <= dense else "GPU dense"
+        self._pool_reason = "host_pool" if self._bound == "host" else "dense_pool"
         self.max_model_len = mc.max_model_len
         # Quest bounds rows on the worker: one per long request admitted at once (core/sparse_runtime)
         self.quest_rows = self.cfg.quest_rows or vllm_config.scheduler_config.max_num_seqs
@@ -80,6 +86,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._finishing: list[str] = []
         self._done: set[str] = set()
         self._waiting_logged: set[str] = set()
+        self._waiting: dict[str, str] = {}     # req -> what it waits for (metrics.WAIT_REASONS)
+        self._sched_report: dict | None = None
         if role == KVConnectorRole.WORKER:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))
@@ -90,12 +98,17 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                     host_pages=self.capacity, quest_meta=worker_state.quest_meta,
                     dense_pool=worker_state.dense_pool)
             except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
-                raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib,
-                                       e.pinned) from e.__cause__
+                raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib, e.pinned,
+                                       pc.tensor_parallel_size) from e.__cause__
             fa = make_dense_fn(mc.dtype, mc.get_head_size())
             if fa is not None:
                 worker_state.runtime.dense_fn = fa
+            rank = get_tensor_model_parallel_rank()
             self._stats_path = os.environ.get(STATS_ENV)
+            if self._stats_path and rank > 0:         # one file per rank: rank 0 keeps the name
+                self._stats_path = f"{self._stats_path}.rank{rank}"
+            self._report = metrics.WorkerReport(worker_state.runtime, rank,
+                                                _page_bytes(self.cfg, mc, pc))
 
     # ---- scheduler side ----------------------------------------------------------------------
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
@@ -127,12 +140,14 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         need = self._pages_needed(request)
         sparse = is_sparse_request(self.cfg, request.num_prompt_tokens)
         if sparse and len(self._quest_held) >= self.quest_rows:
+            self._waiting[rid] = "quest_rows"
             if rid not in self._waiting_logged:
                 self._waiting_logged.add(rid)
                 logger.warning("hisparse: Quest rows full (quest_rows=%d long requests at once); "
                                "request %s waits", self.quest_rows, rid)
             return None, False
         if self._reserved_total + need > self.admit_pages:
+            self._waiting[rid] = self._pool_reason
             if rid not in self._waiting_logged:
                 self._waiting_logged.add(rid)
                 logger.warning("hisparse: %s pool full (%d of %d pages reserved); request %s "
@@ -140,6 +155,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                                self.admit_pages, rid, need)
             return None, False
         self._waiting_logged.discard(rid)
+        self._waiting.pop(rid, None)
         if sparse:
             self._quest_held.add(rid)
         self._reserved[rid] = need
@@ -168,6 +184,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._prompt.pop(rid, None)
         self._sent.discard(rid)
         self._waiting_logged.discard(rid)
+        self._waiting.pop(rid, None)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -224,3 +241,26 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if done:
             rt.dump_stats(self._stats_path)
         return (done or None), None
+
+    # ---- metrics (vllm/metrics.py): vLLM asks both roles every step ----------------------------
+    def get_kv_connector_stats(self):
+        if self.role == KVConnectorRole.WORKER:
+            return self._report.report()
+        waiting = {f"waiting_{r}": 0 for r in metrics.WAIT_REASONS}
+        for reason in self._waiting.values():
+            waiting[f"waiting_{reason}"] += 1
+        pages = self.capacity if self.cfg.host_tier else 0         # resident mode has no pool
+        now = {"host_pages_reserved": self._reserved_total, "host_pages": pages, **waiting}
+        if now == self._sched_report:
+            return None
+        self._sched_report = now
+        return metrics.HiSparseStats(data={"sched": dict(now)})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return metrics.build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return metrics.HiSparsePromMetrics(vllm_config, metric_types, labelnames,
+                                           per_engine_labelvalues)

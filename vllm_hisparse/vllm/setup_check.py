@@ -67,10 +67,13 @@ def prepare_config(vllm_config) -> None:
     if cfg.host_tier and mc is not None:
         from vllm_hisparse.core.host_pool import HostKVPool
 
+        tp = pc.tensor_parallel_size
         pb = HostKVPool.page_bytes(cfg.page_size, mc.get_num_kv_heads(pc), mc.get_head_size(),
-                                   mc.dtype)
-        cfg.check_host_pool(mc.max_model_len, pb // cfg.page_size,
+                                   mc.dtype)                     # one page of one layer, per rank
+        # host_pool_gib is the engine's total: a request's pages take pb on every rank
+        cfg.check_host_pool(mc.max_model_len, pb // cfg.page_size * tp,
                             len(cfg.host_pool_layers(mc.get_num_layers(pc))))
+        check_host_memory(cfg, vllm_config)
         cfg.check_dense_pool(mc.max_model_len, pb // cfg.page_size)
         if cfg.dense_layers and not cfg.uses_dense_pool:
             logger.warning("hisparse: dense_layers=%s without dense_pool_gib: those layers read the "
@@ -85,6 +88,7 @@ def prepare_config(vllm_config) -> None:
     elif ktc.kv_connector != "HiSparseConnector":
         raise Refused(f"hisparse brings its own KV connector; drop --kv-transfer-config "
                       f"({ktc.kv_connector})")
+    copy_env_to_ray_workers()
     logger.info("hisparse: %s", cfg.to_dict())
 
 
@@ -101,3 +105,34 @@ def warn_never_sparse(cfg: HiSparseConfig, max_model_len: int) -> None:
                    "max_model_len (0 = every request sparse), or serve without "
                    "--attention-backend hisparse",
                    max_model_len, cfg.min_context_tokens, unset, pool)
+
+
+def check_host_memory(cfg, vllm_config) -> None:
+    """Before any worker allocates: the host pools of every rank on this host (each tensor-parallel
+    rank pins host_pool_gib / TP; each local data-parallel engine has its own) must fit this host's
+    available RAM and container limit; refused in one line naming host_pool_gib and a value that
+    fits (core/host_pool.check_host_room)."""
+    from vllm_hisparse.core import capacity
+    from vllm_hisparse.core.host_pool import check_host_room
+
+    pc = vllm_config.parallel_config
+    tp = pc.tensor_parallel_size
+    local = getattr(pc, "local_world_size", pc.world_size) * max(1, pc.data_parallel_size_local)
+    cuda = getattr(getattr(vllm_config, "device_config", None), "device_type", None) == "cuda"
+    check_host_room(cfg.host_pool_gib, capacity.host_pool_rank_bytes(cfg.host_pool_bytes, tp),
+                    tp, local, pinned=cuda)
+
+
+RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+
+
+def copy_env_to_ray_workers() -> None:
+    """vLLM's Ray executor copies only VLLM_*, HF_*, NCCL_* ... variables to its workers
+    (vllm/ray/ray_env.py); adding HISPARSE_ to its documented extra prefixes makes HISPARSE_*
+    settings (HISPARSE_STATS_FILE, HISPARSE_PDL) reach them too. Set in this process's environment,
+    which the engine process inherits before it starts Ray."""
+    import os
+
+    have = [p.strip() for p in os.environ.get(RAY_PREFIXES, "").split(",") if p.strip()]
+    if "HISPARSE_" not in have:
+        os.environ[RAY_PREFIXES] = ",".join(have + ["HISPARSE_"])
