@@ -28,15 +28,22 @@ __global__ void set_conds_kernel(Handles handles, const int64_t* preds, int n) {
   for (int i = 0; i < n; ++i) cudaGraphSetConditional(handles.h[i], preds[i] != 0 ? 1u : 0u);
 }
 
-cudaGraph_t capture_graph(cudaStream_t s, const cudaGraphNode_t** deps, const cudaGraphEdgeData** edges,
-                          size_t* n) {
-  cudaStreamCaptureStatus status;
-  unsigned long long id = 0;
+// The graph a stream is capturing into and the stream's current frontier (the nodes new work
+// depends on).
+struct Frontier {
   cudaGraph_t graph = nullptr;
-  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(s, &status, &id, &graph, deps, edges, n));
-  TORCH_CHECK(status == cudaStreamCaptureStatusActive, "graph_cond: the current CUDA stream is not being captured");
-  return graph;
-}
+  const cudaGraphNode_t* deps = nullptr;
+  const cudaGraphEdgeData* edges = nullptr;
+  size_t n = 0;
+
+  explicit Frontier(cudaStream_t s) {
+    cudaStreamCaptureStatus status;
+    unsigned long long id = 0;
+    C10_CUDA_CHECK(cudaStreamGetCaptureInfo(s, &status, &id, &graph, &deps, &edges, &n));
+    TORCH_CHECK(status == cudaStreamCaptureStatusActive,
+                "graph_cond: the current CUDA stream is not being captured");
+  }
+};
 
 }  // namespace
 
@@ -47,15 +54,12 @@ torch::Tensor graph_cond_set(const torch::Tensor& preds) {
   TORCH_CHECK(n >= 1 && n <= kMaxConds, "graph_cond_set: 1 to ", kMaxConds, " conditions, got ", n);
   const c10::cuda::CUDAGuard guard(preds.device());
   cudaStream_t s = at::cuda::getCurrentCUDAStream();
-  const cudaGraphNode_t* deps = nullptr;
-  const cudaGraphEdgeData* edges = nullptr;
-  size_t nd = 0;
-  cudaGraph_t graph = capture_graph(s, &deps, &edges, &nd);
+  const Frontier f(s);
   Handles hs = {};
   auto out = torch::empty({n}, torch::TensorOptions().dtype(torch::kInt64));
   int64_t* o = out.data_ptr<int64_t>();
   for (int i = 0; i < n; ++i) {
-    C10_CUDA_CHECK(cudaGraphConditionalHandleCreate(&hs.h[i], graph, 0, 0));
+    C10_CUDA_CHECK(cudaGraphConditionalHandleCreate(&hs.h[i], f.graph, 0, 0));
     o[i] = (int64_t)hs.h[i];
   }
   set_conds_kernel<<<1, 1, 0, s>>>(hs, preds.data_ptr<int64_t>(), n);
@@ -66,17 +70,14 @@ torch::Tensor graph_cond_set(const torch::Tensor& preds) {
 void graph_cond_begin(const torch::Tensor& like, int64_t handle, int64_t body_stream) {
   const c10::cuda::CUDAGuard guard(like.device());
   cudaStream_t s = at::cuda::getCurrentCUDAStream();
-  const cudaGraphNode_t* deps = nullptr;
-  const cudaGraphEdgeData* edges = nullptr;
-  size_t nd = 0;
-  cudaGraph_t graph = capture_graph(s, &deps, &edges, &nd);
+  const Frontier f(s);
   cudaGraphNodeParams params = {};
   params.type = cudaGraphNodeTypeConditional;
   params.conditional.handle = (cudaGraphConditionalHandle)handle;
   params.conditional.type = cudaGraphCondTypeIf;
   params.conditional.size = 1;
   cudaGraphNode_t node;
-  C10_CUDA_CHECK(cudaGraphAddNode(&node, graph, deps, edges, nd, &params));
+  C10_CUDA_CHECK(cudaGraphAddNode(&node, f.graph, f.deps, f.edges, f.n, &params));
   cudaGraph_t body = params.conditional.phGraph_out[0];
   C10_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(s, &node, nullptr, 1, cudaStreamSetCaptureDependencies));
   C10_CUDA_CHECK(cudaStreamBeginCaptureToGraph(reinterpret_cast<cudaStream_t>(body_stream), body, nullptr,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_online_softmax import online_softmax_step, store_partials
+from .triton_online_softmax import online_softmax_step, partials, store_partials
 
 BLOCK_N = 64          # tokens per inner step (a guess, good for D=128 on Hopper; see bench)
 TARGET_PROGRAMS = 528  # ~4 programs per H200 SM across (R, Hkv, splits) (a guess)
@@ -198,12 +198,7 @@ def _launch(q, kv, locs, units, seq_lens, scale, out, E, ex, el, es, in_kv, work
     n_sel = k * unit
     n_tok = n_sel + E
     ns, split = split_layout(R, Hkv, n_tok)
-    if work is None:
-        po = torch.empty(R, Hq, ns, D, dtype=torch.float32, device=q.device)
-        pml = torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=q.device)
-    else:
-        po, pml = work
-        assert po.numel() >= R * Hq * ns * D and pml.numel() >= R * Hq * ns * 2, "work too small"
+    po, pml = partials(R, Hq, ns, D, q.device, work)
     block = BLOCK_N if D <= 128 else 32
     _split_kernel[(R, Hkv, ns)](
         q, kv, locs, units, seq_lens, ex, el, po, pml,

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .kernels import DENSE_DECODE_HEAD_SIZES
-from .triton_online_softmax import online_softmax_step, store_partials
+from .triton_online_softmax import online_softmax_step, partials, store_partials
 
 SPLIT = 512           # keys per split (a multiple of BLOCK_N); fixed: results depend on it
 BLOCK_N = 64          # keys per inner step
@@ -130,12 +130,7 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     bound = block_table.shape[1] * P if max_k is None else min(max_k, block_table.shape[1] * P)
     ns = max(1, -(-bound // SPLIT))
-    if work is None:
-        po = torch.empty(R, Hq, ns, D, dtype=torch.float32, device=q.device)
-        pml = torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=q.device)
-    else:
-        po, pml = work
-        assert po.numel() >= R * Hq * ns * D and pml.numel() >= R * Hq * ns * 2, "work too small"
+    po, pml = partials(R, Hq, ns, D, q.device, work)
     G = Hq // Hkv
     has_rows = table_rows is not None
     _dense_split_kernel[(R, Hkv, ns)](

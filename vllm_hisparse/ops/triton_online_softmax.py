@@ -1,9 +1,23 @@
 """The online-softmax step and the partial-result store shared by the split-KV decode kernels
 (ops/triton_attention.py: sparse; ops/triton_dense_decode.py: dense). Inlined by Triton into each
 kernel, so both keep their bits: the same operations in the same order as when each kernel had its
-own copy."""
+own copy. And the partial results' buffers of a call (``partials``)."""
+from __future__ import annotations
+
+import torch
 import triton
 import triton.language as tl
+
+
+def partials(R: int, Hq: int, ns: int, D: int, device, work: tuple | None):
+    """The (po (R, Hq, ns, D), pml (R, Hq, ns, 2)) fp32 partial results of a split-KV call: new
+    tensors, or the caller's preallocated ``work`` (flat buffers of at least as many elements)."""
+    if work is None:
+        return (torch.empty(R, Hq, ns, D, dtype=torch.float32, device=device),
+                torch.empty(R, Hq, ns, 2, dtype=torch.float32, device=device))
+    po, pml = work
+    assert po.numel() >= R * Hq * ns * D and pml.numel() >= R * Hq * ns * 2, "work too small"
+    return po, pml
 
 
 @triton.jit
