@@ -171,11 +171,11 @@ def test_padding_tokens_at_the_tail_change_nothing():
 def test_dense_layers_never_read_the_host_with_a_dense_pool(monkeypatch):
     """With dense_pool_gib the dense layers attend from the GPU pool: the host read-back path of
     dense layers is never taken (and the host pool holds only what sparse layers need)."""
-    from vllm_hisparse.core import sparse_runtime as srt
+    from vllm_hisparse.core import prefill
 
     def boom(*a, **k):
         raise AssertionError("dense layer read the host pool")
-    monkeypatch.setattr(srt.SparseRuntime, "_attend_from_host", boom)
+    monkeypatch.setattr(prefill, "attend_from_host", boom)
     outs, _ = run(True, (0, 2), 0.001)
     assert not any(torch.isnan(o).any() for o in outs)
 

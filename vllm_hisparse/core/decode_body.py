@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_hisparse.core import prefill
 from vllm_hisparse.ops import decode_ops, kernels
 from vllm_hisparse.ops.graph_cond import run_if
 from vllm_hisparse.ops.quest import quest_scores_rows
@@ -109,7 +110,7 @@ def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.T
                          rows=f("row"))
         run_if(*db.conds("has_dl", "has_pool"), [on_gpu, in_pool])
     if db.freed:                     # no dense pool: pages that left the GPU come from the host
-        rt.dense_from_host(layer, db, q, kv, bt, scale, out)
+        prefill.dense_from_host(rt, layer, db, q, kv, bt, scale, out)
 
 
 def _dense(rt, q, cache, table, seq, scale, out, max_k: int, work, rows=None):

@@ -20,22 +20,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core import decode_body, dense_groups
+from vllm_hisparse.core import decode_body, dense_groups, prefill
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.decode_batch import DecodeBatch, fill
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.page_table import DevicePageTable
 from vllm_hisparse.core.residency import freed_pages, is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
-from vllm_hisparse.core.step_plan import DenseGroup, ReqStep, StepPlan
-from vllm_hisparse.ops import kernels
-from vllm_hisparse.ops.write_through import write_through
+from vllm_hisparse.core.step_plan import ReqStep, StepPlan
 
 
 @dataclass
@@ -218,29 +215,13 @@ class SparseRuntime:
         (prefill chunks) are attended densely here."""
         steps, pages = self._req_steps(req_ids, query_start_loc, seq_lens)
         dec = [s for s in steps if s.t1 - s.t0 == 1]
-        multi = [s for s in steps if s.t1 - s.t0 > 1]
-        plan = self._plan_writes(multi, block_table, slot_mapping)
-        plan.dense = multi
-        assert all(s.freed[1] <= s.freed[0] for s in multi), "prefill rows must be resident"
-        plan.dense_sparse = self._dense_group(multi, self._rows_of(multi, block_table))
-        if self.dpool is not None:
-            res = [s for s in multi if not s.sparse]
-            inpool = [s for s in multi if s.sparse]
-            plan.dense_res = (plan.dense_sparse if len(res) == len(multi) else
-                              self._dense_group(res, self._rows_of(res, block_table)))
-            if inpool:
-                rows = self.h2d([s.row for s in inpool], torch.int64)
-                plan.dense_pool = self._dense_group(inpool, self.dense_pt.table[rows])
-        elif len(self.dense_layers):
-            plan.dense_freed = [s for s in multi if s.freed[1] > s.freed[0]]
-            res = [s for s in multi if s.freed[1] <= s.freed[0]]
-            plan.dense_res = (plan.dense_sparse if len(res) == len(multi) else
-                              self._dense_group(res, self._rows_of(res, block_table)))
+        plan = prefill.plan(self, [s for s in steps if s.t1 - s.t0 > 1], block_table,
+                            slot_mapping)
         if dec:
             db = plan.db = self._batch(len(dec))
             fill(self, db, dec, pages)
             self._trace_steps(db)
-            plan.db_bt = self._rows_of(dec, block_table)
+            plan.db_bt = prefill.rows_of(self, dec, block_table)
             if any(s.t0 != i for i, s in enumerate(dec)):
                 plan.db_tok = self.h2d([s.t0 for s in dec], torch.int64)
         self.stats["steps"] += 1
@@ -336,68 +317,6 @@ class SparseRuntime:
             self.dense_pt.flush()
         return steps, pages
 
-    def _plan_writes(self, steps: list[ReqStep], block_table: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> StepPlan:
-        """Cache slots, Quest page updates and host write-through of the tokens of the rows
-        `steps` (the prefill rows; the decode batch writes its own)."""
-        dev, P, U = self.device, self.P, self.U
-        tok_l = [t for s in steps for t in range(s.t0, s.t1)]
-        T = slot_mapping.shape[0]
-        if tok_l == list(range(T)):
-            wr_tok, sm = None, slot_mapping.to(dev).long()
-        elif tok_l == list(range(len(tok_l))):          # the first tokens (vLLM pads at the tail)
-            wr_tok = torch.arange(len(tok_l), device=dev)
-            sm = slot_mapping[:len(tok_l)].to(dev).long()
-        else:
-            wr_tok = self.h2d(tok_l, torch.int64)
-            sm = slot_mapping.to(dev).long()[wr_tok]
-        plan = StepPlan(steps, block_table, sm // P, sm % P, wr_tok)
-        # Quest bounds and host write-through cover the tokens of sparse requests (vectorised over
-        # the requests: this runs every step, a Python loop per request cost ~50 us each).
-        sp = [s for s in steps if s.sparse and s.t1 > s.t0]
-        if sp:
-            t0, t1, start, seq, row, qrow = (np.array(x, dtype=np.int64) for x in zip(
-                *((s.t0, s.t1, s.start, s.seq_len, s.row, s.qrow) for s in sp)))
-            n = t1 - t0                                 # tokens per request
-            k = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)      # index within its request
-            tok = np.repeat(t0, n) + k
-            pos = np.repeat(start, n) + k
-            p0 = start // P
-            m = (seq - 1) // P - p0 + 1                 # pages each request touches
-            mbase = np.cumsum(m) - m
-            page = np.repeat(p0, m) + np.arange(m.sum()) - np.repeat(mbase, m)
-            ntok, npg = len(tok), len(page)
-            packed = np.concatenate([
-                tok, pos // P - np.repeat(p0, n) + np.repeat(mbase, n),             # q_tok_page
-                np.repeat(qrow, m) * U + page, (page * P >= np.repeat(start, m)),   # q_page, q_new
-                pos, np.repeat(row, n)]).astype(np.int64)
-            d = self.h2d(packed)
-            plan.q_tok, plan.q_tok_page = d[:ntok], d[ntok:2 * ntok]
-            plan.q_page = d[2 * ntok:2 * ntok + npg]
-            plan.q_new = d[2 * ntok + npg:2 * ntok + 2 * npg].bool()
-            if ntok == T:
-                plan.q_tok = None                      # every token: no gather of k
-            if self.pool is not None:
-                pos_d = d[2 * ntok + 2 * npg:3 * ntok + 2 * npg]
-                rows_d = d[3 * ntok + 2 * npg:]
-                plan.host_tok = d[:ntok]
-                plan.host_page = self.host_pt.table[rows_d, pos_d // P].long()
-                plan.host_off = pos_d % P
-                if self.dpool is not None:
-                    plan.dpool_page = self.dense_pt.table[rows_d, pos_d // P].long()
-        return plan
-
-    def _rows_of(self, group: list[ReqStep], block_table: torch.Tensor) -> torch.Tensor | None:
-        if not group:
-            return None
-        idx = [s.idx for s in group]
-        if idx == list(range(len(idx))):               # the batch's first rows: a view
-            return block_table[:len(idx)]
-        return block_table[self.h2d(idx, torch.int64).to(block_table.device)]
-
-    def _dense_group(self, group: list[ReqStep], table: torch.Tensor | None) -> DenseGroup | None:
-        return dense_groups.make(self, group, table)
-
     # ---- per layer -----------------------------------------------------------------------------
     def forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
@@ -415,7 +334,7 @@ class SparseRuntime:
         """q (T, Hq, D), k/v (T, Hkv, D) of this step's tokens; kv (N, 2, P, Hkv, D) this layer's
         paged cache; out (T, Hq, D) is written. No host sync on the GPU path."""
         if plan.dense:
-            self._prefill_layer(layer, plan, q, k, v, kv, scale, out)
+            prefill.layer(self, layer, plan, q, k, v, kv, scale, out)
         db = plan.db
         if db is None:
             return
@@ -431,69 +350,6 @@ class SparseRuntime:
             out[:n] = o.to(out.dtype)
         else:
             out[tok] = o.to(out.dtype)
-
-    def _prefill_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-        """The prefill rows of a step: their tokens written (cache, host / dense pool, Quest
-        bounds) and attended densely over the paged cache (or the dense pool / the host pool)."""
-        dense_layer = layer in self.dense_layers
-        sl.write_kv(kv, plan.wr_blk, plan.wr_off, plan.wr_tok, k, v)
-        host = self.host_layer(layer)
-        dp = self.dense_pool_layer(layer)
-        if dp is not None:                                 # the dense pool, not the host
-            if plan.host_tok is not None:
-                write_through(dp, k, v, plan.host_tok, plan.dpool_page, plan.host_off)
-            self._dense(plan.dense_res, q, kv, scale, out)
-            self._dense(plan.dense_pool, q, dp, scale, out)
-            return
-        if host is not None and plan.host_tok is not None:
-            write_through(host, k, v, plan.host_tok, plan.host_page, plan.host_off)
-        if not dense_layer and plan.q_page is not None:
-            kq = k if plan.q_tok is None else k[plan.q_tok]
-            sl.quest_update_pages(self.kmin[layer], self.kmax[layer], plan.q_page, plan.q_new,
-                                  plan.q_tok_page, kq)
-        if dense_layer:
-            self._dense(plan.dense_res, q, kv, scale, out)
-            if plan.dense_freed:
-                self._attend_from_host(plan.dense_freed, plan.block_table, q, kv, host, scale, out)
-            return
-        self._dense(plan.dense_sparse, q, kv, scale, out)
-
-    def _dense(self, g: DenseGroup | None, q: torch.Tensor, kv: torch.Tensor, scale: float,
-               out: torch.Tensor) -> None:
-        dense_groups.attend(self, g, q, kv[:, 0], kv[:, 1], scale, out)
-
-    def dense_from_host(self, layer: int, db: DecodeBatch, q: torch.Tensor, kv: torch.Tensor,
-                        bt: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-        """Dense layers, no dense pool: the decode batch's sparse rows whose pages left the GPU
-        (db.freed), attended over their pages read back from the host pool (eager only). Row i of
-        q/out/bt is decode-batch row i."""
-        pos = {id(s): i for i, s in enumerate(db.steps)}
-        rows = [replace(s, idx=pos[id(s)], t0=pos[id(s)], t1=pos[id(s)] + 1) for s in db.freed]
-        self._attend_from_host(rows, bt, q, kv, self.host_layer(layer), scale, out)
-
-    def _attend_from_host(self, fr: list[ReqStep], bt: torch.Tensor, q: torch.Tensor,
-                          kv: torch.Tensor, host: torch.Tensor, scale: float,
-                          out: torch.Tensor) -> None:
-        """Dense layers of requests whose pages left the GPU: read them back (slow path). The host
-        reads the pinned pool itself, so the write-through kernels queued before (earlier steps'
-        tokens of these pages) must have run: the stream is synchronised first (the plan copies
-        without syncs, and vLLM's asynchronous scheduling runs this while the last step may still
-        be on the GPU). One-token rows go through the same kernel as the other decode rows."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        pages, table = sl.gather_pages(
-            kv, host, [bt[s.idx] for s in fr],
-            [torch.tensor(self.pool.page_table(s.req_id), dtype=torch.int64) for s in fr],
-            [s.seq_len for s in fr], [s.freed for s in fr])
-        if all(s.t1 - s.t0 == 1 for s in fr) and (self.split_dense or not q.is_cuda):
-            idx = torch.tensor([s.t0 for s in fr], dtype=torch.int64, device=q.device)
-            seq = torch.tensor([s.seq_len for s in fr], dtype=torch.int32, device=q.device)
-            out[idx] = kernels.dense_decode_attention(q[idx], pages[:, 0], pages[:, 1], table,
-                                                      seq, scale).to(out.dtype)
-            return
-        dense_groups.attend(self, self._dense_group(fr, table), q, pages[:, 0], pages[:, 1], scale,
-                            out)
 
     # ---- reporting -----------------------------------------------------------------------------
     def stats_dict(self) -> dict:
