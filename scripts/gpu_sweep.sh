@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Issue 6's serving sweep on the GPU box, in parts that each fit one 10-minute call (once every
-# bundle piece is staged). 8B shape, util 0.3, prefix caching off, outputs forced; the hisparse
-# config is serving.py's default (84 GiB host pool, 22 Quest rows, 6 GiB dense pool: sized for 32K).
+# The serving sweep on the GPU box, in parts that each fit one 10-minute call (once every bundle
+# piece is staged). 8B shape, util 0.3, prefix caching off, outputs forced; the hisparse config is
+# serving.py's default (84 GiB host pool, 22 Quest rows, 6 GiB dense pool: sized for 32K; FULL
+# decode graphs on by default since 2026-12-01).
 #   bash scripts/gpu_sweep.sh OUT 32k-base       # stock + resident, 32K / 512   (~6 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-hisparse   # hisparse, 32K / 512           (~8 min)
 #   bash scripts/gpu_sweep.sh OUT 4k             # stock + hisparse, 4K / 512    (~7 min)
-#   bash scripts/gpu_sweep.sh OUT 32k-full       # hisparse with full_decode_graphs, 32K (~5 min)
-#   bash scripts/gpu_sweep.sh OUT 4k-full        # hisparse with full_decode_graphs, 4K  (~4 min)
-#   bash scripts/gpu_sweep.sh OUT 32k-nosplit    # hisparse, split_dense_decode off, 32K (~5 min)
-#   bash scripts/gpu_sweep.sh OUT 4k-nosplit     # hisparse, split_dense_decode off, 4K  (~4 min)
+#   bash scripts/gpu_sweep.sh OUT 32k-2k-cap     # the paper-like workload at capacity: 32K in /
+#                                                # 2K out, stock 8 requests, hisparse 22  (~10 min)
+#   bash scripts/gpu_sweep.sh OUT 32k-nocond     # hisparse without conditional graph nodes
+#                                                # (HISPARSE_GRAPH_COND=0), 32K       (~4 min)
+#   bash scripts/gpu_sweep.sh OUT 4k-nocond      # the same at 4K                    (~4 min)
 #   bash scripts/gpu_sweep.sh OUT 4k-resident    # resident mode, 4K / 512, up to 256   (~5 min)
 #   bash scripts/gpu_sweep.sh OUT 4k-256         # stock + hisparse at 256 requests, 4K  (~6 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-1k-stock   # stock, 32K / 1024 outputs             (~5 min)
@@ -25,14 +27,12 @@ case "$part" in
                       --hisparse '{"top_k": 2048, "device_buffer_size": 4096}') ;;  # resident: no pools
   32k-hisparse) args=(--input-len 32768 --backends hisparse --concurrency 1,2,4,8,22,32) ;;
   4k)           args=(--input-len 4096 --backends stock,hisparse --concurrency 1,4,16,64,128) ;;
-  32k-full)     args=(--input-len 32768 --backends hisparse --concurrency 1,2,4,8,32
-                      --hisparse "$cfg"', "full_decode_graphs": true}') ;;
-  4k-full)      args=(--input-len 4096 --backends hisparse --concurrency 1,4,16,64
-                      --hisparse "$cfg"', "full_decode_graphs": true}') ;;
-  32k-nosplit)  args=(--input-len 32768 --backends hisparse --concurrency 1,2,4,8,32
-                      --hisparse "$cfg"', "split_dense_decode": false}') ;;
-  4k-nosplit)   args=(--input-len 4096 --backends hisparse --concurrency 1,4,16,64
-                      --hisparse "$cfg"', "split_dense_decode": false}') ;;
+  32k-2k-cap)   args=(--input-len 32768 --output-len 2048 --backends stock,hisparse
+                      --concurrency 8,22) ;;
+  32k-nocond)   export HISPARSE_GRAPH_COND=0
+                args=(--input-len 32768 --output-len 256 --backends hisparse --concurrency 1,8) ;;
+  4k-nocond)    export HISPARSE_GRAPH_COND=0
+                args=(--input-len 4096 --output-len 256 --backends hisparse --concurrency 1,64) ;;
   4k-resident)  args=(--input-len 4096 --backends resident --concurrency 1,16,64,256
                       --hisparse '{"top_k": 2048, "device_buffer_size": 4096}') ;;
   4k-256)       args=(--input-len 4096 --backends stock,hisparse --concurrency 256) ;;
