@@ -46,7 +46,6 @@ class DecodeBatch:
         self.flags = dict.fromkeys(COND, False)      # the same flags, on the host
         self.steps: list = []                         # core.step_plan.ReqStep of rows 0..n-1
         self.freed: list = []                         # dense layers read these rows from the host
-        self.tok: torch.Tensor | None = None          # (n,) token of each row (mixed steps)
 
     def field(self, name: str) -> torch.Tensor:
         return self._f[name]
@@ -99,9 +98,9 @@ def fill(rt, db: DecodeBatch, steps: list, host_pages: dict) -> None:
                 F["dl_seq"][i] = seq
         else:
             F["dn_seq"][i] = F["dl_seq"][i] = seq
-    # an all-padding batch (vLLM's warm-up and capture runs) runs every kernel on the host's say:
-    # inert rows, but Triton compiles them before a capture records them
-    flags = {c: n == 0 or bool(F[_COND_OF[c]].any()) for c in COND}
-    rt.h2d(np.concatenate([m.reshape(-1), np.array([flags[c] for c in COND], dtype=np.int64)]),
-           out=db.meta)
-    db.flags, db.steps, db.freed = flags, list(steps), freed
+    on = [bool(F[_COND_OF[c]].any()) for c in COND]
+    rt.h2d(np.concatenate([m.reshape(-1), np.array(on, dtype=np.int64)]), out=db.meta)
+    # the host's flags of an all-padding batch (vLLM's warm-up and capture runs) are all set: its
+    # rows are inert, but an eager run then compiles every kernel before a capture records it
+    db.flags = {c: n == 0 or f for c, f in zip(COND, on)}
+    db.steps, db.freed = list(steps), freed
