@@ -216,8 +216,17 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eager", action="store_true", help="run the body eagerly, no graph")
     ap.add_argument("--resident", action="store_true", help="host_tier false (every page on GPU)")
+    ap.add_argument("--select-warps", type=int, default=None,
+                    help="tuning: override ops/triton_select.SELECT_WARPS")
+    ap.add_argument("--quest-tile-elems", type=int, default=None,
+                    help="tuning: override ops/triton_quest.TILE_ELEMS (pages x Hkv x D)")
     ap.add_argument("--out", default="out/decode_step")
     args = ap.parse_args(argv)
+    from vllm_hisparse.ops import triton_quest, triton_select
+    if args.select_warps is not None:
+        triton_select.SELECT_WARPS = args.select_warps
+    if args.quest_tile_elems is not None:
+        triton_quest.TILE_ELEMS = args.quest_tile_elems
     os.makedirs(args.out, exist_ok=True)
     rows_out = []
     for ctx in (int(x) for x in args.context.split(",")):
@@ -227,6 +236,7 @@ def main(argv=None) -> int:
                 s.capture()
             row = {"context": ctx, "rows": R, "mode": "eager" if args.eager else "graph",
                    "resident": args.resident, "q_noise": args.q_noise,
+                   "select_warps": args.select_warps, "quest_tile_elems": args.quest_tile_elems,
                    "sparse_rows": sum(s.rt.reqs[i].sparse for i in s.ids), **measure(s, args.steps)}
             stock = stock_us(s)
             row["stock_fa_us_per_layer"] = None if stock is None else round(stock, 2)

@@ -30,6 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+SELECT_WARPS = 8   # warps of the select program (a guess: 24.6 us for one 32K row on the H200, most
+                   # of it serial scans and barriers; bench.decode_step --select-warps tries others)
+
 
 @triton.jit
 def _topk_take(SC, n, K, UB: tl.constexpr):
@@ -213,7 +216,7 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
         scores, seq, num_full, hot, rows, block_table, su, us, lru, scratch, victims, counts, sel,
         locs, k, S, scores.stride(0), block_table.stride(0), su.stride(0), us.stride(0),
         lru.stride(0), UB=max(16, triton.next_power_of_2(U)), KB=KB, SB=SB, HAS_HOT=has_hot,
-        num_warps=8)
+        num_warps=SELECT_WARPS)
     if has_hot:
         _miss_io_kernel[(N, k)](locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k,
                                 host_pt.stride(0), ROW=row, CH=row_chunk(row), num_warps=4)
