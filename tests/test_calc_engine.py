@@ -72,15 +72,16 @@ def probe(model: str, out: str) -> None:
         vc, dataclasses.replace(kvc, kv_cache_groups=[KVCacheGroupSpec(group.layer_names, stock)]))
 
     rt, conn = worker_state.get_runtime(), core.scheduler.connector
-    orig_plan = rt.plan
 
-    def plan(*a, **k):                                      # host pages after each step's growth
-        p = orig_plan(*a, **k)
-        peak["host_pages"] = max(peak["host_pages"], rt.host_pages_used)
-        peak["host_reserved"] = max(peak["host_reserved"], conn._reserved_total)
-        return p
+    def spy_plan(orig):                             # host pages after each step's growth
+        def plan(*a, **k):
+            p = orig(*a, **k)
+            peak["host_pages"] = max(peak["host_pages"], rt.host_pages_used)
+            peak["host_reserved"] = max(peak["host_reserved"], conn._reserved_total)
+            return p
+        return plan
 
-    rt.plan = plan
+    rt.plan, rt.plan_full = spy_plan(rt.plan), spy_plan(rt.plan_full)   # eager and decode steps
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     (o,) = llm.generate([{"prompt_token_ids": [3 + i % 500 for i in range(PROMPT)]}], sp,
                         use_tqdm=False)
