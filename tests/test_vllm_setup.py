@@ -10,7 +10,8 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-HS = {"hisparse": {"top_k": 32, "device_buffer_size": 64, "page_size": 16}}
+HS = {"hisparse": {"top_k": 32, "device_buffer_size": 64, "page_size": 16,
+                   "host_pool_gib": 1}}   # small: the startup check compares pools with free RAM
 
 
 def fake_config(**over):
