@@ -387,3 +387,38 @@ def test_prefill_chunk_crossing_min_context_turns_sparse():
         outs.append(d.outs)
     for i, (a, b) in enumerate(zip(*outs, strict=True)):
         assert not torch.isnan(a).any() and torch.equal(a, b), f"step/layer {i} differs"
+
+
+@pytest.mark.parametrize("dense_pool_gib", [0.0, 0.001])
+def test_recompute_after_preemption_reads_given_back_pages_from_the_host(dense_pool_gib):
+    """vLLM recomputes a preempted request from token 0 (prompt and generated tokens) in chunks; a
+    chunk that starts past the point where the KV manager gives pages back (residency.freed_pages:
+    the prompt and min_context both processed) finds them gone, in every layer, and reads them from
+    the host pool (the dense layers from the dense pool when there is one). A long prompt and a
+    short one that turned sparse, both recomputed in three chunks with the given-back blocks
+    poisoned; equal to resident mode bit for bit."""
+    outs = []
+    for host_tier in (True, False):
+        cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(0,),
+                             min_context=40, host_pool_gib=0.01, host_tier=host_tier,
+                             dense_pool_gib=dense_pool_gib if host_tier else 0.0)
+        d = Driver(cfg)
+        d.add("long", 60)
+        d.add("grow", 12)
+        d.step({"long": 60, "grow": 12})
+        for _ in range(40):
+            d.step({"long": 1, "grow": 1})                     # 100 and 52 tokens
+        assert d.rt.reqs["grow"].sparse
+        d.lens["long"] = d.lens["grow"] = 0                    # preempted: recomputed from 0
+        d.step({"long": 32, "grow": 24})
+        d.step({"long": 40, "grow": 24})                       # long: 32..72, grow: 24..48
+        if host_tier:                                          # long: pages 4..8 given back
+            assert freed_pages(cfg, 72, 60) == (4, 9) and freed_pages(cfg, 48, 12) == (4, 6)
+        d.step({"long": 28, "grow": 4})                        # past them: read from the host
+        for _ in range(10):
+            d.step({"long": 1, "grow": 1})
+        assert d.rt.finish("long") and d.rt.finish("grow") and d.rt.host_pages_used == 0
+        outs.append(d.outs)
+    for i, (a, b) in enumerate(zip(*outs, strict=True)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN (read a freed block)"
+        assert torch.equal(a, b), f"step/layer {i} differs"

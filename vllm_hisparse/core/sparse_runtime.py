@@ -253,21 +253,22 @@ class SparseRuntime:
         multi = [s for s in steps if s.t1 - s.t0 > 1]
         plan = self._plan_writes(multi, block_table, slot_mapping)
         plan.dense = multi
-        assert all(s.freed[1] <= s.freed[0] for s in multi), "prefill rows must be resident"
-        plan.dense_sparse = self._dense_group(multi, self._rows_of(multi, block_table))
+        # A prefill chunk with given-back pages: a request recomputed from token 0 after a
+        # preemption (prompt and generated tokens), in a chunk past its switch; its attention
+        # reads those pages back from the host pool (every layer without a dense pool).
+        plan.dense_freed = [s for s in multi if s.freed[1] > s.freed[0]]
+        on_gpu = [s for s in multi if s.freed[1] <= s.freed[0]]
+        plan.dense_sparse = self._dense_group(on_gpu, self._rows_of(on_gpu, block_table))
         if self.dpool is not None:
             res = [s for s in multi if not s.sparse]
             inpool = [s for s in multi if s.sparse]
-            plan.dense_res = (plan.dense_sparse if len(res) == len(multi) else
+            plan.dense_res = (plan.dense_sparse if len(res) == len(on_gpu) else
                               self._dense_group(res, self._rows_of(res, block_table)))
             if inpool:
                 rows = self.h2d([s.row for s in inpool], torch.int64)
                 plan.dense_pool = self._dense_group(inpool, self.dense_pt.table[rows])
-        elif len(self.dense_layers):
-            plan.dense_freed = [s for s in multi if s.freed[1] > s.freed[0]]
-            res = [s for s in multi if s.freed[1] <= s.freed[0]]
-            plan.dense_res = (plan.dense_sparse if len(res) == len(multi) else
-                              self._dense_group(res, self._rows_of(res, block_table)))
+        else:
+            plan.dense_res = plan.dense_sparse
         if dec:
             db = plan.db = self._batch(len(dec))
             fill(self, db, dec, pages)
@@ -500,12 +501,9 @@ class SparseRuntime:
             kq = k if plan.q_tok is None else k[plan.q_tok]
             sl.quest_update_pages(self.kmin[layer], self.kmax[layer], plan.q_page, plan.q_new,
                                   plan.q_tok_page, kq)
-        if dense_layer:
-            self._dense(plan.dense_res, q, kv, scale, out)
-            if plan.dense_freed:
-                self._attend_from_host(plan.dense_freed, plan.block_table, q, kv, host, scale, out)
-            return
-        self._dense(plan.dense_sparse, q, kv, scale, out)
+        self._dense(plan.dense_res if dense_layer else plan.dense_sparse, q, kv, scale, out)
+        if plan.dense_freed:
+            self._attend_from_host(plan.dense_freed, plan.block_table, q, kv, host, scale, out)
 
     def _dense(self, g: DenseGroup | None, q: torch.Tensor, kv: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
