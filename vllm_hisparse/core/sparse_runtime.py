@@ -255,7 +255,7 @@ class SparseRuntime:
         plan.dense = multi
         # A prefill chunk with given-back pages: a request recomputed from token 0 after a
         # preemption (prompt and generated tokens), in a chunk past its switch; its attention
-        # reads those pages back from the host pool (every layer without a dense pool).
+        # reads those pages back from the host pool (dense layers: the dense pool, if any).
         plan.dense_freed = [s for s in multi if s.freed[1] > s.freed[0]]
         on_gpu = [s for s in multi if s.freed[1] <= s.freed[0]]
         plan.dense_sparse = self._dense_group(on_gpu, self._rows_of(on_gpu, block_table))
