@@ -32,7 +32,7 @@ SHORT_LENS = (17, 25, 9, 30)                  # dense, and two that turn sparse 
 MAX_TOKENS = 40
 MIN_CONTEXT = 64
 GROW_LENS = (20, 40)                          # short prompts generating far past min_context
-GROW_TOKENS = 150
+GROW_TOKENS = 100
 
 
 def make_tiny_model() -> str:
@@ -165,7 +165,7 @@ def test_trace_dir_records_every_decode_step(runs):
 
 
 def test_short_prompts_turn_sparse_at_min_context(runs):
-    """Issue 16's length rule in the engine: prompts of 20 and 40 tokens generating 150 turn sparse
+    """Issue 16's length rule in the engine: prompts of 20 and 40 tokens generating 100 turn sparse
     at the step their context reaches min_context (their traces start there: the test above), in
     both modes; from then on they decode through the hot buffer with misses, hold the GPU blocks a
     long prompt holds (S hot slots + the newest page), give tokens and logprobs identical to
