@@ -83,5 +83,7 @@ setup(
     entry_points={
         "console_scripts": ["hisparse = vllm_hisparse.cli:main"],
         "vllm.general_plugins": ["hisparse = vllm_hisparse.vllm.plugin:register"],
+        # per-step records for the serving benchmark; inert unless HISPARSE_STEP_LOG is set
+        "vllm.stat_logger_plugins": ["hisparse_steps = vllm_hisparse.vllm.step_log:StepLogger"],
     },
 )

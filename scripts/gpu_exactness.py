@@ -8,6 +8,8 @@ for uniform decode steps, PIECEWISE for the others).
     HISPARSE_EXTRA='{"dense_pool_gib": 4}' python scripts/gpu_exactness.py ...
                                                              # merged into both modes' config
     EXACT_PROMPTS=6000,20000,12000,9000 ...                  # other prompt lengths (tokens)
+    EXACT_PROMPTS=1200,5000 EXACT_MAX_TOKENS=1500 ...        # a short prompt turning sparse at
+                                                             # min_context (2 x B = 2048) mid-decode
     HISPARSE_TP=2 [HISPARSE_EXECUTOR=ray] python scripts/gpu_exactness.py ...
                                                              # tensor parallel (scripts/gpu_tp.sh)
 
@@ -27,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = {"top_k": 512, "device_buffer_size": 1024, "page_size": 16, "dense_layers": [0, 1],
        "host_pool_gib": 16}
 PROMPT_LENS = tuple(int(x) for x in os.environ.get("EXACT_PROMPTS", "5000,2100,3500,1200").split(","))
+MAX_TOKENS = int(os.environ.get("EXACT_MAX_TOKENS", "64"))
 MAX_LEN = 32768
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -53,7 +56,7 @@ def run(mode: str, out: str) -> int:
         json.dump([[rng.randrange(1000, 120000) for _ in range(n)] for n in PROMPT_LENS], f)
     cfg = dict(CFG, **json.loads(os.environ.get("HISPARSE_EXTRA", "{}")), host_tier=(mode == "hisparse"))
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "hisparse_generate.py"), "--model",
-           model_dir(), "--config", json.dumps(cfg), "--prompts", prompts, "--max-tokens", "64",
+           model_dir(), "--config", json.dumps(cfg), "--prompts", prompts, "--max-tokens", str(MAX_TOKENS),
            "--dtype", "bfloat16", "--load-format", "dummy", "--skip-tokenizer", "--cuda-graphs",
            "--max-model-len", str(MAX_LEN), "--max-num-seqs", "32",
            "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.9",

@@ -14,6 +14,6 @@ python3 -m vllm_hisparse.bench.serving --model models/llama3-8b-bench --out "$wo
 rc=${PIPESTATUS[0]}
 set -e
 cp "$work"/serving.csv "$work"/serving.png "$out"/ 2>/dev/null || true
-tar czf "$out/serving.tgz" -C /tmp serving
-for f in "$work"/server-*.log; do echo "== $f"; grep -E "Available KV cache memory|GPU KV cache size|Maximum concurrency|cudagraph_mode|hit rate" "$f" | head -8; done
+tar czf "$out/serving.tgz" -C /tmp serving      # server logs, step records, worker counters
+for f in "$work"/server-*.log; do echo "== $f"; grep -E "Available KV cache memory|GPU KV cache size|Maximum concurrency|hisparse: room for|cudagraph_mode|hit rate" "$f" | head -8; done
 exit "$rc"

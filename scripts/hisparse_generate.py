@@ -4,14 +4,17 @@
         --prompts prompts.json [--prompts single.json ...] --max-tokens 32 --out result.json
 
 Each ``--prompts`` file is a list of prompts (token-id lists or strings) generated as one batch,
-in order, by one engine. Runs the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that,
-after the batches, it can drain the delayed frees and report the worker runtime's statistics
-(hit rate, host pages still used) and the peak GPU blocks any request held after its prefill.
+in order, by one engine, or ``{"prompts": [...], "max_tokens": N}`` for a batch with its own
+output length. Runs the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that, after each
+batch, it can drain the delayed frees and report the worker runtime's statistics (hit rate, host
+pages still used), the peak GPU blocks any request held after its prefill, and after it turned
+sparse (core/residency.py: its context at min_context or more).
 With ``--tensor-parallel-size N`` (N > 1) the workers are N processes (vLLM's mp executor): their
 statistics come back through ``LLM.collective_rpc``, one dict per rank ("rank_stats"; "stats" is
 rank 0's).
 The output: {"batches": [[{"tokens": [...], "logprobs": [[[id, lp], ...], ...]}, ...]], "stats":
-{...}, "peak_decode_blocks": int, "prompt_blocks": [...]}.
+{...}, "peak_decode_blocks": int, "batch_info": [{"stats": {...}, "peak_decode_blocks": int,
+"peak_sparse_blocks": int}, ...] (per batch: the runtime's statistics after it, peaks during it)}.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
 
     from vllm_hisparse.config import HiSparseConfig
+    from vllm_hisparse.core.residency import freed_pages
     from vllm_hisparse.vllm.plugin import register
 
     register()                     # also where the package is not pip-installed (no entry point)
@@ -58,14 +62,20 @@ def main(argv=None) -> int:
     from vllm_hisparse.vllm.spec import HiSparseManager
 
     cfg = HiSparseConfig.load(a.config)
-    peak = {"blocks": 0}
+    peak = {"blocks": 0, "batch_blocks": 0, "sparse_blocks": 0}
     orig = HiSparseManager.remove_skipped_blocks
+    sparse_cfg = cfg if cfg.host_tier else HiSparseConfig.from_dict(dict(cfg.to_dict(),
+                                                                         host_tier=True))
 
     def spy(self, request_id, processed, num_prompt_tokens=None):
         orig(self, request_id, processed, num_prompt_tokens)
         if num_prompt_tokens is not None and processed > num_prompt_tokens:
             real = sum(not b.is_null for b in self.req_to_blocks.get(request_id, ()))
             peak["blocks"] = max(peak["blocks"], real)
+            peak["batch_blocks"] = max(peak["batch_blocks"], real)
+            lo, hi = freed_pages(sparse_cfg, processed, num_prompt_tokens)
+            if hi > lo:                       # past its switch (resident mode: would be)
+                peak["sparse_blocks"] = max(peak["sparse_blocks"], real)
 
     HiSparseManager.remove_skipped_blocks = spy
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -87,28 +97,39 @@ def main(argv=None) -> int:
               distributed_executor_backend=a.distributed_executor_backend,
               **({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}
                  if a.cuda_graphs else {}))
-    sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, logprobs=a.logprobs,
-                        ignore_eos=True, detokenize=not a.skip_tokenizer)
-    batches = []
+    if a.tensor_parallel_size == 1:
+        rank_stats = lambda: [_runtime_stats(worker_state.get_runtime())]  # noqa: E731
+    else:                                     # the runtimes live in the worker processes
+        rank_stats = lambda: llm.collective_rpc(_worker_stats)  # noqa: E731
+
+    def drained() -> list[dict]:
+        for _ in range(20):                   # delayed frees complete on the following steps
+            stats = rank_stats()
+            if all(s["live_requests"] == 0 for s in stats):
+                break
+            llm.llm_engine.step()
+        return stats
+
+    batches, info = [], []
     t0 = time.time()
     for path in a.prompts:
         with open(path) as f:
-            prompts = [{"prompt_token_ids": x} if isinstance(x, list) else x for x in json.load(f)]
+            spec = json.load(f)
+        if isinstance(spec, list):
+            spec = {"prompts": spec}
+        sp = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", a.max_tokens),
+                            logprobs=a.logprobs, ignore_eos=True, detokenize=not a.skip_tokenizer)
+        prompts = [{"prompt_token_ids": x} if isinstance(x, list) else x for x in spec["prompts"]]
+        peak["batch_blocks"] = peak["sparse_blocks"] = 0
         outs = llm.generate(prompts, sp, use_tqdm=False)
         batches.append([{"tokens": list(o.outputs[0].token_ids),
                          "logprobs": [sorted([k, v.logprob] for k, v in d.items())
                                       for d in o.outputs[0].logprobs],
                          "prompt_len": len(o.prompt_token_ids)} for o in outs])
-    if a.tensor_parallel_size == 1:
-        rank_stats = lambda: [_runtime_stats(worker_state.get_runtime())]  # noqa: E731
-    else:                                     # the runtimes live in the worker processes
-        rank_stats = lambda: llm.collective_rpc(_worker_stats)  # noqa: E731
-    for _ in range(20):                       # delayed frees complete on the following steps
-        stats = rank_stats()
-        if all(s["live_requests"] == 0 for s in stats):
-            break
-        llm.llm_engine.step()
-    res = {"batches": batches, "stats": stats[0], "rank_stats": stats,
+        stats = drained()
+        info.append({"stats": stats[0], "peak_decode_blocks": peak["batch_blocks"],
+                     "peak_sparse_blocks": peak["sparse_blocks"]})
+    res = {"batches": batches, "stats": stats[0], "rank_stats": stats, "batch_info": info,
            "peak_decode_blocks": peak["blocks"], "config": cfg.to_dict(),
            "elapsed_s": time.time() - t0, "preemptions": preempt["n"]}
     with open(a.out, "w") as f:

@@ -19,6 +19,10 @@ def test_server_cmd_per_backend():
     stock = server_cmd(args(), "stock", 9)
     assert "--attention-backend" not in stock and "--no-enable-prefix-caching" in stock
     assert stock[stock.index("--max-model-len") + 1] == "1040" and stock[stock.index("--max-num-seqs") + 1] == "8"
+    cap = server_cmd(args(concurrency=[1, "cap"]), "stock", 9)
+    assert cap[cap.index("--max-num-seqs") + 1] == "256"        # vLLM's default
+    mine = server_cmd(args(concurrency=[1, "cap"], max_num_seqs=24), "stock", 9)
+    assert mine[mine.index("--max-num-seqs") + 1] == "24"
     res = server_cmd(args(), "resident", 9)
     cfg = json.loads(res[res.index("--additional-config") + 1])["hisparse"]
     assert cfg == {"top_k": 64, "device_buffer_size": 128, "host_tier": False}
@@ -28,12 +32,18 @@ def test_server_cmd_per_backend():
 
 def test_point_row_aggregates():
     rs = [RequestResult(ttft=0.5, latency=2.5, output_tokens=5), RequestResult(1.5, 3.5, 3)]
-    pt = Point("stock", 2, rs, wall=4.0, running_max=2, running_mean=1.5)
+    pt = Point("stock", 2, rs, wall=4.0, running_max=2, running_mean=1.5,
+               decode={"tok_s": 12.34, "seconds": 0.5, "step_ms": 1.25}, engine_steps=9,
+               host={"plan": 0.1234, "layers": 2.5})
     row = pt.row()
     assert row["output_tok_s"] == pytest.approx(8 / 4.0)
     assert row["ttft_mean_s"] == pytest.approx(1.0)
     assert row["tpot_mean_ms"] == pytest.approx(1e3 * (2.0 / 4 + 2.0 / 2) / 2)
     assert row["requests"] == 2 and row["running_max"] == 2
+    assert (row["decode_tok_s"], row["decode_step_ms"], row["engine_steps"]) == (12.3, 1.25, 9)
+    assert (row["host_ms_plan_per_step"], row["host_ms_layers_per_step"]) == (0.123, 2.5)
+    empty = Point("stock", 1, rs, wall=1.0).row()          # stock: no worker counters
+    assert empty["decode_tok_s"] is None and empty["host_ms_plan_per_step"] is None
 
 
 class _FakeStream:
@@ -101,33 +111,31 @@ def test_one_request_without_usage_says_so():
         asyncio.run(one_request(_FakeClient(_FakeStream(["x", "y"], usage=None)), "m", [1], 2))
 
 
-def test_parse_metrics():
-    from vllm_hisparse.bench.serving import parse_metrics
+def test_capacity_from_the_startup_log():
+    """--concurrency cap: stock runs what vLLM's KV line says; hisparse also what admission has
+    room for (the connector's line); at most max_num_seqs, at least one; no line, one error."""
+    from vllm_hisparse.bench.serving import capacity
 
-    text = ('# HELP vllm:num_requests_running Number of requests.\n'
-            'vllm:num_requests_running{engine="0",model_name="m"} 7.0\n'
-            'vllm:generation_tokens_total{engine="0",model_name="m"} 12345.0\n'
-            'vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e+09\n')
-    assert parse_metrics(text) == (7, 12345.0)
-    running, gen = parse_metrics("nothing here\n")
-    assert running == -1 and gen != gen
+    log = ("INFO ... Maximum concurrency for 17,424 tokens per request: 12.85x\n"
+           "INFO ... hisparse: room for 22 requests of max_model_len=17424 tokens at once (...)\n")
+    assert capacity(log, "stock", 17424, 256) == 12
+    assert capacity(log.replace("12.85", "99.20"), "hisparse", 17424, 256) == 22
+    assert capacity(log.replace("12.85", "99.20"), "hisparse", 17424, 16) == 16
+    assert capacity(log.replace("12.85", "0.40"), "stock", 17424, 256) == 1
+    with pytest.raises(RuntimeError, match="give numbers to --concurrency"):
+        capacity(log, "stock", 1000, 256)
+    with pytest.raises(RuntimeError, match="room for N requests"):
+        capacity(log.splitlines()[0], "resident", 17424, 256)
 
 
-def test_peak_rate_finds_the_fastest_window():
-    import random
+def test_host_time_per_step_from_the_worker_counters():
+    from vllm_hisparse.bench.serving import host_per_step
 
-    from vllm_hisparse.bench.serving import peak_rate
-
-    rng = random.Random()
-    rates = [rng.uniform(10, 100) for _ in range(40)]        # tok/s in each 1 s interval
-    peak_at = rng.randrange(5, 35)
-    rates[peak_at:peak_at + 5] = [1000.0] * 5                # one 5 s burst
-    samples, t, g = [(0.0, 0.0)], 0.0, 0.0
-    for r in rates:
-        for _ in range(2):                                   # sampled every 0.5 s
-            t += 0.5
-            g += r * 0.5
-            samples.append((t, g))
-    assert peak_rate(samples, window=5.0) == pytest.approx(1000.0)
-    assert peak_rate(samples[:5], window=5.0) == 0.0          # spans 2 s: no window
-    assert peak_rate([(0.0, float("nan")), (6.0, 60.0), (12.0, 180.0)]) == pytest.approx(20.0)
+    before = {"steps": 10, "host_ms_plan": 5.0, "host_ms_dense_layers": 1.0,
+              "host_ms_sparse_layers": 2.0, "host_ms_full_layers": 0.0}
+    after = {"steps": 30, "host_ms_plan": 9.0, "host_ms_dense_layers": 3.0,
+             "host_ms_sparse_layers": 10.0, "host_ms_full_layers": 20.0}
+    h = host_per_step(before, after)
+    assert h["steps"] == 20
+    assert h["plan"] == pytest.approx(4.0 / 20) and h["layers"] == pytest.approx(30.0 / 20)
+    assert host_per_step(None, after) == {} and host_per_step(after, after) == {}

@@ -220,3 +220,28 @@ def test_default_min_context_keeps_short_requests_resident(model_dir):
     assert (short["gpu_bytes_per_request"], short["host_bytes_per_request"]) == (pages * block, 0)
     assert long_["host_bytes_per_request"] == cdiv(2 * B, 16) * block
     assert long_["gpu_bytes_per_request"] == (B // 16 + 1) * block
+
+
+def test_short_prompt_with_long_output_is_sparse(model_dir):
+    """core/residency.py's length rule: a 1K prompt generating 16K turns sparse when its context
+    reaches min_context (2 x B), so calc counts it as the connector admits it: host pages for its
+    whole context, a Quest row, S + 1 blocks once sparse; before that it holds every page up to
+    min_context (its peak). A 1K prompt with 1K of output never gets there: resident."""
+    B = 4096
+    args = ("--buffer", B, "--gpu-kv-gib", 40, "--host-gib", 100, "--max-num-seqs", 8)
+    grow = calc_json(model_dir, "--context", 17408, "--prompt", 1024, *args)
+    h = grow["hisparse"]
+    block = 16 * TOK * L
+    assert grow["min_context"] == 2 * B and h["sparse"]
+    assert h["host_bytes_per_request"] == cdiv(17408, 16) * block
+    assert h["gpu_bytes_per_request"] == (B // 16 + 1) * block
+    assert h["peak_blocks_per_request"] == 2 * B // 16            # its pages at the switch
+    long_prompt = calc_json(model_dir, "--context", 17408, *args)["hisparse"]
+    assert long_prompt["peak_blocks_per_request"] == cdiv(17408, 16)      # its prefill
+    assert {k: v for k, v in h.items() if k != "peak_blocks_per_request"} == \
+        {k: v for k, v in long_prompt.items() if k != "peak_blocks_per_request"}
+    short = calc_json(model_dir, "--context", 2048, "--prompt", 1024, *args)["hisparse"]
+    assert not short["sparse"] and short["host_bytes_per_request"] == 0
+    assert short["peak_blocks_per_request"] == 2048 // 16
+    text = calc("--model", model_dir, "--context", 17408, "--prompt", 1024, *args)
+    assert "1024-token prompt with 16384 output tokens holds up to 512 blocks" in text

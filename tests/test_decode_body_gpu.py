@@ -66,7 +66,7 @@ class GraphDriver(Driver):
         if N not in self.graphs:
             self._record(N, bt.shape[1])
         g, io = self.graphs[N]
-        self.rt.plan_full(ids, seq, N)
+        self.rt.plan_full(ids, seq, N, bt)
         io["bt"][:n] = bt
         for layer in range(self.L):
             q, k, v = self._rand(n, self.hq, self.d), self._rand(n, self.hkv, self.d), \

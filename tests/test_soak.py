@@ -1,6 +1,7 @@
 """The soak test (vllm_hisparse/bench/soak.py), short, against a CPU `vllm serve` of the tiny model
-sized so that the host pool fills (20 pages; a request reserves up to 7) and requests get preempted
-(24 GPU blocks, 6 requests at once): random prompts around min_context, a third of the requests
+sized so that the host pool fills (28 pages; a request reserves up to 7: every one of them may turn
+sparse, prompt + max_tokens reaching min_context) and requests get preempted (24 GPU blocks, 6
+requests at once): random prompts around min_context, a third of the requests
 streamed and abandoned mid-stream. Afterwards the host pool and the GPU blocks are empty, the fixed
 greedy prompt gives the tokens it gave before, the server never failed. ~3 min on 2 cores (engine
 start + 60 s of load + the drain). The long run for the GPU box: docs/vllm-integration.md."""
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE, MIN_CONTEXT, MAX_LEN = 16, 32, 256
-POOL_PAGES = 20                                 # one max_model_len request (16 pages) + 4
+POOL_PAGES = 28                                 # one max_model_len request (16 pages) + 12
 PAGE_ALL_LAYERS = 2 * PAGE * 2 * 32 * 4 * 4     # K+V, Hkv=2, D=32, fp32, 4 layers
 
 

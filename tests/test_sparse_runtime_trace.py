@@ -17,10 +17,14 @@ def Driver(cfg, rows=3):
 
 
 def test_trace_per_request(tmp_path):
+    """One trace per request that was sparse: from its first decode step for a long prompt, from
+    the step its context reaches min_context for a short one (core/residency.py); none for a
+    request that never gets there."""
     cfg = HiSparseConfig(top_k=48, device_buffer_size=64, page_size=P, dense_layers=(0,),
-                         min_context=32, host_pool_gib=0.01, trace_dir=str(tmp_path / "tr"))
-    d = Driver(cfg)
-    prompts = {"a/1": 100, "b": 70, "short": 20}          # "short" < min_context: dense, untraced
+                         min_context=60, host_pool_gib=0.01, trace_dir=str(tmp_path / "tr"))
+    d = Driver(cfg, rows=4)
+    # "short" stays below min_context (dense, untraced); "grow" turns sparse at 60 tokens
+    prompts = {"a/1": 100, "b": 70, "short": 20, "grow": 40}
     for rid, n in prompts.items():
         d.add(rid, n)
     d.step(dict(prompts))                                 # prefill
@@ -30,13 +34,14 @@ def test_trace_per_request(tmp_path):
     for rid in prompts:
         assert d.rt.finish(rid)
     files = sorted(p.name for p in (tmp_path / "tr").iterdir())
-    assert files == ["a_1.npz", "b.npz"]
-    for rid, name in (("a/1", "a_1.npz"), ("b", "b.npz")):
+    assert files == ["a_1.npz", "b.npz", "grow.npz"]
+    for rid, name in (("a/1", "a_1.npz"), ("b", "b.npz"), ("grow", "grow.npz")):
         t = tr.load(str(tmp_path / "tr" / name))
         assert t.unit == P and t.meta["request_id"] == rid
         assert t.meta["sparse_layers"] == [1, 2, 3]
-        assert t.positions.shape == (decode, L - 1, cfg.top_k_units)
-        ctx = prompts[rid] + 1 + np.arange(decode)           # the current token included
+        first = max(prompts[rid] + 1, cfg.min_context_tokens)    # the current token included
+        ctx = np.arange(first, prompts[rid] + decode + 1)
+        assert t.positions.shape == (len(ctx), L - 1, cfg.top_k_units)
         assert (t.context_len == ctx).all()
         pages = (ctx + P - 1) // P
         assert (t.positions[:, :, 0] == (pages - 1)[:, None]).all()   # newest page first

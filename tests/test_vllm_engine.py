@@ -2,7 +2,8 @@
 
 One engine per mode for the whole module (engine start is ~40-70 s on 2 cores), each in its own
 process through scripts/hisparse_generate.py. k and B are tiny (3 pages selected of up to 24,
-4 hot slots) so that misses happen on almost every decode step.
+4 hot slots) so that misses happen on almost every decode step. Short prompts that generate past
+min_context turn sparse on the way (core/residency.py's length rule).
 """
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ PY = sys.executable
 PAGE = 16
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
        "host_pool_gib": 0.05}
-PROMPT_LENS = (150, 333, 90, 260, 17)       # 17 < min_context below: stays resident and dense
-SHORT_LENS = (17, 25, 9, 30)                  # a batch of dense requests only
+PROMPT_LENS = (150, 333, 90, 260, 17)       # 17 + 40 < min_context below: resident and dense
+SHORT_LENS = (17, 25, 9, 30)                  # dense, and two that turn sparse at 64 tokens
 MAX_TOKENS = 40
-MIN_CONTEXT = 32
+MIN_CONTEXT = 64
+GROW_LENS = (20, 40)                          # short prompts generating far past min_context
+GROW_TOKENS = 100
 
 
 def make_tiny_model() -> str:
@@ -43,9 +46,25 @@ def prompts(lens=PROMPT_LENS, seed=0) -> list[list[int]]:
     return [[rng.randrange(3, 512) for _ in range(n)] for n in lens]
 
 
-def batches() -> list[list[list[int]]]:
-    """Mixed sparse and dense requests; the serve test's request alone; dense requests only."""
-    return [prompts(), [prompts()[1]], prompts(SHORT_LENS, seed=1)]
+def batches() -> list:
+    """Mixed sparse and dense requests; the serve test's request alone; short requests (two of
+    them turn sparse at their last steps); short prompts that turn sparse and decode long after."""
+    return [prompts(), [prompts()[1]], prompts(SHORT_LENS, seed=1),
+            {"prompts": prompts(GROW_LENS, seed=2), "max_tokens": GROW_TOKENS}]
+
+
+def requests() -> list[tuple[int, int, int]]:
+    """(batch, prompt length, max_tokens) of every request of batches(), in order."""
+    out = []
+    for i, b in enumerate(batches()):
+        mt = b["max_tokens"] if isinstance(b, dict) else MAX_TOKENS
+        out += [(i, len(p), mt) for p in (b["prompts"] if isinstance(b, dict) else b)]
+    return out
+
+
+def ever_sparse(n: int, max_tokens: int) -> bool:
+    """The request's context reaches MIN_CONTEXT (its last step computes n + max_tokens - 1)."""
+    return n + max_tokens - 1 >= MIN_CONTEXT
 
 
 def generate(tmp, model: str, cfg: dict, batches: list[list], tag: str, extra=()) -> dict:
@@ -80,10 +99,12 @@ def runs(tmp_path_factory):
 
 def test_tokens_and_logprobs_identical(runs):
     resident, hisparse = runs
-    for b_res, b_hs in zip(resident["batches"], hisparse["batches"]):
+    want = [mt for _, _, mt in requests()]
+    got = [len(r["tokens"]) for b in resident["batches"] for r in b]
+    assert got == want
+    for b_res, b_hs in zip(resident["batches"], hisparse["batches"], strict=True):
         assert len(b_res) == len(b_hs)
         for i, (r, h) in enumerate(zip(b_res, b_hs)):
-            assert len(r["tokens"]) == MAX_TOKENS
             assert h["tokens"] == r["tokens"], f"request {i}: tokens differ"
             assert h["logprobs"] == r["logprobs"], f"request {i}: logprobs differ"
 
@@ -107,38 +128,69 @@ def test_host_pool_empty_afterwards(runs):
     resident, hisparse = runs
     assert hisparse["stats"]["host_pages_used"] == 0
     assert hisparse["stats"]["dense_pool_pages_used"] == 0
-    long_pages = sum(-(-(n + MAX_TOKENS - 1) // PAGE) for n in PROMPT_LENS + (PROMPT_LENS[1],)
-                     if n >= MIN_CONTEXT)
-    assert hisparse["stats"]["dense_pool_pages_handed"] == long_pages   # the pool was used
+    sparse_pages = sum(-(-(n + mt - 1) // PAGE) for _, n, mt in requests() if ever_sparse(n, mt))
+    assert hisparse["stats"]["dense_pool_pages_handed"] == sparse_pages   # the pool was used
     assert hisparse["stats"]["live_requests"] == 0
-    assert hisparse["stats"]["finished"] == len(PROMPT_LENS) + 1 + len(SHORT_LENS)
+    assert hisparse["stats"]["finished"] == len(requests())
     assert resident["stats"]["host_pages_used"] == 0
 
 
 def test_trace_dir_records_every_decode_step(runs):
-    """config trace_dir: one trace per finished sparse request (the 17-token one is dense, no
-    trace), loadable by sim.trace, one row per decode step, one layer row per sparse layer, every
-    page inside the step's context, the newest page first (Quest always attends it)."""
+    """config trace_dir: one trace per finished request that was sparse (the short ones that never
+    reach min_context have none), loadable by sim.trace, one row per sparse decode step (from the
+    first decode step for a long prompt, from the step its context reaches min_context for a short
+    one), one layer row per sparse layer, every page inside the step's context, the newest page
+    first (Quest always attends it)."""
     from vllm_hisparse.sim import trace as tr
 
     _, hisparse = runs
     files = sorted(hisparse["trace_dir"].glob("*.npz"))
-    sparse = [n for b in (PROMPT_LENS, [PROMPT_LENS[1]]) for n in b if n >= MIN_CONTEXT]
-    assert len(files) == len(sparse), [f.name for f in files]
-    firsts = []
+    # (context at the first traced step, steps): the prefill step yields the first token
+    want = sorted((n + 1, mt - 1) if n >= MIN_CONTEXT else (MIN_CONTEXT, n + mt - MIN_CONTEXT)
+                  for _, n, mt in requests() if ever_sparse(n, mt))
+    assert len(files) == len(want), [f.name for f in files]
+    got = []
     for f in files:
         t = tr.load(str(f))
         assert t.unit == PAGE and t.meta["num_layers"] == 4
         assert t.layers == 4 - len(CFG["dense_layers"]) == len(t.meta["sparse_layers"])
-        assert t.steps == MAX_TOKENS - 1                 # the prefill step yields the first token
-        prompt = int(t.context_len[0]) - 1
-        firsts.append(prompt)
-        assert (t.context_len == prompt + 1 + np.arange(t.steps)).all()
+        first = int(t.context_len[0])
+        got.append((first, t.steps))
+        assert (t.context_len == first + np.arange(t.steps)).all()
         pages = (t.context_len.astype(np.int64) + PAGE - 1) // PAGE
         assert ((t.positions < pages[:, None, None]) | (t.positions == -1)).all()
         assert (t.positions[:, :, 0] == (pages - 1)[:, None]).all()
         assert t.k_max == CFG["top_k"] // PAGE and (t.positions >= 0).all()
-    assert sorted(firsts) == sorted(sparse)
+    assert sorted(got) == want
+
+
+def test_short_prompts_turn_sparse_at_min_context(runs):
+    """Issue 16's length rule in the engine: prompts of 20 and 40 tokens generating 100 turn sparse
+    at the step their context reaches min_context (their traces start there: the test above), in
+    both modes; from then on they decode through the hot buffer with misses, hold the GPU blocks a
+    long prompt holds (S hot slots + the newest page), give tokens and logprobs identical to
+    resident mode (the first test), and leave the pools empty."""
+    resident, hisparse = runs
+    grow = len(batches()) - 1
+    before, after = (hisparse["batch_info"][grow - 1]["stats"], hisparse["batch_info"][grow]["stats"])
+    d = {k: after[k] - before[k] for k in ("turned_sparse", "decode_rows", "dense_decode_rows",
+                                           "misses", "hits")}
+    assert d["turned_sparse"] == len(GROW_LENS)
+    # decode steps compute contexts n+1 .. n+GROW_TOKENS-1: dense below min_context, sparse from it
+    assert d["decode_rows"] == sum(n + GROW_TOKENS - MIN_CONTEXT for n in GROW_LENS)
+    assert d["dense_decode_rows"] == sum(MIN_CONTEXT - 1 - n for n in GROW_LENS)
+    assert d["misses"] > 0 and d["hits"] > 0
+    r_before, r_after = (resident["batch_info"][grow - 1]["stats"],
+                         resident["batch_info"][grow]["stats"])
+    assert r_after["turned_sparse"] - r_before["turned_sparse"] == len(GROW_LENS)
+    assert r_after["decode_rows"] - r_before["decode_rows"] == d["decode_rows"]
+    slots = CFG["device_buffer_size"] // PAGE
+    info = hisparse["batch_info"][grow]
+    assert 0 < info["peak_sparse_blocks"] <= slots + 1
+    assert resident["batch_info"][grow]["peak_decode_blocks"] >= (max(GROW_LENS) + GROW_TOKENS
+                                                                   - 1) // PAGE
+    assert after["host_pages_used"] == 0 and after["dense_pool_pages_used"] == 0
+    assert after["live_requests"] == 0
 
 
 def test_gpu_blocks_shrink_to_hot_buffer(runs):
@@ -200,10 +252,10 @@ def test_quest_rows_full_requests_wait(tmp_path):
 
 
 def test_preemption_recovers(tmp_path):
-    """20 KV blocks for 4 requests of 40 + 200 tokens, each holding S + 2 = 6 blocks while decoding
-    (max_model_len 256: one whole prompt must fit the blocks during its prefill, a startup check):
-    one gets preempted, resumes (recomputed from token 0, reading given-back pages from the host
-    pool), completes; the host pool ends empty. (A resumed request recomputes its generated tokens
+    """20 KV blocks for 4 requests of 40 + 200 tokens, each turning sparse at min_context (64
+    tokens) and holding S + 2 = 6 blocks while decoding from then on (max_model_len 256: one whole
+    prompt must fit the blocks during its prefill, a startup check): one gets preempted, resumes
+    (recomputed from token 0, sparse again at once), completes; the host pool ends empty. (A resumed request recomputes its generated tokens
     with dense prefill attention, so its continuation may differ from an uninterrupted run.)"""
     model = make_tiny_model()
     rng = random.Random(1)

@@ -39,10 +39,12 @@ class HiSparseConfig:
         requests, so those layers stay resident after the request's other GPU blocks are given
         back. 0 = no pool: a dense layer then reads the given-back pages from the host pool every
         step (exact, but PCIe-bound). Requests wait when the pool is full.
-    min_context: prompts shorter than this stay fully resident and dense (no Quest, no host
-        tier, FlashAttention on a GPU). None (default) = 2 x device_buffer_size: below that the
-        hot buffer saves less than half of the request's KV, not worth the slower sparse
-        decode. 0 = every request sparse.
+    min_context: a request is sparse from the step its context (prompt + generated tokens)
+        reaches this (core/residency.py): a longer prompt from its first token, a shorter one from
+        the step it grows past it; until then, and for requests that never reach it, fully resident
+        and dense (no Quest, no host tier, FlashAttention on a GPU). None (default) = 2 x
+        device_buffer_size: below that the hot buffer saves less than half of the request's KV,
+        not worth the slower sparse decode. 0 = every request sparse.
     quest_rows: Quest page-bound rows on the GPU = long (sparse) requests admitted at once; each row
         is 2 x cdiv(max_model_len, page_size) x Hkv x D per sparse layer. 0 = --max-num-seqs. Set it
         when vLLM's max_num_seqs x max_model_len would not fit (requests beyond it wait).
@@ -153,7 +155,7 @@ class HiSparseConfig:
 
     @property
     def min_context_tokens(self) -> int:
-        """The effective min_context: prompts shorter than this stay resident and dense."""
+        """The effective min_context: the context at which a request turns sparse."""
         return 2 * self.device_buffer_size if self.min_context is None else self.min_context
 
     @property

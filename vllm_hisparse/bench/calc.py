@@ -15,6 +15,7 @@ import json
 
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import capacity as cap
+from vllm_hisparse.core.residency import may_turn_sparse
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -32,6 +33,11 @@ max requests counts decoding requests of --context tokens: whole blocks, vLLM's 
 a hisparse request keeps S+1 = B/page+1 blocks in every layer after its prefill (dense layers
 included: they are not kept resident yet) and all its pages during prefill.
 
+A request is sparse when its context (prompt + output) reaches min_context, whatever its prompt
+(a short prompt turns sparse at the step its context does): then it holds host pages for its whole
+context and a Quest row from admission on. With --prompt P shorter than min_context it holds every
+page until then: "peak blocks" (per request; vLLM preempts when too many requests peak at once).
+
 With --tensor-parallel-size N every GPU holds 1/N of the KV heads (or one head when there are fewer
 heads than GPUs, as vLLM does): GPU bytes, blocks, Quest rows and vLLM's lines are per GPU, host
 bytes per request are the engine's (all ranks), and each rank pins --host-gib / N."""
@@ -41,7 +47,11 @@ def add_arguments(p):
     p.epilog = EPILOG
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--model", required=True, help="HF model directory or config.json")
-    p.add_argument("--context", type=int, required=True, help="tokens per request (prompt + output)")
+    p.add_argument("--context", type=int, required=True,
+                   help="tokens per request (prompt + output: max_tokens)")
+    p.add_argument("--prompt", type=int, default=None,
+                   help="prompt tokens of a request (default: --context): a prompt shorter than "
+                        "min_context holds every page until its context reaches min_context")
     p.add_argument("--top-k", type=int, default=2048, help="tokens attended per step (default 2048)")
     p.add_argument("--buffer", type=int, default=4096, help="hot-buffer tokens B (default 4096)")
     p.add_argument("--gpu-kv-gib", type=float, required=True,
@@ -65,7 +75,8 @@ def add_arguments(p):
                    help="vLLM --max-model-len: sizes the Quest rows and vLLM's lines "
                         "(default: --context)")
     p.add_argument("--min-context", type=int, default=None,
-                   help="hisparse min_context: a --context shorter than this stays resident "
+                   help="hisparse min_context: a request whose --context stays below this stays "
+                        "resident "
                         "(default: the config's, 2 x --buffer)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="vLLM --tensor-parallel-size N: each GPU holds 1/N of the KV heads "
@@ -101,7 +112,11 @@ def compute(args) -> dict:
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: use 1 or more, or leave it out")
     P, S, seqs = args.page_size, cfg.num_slots, args.max_num_seqs
     gpu, host = int(args.gpu_kv_gib * GIB), cap.host_pool_rank_bytes(cfg.host_pool_bytes, tp)
-    sparse = args.context >= cfg.min_context_tokens   # residency.is_sparse_request
+    prompt = args.context if args.prompt is None else args.prompt
+    if not 0 < prompt <= args.context:
+        raise SystemExit(f"--prompt {prompt}: use 1..--context ({args.context}), or leave it out")
+    # the connector's admission rule: sparse at some step of its life
+    sparse = may_turn_sparse(cfg, prompt, args.context - prompt)
 
     def vllm_lines(blocks: int, blocks_per_req_at_mml: int) -> dict:
         conc = cap.vllm_max_concurrency(blocks, blocks_per_req_at_mml)
@@ -154,6 +169,9 @@ def compute(args) -> dict:
     else:
         n_h, by_h = cap.max_requests(limits)
     hisparse = {"gpu_bytes_per_request": cap.hisparse_gpu_bytes(m, args.context, P, S, sparse),
+                "peak_blocks_per_request": cap.hisparse_peak_blocks(
+                    prompt, args.context, P, S, cfg.min_context_tokens, sparse),
+                "sparse": sparse,
                 "host_bytes_per_request": tp * cap.hisparse_host_bytes(m, args.context, P, sparse,
                                                                        host_layers),
                 "max_requests": n_h, "bound_by": by_h,
@@ -167,7 +185,8 @@ def compute(args) -> dict:
                                                  * args.dense_layers if dense_bytes else 0),
                 # HiSparseSpec.max_memory_usage_bytes ignores min_context: vLLM's lines assume S+1
                 **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S))}
-    return {"max_model_len": mml, "tensor_parallel_size": tp, "baseline": baseline,
+    return {"max_model_len": mml, "tensor_parallel_size": tp, "min_context": cfg.min_context_tokens,
+            "baseline": baseline,
             "hisparse": hisparse}
 
 
@@ -205,6 +224,14 @@ def run(args) -> int:
           f"{dense}; the host pool holds "
           f"{'the sparse layers' if h['dense_pool_bytes'] else 'every layer'} "
           f"({h['host_pool_pages']} pages)")
+    if h["sparse"] and args.prompt is not None and args.prompt < args.context:
+        print(f"a {args.prompt}-token prompt with {args.context - args.prompt} output tokens "
+              f"holds up to {h['peak_blocks_per_request']} blocks (before it turns sparse at "
+              f"min_context, or during its prefill), S+1 afterwards")
+    elif not h["sparse"]:
+        print(f"a request of {args.context} tokens stays resident (below min_context "
+              f"{r['min_context']}): "
+              f"every page on the GPU, no host pages, no Quest row")
     if not h["prefill_fits"]:
         print(f"hisparse would not start: a max_model_len={mml} prompt does not fit the KV cache "
               f"during its prefill")

@@ -63,6 +63,7 @@ class Setup:
         per = self.S + 2 if sparse and not args.resident else self.U
         self.kv = [torch.randn(1 + rows * per, 2, P, HKV, D, device=dev, generator=g)
                    .to(torch.bfloat16) for _ in range(self.L)]    # block 0: vLLM's null block
+        self.rt.bind_kv_caches(self.kv)      # a dense row reaching min_context copies from them
         u = torch.arange(self.U, device=dev)
         col = torch.where(u < self.S, u, self.S + u % 2) if per != self.U else u
         self.bt = (1 + torch.arange(rows, device=dev)[:, None] * per + col[None]).to(torch.int32)
@@ -90,7 +91,7 @@ class Setup:
             self.layers()
 
     def plan(self):
-        self.rt.plan_full(self.ids, [self.ctx + self.n + 1] * self.rows, self.rows)
+        self.rt.plan_full(self.ids, [self.ctx + self.n + 1] * self.rows, self.rows, self.bt)
         self.n += 1
 
     def inputs(self):

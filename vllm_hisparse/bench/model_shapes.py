@@ -21,7 +21,7 @@ SHAPES = {
 }
 
 
-def build(name: str, out: str, max_len: int = 40960) -> str:
+def build(name: str, out: str, max_len: int = 65536) -> str:
     if name not in SHAPES:
         raise SystemExit(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
     from transformers import LlamaConfig

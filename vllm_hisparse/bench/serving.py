@@ -1,16 +1,23 @@
-"""Serving benchmark: throughput, TTFT, TPOT and running requests vs concurrency, per backend.
+"""Serving benchmark: throughput, TTFT, TPOT, the decode phase's rate and running requests vs
+concurrency, per backend.
 
 Starts `vllm serve` once per backend, then for each concurrency sends random-token prompts through the
-OpenAI-compatible completions API (streaming, outputs forced with ignore_eos) and samples the
-server's running-request gauge and generation-token counter (decode_peak_tok_s: the best 5 s
-window of generation, the decode phase's rate apart from prefill); each server is warmed up first
-(not measured). Writes
-DIR/serving.csv, PNG plots (throughput vs concurrency, TTFT vs throughput: one line per backend),
-the server logs and each hisparse worker's counters (DIR/stats-BACKEND.json).
+OpenAI-compatible completions API (streaming, outputs forced with ignore_eos); each server is warmed
+up first (not measured). The server records every engine step (``HISPARSE_STEP_LOG``, the stat
+logger of vllm/step_log.py): decode_tok_s is the rate over the steps in which no request was in
+prefill, on the engine's clock (bench/steps.py), running_max/mean the scheduler's own counts; the
+hisparse worker's counters (``HISPARSE_STATS_FILE``) give its host time per step (plan, layers).
+Writes DIR/serving.csv, PNG plots (throughput vs concurrency, TTFT vs throughput: one line per
+backend), the server logs, step records (DIR/steps-BACKEND.jsonl) and the hisparse worker's
+counters (DIR/stats-BACKEND.json).
 
     python -m vllm_hisparse.bench.serving --model DIR --input-len 32768 --output-len 512 \
         --concurrency 1,2,4,8,16,32,64,128,256 --backends stock,resident,hisparse \
         --gpu-memory-utilization 0.3 --hisparse '{"top_k":2048,"device_buffer_size":4096}' --out DIR
+
+Decode-heavy workloads (``--workload``): ``paper`` = 32K in / 8K out (the HiSparse paper's),
+``reasoning`` = 1K in / 16K out; ``--concurrency 1,cap`` runs each at one request and at the
+backend's capacity (``cap``: read from the server's startup log, see ``capacity``).
 """
 from __future__ import annotations
 
@@ -25,12 +32,13 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
+from vllm_hisparse.bench import steps as st
 from vllm_hisparse.server_health import stop, wait_healthy
 
 BACKENDS = ("stock", "resident", "hisparse")
+WORKLOADS = {"paper": (32768, 8192), "reasoning": (1024, 16384)}     # (input, output) tokens
 
 
 @dataclass
@@ -52,28 +60,48 @@ class Point:
     wall: float = 0.0
     running_max: int = 0
     running_mean: float = 0.0
-    decode_peak: float = 0.0      # generation tok/s, best 5 s window (the server's counter)
+    decode: dict = field(default_factory=dict)    # steps.decode_rate of the point's step records
+    engine_steps: int = 0                         # step records of the point
+    host: dict = field(default_factory=dict)      # host_per_step (hisparse worker), {} for stock
 
     def row(self) -> dict:
         r = self.results
         out_tok = sum(x.output_tokens for x in r)
+        d, h = self.decode, self.host
+        rnd = lambda x, n=1: None if x is None else round(x, n)  # noqa: E731
         return {
             "backend": self.backend, "concurrency": self.concurrency, "requests": len(r),
             "output_tok_s": out_tok / self.wall if self.wall else 0.0,
             "ttft_mean_s": statistics.fmean(x.ttft for x in r) if r else float("nan"),
             "ttft_p50_s": statistics.median(x.ttft for x in r) if r else float("nan"),
             "tpot_mean_ms": 1e3 * statistics.fmean(x.tpot for x in r) if r else float("nan"),
-            "decode_peak_tok_s": round(self.decode_peak, 1),
+            "decode_tok_s": rnd(d.get("tok_s")), "decode_s": rnd(d.get("seconds"), 2),
+            "decode_step_ms": rnd(d.get("step_ms"), 3),
             "running_max": self.running_max, "running_mean": round(self.running_mean, 2),
+            "engine_steps": self.engine_steps,
+            "host_ms_plan_per_step": rnd(h.get("plan"), 3),
+            "host_ms_layers_per_step": rnd(h.get("layers"), 3),
             "wall_s": round(self.wall, 2),
         }
 
 
+def max_model_len(args) -> int:
+    return args.input_len + args.output_len + 16
+
+
+def max_num_seqs(args) -> int:
+    """--max-num-seqs, else the largest numeric concurrency (256, vLLM's default, with ``cap``)."""
+    if getattr(args, "max_num_seqs", None):
+        return args.max_num_seqs
+    nums = [c for c in args.concurrency if c != "cap"]
+    return 256 if "cap" in args.concurrency else max(nums)
+
+
 def server_cmd(args, backend: str, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--port", str(port),
-           "--max-model-len", str(args.input_len + args.output_len + 16), "--no-enable-prefix-caching",
+           "--max-model-len", str(max_model_len(args)), "--no-enable-prefix-caching",
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--max-num-seqs", str(max(args.concurrency))]
+           "--max-num-seqs", str(max_num_seqs(args))]
     if args.load_format:
         cmd += ["--load-format", args.load_format]
     if backend != "stock":
@@ -84,32 +112,59 @@ def server_cmd(args, backend: str, port: int) -> list[str]:
     return cmd + args.extra_server_args
 
 
-def parse_metrics(text: str) -> tuple[int, float]:
-    """(running requests, generation tokens so far) from vLLM's Prometheus text; -1 / nan if
-    absent."""
-    m = re.search(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.e+]+)", text, re.M)
-    g = re.search(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.e+]+)", text, re.M)
-    return (int(float(m.group(1))) if m else -1), (float(g.group(1)) if g else float("nan"))
+def capacity(log: str, backend: str, mml: int, seqs: int) -> int:
+    """Requests of max_model_len tokens a server runs at once, from its startup log: vLLM's
+    "Maximum concurrency for N tokens per request: X" (its KV blocks; for hisparse, S + 1 blocks a
+    request) and, for the hisparse backends, the connector's "hisparse: room for N requests" (host /
+    dense pool and Quest rows); at most max_num_seqs, at least 1."""
+    m = re.findall(rf"Maximum concurrency for {mml:,} tokens per request: ([\d.]+)x", log)
+    if not m:
+        raise RuntimeError(f"{backend}: no 'Maximum concurrency for {mml:,} tokens' line in the "
+                           f"server log; give numbers to --concurrency instead of cap")
+    n = min(int(float(m[-1])), seqs)
+    if backend != "stock":
+        room = re.findall(r"hisparse: room for (\d+) requests", log)
+        if not room:
+            raise RuntimeError(f"{backend}: no 'hisparse: room for N requests' line in the server "
+                               f"log; give numbers to --concurrency instead of cap")
+        n = min(n, int(room[-1]))
+    return max(n, 1)
 
 
-def scrape(port: int) -> tuple[int, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return parse_metrics(text)
+def read_stats(path: str | None) -> dict | None:
+    """The hisparse worker's counters (HISPARSE_STATS_FILE), None when there are none (stock)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (TypeError, FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
-def peak_rate(samples: list[tuple[float, float]], window: float = 5.0) -> float:
-    """Largest increase per second of a counter over any span of at least `window` seconds between
-    two samples (t, value): the peak generation throughput of a point, the decode phase's rate
-    once prefill is done, whatever the prompt length. 0 when the samples span less than window."""
-    best, i = 0.0, 0
-    pts = [(t, v) for t, v in samples if v == v]               # drop nan
-    for j in range(len(pts)):
-        while i + 1 < j and pts[j][0] - pts[i + 1][0] >= window:
-            i += 1
-        dt = pts[j][0] - pts[i][0]
-        if dt >= window:
-            best = max(best, (pts[j][1] - pts[i][1]) / dt)
-    return best
+def host_per_step(before: dict | None, after: dict | None) -> dict:
+    """Host ms per step of the steps between two snapshots of the worker's counters: the plan, and
+    every attention layer's Python and launches (dense, sparse, FULL-graph body); {} without them."""
+    if not before or not after or after["steps"] <= before["steps"]:
+        return {}
+    n = after["steps"] - before["steps"]
+    d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)  # noqa: E731
+    layers = sum(d(f"host_ms_{k}_layers") for k in ("dense", "sparse", "full"))
+    return {"steps": n, "plan": d("host_ms_plan") / n, "layers": layers / n}
+
+
+def _settle(step_log: str, offset: int, stats_path: str | None, timeout: float = 30.0):
+    """After a point's last answer: its step records up to the step that left nothing running, and
+    the worker's counters once it has dropped every request (written a step or two later)."""
+    t_end = time.monotonic() + timeout
+    recs, off = st.read(step_log, offset)
+    while time.monotonic() < t_end:
+        stats = read_stats(stats_path)
+        done = any(r["running"] == 0 for r in recs[-3:])
+        if done and (stats_path is None or stats is None or stats.get("live_requests") == 0):
+            return recs, stats
+        time.sleep(0.2)
+        more, off = st.read(step_log, off)
+        recs += more
+    return recs, read_stats(stats_path)
 
 
 async def one_request(client, model: str, prompt: list[int], out_len: int) -> RequestResult:
@@ -135,7 +190,11 @@ async def one_request(client, model: str, prompt: list[int], out_len: int) -> Re
     return RequestResult(float("nan") if ttft is None else ttft, time.perf_counter() - t0, usage)
 
 
-async def run_point(args, backend: str, c: int, port: int, model: str, vocab: int) -> Point:
+async def run_point(args, backend: str, c: int, port: int, model: str, vocab: int,
+                    step_log: str, stats_path: str | None = None) -> Point:
+    """One concurrency point; its step records (from ``step_log``, appended by the server) and the
+    worker's counters before and after give the decode-only rate, running requests and host time
+    per step."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=3600)
@@ -144,39 +203,33 @@ async def run_point(args, backend: str, c: int, port: int, model: str, vocab: in
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)] for _ in range(n_req)]
     sem = asyncio.Semaphore(c)
     pt = Point(backend, c)
-    samples: list[tuple[float, int, float]] = []              # (time, running, generated)
 
     async def limited(p):
         async with sem:
             return await one_request(client, model, p, args.output_len)
 
-    async def sampler():
-        while True:
-            await asyncio.sleep(0.5)
-            running, gen = await asyncio.to_thread(scrape, port)
-            samples.append((time.perf_counter(), running, gen))
-
-    s = asyncio.create_task(sampler())
+    _, offset = st.read(step_log)
+    before = read_stats(stats_path)
     t0 = time.perf_counter()
     pt.results = await asyncio.gather(*(limited(p) for p in prompts))
     pt.wall = time.perf_counter() - t0
-    s.cancel()
     await client.close()
-    good = [x[1] for x in samples if x[1] >= 0]
-    pt.running_max = max(good, default=-1)
-    pt.running_mean = statistics.fmean(good) if good else -1.0
-    pt.decode_peak = peak_rate([(t, g) for t, _, g in samples])
+    recs, after = await asyncio.to_thread(_settle, step_log, offset, stats_path)
+    pt.engine_steps = len(recs)
+    pt.running_max, pt.running_mean = st.running(recs)
+    pt.decode = st.decode_rate(recs)
+    pt.host = host_per_step(before, after)
     return pt
 
 
-def warm_up(args, backend: str, port: int, model: str, vocab: int) -> None:
+def warm_up(args, backend: str, port: int, model: str, vocab: int, step_log: str) -> None:
     """Two requests before the sweep, not measured: the first run of each kernel compiles it (Triton
     JIT, ~1 s each) and the first decode batch of each size captures its graphs; without this the
     concurrency-1 point's TTFT carried ~4 s of compilation (H200, 2026-11-30)."""
     a = argparse.Namespace(**{**vars(args), "rounds": 1, "output_len": min(args.output_len, 32)})
     t0 = time.perf_counter()
     for c in (1, 2):
-        asyncio.run(run_point(a, backend, c, port, model, vocab))
+        asyncio.run(run_point(a, backend, c, port, model, vocab, step_log))
     print(f"{backend}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
 
 
@@ -189,10 +242,10 @@ def plot(rows: list[dict], out: str, title: str) -> None:
     for b in dict.fromkeys(r["backend"] for r in rows):
         rs = sorted((r for r in rows if r["backend"] == b), key=lambda r: r["concurrency"])
         line = ax[0].plot([r["concurrency"] for r in rs], [r["output_tok_s"] for r in rs], "o-", label=b)
-        peak = [(r["concurrency"], r["decode_peak_tok_s"]) for r in rs if r.get("decode_peak_tok_s")]
-        if peak:                                   # dashed: the decode phase's peak rate
-            ax[0].plot(*zip(*peak), "x--", color=line[0].get_color(), alpha=0.6,
-                       label=f"{b} decode peak")
+        dec = [(r["concurrency"], r["decode_tok_s"]) for r in rs if r.get("decode_tok_s")]
+        if dec:                                    # dashed: the decode phase's rate
+            ax[0].plot(*zip(*dec), "x--", color=line[0].get_color(), alpha=0.6,
+                       label=f"{b} decode only")
         ax[1].plot([r["output_tok_s"] for r in rs], [r["ttft_mean_s"] for r in rs], "o-", label=b)
     ax[0].set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="throughput")
     ax[1].set(xlabel="output tokens/s", ylabel="mean TTFT (s)", yscale="log", title="TTFT vs throughput")
@@ -207,9 +260,16 @@ def plot(rows: list[dict], out: str, title: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--input-len", type=int, default=4096)
-    p.add_argument("--output-len", type=int, default=512)
-    p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--workload", choices=sorted(WORKLOADS),
+                   help="decode-heavy presets: " + ", ".join(f"{k} = {i} in / {o} out" for k, (i, o)
+                                                             in WORKLOADS.items())
+                        + " (--input-len / --output-len override)")
+    p.add_argument("--input-len", type=int, default=None, help="default 4096")
+    p.add_argument("--output-len", type=int, default=None, help="default 512")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128,256",
+                   help="comma-separated; 'cap' = the backend's capacity, read from its startup log")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="vllm serve --max-num-seqs (default: the largest --concurrency; 256 with cap)")
     p.add_argument("--rounds", type=int, default=2, help="requests per point = concurrency x rounds")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -225,7 +285,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/serving")
     p.add_argument("extra_server_args", nargs="*", help="after --: passed to vllm serve")
     args = p.parse_args(argv)
-    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    preset = WORKLOADS.get(args.workload, (4096, 512))
+    args.input_len = args.input_len or preset[0]
+    args.output_len = args.output_len or preset[1]
+    try:
+        args.concurrency = [x if x == "cap" else int(x) for x in args.concurrency.split(",")]
+    except ValueError:
+        p.error(f"--concurrency {args.concurrency}: numbers or 'cap', comma-separated")
     backends = args.backends.split(",")
     bad = [b for b in backends if b not in BACKENDS]
     if bad:
@@ -235,16 +301,32 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for b in backends:
         log = open(os.path.join(args.out, f"server-{b}.log"), "w")
-        # the worker's counters (hit rate, host pages, decode-graph captures) land beside the CSV
-        env = dict(os.environ, HISPARSE_STATS_FILE=os.path.abspath(
-            os.path.join(args.out, f"stats-{b}.json")))
+        # the worker's counters (hit rate, host pages, host time) and the server's step records
+        # land beside the CSV
+        stats = os.path.abspath(os.path.join(args.out, f"stats-{b}.json"))
+        step_log = os.path.abspath(os.path.join(args.out, f"steps-{b}.jsonl"))
+        for f in (stats, step_log):
+            if os.path.exists(f):
+                os.remove(f)
+        env = dict(os.environ, HISPARSE_STATS_FILE=stats, HISPARSE_STEP_LOG=step_log)
         proc = subprocess.Popen(server_cmd(args, b, args.port), stdout=log, stderr=subprocess.STDOUT,
                                 env=env)
         try:
             wait_healthy(proc, args.port, args.ready_timeout)
-            warm_up(args, b, args.port, args.model, vocab)
+            warm_up(args, b, args.port, args.model, vocab, step_log)
+            if not st.read(step_log)[0]:
+                raise RuntimeError(
+                    f"{b}: the server wrote no step records to {step_log}: vLLM did not load the "
+                    f"stat logger plugin (entry point vllm.stat_logger_plugins: hisparse_steps); "
+                    f"reinstall the package (pip install -e .) or source scripts/gpu_setup.sh")
             for c in args.concurrency:
-                pt = asyncio.run(run_point(args, b, c, args.port, args.model, vocab))
+                if c == "cap":
+                    log.flush()
+                    with open(log.name) as f:
+                        c = capacity(f.read(), b, max_model_len(args), max_num_seqs(args))
+                    print(f"{b}: capacity {c} requests", flush=True)
+                pt = asyncio.run(run_point(args, b, c, args.port, args.model, vocab, step_log,
+                                           None if b == "stock" else stats))
                 rows.append(pt.row())
                 print(json.dumps(rows[-1]), flush=True)
         finally:

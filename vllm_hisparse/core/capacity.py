@@ -10,9 +10,13 @@ HiSparse today (``vllm/spec.py``, ``core/residency.py``, ``vllm/connector.py``, 
   slots + the newest page) in **every** layer: dense layers share the block table with the sparse
   ones and read given-back pages from the host pool, they are not kept resident.
   ``HiSparseSpec.max_memory_usage_bytes`` reports exactly this, so vLLM's "Maximum concurrency"
-  line is ``num_blocks / that``. A request shorter than ``min_context`` (and every request in
-  resident mode, ``host_tier: false``) keeps all its pages. During its own prefill a request holds
-  all its pages; the connector refuses to start unless one ``max_model_len`` prompt fits then.
+  line is ``num_blocks / that``. A request whose context never reaches ``min_context`` (and every
+  request in resident mode, ``host_tier: false``) keeps all its pages. During its own prefill a
+  request holds all its pages, and a short prompt that turns sparse later (``core/residency.py``)
+  holds every page until its context reaches ``min_context`` (``hisparse_peak_blocks``); the
+  connector refuses to start unless one ``max_model_len`` prompt fits the blocks.
+* Which requests count as sparse: those whose context (prompt + output) reaches ``min_context``,
+  whatever their prompt (``residency.may_turn_sparse``, the connector's admission rule).
 * Host pool: every page of **every** layer of a sparse request (``L x cdiv(n, page)`` pages of
   ``page x token bytes``); the pool holds ``host_pool_bytes // (L x page bytes)`` pages, reserved
   per request at admission.
@@ -90,6 +94,19 @@ def hisparse_blocks(context: int, page_size: int, num_slots: int, sparse: bool =
     / page bytes): S hot slots + the newest page; all its pages when it stays resident."""
     full = cdiv(context, page_size)
     return min(full, num_slots + 1) if sparse else full
+
+
+def hisparse_peak_blocks(prompt: int, context: int, page_size: int, num_slots: int,
+                         min_context: int, sparse: bool = True) -> int:
+    """Most blocks a request of ``prompt`` + output = ``context`` tokens holds at once: all its pages
+    when it is never sparse; else its prompt's during its prefill, or, for a prompt shorter than
+    ``min_context``, its pages up to the step its context reaches ``min_context`` (nothing is given
+    back before: ``residency.freed_pages``), and ``hisparse_blocks`` afterwards."""
+    full = cdiv(context, page_size)
+    if not sparse:
+        return full
+    return max(cdiv(min(context, max(prompt, min_context)), page_size),
+               hisparse_blocks(context, page_size, num_slots))
 
 
 def baseline_gpu_bytes(m: ModelShape, context: int, block_size: int = 16) -> int:

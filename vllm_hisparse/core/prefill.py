@@ -1,8 +1,9 @@
 """The rows of a step with several query tokens (prefill chunks): their tokens written into the
 cache, through to the host pool (or the dense pool) and into the Quest bounds, and their dense
 causal attention over the paged cache — through the runtime's ``dense_fn`` (FlashAttention on the
-GPU). Also the slow path of dense layers whose rows' pages left the GPU without a dense pool
-(``attend_from_host``), shared with the decode batch. Module functions over the SparseRuntime
+GPU). Also the slow path of rows whose pages left the GPU (``attend_from_host``: a chunk of a
+request recomputed after a preemption; dense layers without a dense pool), shared with the decode
+batch. Module functions over the SparseRuntime
 ``rt``; the one-token rows go through core/decode_body.py instead.
 """
 from __future__ import annotations
@@ -25,21 +26,22 @@ def plan(rt, multi: list[ReqStep], block_table: torch.Tensor,
     updates, write-through destinations and their dense attention groups."""
     p = _plan_writes(rt, multi, block_table, slot_mapping)
     p.dense = multi
-    assert all(s.freed[1] <= s.freed[0] for s in multi), "prefill rows must be resident"
-    p.dense_sparse = dense_groups.make(rt, multi, rows_of(rt, multi, block_table))
+    # A prefill chunk with given-back pages: a request recomputed from token 0 after a preemption
+    # (prompt and generated tokens), in a chunk past its switch to sparse; its attention reads
+    # those pages back from the host pool (dense layers: the dense pool, if any).
+    p.dense_freed = [s for s in multi if s.freed[1] > s.freed[0]]
+    on_gpu = [s for s in multi if s.freed[1] <= s.freed[0]]
+    p.dense_sparse = dense_groups.make(rt, on_gpu, rows_of(rt, on_gpu, block_table))
     if rt.dpool is not None:
-        res = [s for s in multi if not s.sparse]
+        res = [s for s in multi if not s.sparse]           # never with given-back pages
         inpool = [s for s in multi if s.sparse]
-        p.dense_res = (p.dense_sparse if len(res) == len(multi) else
+        p.dense_res = (p.dense_sparse if len(res) == len(on_gpu) else
                        dense_groups.make(rt, res, rows_of(rt, res, block_table)))
         if inpool:
             rows = rt.h2d([s.row for s in inpool], torch.int64)
             p.dense_pool = dense_groups.make(rt, inpool, rt.dense_pt.table[rows])
-    elif len(rt.dense_layers):
-        p.dense_freed = [s for s in multi if s.freed[1] > s.freed[0]]
-        res = [s for s in multi if s.freed[1] <= s.freed[0]]
-        p.dense_res = (p.dense_sparse if len(res) == len(multi) else
-                       dense_groups.make(rt, res, rows_of(rt, res, block_table)))
+    else:
+        p.dense_res = p.dense_sparse
     return p
 
 
@@ -125,12 +127,9 @@ def layer(rt, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor, v: t
         kq = k if plan.q_tok is None else k[plan.q_tok]
         sl.quest_update_pages(rt.kmin[layer], rt.kmax[layer], plan.q_page, plan.q_new,
                               plan.q_tok_page, kq)
-    if dense_layer:
-        _dense(rt, plan.dense_res, q, kv, scale, out)
-        if plan.dense_freed:
-            attend_from_host(rt, plan.dense_freed, plan.block_table, q, kv, host, scale, out)
-        return
-    _dense(rt, plan.dense_sparse, q, kv, scale, out)
+    _dense(rt, plan.dense_res if dense_layer else plan.dense_sparse, q, kv, scale, out)
+    if plan.dense_freed:
+        attend_from_host(rt, plan.dense_freed, plan.block_table, q, kv, host, scale, out)
 
 
 def _dense(rt, g, q: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
@@ -149,7 +148,7 @@ def dense_from_host(rt, layer: int, db, q: torch.Tensor, kv: torch.Tensor, bt: t
 
 def attend_from_host(rt, fr: list[ReqStep], bt: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                      host: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """Dense layers of requests whose pages left the GPU: read them back (slow path). The host
+    """Rows whose pages left the GPU, attended over them read back (slow path). The host
     reads the pinned pool itself, so the write-through kernels queued before (earlier steps'
     tokens of these pages) must have run: the stream is synchronised first (the plan copies
     without syncs, and vLLM's asynchronous scheduling runs this while the last step may still

@@ -1,10 +1,24 @@
-"""Which GPU blocks of a request may be given back: the one rule shared by the scheduler-side
-KV manager (which frees them) and the worker-side runtime (which must then never read them).
+"""When a request is sparse, and which of its GPU blocks may be given back: the one rule shared by
+the scheduler-side KV manager and connector (which free blocks and reserve pools) and the
+worker-side runtime (which must then never read a freed block).
+
+A **length rule**, decided by the request alone, never by load: a request is sparse at every step
+whose context (keys including the step's new tokens) has reached ``min_context``
+(cfg.min_context_tokens). A prompt of at least ``min_context`` tokens is sparse from its first
+token (its prefill writes its KV through to the host pool); a shorter one runs resident and dense
+until the step whose context reaches ``min_context`` — the *switch* — and sparse from then on
+(core/turn_sparse.py copies the KV it already has to the host pool and the Quest bounds at that
+step). Resident mode (``host_tier`` false) switches at the same step, so outputs stay identical.
 
 A request's GPU blocks are its logical pages 0, 1, ... (one block = one page of ``page_size``
-tokens). After its prompt has been processed, pages ``[S, processed // page_size)`` are complete,
-written through to the host pool, and freed; pages ``[0, S)`` are kept and reused as the S hot
-slots; the newest (partial) page stays where vLLM writes the next token.
+tokens). Once its prompt is processed *and* its context has reached ``min_context``, pages
+``[S, processed // page_size)`` are complete, written through to the host pool, and freed; pages
+``[0, S)`` are kept and reused as the S hot slots; the newest (partial) page stays where vLLM
+writes the next token. Nothing is freed before the switch step has run (its start is below
+``min_context``), so the switch reads every page it copies from the GPU.
+
+Admission (vllm/connector.py) reserves host pages and a Quest row for every request that *may*
+turn sparse: ``may_turn_sparse`` (prompt + max_tokens reaches ``min_context``).
 """
 from __future__ import annotations
 
@@ -12,17 +26,31 @@ from vllm_hisparse.config import HiSparseConfig
 
 
 def is_sparse_request(cfg: HiSparseConfig, num_prompt_tokens: int) -> bool:
-    """Requests shorter than ``min_context`` (cfg.min_context_tokens) stay resident and dense for
-    their whole life."""
+    """Sparse from its first token: the prompt alone reaches ``min_context``."""
     return num_prompt_tokens >= cfg.min_context_tokens
+
+
+def is_sparse_at(cfg: HiSparseConfig, num_prompt_tokens: int, context_tokens: int) -> bool:
+    """Whether a step that brings the request's context to ``context_tokens`` (keys including the
+    step's new tokens) runs it sparse. Monotone in context_tokens."""
+    return (is_sparse_request(cfg, num_prompt_tokens)
+            or context_tokens >= cfg.min_context_tokens)
+
+
+def may_turn_sparse(cfg: HiSparseConfig, num_prompt_tokens: int, max_tokens: int) -> bool:
+    """Admission: the request can be sparse at some step of its life, so it needs a Quest row and
+    (with the host tier) host pages. Its context never exceeds prompt + max_tokens - 1 computed
+    tokens; ``>=`` keeps one token of slack (a reservation that goes unused costs pages, a missing
+    one would stop the worker)."""
+    return num_prompt_tokens + max_tokens >= cfg.min_context_tokens
 
 
 def freed_pages(cfg: HiSparseConfig, processed_tokens: int, num_prompt_tokens: int) -> tuple[int, int]:
     """Logical pages [lo, hi) whose GPU blocks are released once ``processed_tokens`` tokens are
     computed (empty when hi <= lo). Monotone in processed_tokens; empty in resident mode, during
-    the prompt's prefill and for requests below ``min_context``."""
+    the prompt's prefill and until the context has reached ``min_context`` (so also at the switch
+    step, whose start is below it)."""
     s = cfg.num_slots
-    if (not cfg.host_tier or processed_tokens < num_prompt_tokens
-            or not is_sparse_request(cfg, num_prompt_tokens)):
+    if not cfg.host_tier or processed_tokens < max(num_prompt_tokens, cfg.min_context_tokens):
         return s, s
     return s, max(s, processed_tokens // cfg.page_size)

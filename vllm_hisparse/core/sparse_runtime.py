@@ -30,16 +30,17 @@ from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.decode_batch import DecodeBatch, fill
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.page_table import DevicePageTable
-from vllm_hisparse.core.residency import freed_pages, is_sparse_request
+from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
+from vllm_hisparse.core.turn_sparse import Switch, copy_context
 
 
 @dataclass
 class Req:
     row: int
     num_prompt: int
-    sparse: bool
+    sparse: bool              # sparse now (from add for a long prompt, else from its switch on)
     qrow: int = -1            # Quest bounds row (sparse requests only)
 
 
@@ -123,8 +124,9 @@ class SparseRuntime:
         self._hit_miss = torch.zeros(2, dtype=torch.int64, device=self.device)  # read in stats_dict
         self.split_dense = dense_groups.split_enabled(cfg, self.device, head_dim)
         self._batches: dict[int, DecodeBatch] = {}         # decode batches by size (fixed buffers)
+        self._kv: list[torch.Tensor | None] = [None] * num_layers    # bind_kv_caches
         self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
-                      "dense_pool_pages_handed": 0, "full_steps": 0}
+                      "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -133,16 +135,46 @@ class SparseRuntime:
         if req_id not in self.reqs:
             if not self._free_rows:
                 raise RuntimeError(f"hisparse runtime: no free row for {req_id} (max_num_seqs rows)")
-            r = Req(self._free_rows.pop(), num_prompt, is_sparse_request(self.cfg, num_prompt))
-            if r.sparse:
-                if not self._free_qrows:     # the connector admits at most quest_rows at once
+            r = Req(self._free_rows.pop(), num_prompt, False)
+            if is_sparse_request(self.cfg, num_prompt):
+                try:
+                    self._make_sparse(req_id, r, num_prompt)
+                except RuntimeError:
                     self._free_rows.append(r.row)
-                    raise RuntimeError(f"hisparse runtime: no free Quest row for {req_id} "
-                                       f"(quest_rows={self.quest_rows})")
-                r.qrow = self._free_qrows.pop()
+                    raise
             self.reqs[req_id] = r
         self._reset_row(self.reqs[req_id].row)
         self._restart_trace(req_id)
+
+    def _make_sparse(self, req_id: str, r: Req, context: int) -> None:
+        """The request is sparse from now on (core/residency.py): its Quest row and fresh hot-slot
+        state. A request stays sparse once it is (also when recomputed after a preemption)."""
+        if not self._free_qrows:     # the connector admits at most quest_rows that may be sparse
+            raise RuntimeError(
+                f"hisparse runtime: no free Quest row for {req_id}, sparse at {context} tokens "
+                f"(quest_rows={self.quest_rows}); the connector reserves one at admission for "
+                f"every request whose prompt + max_tokens reaches min_context")
+        r.qrow = self._free_qrows.pop()
+        r.sparse = True
+        self._reset_row(r.row)
+
+    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        """The paged KV cache of every layer (layer i: (blocks, 2, P, Hkv, D)), the tensors the
+        layers are called with: a request turning sparse copies what it has from them in the plan,
+        before the step's layers run (core/turn_sparse.py). The vLLM adapter binds them from the
+        KV connector's register_kv_caches."""
+        if len(caches) != self.num_layers:
+            raise ValueError(f"bind_kv_caches: {len(caches)} caches for {self.num_layers} layers")
+        self._kv = list(caches)
+
+    def kv_cache(self, layer: int) -> torch.Tensor:
+        kv = self._kv[layer]
+        if kv is None:
+            raise RuntimeError(
+                f"hisparse runtime: no KV cache bound for layer {layer}, needed when a request "
+                f"turns sparse (its KV so far is copied from the GPU cache); call "
+                f"SparseRuntime.bind_kv_caches (the KV connector does it in register_kv_caches)")
+        return kv
 
     def finish(self, req_id: str) -> bool:
         """Return the request's host pages and row; False if it was unknown."""
@@ -213,7 +245,7 @@ class SparseRuntime:
         Everything that needs the host is decided here, once per step; forward_layer then runs
         without host syncs. Rows with one query token form the decode batch; the others
         (prefill chunks) are attended densely here."""
-        steps, pages = self._req_steps(req_ids, query_start_loc, seq_lens)
+        steps, pages = self._req_steps(req_ids, query_start_loc, seq_lens, block_table)
         dec = [s for s in steps if s.t1 - s.t0 == 1]
         plan = prefill.plan(self, [s for s in steps if s.t1 - s.t0 > 1], block_table,
                             slot_mapping)
@@ -228,19 +260,22 @@ class SparseRuntime:
         self._count_rows(dec)
         return plan
 
-    def plan_full(self, req_ids: list[str], seq_lens: list[int], N: int) -> None:
+    def plan_full(self, req_ids: list[str], seq_lens: list[int], N: int,
+                  block_table: torch.Tensor | None = None) -> None:
         """A step whose rows each have one query token (vLLM's FULL graphs): req_ids and seq_lens
-        of its n real rows (rows 0..n-1, vLLM pads after them), N >= n its padded size. Host pages
-        for the new tokens, then decode batch N, which every layer's body (full_layer) reads."""
+        of its n real rows (rows 0..n-1, vLLM pads after them), N >= n its padded size;
+        block_table (>= n, W) int32 on the device, read only when a request turns sparse this step.
+        Host pages for the new tokens, then decode batch N, which every layer's body (full_layer)
+        reads."""
         t0 = time.perf_counter()
-        steps, pages = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens)
+        steps, pages = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens,
+                                       block_table)
         db = self._batch(N)
         fill(self, db, steps, pages)
         self._trace_steps(db)
         self.stats["steps"] += 1
         self.stats["full_steps"] += 1
         self._count_rows(steps)
-        self.stats["dense_decode_rows"] += sum(not s.sparse and s.start > 0 for s in steps)
         self._host_s["plan"] += time.perf_counter() - t0
 
     def full_layer(self, layer: int, N: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -288,13 +323,15 @@ class SparseRuntime:
         self.trace.append_batch([s.req_id for s in st], self._trace_row[layer], db.trace_steps,
                                 pos, [s.seq_len for s in st])
 
-    def _req_steps(self, req_ids: list[str], query_start_loc: list[int],
-                   seq_lens: list[int]) -> tuple[list[ReqStep], dict]:
+    def _req_steps(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int],
+                   block_table: torch.Tensor | None) -> tuple[list[ReqStep], dict]:
         """The batch's requests with their tokens; one starting at token 0 (new, or recomputed
-        after a preemption) gets fresh hot-slot state; sparse requests get host (and dense-pool)
+        after a preemption) gets fresh hot-slot state; one whose context reaches min_context this
+        step turns sparse (core/residency.py), its KV so far copied from block_table's row to the
+        pools and its Quest row (core/turn_sparse.py); sparse requests get host (and dense-pool)
         pages for this step's tokens, mirrored on the device. Also returns req_id -> (host pages,
         dense-pool pages) of the sparse requests (None where there is no such pool)."""
-        steps, pages = [], {}
+        steps, pages, switches = [], {}, []
         for i, rid in enumerate(req_ids):
             r = self.reqs[rid]
             t0, t1 = query_start_loc[i], query_start_loc[i + 1]
@@ -302,6 +339,11 @@ class SparseRuntime:
             if start == 0:
                 self._reset_row(r.row)
                 self._restart_trace(rid)
+            if not r.sparse and is_sparse_at(self.cfg, r.num_prompt, n):
+                self._make_sparse(rid, r, n)
+                self.stats["turned_sparse"] += 1
+                if start > 0:                   # KV on the GPU to copy (none at a restart)
+                    switches.append((i, rid, start))
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
                                  freed_pages(self.cfg, start, r.num_prompt), r.qrow))
             if self.pool is not None and r.sparse:
@@ -315,6 +357,12 @@ class SparseRuntime:
         self.host_pt.flush()
         if self.dpool is not None:
             self.dense_pt.flush()
+        if switches:
+            if block_table is None:
+                raise RuntimeError("hisparse runtime: a request turns sparse in a step planned "
+                                   "without its block table")
+            copy_context(self, [Switch(i, start, self.reqs[rid].qrow, *pages.get(rid, (None, None)))
+                                for i, rid, start in switches], block_table)
         return steps, pages
 
     # ---- per layer -----------------------------------------------------------------------------

@@ -54,7 +54,8 @@ class StepPlan:
     host_off: torch.Tensor | None = None       # (n,) their offsets in the page
     dense_sparse: DenseGroup | None = None     # dense rows of sparse layers
     dense_res: DenseGroup | None = None        # dense layers: requests with every page on the GPU
-    dense_freed: list[ReqStep] = field(default_factory=list)  # dense layers: pages left the GPU
+    dense_freed: list[ReqStep] = field(default_factory=list)  # prefill rows whose pages left the
+    # GPU (recomputed after a preemption): attended over the host pool's copy
     dense_pool: DenseGroup | None = None       # dense layers: sparse requests, from the dense pool
     dpool_page: torch.Tensor | None = None     # (n,) dense-pool page of each host_tok token
     dense: list[ReqStep] = field(default_factory=list)  # the prefill rows (several query tokens)

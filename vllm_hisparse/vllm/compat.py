@@ -43,6 +43,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # no
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
 from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
+from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 __all__ = [
     "VERSION", "VllmConfig", "get_current_vllm_config", "CUDAGraphMode", "KVTransferConfig", "KVConnectorFactory", "KVConnectorBase_V1", "KVConnectorMetadata",
@@ -51,7 +52,7 @@ __all__ = [
     "AttentionBackend", "AttentionCGSupport", "AttentionImpl", "AttentionMetadataBuilder",
     "AttentionType", "CommonAttentionMetadata", "MultipleOf", "AttentionBackendEnum",
     "register_backend", "FullAttentionManager", "FullAttentionSpec", "KVCacheSpecRegistry",
-    "current_platform_cls", "hisparse_config_of",
+    "current_platform_cls", "hisparse_config_of", "StatLoggerBase",
 ]
 
 

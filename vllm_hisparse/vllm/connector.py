@@ -1,9 +1,11 @@
 """HiSparseConnector: the request lifecycle of the host KV pool, through vLLM's KV connector API.
 
 Scheduler process (role SCHEDULER):
-  * admission: a request reserves the host pages of its whole life (prompt + max_tokens) before
-    it is scheduled; when the pool cannot hold it the request *waits* (``None`` from
-    ``get_num_new_matched_tokens``) until finished requests give pages back;
+  * admission: a request that may be sparse at some step of its life (core/residency.py: its
+    prompt + max_tokens reaches min_context, so a short prompt that may generate past it too)
+    reserves a Quest row and the host pages of its whole life (prompt + max_tokens) before it is
+    scheduled; when the pool or the rows cannot hold it the request *waits* (``None`` from
+    ``get_num_new_matched_tokens``) until finished requests give them back;
   * ``build_connector_meta`` ships each newly scheduled (or resumed) request's prompt length and
     first GPU block to the worker;
   * finish: GPU blocks are freed only after the worker has dropped the request (delayed free,
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from vllm_hisparse.core import capacity
-from vllm_hisparse.core.residency import is_sparse_request
+from vllm_hisparse.core.residency import may_turn_sparse
 from vllm_hisparse.core.host_pool import HostKVPool, HostPoolPinError
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
@@ -31,6 +33,7 @@ from .compat import (
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
+    extract_layer_index,
     get_tensor_model_parallel_rank,
     hisparse_config_of,
     init_logger,
@@ -88,6 +91,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._waiting_logged: set[str] = set()
         self._waiting: dict[str, str] = {}     # req -> what it waits for (metrics.WAIT_REASONS)
         self._sched_report: dict | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._log_room()
         if role == KVConnectorRole.WORKER:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))
@@ -111,6 +116,18 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                                                 _page_bytes(self.cfg, mc, pc))
 
     # ---- scheduler side ----------------------------------------------------------------------
+    def _log_room(self) -> None:
+        """One startup line: how many requests of max_model_len tokens admission lets run at once
+        (bench/serving.py reads it for --concurrency cap)."""
+        per_req = -(-self.max_model_len // self.cfg.page_size)
+        room, why = self.quest_rows, f"quest_rows={self.quest_rows}"
+        if self.cfg.host_tier:
+            pool = self.admit_pages // per_req
+            why += f", {self._bound} pool: {self.admit_pages} pages, {per_req} per request"
+            room = min(room, pool)
+        logger.info("hisparse: room for %d requests of max_model_len=%d tokens at once (%s)",
+                    room, self.max_model_len, why)
+
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         """Startup check: a prompt is fully resident during its own prefill, so one max_model_len
         prompt must fit in the GPU blocks (else it would wait forever); vLLM's own check only sees
@@ -125,8 +142,14 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                 f"a max_model_len={self.max_model_len} prompt needs {need} during its own prefill; "
                 f"lower --max-model-len or raise --gpu-memory-utilization")
 
+    def _may_be_sparse(self, request) -> bool:
+        """Sparse at some step of its life: a long prompt, or a short one whose prompt +
+        max_tokens reaches min_context (it turns sparse when its context does)."""
+        max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
+        return may_turn_sparse(self.cfg, request.num_prompt_tokens, max_tokens)
+
     def _pages_needed(self, request) -> int:
-        if not self.cfg.host_tier or not is_sparse_request(self.cfg, request.num_prompt_tokens):
+        if not self.cfg.host_tier or not self._may_be_sparse(request):
             return 0
         max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
         n = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
@@ -138,7 +161,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if rid in self._reserved:
             return 0, False
         need = self._pages_needed(request)
-        sparse = is_sparse_request(self.cfg, request.num_prompt_tokens)
+        sparse = self._may_be_sparse(request)
         if sparse and len(self._quest_held) >= self.quest_rows:
             self._waiting[rid] = "quest_rows"
             if rid not in self._waiting_logged:
@@ -202,6 +225,13 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self._release(rid)
 
     # ---- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's per-layer KV caches (the tensors the attention layers are called with): a
+        request turning sparse copies its KV so far from them (core/turn_sparse.py)."""
+        rt = worker_state.get_runtime()
+        by_layer = {extract_layer_index(name): t for name, t in kv_caches.items()}
+        rt.bind_kv_caches([by_layer.get(i) for i in range(rt.num_layers)])
+
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         rt = worker_state.get_runtime()

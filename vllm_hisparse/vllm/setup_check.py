@@ -93,8 +93,8 @@ def prepare_config(vllm_config) -> None:
 
 
 def warn_never_sparse(cfg: HiSparseConfig, max_model_len: int) -> None:
-    """Prompts shorter than min_context stay dense and resident (core/residency.py): with a
-    max_model_len below it no request ever runs sparse, yet the pools are reserved."""
+    """A request runs sparse once its context reaches min_context (core/residency.py): with a
+    max_model_len below it no request ever does, yet the pools are reserved."""
     if max_model_len >= cfg.min_context_tokens:
         return
     unset = "" if cfg.min_context is not None else " (unset: 2 x device_buffer_size)"

@@ -105,7 +105,7 @@ def resolve_full(md) -> None:
     if ids is None:
         rt.plan_full([], [], md.full)
     else:
-        rt.plan_full(ids, md.seq_lens[:n], md.full)
+        rt.plan_full(ids, md.seq_lens[:n], md.full, md.block_table)
 
 
 dense_pool = None       # core.host_pool.HostKVPool on the GPU: dense layers of sparse requests
