@@ -152,3 +152,32 @@ def test_report_table_and_plot(run, tmp_path):
 def test_short_text_is_refused(model, ids):
     with pytest.raises(ValueError, match="context 256 \\+ steps 400"):
         quality.score_text(model, ids, [256], 400, [None])
+
+
+def test_greedy_covering_top_k_is_dense(model, ids):
+    from vllm_hisparse.bench.quality_greedy import greedy
+
+    prompt = ids[0, :150].tolist()
+    dense, full, small = greedy(model, prompt, [None, quality.quest_config(256, PAGE, DENSE_LAYERS),
+                                                quality.quest_config(32, PAGE, DENSE_LAYERS)], 6)
+    assert dense == full and len(dense) == 6 and small[0] == dense[0]   # token 1: dense prefill
+
+
+def test_needle_prompts_plant_the_fact(model):
+    from transformers import AutoTokenizer
+
+    from vllm_hisparse.bench import quality_needle as qn
+
+    tok = AutoTokenizer.from_pretrained(model.name_or_path)
+    text = "".join(f"line {i} of a plain text haystack.\n" for i in range(400))
+    prompts = qn.build_prompts(tok, text, 300, [0.1, 0.5, 0.9], seed=0)
+    q = tok(qn.QUESTION).input_ids
+    for p in prompts:
+        ids = p["prompt_token_ids"]
+        assert len(ids) == 300 and ids[-len(q):] == q
+        n = tok(qn.needle(p["number"])).input_ids
+        assert ids[p["needle_at"]:p["needle_at"] + len(n)] == n
+    at = [p["needle_at"] for p in prompts]
+    assert at == sorted(at) and at[0] < 100 < at[1] < 200 < at[2]
+    assert qn.passed(f" {prompts[0]['number']}. 12", prompts[0]["number"])
+    assert not qn.passed(" 1000. " + str(prompts[0]["number"]), prompts[0]["number"])

