@@ -34,6 +34,8 @@ def aggregate(rows) -> list[dict]:
             "ppl_dense": math.exp(dense[c]) if c in dense else None,
             "ppl": math.exp(_mean([r["nll"] for r in g])),
             "ppl_pct": None if d_nll is None else 100.0 * (math.exp(d_nll) - 1.0),
+            "ppl_pct_worst": max((100.0 * (math.exp(r["d_nll"]) - 1.0) for r in g
+                                  if r.get("d_nll") is not None), default=None),
             "kl": _mean([r.get("kl") for r in g]), "top1": _mean([r.get("top1") for r in g]),
             "recall": _mean([r.get("recall") for r in g]),
             "recall_min_layer": _mean([r.get("recall_min_layer") for r in g]),
@@ -68,13 +70,14 @@ def markdown(rows, command: str = "", seconds: float | None = None) -> str:
               f"and context; means over texts"
               + (f"; {seconds / 60:.1f} min" if seconds is not None else "") + ".", "",
               "| context | top_k | share of context | ppl dense | ppl Quest | ppl increase | "
-              "KL (nats) | top-1 = dense | attention recall | worst layer | top-k overlap | "
-              "exact top-k mass |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "worst text | KL (nats) | top-1 = dense | attention recall | worst layer | "
+              "top-k overlap | exact top-k mass |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in agg:
         lines.append(
             f"| {a['context']} | {a['top_k']} | {100 * a['top_k'] / a['context']:.0f}% | "
             f"{_f(a['ppl_dense'], '.3f')} | {_f(a['ppl'], '.3f')} | {_f(a['ppl_pct'], '+.2f')}% | "
+            f"{_f(a['ppl_pct_worst'], '+.1f')}% | "
             f"{_f(a['kl'], '.4f')} | {_f(None if a['top1'] is None else 100 * a['top1'], '.1f')}% | "
             f"{_f(a['recall'], '.3f')} | {_f(a['recall_min_layer'], '.3f')} | "
             f"{_f(a['overlap'], '.3f')} | {_f(a['oracle'], '.3f')} |")
@@ -104,11 +107,18 @@ def plot(rows, path: str) -> str:
         axes[2].plot(ks, [100 * a["top1"] for a in pts], "o-", color=line.get_color(), label=f"context {c}")
     titles = ("perplexity increase over dense (%)", "attention mass kept (sparse layers)",
               "greedy token = dense (%)")
+    ks = sorted({a["top_k"] for a in agg})
     for ax, t in zip(axes, titles):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.minorticks_off()
         ax.set_xlabel("top_k (tokens)")
         ax.set_title(t, fontsize=10)
         ax.grid(alpha=0.3)
+    axes[0].set_yscale("symlog", linthresh=1.0)      # linear below 1%, log above
+    ticks = [0, 1, 2, 5, 10, 20, 50, 100, 200]
+    axes[0].set_yticks(ticks, [str(t) for t in ticks])
+    axes[0].set_ylim(-0.5, None)
     axes[0].axhline(MAX_PPL_PCT, color="grey", lw=0.8, ls=":")
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=7)
