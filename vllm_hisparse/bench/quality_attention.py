@@ -16,8 +16,8 @@ Both modes go through the same masked softmax, so a selection holding every page
 result bit for bit. The sparse decode kernel sums in another order (fp32) but attends the same
 keys; ``tests/test_bench_quality.py`` checks the two agree.
 
-Per sparse layer the probe also measures (on every MEASURE_EVERY-th decode row), against the dense softmax of the same queries and keys
-(averaged over the layer's query heads):
+Per sparse layer the probe also measures (on every MEASURE_EVERY-th decode row), against the
+dense softmax of the same queries and keys (averaged over the layer's query heads):
   recall   share of the dense attention mass carried by the Quest-selected tokens;
   overlap  share of the exact top-k tokens (k = top_k, by head-averaged dense attention) that Quest
            selected;

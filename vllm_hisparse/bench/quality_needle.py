@@ -14,7 +14,7 @@ identical scheduling). A prompt passes when the first number in the output is th
 The first generated token comes from the prompt's last (prefill, dense) position; the digits
 after it are sparse decode steps.
 
-Engines are slow on a 2-core CPU (hisparse's CPU prefill is plain torch: ~45 s per 4K prompt), so
+Engines are slow on a 2-core CPU (hisparse's CPU prefill is plain torch: ~50 s per 4K prompt), so
 --simulate-top-k sweeps top_k with the transformers simulation of the same decode
 (bench/quality_greedy.py, the teacher-forced bench's attention) and reports, where an engine ran
 the same top_k, whether the tokens are the same. Writes OUT/needle.csv (one row per path,

@@ -66,8 +66,8 @@ def markdown(rows, command: str = "", seconds: float | None = None, model: str =
     lines = []
     if command:
         lines += ["```", command, "```", ""]
-    lines += [f"Model: {model}. Texts: {', '.join(texts)}; {'/'.join(map(str, steps))} scored decode steps per text "
-              f"and context; means over texts"
+    lines += [f"Model: {model}. Texts: {', '.join(texts)}; {'/'.join(map(str, steps))} scored decode "
+              f"steps per text and context; means over texts"
               + (f"; {seconds / 60:.1f} min" if seconds is not None else "") + ".", "",
               "| context | top_k | share of context | ppl dense | ppl Quest | ppl increase | "
               "worst text | KL (nats) | top-1 = dense | attention recall | worst layer | "
