@@ -250,14 +250,11 @@ class SparseRuntime:
         plan = prefill.plan(self, [s for s in steps if s.t1 - s.t0 > 1], block_table,
                             slot_mapping)
         if dec:
-            db = plan.db = self._batch(len(dec))
-            fill(self, db, dec, pages)
-            self._trace_steps(db)
+            plan.db = self._fill_batch(dec, pages, len(dec))
             plan.db_bt = prefill.rows_of(self, dec, block_table)
             if any(s.t0 != i for i, s in enumerate(dec)):
                 plan.db_tok = self.h2d([s.t0 for s in dec], torch.int64)
         self.stats["steps"] += 1
-        self._count_rows(dec)
         return plan
 
     def plan_full(self, req_ids: list[str], seq_lens: list[int], N: int,
@@ -270,12 +267,9 @@ class SparseRuntime:
         t0 = time.perf_counter()
         steps, pages = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens,
                                        block_table)
-        db = self._batch(N)
-        fill(self, db, steps, pages)
-        self._trace_steps(db)
+        self._fill_batch(steps, pages, N)
         self.stats["steps"] += 1
         self.stats["full_steps"] += 1
-        self._count_rows(steps)
         self._host_s["plan"] += time.perf_counter() - t0
 
     def full_layer(self, layer: int, N: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -289,10 +283,15 @@ class SparseRuntime:
         body(self, layer, self._batch(N), q, k, v, kv, block_table, scale, out)
         self._host_s["full_layers"] += time.perf_counter() - t0
 
-    def _count_rows(self, dec: list[ReqStep]) -> None:
-        """Decode rows by kind (stats): sparse ones, and dense ones past their prompt's start."""
+    def _fill_batch(self, dec: list[ReqStep], pages: dict, N: int) -> DecodeBatch:
+        """Decode batch N holding the one-token rows ``dec`` (the rest padding), their trace
+        steps and row counts (stats: sparse rows, and dense ones past their prompt's start)."""
+        db = self._batch(N)
+        fill(self, db, dec, pages)
+        self._trace_steps(db)
         self.stats["decode_rows"] += sum(s.sparse for s in dec)
         self.stats["dense_decode_rows"] += sum(not s.sparse and s.start > 0 for s in dec)
+        return db
 
     def _batch(self, N: int) -> DecodeBatch:
         db = self._batches.get(N)
