@@ -5,6 +5,9 @@
 #       staged): build the extension (copied to OUT for later calls), the GPU test files of the
 #       decode path, the decode-step bench (graph replays per layer, 4K dense and 32K sparse rows,
 #       0% and ~5% misses) with per-kernel profiles (~6 min)
+#   NO_VLLM=1 bash scripts/gpu_validate.sh OUT tune     # build, the select/top-k GPU tests, then
+#       the 32K decode-step bench over select knobs (radix bits x warps) and with/without
+#       conditional graph nodes at 4K/32K (~8 min)
 #   bash scripts/gpu_validate.sh OUT vllm                # the bundle installed: Llama-3-8B-shape
 #       exactness through vLLM with FULL decode graphs (resident vs hisparse), the stock baseline
 #       of the bench (~5 min)
@@ -34,6 +37,28 @@ case "$part" in
       --context 4096,32768 --rows 1 --layers 4 --steps 20 --q-noise 0 --out /tmp/validate/ds-nc \
       2>&1 | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
     tar czf "$out/validate-kernels.tgz" -C /tmp validate $(cd /tmp && ls pytest-*.log) ;;
+  tune)
+    for f in tests/test_decode_ops.py tests/test_topk_index.py tests/test_decode_body_gpu.py; do
+      timeout 150 python3 -X faulthandler -m pytest -q -x -m cuda -p no:cacheprovider "$f" \
+        > "/tmp/pytest-$(basename $f .py).log" 2>&1
+      echo "== $f rc=$?: $(tail -1 /tmp/pytest-$(basename $f .py).log)" | tee -a "$out/pytest.log"
+    done
+    cat /tmp/pytest-*.log | grep -E "Error|error|FAILED|assert" | head -60 >> "$out/pytest.log"
+    for b in 8 11; do for w in 4 8 16; do
+      timeout 60 python3 -m vllm_hisparse.bench.decode_step --context 32768 --rows 1,8 --layers 4 \
+        --steps 20 --q-noise 0 --radix-bits $b --select-warps $w --out /tmp/validate/tune-$b-$w \
+        2>&1 | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
+    done; done
+    timeout 60 python3 -m vllm_hisparse.bench.decode_step --context 32768 --rows 1,8 --layers 4 \
+      --steps 20 --q-noise 0.3 --radix-bits 11 --out /tmp/validate/tune-q3 2>&1 \
+      | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
+    for c in 1 0; do
+      echo "HISPARSE_GRAPH_COND=$c" | tee -a "$out/bench.txt"
+      HISPARSE_GRAPH_COND=$c timeout 90 python3 -m vllm_hisparse.bench.decode_step \
+        --context 4096,32768 --rows 1,32 --layers 4 --steps 20 --q-noise 0 \
+        --out /tmp/validate/cond-$c 2>&1 | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
+    done
+    tar czf "$out/validate-tune.tgz" -C /tmp validate $(cd /tmp && ls pytest-*.log) ;;
   vllm)
     timeout 200 python3 -m vllm_hisparse.bench.decode_step --context 4096,32768 --rows 1,8,32 \
       --layers 2 --steps 10 --q-noise 0 --out /tmp/validate/ds-stock 2>&1 | grep -E "^\{|Error"
@@ -44,5 +69,5 @@ case "$part" in
     python3 scripts/gpu_exactness.py compare /tmp/validate/exact 2>&1 | tail -8 | tee "$out/exact.txt"
     rm -f /tmp/validate/exact/prompts.json
     tar czf "$out/validate-vllm.tgz" -C /tmp validate ;;
-  *) echo "part: kernels or vllm" >&2; exit 2 ;;
+  *) echo "part: kernels, tune or vllm" >&2; exit 2 ;;
 esac

@@ -189,8 +189,10 @@ def compare_select(case, gen, dev, fn_triton, pinned_host=False):
         b["host"] = a["host"].cpu().pin_memory()
     shapes = decode_ops.workspace_shapes(N, k, S)
     work = tuple(torch.zeros(s, dtype=torch.int32, device=dev) for s in shapes)
+    scores = None
     for step in range(STEPS):
-        scores = random_scores(N, U, gen, dev)
+        if step % 3 != 2:   # every third step repeats the last scores: all hits where k <= S
+            scores = random_scores(N, U, gen, dev)
         want = run_select(reference.select_resolve, a, scores, k)
         got = run_select(fn_triton, b, scores, k, work)
         for name, x, y in (("sel", want[0], got[0]), ("locs", want[1], got[1]),
@@ -221,6 +223,7 @@ def run_interpreter_cases():
         triton_select.select_resolve(scores, seq, full, k, bt, sel, locs, *work, **kw)
 
     for i, case in enumerate(SELECT_CASES):
+        triton_select.RADIX_BITS = (8, 11)[i % 2]     # both top-k radix widths
         compare_select(case, torch.Generator().manual_seed(50 + i), "cpu", tri)
     print("interpreter ok")
 

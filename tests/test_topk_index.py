@@ -86,7 +86,9 @@ def run_interpreter_cases():
     def launch(s, seq, full, k, bt, sel, locs, work):
         triton_select.select_resolve(s, seq, full, k, bt, sel, locs, *work)
 
-    check_kernel(launch, "cpu")
+    for bits in (8, 11):                # 4 passes of 256 bins; 3 of up to 2048 bins
+        triton_select.RADIX_BITS = bits
+        check_kernel(launch, "cpu")
     print("interpreter ok")
 
 
@@ -96,7 +98,10 @@ def test_triton_kernel_in_interpreter():
 
 # ---- on the GPU ----------------------------------------------------------------------------------
 @pytest.mark.cuda
-def test_gpu_kernel_equals_reference():
+@pytest.mark.parametrize("bits", [8, 11])
+def test_gpu_kernel_equals_reference(bits, monkeypatch):
+    from vllm_hisparse.ops import triton_select
+    monkeypatch.setattr(triton_select, "RADIX_BITS", bits)
     check_kernel(decode_ops.select_resolve, "cuda")
 
 

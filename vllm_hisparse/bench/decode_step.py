@@ -219,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--resident", action="store_true", help="host_tier false (every page on GPU)")
     ap.add_argument("--select-warps", type=int, default=None,
                     help="tuning: override ops/triton_select.SELECT_WARPS")
+    ap.add_argument("--radix-bits", type=int, default=None,
+                    help="tuning: override ops/triton_select.RADIX_BITS (top-k bits per pass)")
     ap.add_argument("--quest-tile-elems", type=int, default=None,
                     help="tuning: override ops/triton_quest.TILE_ELEMS (pages x Hkv x D)")
     ap.add_argument("--out", default="out/decode_step")
@@ -226,6 +228,8 @@ def main(argv=None) -> int:
     from vllm_hisparse.ops import triton_quest, triton_select
     if args.select_warps is not None:
         triton_select.SELECT_WARPS = args.select_warps
+    if args.radix_bits is not None:
+        triton_select.RADIX_BITS = args.radix_bits
     if args.quest_tile_elems is not None:
         triton_quest.TILE_ELEMS = args.quest_tile_elems
     os.makedirs(args.out, exist_ok=True)
@@ -237,7 +241,8 @@ def main(argv=None) -> int:
                 s.capture()
             row = {"context": ctx, "rows": R, "mode": "eager" if args.eager else "graph",
                    "resident": args.resident, "q_noise": args.q_noise,
-                   "select_warps": args.select_warps, "quest_tile_elems": args.quest_tile_elems,
+                   "select_warps": args.select_warps, "radix_bits": args.radix_bits,
+                   "quest_tile_elems": args.quest_tile_elems,
                    "sparse_rows": sum(s.rt.reqs[i].sparse for i in s.ids), **measure(s, args.steps)}
             stock = stock_us(s)
             row["stock_fa_us_per_layer"] = None if stock is None else round(stock, 2)

@@ -32,35 +32,49 @@ import triton.language as tl
 
 SELECT_WARPS = 8   # warps of the select program (a guess: 24.6 us for one 32K row on the H200, most
                    # of it serial scans and barriers; bench.decode_step --select-warps tries others)
+RADIX_BITS = 8     # bits per top-k radix pass (bench.decode_step --radix-bits tries 11: 3 passes
+                   # of up to 2048 bins instead of 4 of 256)
 
 
 @triton.jit
-def _topk_take(SC, n, K, UB: tl.constexpr):
-    """(UB,) bool: the pages [0, n) among the K best scores of the row at SC (n > K)."""
+def _topk_take(SC, n, K, UB: tl.constexpr, BITS: tl.constexpr):
+    """(UB,) bool: the pages [0, n) among the K best scores of the row at SC (n > K). Radix passes
+    of BITS bits (a histogram each) narrow the K-th key's prefix; they stop once the prefix's
+    bucket is taken whole (then the prefix alone decides), so random scores need fewer passes than
+    32 / BITS."""
     o = tl.arange(0, UB)
     live = o < n
     x = tl.load(SC + o, mask=live, other=0.0)
     bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     key = tl.where(live, key, -1)
-    bins = tl.arange(0, 256)
+    NB: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, NB)
     need = K
     prefix = tl.zeros([], tl.int64)
-    for p in tl.static_range(4):
-        sh = 24 - 8 * p
-        if p == 0:
-            match = live
-        else:
-            match = live & ((key >> (sh + 8)) == prefix)
-        dig = tl.where(match, (key >> sh) & 255, 0).to(tl.int32)
-        # unmatched entries land in bin 0: take them out again
-        hist = tl.histogram(dig, 256) - tl.where(bins == 0, UB - tl.sum(match.to(tl.int32), 0), 0)
-        ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # entries with digit >= bin
-        d = tl.max(tl.where(ge >= need, bins, -1), 0)
-        need -= tl.sum(tl.where(bins > d, hist, 0), 0)
-        prefix = (prefix << 8) | d
-    eq = (key == prefix).to(tl.int32)
-    return (key > prefix) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < need))
+    used = tl.zeros([], tl.int32)              # bits of the key that prefix holds
+    done = tl.zeros([], tl.int32)
+    for p in tl.static_range((32 + BITS - 1) // BITS):
+        sh: tl.constexpr = max(0, 32 - BITS * (p + 1))
+        w: tl.constexpr = 32 - BITS * p - sh
+        if done == 0:
+            if p == 0:
+                match = live
+            else:
+                match = live & ((key >> (sh + w)) == prefix)
+            dig = tl.where(match, (key >> sh) & ((1 << w) - 1), 0).to(tl.int32)
+            # unmatched entries land in bin 0: take them out again
+            hist = tl.histogram(dig, NB) - tl.where(bins == 0, UB - tl.sum(match.to(tl.int32), 0), 0)
+            ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist      # entries with digit >= bin
+            d = tl.max(tl.where(ge >= need, bins, -1), 0)
+            need -= tl.sum(tl.where(bins > d, hist, 0), 0)
+            prefix = (prefix << w) | d
+            used += w
+            done = (tl.sum(tl.where(bins == d, hist, 0), 0) == need).to(tl.int32)
+    kp = key >> (32 - used)
+    kp = tl.where(live, kp, -1)
+    eq = (kp == prefix).to(tl.int32)
+    return (kp > prefix) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < need))
 
 
 @triton.jit
@@ -85,29 +99,32 @@ def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
     os_ = tl.arange(0, SB)
     sm = os_ < S
     lo = tl.load(lru + os_, mask=sm, other=0)                 # slot at recency position p (MRU first)
-    lo_rev = tl.load(lru + (S - 1 - os_), mask=sm, other=0)   # eviction order: LRU end first
-    su_rev = tl.load(su + lo_rev, mask=sm, other=0)
     tl.store(scr + os_, 0, mask=sm)                            # flags per slot: 1 hit, 2 victim
     tl.debug_barrier()
     tl.store(scr + cur, 1, mask=hit)
-    tl.debug_barrier()
-    hitf = tl.load(scr + lo_rev, mask=sm, other=0, volatile=True) == 1
-    empty = sm & (su_rev < 0)
-    occ = sm & (su_rev >= 0) & ~hitf
-    e_i = empty.to(tl.int32)
-    o_i = occ.to(tl.int32)
-    n_empty = tl.sum(e_i, 0)
-    rank = tl.where(empty, tl.cumsum(e_i, 0) - e_i,
-                    tl.where(occ, n_empty + tl.cumsum(o_i, 0) - o_i, 1 << 30))
-    is_v = rank < m
-    tl.store(vic + rank, lo_rev, mask=is_v)
-    tl.store(us + su_rev, -1, mask=is_v & ~empty)             # a victim forgets its old page
-    tl.store(scr + lo_rev, 2, mask=is_v)
-    tl.debug_barrier()
     mi = tl.cumsum(miss_i, 0) - miss_i                         # rank of each miss
-    vs = tl.load(vic + mi, mask=miss, other=0, volatile=True)
-    tl.store(su + vs, u, mask=miss)
-    tl.store(us + u, vs, mask=miss)
+    vs = tl.zeros([KB], tl.int32)
+    if m > 0:                                                  # victims: only when a page misses
+        lo_rev = tl.load(lru + (S - 1 - os_), mask=sm, other=0)   # eviction order: LRU end first
+        su_rev = tl.load(su + lo_rev, mask=sm, other=0)
+        tl.debug_barrier()
+        hitf = tl.load(scr + lo_rev, mask=sm, other=0, volatile=True) == 1
+        empty = sm & (su_rev < 0)
+        occ = sm & (su_rev >= 0) & ~hitf
+        e_i = empty.to(tl.int32)
+        o_i = occ.to(tl.int32)
+        n_empty = tl.sum(e_i, 0)
+        rank = tl.where(empty, tl.cumsum(e_i, 0) - e_i,
+                        tl.where(occ, n_empty + tl.cumsum(o_i, 0) - o_i, 1 << 30))
+        is_v = rank < m
+        tl.store(vic + rank, lo_rev, mask=is_v)
+        tl.store(us + su_rev, -1, mask=is_v & ~empty)         # a victim forgets its old page
+        tl.store(scr + lo_rev, 2, mask=is_v)
+        tl.debug_barrier()
+        vs = tl.load(vic + mi, mask=miss, other=0, volatile=True)
+        tl.store(su + vs, u, mask=miss)
+        tl.store(us + u, vs, mask=miss)
+    tl.debug_barrier()
     phys = tl.load(bt + tl.where(hit, cur, vs), mask=valid, other=-1)
     # a miss is marked -2 - block: _miss_io_kernel copies its page in, then writes the block
     tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(hit, phys, tl.where(miss, -2 - phys, -1)),
@@ -150,7 +167,7 @@ def _miss_io_kernel(LOCS, SEL, SEQ, NFULL, HOT, ROWS, HPT, HOST, KV, K, s_hpt, R
 @triton.jit
 def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS, SEL, LOCS, K, S,
                    s_sc, s_bt, s_su, s_us, s_lru, UB: tl.constexpr, KB: tl.constexpr,
-                   SB: tl.constexpr, HAS_HOT: tl.constexpr):
+                   SB: tl.constexpr, HAS_HOT: tl.constexpr, BITS: tl.constexpr):
     r = tl.program_id(0)
     n = tl.load(NFULL + r).to(tl.int32)
     jk = tl.arange(0, KB)
@@ -162,7 +179,7 @@ def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS,
         o = tl.arange(0, UB)
         take = o < n
         if n > K:
-            take = _topk_take(SC + r.to(tl.int64) * s_sc, n, K, UB)
+            take = _topk_take(SC + r.to(tl.int64) * s_sc, n, K, UB, BITS)
         ti = take.to(tl.int32)
         tl.store(sel + tl.cumsum(ti, 0) - ti, o, mask=take)
         tl.store(sel + jk, -1, mask=(jk >= tl.minimum(n, K)) & (jk < K))
@@ -216,7 +233,7 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
         scores, seq, num_full, hot, rows, block_table, su, us, lru, scratch, victims, counts, sel,
         locs, k, S, scores.stride(0), block_table.stride(0), su.stride(0), us.stride(0),
         lru.stride(0), UB=max(16, triton.next_power_of_2(U)), KB=KB, SB=SB, HAS_HOT=has_hot,
-        num_warps=SELECT_WARPS)
+        BITS=RADIX_BITS, num_warps=SELECT_WARPS)
     if has_hot:
         _miss_io_kernel[(N, k)](locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k,
                                 host_pt.stride(0), ROW=row, CH=row_chunk(row), num_warps=4)
