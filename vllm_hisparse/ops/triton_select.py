@@ -55,8 +55,8 @@ def _topk_take(SC, n, K, UB: tl.constexpr, BITS: tl.constexpr):
     used = tl.zeros([], tl.int32)              # bits of the key that prefix holds
     done = tl.zeros([], tl.int32)
     for p in tl.static_range((32 + BITS - 1) // BITS):
-        sh: tl.constexpr = max(0, 32 - BITS * (p + 1))
-        w: tl.constexpr = 32 - BITS * p - sh
+        sh = (32 - BITS * (p + 1)) if BITS * (p + 1) < 32 else 0
+        w = 32 - BITS * p - sh
         if done == 0:
             if p == 0:
                 match = live
