@@ -9,9 +9,6 @@ void resolve_lru(const torch::Tensor& selection, torch::Tensor& slot_unit, torch
                  torch::Tensor& device_locs, int64_t io_chunk_bytes);
 void write_through(torch::Tensor& host, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tok,
                    const torch::Tensor& page, const torch::Tensor& off);
-torch::Tensor graph_cond_set(const torch::Tensor& preds);
-void graph_cond_begin(const torch::Tensor& like, int64_t handle, int64_t body_stream);
-void graph_cond_end(const torch::Tensor& like, int64_t body_stream);
 torch::Tensor uva_view(const torch::Tensor& host);
 
 TORCH_LIBRARY(hisparse, m) {
@@ -21,9 +18,6 @@ TORCH_LIBRARY(hisparse, m) {
       "Tensor slot_map, Tensor(d!) buffer, Tensor host, Tensor host_page_table, Tensor(e!) device_locs, "
       "int io_chunk_bytes=64) -> ()");
   m.def("write_through(Tensor(a!) host, Tensor k, Tensor v, Tensor tok, Tensor page, Tensor off) -> ()");
-  m.def("graph_cond_set(Tensor preds) -> Tensor");
-  m.def("graph_cond_begin(Tensor like, int handle, int body_stream) -> ()");
-  m.def("graph_cond_end(Tensor like, int body_stream) -> ()");
   m.def("uva_view(Tensor(a) host) -> Tensor(a)");
 }
 
@@ -31,9 +25,6 @@ TORCH_LIBRARY_IMPL(hisparse, CUDA, m) {
   m.impl("add_one", &add_one);
   m.impl("resolve_lru", &resolve_lru);
   m.impl("write_through", &write_through);
-  m.impl("graph_cond_set", &graph_cond_set);
-  m.impl("graph_cond_begin", &graph_cond_begin);
-  m.impl("graph_cond_end", &graph_cond_end);
 }
 
 TORCH_LIBRARY_IMPL(hisparse, CPU, m) { m.impl("uva_view", &uva_view); }

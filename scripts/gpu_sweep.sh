@@ -8,9 +8,6 @@
 #   bash scripts/gpu_sweep.sh OUT 4k             # stock + hisparse, 4K / 512    (~7 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-2k-cap     # the paper-like workload at capacity: 32K in /
 #                                                # 2K out, stock 8 requests, hisparse 22  (~10 min)
-#   bash scripts/gpu_sweep.sh OUT 32k-nocond     # hisparse without conditional graph nodes
-#                                                # (HISPARSE_GRAPH_COND=0), 32K       (~4 min)
-#   bash scripts/gpu_sweep.sh OUT 4k-nocond      # the same at 4K                    (~4 min)
 #   bash scripts/gpu_sweep.sh OUT 4k-resident    # resident mode, 4K / 512, up to 256   (~5 min)
 #   bash scripts/gpu_sweep.sh OUT 4k-256         # stock + hisparse at 256 requests, 4K  (~6 min)
 #   bash scripts/gpu_sweep.sh OUT 32k-1k-stock   # stock, 32K / 1024 outputs             (~5 min)
@@ -40,10 +37,6 @@ case "$part" in
   4k)           args=(--input-len 4096 --backends stock,hisparse --concurrency 1,4,16,64,128) ;;
   32k-2k-cap)   args=(--input-len 32768 --output-len 2048 --backends stock,hisparse
                       --concurrency 8,22) ;;
-  32k-nocond)   export HISPARSE_GRAPH_COND=0
-                args=(--input-len 32768 --output-len 256 --backends hisparse --concurrency 1,8) ;;
-  4k-nocond)    export HISPARSE_GRAPH_COND=0
-                args=(--input-len 4096 --output-len 256 --backends hisparse --concurrency 1,64) ;;
   4k-resident)  args=(--input-len 4096 --backends resident --concurrency 1,16,64,256
                       --hisparse '{"top_k": 2048, "device_buffer_size": 4096}') ;;
   4k-256)       args=(--input-len 4096 --backends stock,hisparse --concurrency 256) ;;

@@ -6,8 +6,7 @@
 #       decode path, the decode-step bench (graph replays per layer, 4K dense and 32K sparse rows,
 #       0% and ~5% misses) with per-kernel profiles (~6 min)
 #   NO_VLLM=1 bash scripts/gpu_validate.sh OUT tune     # build, the select/top-k GPU tests, then
-#       the 32K decode-step bench over select knobs (radix bits x warps) and with/without
-#       conditional graph nodes at 4K/32K (~8 min)
+#       the 32K decode-step bench over select knobs (radix bits x warps) (~5 min)
 #   bash scripts/gpu_validate.sh OUT vllm                # the bundle installed: Llama-3-8B-shape
 #       exactness through vLLM with FULL decode graphs (resident vs hisparse), the stock baseline
 #       of the bench (~5 min)
@@ -32,10 +31,6 @@ case "$part" in
     timeout 200 python3 -m vllm_hisparse.bench.decode_step --context 4096,32768 --rows 1,32 \
       --layers 4 --steps 20 --q-noise 0.3 --out /tmp/validate/ds-3 2>&1 \
       | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
-    echo "without conditional nodes:" | tee -a "$out/bench.txt"
-    HISPARSE_GRAPH_COND=0 timeout 120 python3 -m vllm_hisparse.bench.decode_step \
-      --context 4096,32768 --rows 1 --layers 4 --steps 20 --q-noise 0 --out /tmp/validate/ds-nc \
-      2>&1 | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
     tar czf "$out/validate-kernels.tgz" -C /tmp validate $(cd /tmp && ls pytest-*.log) ;;
   tune)
     for f in tests/test_decode_ops.py tests/test_topk_index.py tests/test_decode_body_gpu.py; do
@@ -52,12 +47,6 @@ case "$part" in
     timeout 60 python3 -m vllm_hisparse.bench.decode_step --context 32768 --rows 1,8 --layers 4 \
       --steps 20 --q-noise 0.3 --radix-bits 11 --out /tmp/validate/tune-q3 2>&1 \
       | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
-    for c in 1 0; do
-      echo "HISPARSE_GRAPH_COND=$c" | tee -a "$out/bench.txt"
-      HISPARSE_GRAPH_COND=$c timeout 90 python3 -m vllm_hisparse.bench.decode_step \
-        --context 4096,32768 --rows 1,32 --layers 4 --steps 20 --q-noise 0 \
-        --out /tmp/validate/cond-$c 2>&1 | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
-    done
     tar czf "$out/validate-tune.tgz" -C /tmp validate $(cd /tmp && ls pytest-*.log) ;;
   vllm)
     timeout 200 python3 -m vllm_hisparse.bench.decode_step --context 4096,32768 --rows 1,8,32 \

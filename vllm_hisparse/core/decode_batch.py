@@ -17,10 +17,12 @@ before the forward. Per row (one int64 field each, ``FIELDS``):
 - ``dn_seq``: keys of a dense row in sparse layers; ``dl_seq`` / ``pool_seq``: keys read in dense
   layers from the cache / the dense pool (0 where the row reads the other).
 
-and four batch flags (``COND``) that gate the kernels of a kind inside a CUDA graph
-(ops/graph_cond.py): any sparse row, any dense row, any dense-layer row on the cache, on the pool
-(on the device as planned; on the host all true for an all-padding batch, so that an eager run of
-one, such as vLLM's warm-up before a capture, compiles every kernel).
+and four host-side batch flags (``KINDS``): any sparse row, any dense row, any dense-layer row on
+the cache, on the pool. An eager run launches only the kernels of the kinds the batch holds; a
+graph records them all (it serves any batch of its size, and each kernel returns at once for rows
+not of its kind: conditional graph nodes that skipped them measured slower on the H200,
+docs/gpu-results.md). The flags of an all-padding batch (vLLM's warm-up before a capture) are all
+set, so that run compiles every kernel.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ import torch
 
 FIELDS = ("seq", "full", "sp_seq", "hot", "row", "qrow", "host_page", "dpool_page", "q_page",
           "dn_seq", "dl_seq", "pool_seq")
-COND = ("has_sparse", "has_dense", "has_dl", "has_pool")
-_COND_OF = {"has_sparse": "sp_seq", "has_dense": "dn_seq", "has_dl": "dl_seq",
+KINDS = ("has_sparse", "has_dense", "has_dl", "has_pool")
+_KIND_OF = {"has_sparse": "sp_seq", "has_dense": "dn_seq", "has_dl": "dl_seq",
             "has_pool": "pool_seq"}
 
 
@@ -40,23 +42,23 @@ class DecodeBatch:
     def __init__(self, N: int, device):
         self.N = N
         F = len(FIELDS)
-        self.meta = torch.zeros(F * N + len(COND), dtype=torch.int64, device=device)
+        self.meta = torch.zeros(F * N, dtype=torch.int64, device=device)
         self.newest = torch.full((N,), -1, dtype=torch.int32, device=device)
         self._f = {name: self.meta[i * N:(i + 1) * N] for i, name in enumerate(FIELDS)}
-        self.flags = dict.fromkeys(COND, False)      # the same flags, on the host
+        self.flags = dict.fromkeys(KINDS, False)
         self.steps: list = []                         # core.step_plan.ReqStep of rows 0..n-1
         self.freed: list = []                         # dense layers read these rows from the host
 
     def field(self, name: str) -> torch.Tensor:
         return self._f[name]
 
-    def conds(self, *names: str) -> tuple[torch.Tensor, list[bool]]:
-        """The batch flags ``names`` (consecutive in COND): (n,) int64 on the device, and on the
-        host."""
-        i = COND.index(names[0])
-        assert COND[i:i + len(names)] == names, names
-        F = len(FIELDS) * self.N
-        return self.meta[F + i:F + i + len(names)], [self.flags[n] for n in names]
+    def run_kinds(self, names: tuple, fns: list) -> None:
+        """fns[i]() if the batch holds rows of kind names[i]; all of them while a CUDA graph is
+        being captured (the graph serves every batch of its size)."""
+        capturing = self.meta.is_cuda and torch.cuda.is_current_stream_capturing()
+        for name, fn in zip(names, fns):
+            if capturing or self.flags[name]:
+                fn()
 
     @property
     def n(self) -> int:
@@ -98,9 +100,9 @@ def fill(rt, db: DecodeBatch, steps: list, host_pages: dict) -> None:
                 F["dl_seq"][i] = seq
         else:
             F["dn_seq"][i] = F["dl_seq"][i] = seq
-    on = [bool(F[_COND_OF[c]].any()) for c in COND]
-    rt.h2d(np.concatenate([m.reshape(-1), np.array(on, dtype=np.int64)]), out=db.meta)
+    on = [bool(F[_KIND_OF[c]].any()) for c in KINDS]
+    rt.h2d(m.reshape(-1), out=db.meta)
     # the host's flags of an all-padding batch (vLLM's warm-up and capture runs) are all set: its
     # rows are inert, but an eager run then compiles every kernel before a capture records it
-    db.flags = {c: n == 0 or f for c, f in zip(COND, on)}
+    db.flags = {c: n == 0 or f for c, f in zip(KINDS, on)}
     db.steps, db.freed = list(steps), freed

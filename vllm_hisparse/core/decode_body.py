@@ -4,18 +4,16 @@
 Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind return at once):
 
 1. ``decode_write``: the new token into its block, through to the host pool, into the Quest bounds;
-2. if the batch has sparse rows (a conditional graph node, ops/graph_cond.py): Quest page scores ->
-   ``select_resolve`` (top-k pages, RESOLVE, then the miss copies from the host pool) -> sparse
-   attention over the selected pages and the newest page;
-3. if it has dense rows (a second conditional node; one kernel sets both conditions): the
-   batch-invariant split-KV dense decode over the paged cache.
+2. if the batch has sparse rows (a graph records it always): Quest page scores -> ``select_resolve``
+   (top-k pages, RESOLVE, then the miss copies from the host pool) -> sparse attention over the
+   selected pages and the newest page;
+3. if it has dense rows (likewise): the batch-invariant split-KV dense decode over the paged cache.
 
 Dense layer: the new token into its block (and the dense pool, or the host pool); dense decode of
 the rows whose keys are on the GPU over the cache, of sparse rows over the dense pool; sparse rows
 whose pages left the GPU without a dense pool read them back from the host (eager only).
 
-Every output and workspace is allocated before the conditional parts (they must not allocate);
-each kernel's result for a row depends only on that row, so a row gets the same bits whatever the
+Each kernel's result for a row depends only on that row, so a row gets the same bits whatever the
 batch, eager or replayed — and hisparse == resident, which differ only in where pages sit.
 """
 from __future__ import annotations
@@ -24,7 +22,6 @@ import torch
 
 from vllm_hisparse.core import prefill
 from vllm_hisparse.ops import decode_ops, kernels
-from vllm_hisparse.ops.graph_cond import run_if
 from vllm_hisparse.ops.quest import quest_scores_rows
 
 
@@ -86,7 +83,7 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     max_k = _max_k(db, q, bt, P)
     dense = _dense(rt, q, kv, bt, f("dn_seq"), scale, out, max_k, _dense_work(q, max_k))
-    run_if(*db.conds("has_sparse", "has_dense"), [sparse, dense])
+    db.run_kinds(("has_sparse", "has_dense"), [sparse, dense])
 
 
 def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -103,12 +100,11 @@ def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.T
     work = _dense_work(q, max_k)
     on_gpu = _dense(rt, q, kv, bt, f("dl_seq"), scale, out, max_k, work)
     if dp is None:
-        preds, flags = db.conds("has_dl")
-        run_if(preds, flags, [on_gpu])
+        db.run_kinds(("has_dl",), [on_gpu])
     else:
         in_pool = _dense(rt, q, dp, rt.dense_pt.table, f("pool_seq"), scale, out, max_k, work,
                          rows=f("row"))
-        run_if(*db.conds("has_dl", "has_pool"), [on_gpu, in_pool])
+        db.run_kinds(("has_dl", "has_pool"), [on_gpu, in_pool])
     if db.freed:                     # no dense pool: pages that left the GPU come from the host
         prefill.dense_from_host(rt, layer, db, q, kv, bt, scale, out)
 

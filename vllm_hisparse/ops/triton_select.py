@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-SELECT_WARPS = 8   # warps of the select program (a guess: 24.6 us for one 32K row on the H200, most
-                   # of it serial scans and barriers; bench.decode_step --select-warps tries others)
-RADIX_BITS = 8     # bits per top-k radix pass (bench.decode_step --radix-bits tries 11: 3 passes
-                   # of up to 2048 bins instead of 4 of 256)
+SELECT_WARPS = 16  # warps of the select program (one 32K row on the H200: 20.4 us at 16, 21.7 at 8,
+                   # 27 at 4; bench.decode_step --select-warps)
+RADIX_BITS = 8     # bits per top-k radix pass (11: at most 3 passes of 2048 bins, measured 1.7x
+                   # slower on the H200; bench.decode_step --radix-bits)
 
 
 @triton.jit
@@ -79,7 +79,9 @@ def _topk_take(SC, n, K, UB: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
-                 s_bt, s_su, s_us, s_lru, KB: tl.constexpr, SB: tl.constexpr):
+                 s_bt, s_su, s_us, s_lru, lo, lo_rev, su_rev, KB: tl.constexpr, SB: tl.constexpr):
+    """lo / lo_rev / su_rev: the row's LRU order, reversed, and the units of lo_rev's slots, loaded
+    (and scratch zeroed) by the caller before the top-k so their latency hides behind it."""
     valid = u >= 0
     us = US + row * s_us
     su = SU + row * s_su
@@ -98,15 +100,10 @@ def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
     tl.atomic_add(COUNTS + 1, m.to(tl.int64))
     os_ = tl.arange(0, SB)
     sm = os_ < S
-    lo = tl.load(lru + os_, mask=sm, other=0)                 # slot at recency position p (MRU first)
-    tl.store(scr + os_, 0, mask=sm)                            # flags per slot: 1 hit, 2 victim
-    tl.debug_barrier()
     tl.store(scr + cur, 1, mask=hit)
     mi = tl.cumsum(miss_i, 0) - miss_i                         # rank of each miss
     vs = tl.zeros([KB], tl.int32)
     if m > 0:                                                  # victims: only when a page misses
-        lo_rev = tl.load(lru + (S - 1 - os_), mask=sm, other=0)   # eviction order: LRU end first
-        su_rev = tl.load(su + lo_rev, mask=sm, other=0)
         tl.debug_barrier()
         hitf = tl.load(scr + lo_rev, mask=sm, other=0, volatile=True) == 1
         empty = sm & (su_rev < 0)
@@ -176,6 +173,16 @@ def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS,
         tl.store(sel + jk, -1, mask=jk < K)
         tl.store(LOCS + r.to(tl.int64) * K + jk, -1, mask=jk < K)
     if (tl.load(SEQ + r) > 0) & (n > 0):
+        hot = 0
+        if HAS_HOT:
+            hot = tl.load(HOT + r)
+        row = tl.load(ROWS + r).to(tl.int64)
+        os_ = tl.arange(0, SB)
+        pre = (os_ < S) & (hot != 0)
+        lo = tl.load(LRU + row * s_lru + os_, mask=pre, other=0)   # slot at recency p, MRU first
+        lo_rev = tl.load(LRU + row * s_lru + (S - 1 - os_), mask=pre, other=0)  # LRU end first
+        su_rev = tl.load(SU + row * s_su + lo_rev, mask=pre, other=0)
+        tl.store(SCR + r.to(tl.int64) * SB + os_, 0, mask=pre)   # flags per slot: 1 hit, 2 victim
         o = tl.arange(0, UB)
         take = o < n
         if n > K:
@@ -185,12 +192,9 @@ def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS,
         tl.store(sel + jk, -1, mask=(jk >= tl.minimum(n, K)) & (jk < K))
         tl.debug_barrier()
         u = tl.load(sel + jk, mask=jk < K, other=-1, volatile=True)
-        hot = 0
-        if HAS_HOT:
-            hot = tl.load(HOT + r)
         if hot != 0:
-            _resolve_row(r, tl.load(ROWS + r).to(tl.int64), u, jk, K, S, BT, SU, US, LRU, SCR,
-                         VIC, COUNTS, LOCS, s_bt, s_su, s_us, s_lru, KB, SB)
+            _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS, s_bt, s_su,
+                         s_us, s_lru, lo, lo_rev, su_rev, KB, SB)
         else:
             blk = tl.load(BT + r.to(tl.int64) * s_bt + u, mask=u >= 0, other=-1)
             tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(u >= 0, blk, -1), mask=jk < K)
