@@ -3,6 +3,9 @@
 # serving benchmark. CSV and plot come back in OUT, the server logs in OUT/serving.tgz (the box
 # sends back at most 8 files).
 #   bash scripts/gpu_serving.sh OUT [serving.py args...]
+# SERVING_LIMIT=S: stop the benchmark (SIGINT: it stops its servers) after S seconds, so the logs
+# still come back when the device call's own limit is near (a call killed from outside returns
+# nothing of /tmp/serving).
 set -euo pipefail
 out=$1; shift
 source scripts/gpu_setup.sh "$out"
@@ -10,7 +13,8 @@ python3 -m vllm_hisparse.bench.model_shapes llama3-8b models/llama3-8b-bench > /
 work=/tmp/serving
 mkdir -p "$work"
 set +e
-python3 -m vllm_hisparse.bench.serving --model models/llama3-8b-bench --out "$work" "$@" 2>&1 | tee "$work/stdout.txt" | grep -E '^\{|warm-up'
+timeout -s INT -k 30 "${SERVING_LIMIT:-1000000}" \
+  python3 -m vllm_hisparse.bench.serving --model models/llama3-8b-bench --out "$work" "$@" 2>&1 | tee "$work/stdout.txt" "$out/serving-stdout.txt" | grep -E '^\{|warm-up'
 rc=${PIPESTATUS[0]}
 set -e
 cp "$work"/serving.csv "$work"/serving.png "$out"/ 2>/dev/null || true
