@@ -119,3 +119,15 @@ def test_gpu_cuda_graph_replay():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("seq", [1, 127, 128, 129, 4096, 4097, 32768, 131072, 200001])
+def test_split_len_is_the_smallest_multiple_that_fits(seq):
+    """A row's split length: a multiple of MIN_SPLIT whose splits cover the row in at most SPLITS
+    programs, and the smallest such (one MIN_SPLIT less would need more than SPLITS)."""
+    from vllm_hisparse.ops import triton_dense_decode as td
+    n = td.split_len(seq)
+    assert n % td.MIN_SPLIT == 0 and n >= td.MIN_SPLIT
+    assert -(-seq // n) <= td.SPLITS
+    if n > td.MIN_SPLIT:
+        assert -(-seq // (n - td.MIN_SPLIT)) > td.SPLITS

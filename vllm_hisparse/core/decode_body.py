@@ -29,19 +29,20 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _dense_work(q: torch.Tensor, max_k: int):
+def _dense_work(q: torch.Tensor):
     """The split-KV dense decode's partial results for every row of q (CUDA; a marker on CPU)."""
     if not q.is_cuda:
         return ()
     from vllm_hisparse.ops.triton_dense_decode import partials_numel
-    n_o, n_m = partials_numel(q.shape[0], q.shape[1], q.shape[2], max_k)
+    n_o, n_m = partials_numel(q.shape[0], q.shape[1], q.shape[2])
     return (torch.empty(n_o, dtype=torch.float32, device=q.device),
             torch.empty(n_m, dtype=torch.float32, device=q.device))
 
 
 def _max_k(db, q: torch.Tensor, bt: torch.Tensor, P: int) -> int:
-    """Keys bound of the dense calls (it sizes their grid and partials, not their result): the
-    block table's width in a graph (it serves any batch), else this batch's longest row."""
+    """Keys bound of the dense calls (FlashAttention's max_seqlen_k; the split-KV kernel's grid
+    does not depend on it): the block table's width in a graph (it serves any batch), else this
+    batch's longest row."""
     if _capturing(q):
         return bt.shape[1] * P
     return max([s.seq_len for s in db.steps] + [1])
@@ -82,7 +83,7 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
                                                out, work=sw)
 
     max_k = _max_k(db, q, bt, P)
-    dense = _dense(rt, q, kv, bt, f("dn_seq"), scale, out, max_k, _dense_work(q, max_k))
+    dense = _dense(rt, q, kv, bt, f("dn_seq"), scale, out, max_k, _dense_work(q))
     db.run_kinds(("has_sparse", "has_dense"), [sparse, dense])
 
 
@@ -97,7 +98,7 @@ def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.T
         dst, dst_page = rt.host_layer(layer), f("host_page")
     decode_ops.decode_write(kv, k, v, bt, f("seq"), db.newest, dst, dst_page)
     max_k = _max_k(db, q, bt, rt.P)
-    work = _dense_work(q, max_k)
+    work = _dense_work(q)
     on_gpu = _dense(rt, q, kv, bt, f("dl_seq"), scale, out, max_k, work)
     if dp is None:
         db.run_kinds(("has_dl",), [on_gpu])

@@ -5,10 +5,12 @@ FlashAttention: called with split-KV its split count is chosen per call from the
 row's result would depend on which rows share the call (and hisparse and resident mode group rows
 differently); called with ``num_splits=1`` (as for prefill) it runs one CTA per KV head, 8 CTAs for
 one Llama-3-8B row: 42 us over 4K keys, 296 us over 32K on an H200 (docs/gpu-results.md). Here the
-keys are split at fixed positions — split s holds keys [s * SPLIT, (s + 1) * SPLIT) — and the
-partial results are combined one split after the other in that order, so a row's output is a
-function of its own query and keys alone: not of the batch, the block-table width or the call.
-Programs past a row's last key return at once. The plain-torch reference is
+keys of row r are cut into at most ``SPLITS`` splits of ``split_len(seq_k[r])`` keys each (a
+function of the row's own length: a 4K row gets 32 splits of 128 keys, 256 programs for one
+Llama-3-8B row, where fixed 512-key splits gave it 64 programs of 8 steps each: 15 us on the H200
+against FlashAttention's 20 for the whole layer) — and the partial results are combined one split
+after the other in that order, so a row's output is a function of its own query and keys alone:
+not of the batch, the block-table width or the call. Programs past a row's last key return at once. The plain-torch reference is
 ``ops.reference.dense_decode_attention`` (equal up to fp32 summation order).
 """
 from __future__ import annotations
@@ -20,35 +22,50 @@ import triton.language as tl
 from .kernels import DENSE_DECODE_HEAD_SIZES
 from .triton_online_softmax import online_softmax_step, partials, store_partials
 
-SPLIT = 512           # keys per split (a multiple of BLOCK_N); fixed: results depend on it
+SPLITS = 32           # splits per row at most (the grid's third dimension)
+MIN_SPLIT = 128       # keys per split at least (a multiple of both inner-step sizes, 64 and 32)
 BLOCK_N = 64          # keys per inner step
+
+
+@triton.jit
+def _split_len(seq, NS: tl.constexpr, MIN: tl.constexpr):
+    """Keys per split of a row of seq keys: seq / NS rounded up to a multiple of MIN (>= MIN)."""
+    per = (seq + NS - 1) // NS
+    return tl.maximum((per + MIN - 1) // MIN, 1) * MIN
+
+
+def split_len(seq: int) -> int:
+    """Host twin of ``_split_len`` (tests, docs)."""
+    per = -(-seq // SPLITS)
+    return max(-(-per // MIN_SPLIT), 1) * MIN_SPLIT
 
 
 @triton.jit
 def _dense_split_kernel(Q, K, V, BT, BT_ROWS, SEQ, PO, PML, scale, n_splits,
                         s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh, s_br,
                         PAGE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                        D: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr,
+                        D: tl.constexpr, NS: tl.constexpr, MIN: tl.constexpr, BLOCK: tl.constexpr,
                         HAS_BT_ROWS: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     seq = tl.load(SEQ + r)
-    start = sp * SPLIT_N
+    split_n = _split_len(seq, NS, MIN)
+    start = sp * split_n
     if start < seq:                         # else nothing here: the combine reads live splits only
         bt = BT + r * s_br
         if HAS_BT_ROWS:                     # row r reads table row BT_ROWS[r]
             bt = BT + tl.load(BT_ROWS + r).to(tl.int64) * s_br
-        _split(Q, K, V, bt, PO, PML, scale, n_splits, r, h, sp, start, seq,
+        _split(Q, K, V, bt, PO, PML, scale, n_splits, r, h, sp, start, seq, split_n,
                s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh,
-               PAGE, HKV, G, GP, D, SPLIT_N, BLOCK)
+               PAGE, HKV, G, GP, D, BLOCK)
 
 
 @triton.jit
-def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
+def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq, split_n,
            s_qr, s_qh, s_kn, s_kp, s_kh, s_vn, s_vp, s_vh,
            PAGE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-           D: tl.constexpr, SPLIT_N: tl.constexpr, BLOCK: tl.constexpr):
+           D: tl.constexpr, BLOCK: tl.constexpr):
     og = tl.arange(0, GP)
     od = tl.arange(0, D)
     gmask = og < G
@@ -57,7 +74,7 @@ def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    end = tl.minimum(start + SPLIT_N, seq)
+    end = tl.minimum(start + split_n, seq)
     for t0 in range(start, end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         live = t < end
@@ -76,22 +93,23 @@ def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq,
 
 @triton.jit
 def _ordered_combine_kernel(PO, PML, SEQ, OUT, n_splits, s_or, s_oh, HQ: tl.constexpr,
-                            D: tl.constexpr, SPLIT_N: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+                            D: tl.constexpr, NS: tl.constexpr, MIN: tl.constexpr,
+                            SKIP_EMPTY: tl.constexpr):
     r = tl.program_id(0)
     seq = tl.load(SEQ + r)
     live = True
     if SKIP_EMPTY:                          # a row with no keys is not this call's: out untouched
         live = seq > 0
     if live:
-        _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, seq, HQ, D, SPLIT_N)
+        _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, seq, HQ, D, _split_len(seq, NS, MIN))
 
 
 @triton.jit
 def _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, seq, HQ: tl.constexpr, D: tl.constexpr,
-             SPLIT_N: tl.constexpr):
+             split_n):
     h = tl.program_id(1)
     od = tl.arange(0, D)
-    live = tl.minimum((seq + SPLIT_N - 1) // SPLIT_N, n_splits)
+    live = tl.minimum((seq + split_n - 1) // split_n, n_splits)
     base = ((r * HQ + h) * n_splits).to(tl.int64)
     mx = tl.full([], float("-inf"), tl.float32)
     for s in range(0, live):
@@ -115,8 +133,8 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """q/out (R, Hq, D) one query per row; k_cache/v_cache (N, P, Hkv, D) pages (strided views of
     one cache are fine, last dim contiguous); block_table (R, W) int32 (W * P >= max seq_k), or
     (M, W) read at rows table_rows (R,) int64; seq_k (R,) int32 keys per row (0: zeros out);
-    max_k: a host-side bound on seq_k (None: W * P, what a CUDA graph must assume) that sizes the
-    grid and the partial results, not the result. work: preallocated (po, pml) partials (at least
+    max_k: accepted for FlashAttention's signature; the grid is (R, Hkv, SPLITS) whatever the
+    lengths. work: preallocated (po, pml) partials (at least
     ``partials_numel``); with it, rows with seq_k 0 are skipped, their out rows left as they are,
     and nothing is allocated. No host sync, fixed shapes: capturable."""
     R, Hq, D = q.shape
@@ -128,8 +146,7 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty(R, Hq, D, dtype=q.dtype, device=q.device)
     if R == 0:
         return out
-    bound = block_table.shape[1] * P if max_k is None else min(max_k, block_table.shape[1] * P)
-    ns = max(1, -(-bound // SPLIT))
+    ns = SPLITS
     po, pml = partials(R, Hq, ns, D, q.device, work)
     G = Hq // Hkv
     has_rows = table_rows is not None
@@ -138,14 +155,13 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         float(scale), ns,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        PAGE=P, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, SPLIT_N=SPLIT,
-        BLOCK=BLOCK_N if D <= 128 else 32, HAS_BT_ROWS=has_rows, num_warps=4, num_stages=2)
+        PAGE=P, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NS=SPLITS,
+        MIN=MIN_SPLIT, BLOCK=BLOCK_N if D <= 128 else 32, HAS_BT_ROWS=has_rows, num_warps=4, num_stages=2)
     _ordered_combine_kernel[(R, Hq)](po, pml, seq_k, out, ns, out.stride(0), out.stride(1), HQ=Hq,
-                                     D=D, SPLIT_N=SPLIT, SKIP_EMPTY=work is not None)
+                                     D=D, NS=SPLITS, MIN=MIN_SPLIT, SKIP_EMPTY=work is not None)
     return out
 
 
-def partials_numel(R: int, Hq: int, D: int, max_k: int) -> tuple[int, int]:
-    """Elements of the (po, pml) partial results of a call of R rows with keys bounded by max_k."""
-    ns = max(1, -(-max_k // SPLIT))
-    return R * Hq * ns * D, R * Hq * ns * 2
+def partials_numel(R: int, Hq: int, D: int) -> tuple[int, int]:
+    """Elements of the (po, pml) partial results of a call of R rows."""
+    return R * Hq * SPLITS * D, R * Hq * SPLITS * 2
