@@ -1,0 +1,102 @@
+"""Every Triton kernel of the decode path compiles for the H200 (sm_90) with the launch parameters
+its launcher picks, Llama-3-8B's attention shape (32 query / 8 KV heads, D 128, 16-token pages,
+bf16): compiled by Triton's NVIDIA backend on the CPU (tests/triton_sm90.py), not run. What the
+kernels compute is tested against the references in the interpreter and on the GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_decode_ops import select_inputs, write_inputs
+from test_kernels_attention import _newest_inputs
+from test_quest_rows import random_inputs
+from test_quest_update import make_case
+from triton_sm90 import compile_only, ptxas_available
+
+pytestmark = pytest.mark.skipif(not ptxas_available(), reason="Triton's ptxas is not installed")
+
+BF = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+
+
+@pytest.mark.parametrize("bits", [8, 11])
+def test_select_resolve_compiles(bits, monkeypatch):
+    from vllm_hisparse.ops import decode_ops, triton_select
+    monkeypatch.setattr(triton_select, "RADIX_BITS", bits)
+    N, P, Hkv, D, U, k, S = 4, 16, 8, 128, 2048, 128, 256
+    t = select_inputs(N, P, Hkv, D, U, k, S, torch.Generator().manual_seed(0))
+    t["kv"], t["host"] = t["kv"].to(BF), t["host"].to(BF)
+    work = tuple(torch.zeros(s, dtype=torch.int32) for s in decode_ops.workspace_shapes(N, k, S))
+    scores = torch.randn(N, U)
+    sel = torch.zeros(N, k, dtype=torch.int32)
+    locs = sel.clone()
+    with compile_only() as seen:
+        triton_select.select_resolve(scores, t["seq"], t["full"], k, t["bt"], sel, locs, *work,
+                                     hot=t["hot"], rows=t["rows"], state=t["state"],
+                                     host_pt=t["host_pt"], host=t["host"], kv=t["kv"],
+                                     counts=t["counts"])
+        triton_select.select_resolve(scores, t["seq"], t["full"], k, t["bt"], sel, locs, *work)
+    assert seen == {"_select_kernel", "_miss_io_kernel"}
+
+
+def test_decode_write_compiles():
+    from vllm_hisparse.ops import triton_decode_write
+    kv, bt, seq, k, v, dst, dst_page, kmin, kmax, q_page = write_inputs(
+        8, 16, 8, 128, 4, torch.Generator().manual_seed(1), dt=BF)
+    newest = torch.zeros(8, dtype=torch.int32)
+    with compile_only() as seen:
+        triton_decode_write.decode_write(kv, k, v, bt, seq, newest, dst, dst_page, kmin, kmax,
+                                         q_page)
+        triton_decode_write.decode_write(kv, k, v, bt, seq, newest, dst, dst_page)
+    assert seen == {"_decode_write_kernel"}
+
+
+@pytest.mark.parametrize("live_only", [False, True])
+def test_quest_scores_compile(live_only):
+    from vllm_hisparse.ops import triton_quest
+    q, kmin, kmax, rows, n = random_inputs(4, 6, 2048, 8, 4, 128, BF,
+                                           torch.Generator().manual_seed(2))
+    out = torch.empty(4, 2048)
+    with compile_only() as seen:
+        triton_quest.quest_scores_rows(q, kmin, kmax, rows, n, out, live_only=live_only)
+    assert seen == {"_quest_rows_kernel"}
+
+
+def test_quest_update_compiles():
+    from vllm_hisparse.ops import triton_quest_update
+    kmin, kmax, page, new, tp, k, *_ = make_case("mixed", BF, 3)
+    with compile_only() as seen:
+        triton_quest_update.quest_update_pages(kmin, kmax, page, new, tp, k)
+    assert seen == {"_quest_update_kernel"}
+
+
+def test_sparse_attention_compiles():
+    from vllm_hisparse.ops import triton_attention
+    q, kv, locs, units, seq, newest, _, _ = _newest_inputs(
+        4, 32, 8, 128, 16, 128, BF, torch.Generator().manual_seed(4), dev="cpu")
+    out = torch.empty_like(q)
+    with compile_only() as seen:
+        triton_attention.sparse_decode_attention_newest(q, kv, locs, units, seq, newest, 0.1, out)
+    assert seen == {"_split_kernel", "_combine_kernel"}
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_dense_decode_compiles(rows):
+    from vllm_hisparse.ops import triton_dense_decode as td
+    g = torch.Generator().manual_seed(5)
+    R, Hq, Hkv, D, P, W = 3, 32, 8, 128, 16, 20
+    q = torch.randn(R, Hq, D, generator=g).to(BF)
+    kv = torch.randn(R * W + 2, 2, P, Hkv, D, generator=g).to(BF)
+    bt = torch.randperm(R * W + 2, generator=g)[:R * W].view(R, W).int()
+    seq = torch.tensor([1, 200, W * P], dtype=torch.int32)
+    table_rows = torch.tensor([2, 0, 1]) if rows else None
+    n_o, n_m = td.partials_numel(R, Hq, D)
+    work = (torch.empty(n_o), torch.empty(n_m))
+    with compile_only() as seen:
+        td.dense_decode_attention(q, kv[:, 0], kv[:, 1], bt, seq, 0.1, table_rows=table_rows,
+                                  work=work)
+    assert seen == {"_dense_split_kernel", "_ordered_combine_kernel"}
