@@ -100,3 +100,11 @@ def test_dense_decode_compiles(rows):
         td.dense_decode_attention(q, kv[:, 0], kv[:, 1], bt, seq, 0.1, table_rows=table_rows,
                                   work=work)
     assert seen == {"_dense_split_kernel", "_ordered_combine_kernel"}
+
+
+def test_decode_attention_compiles():
+    from test_decode_attention import fused, mixed_batch
+    t = mixed_batch(4, 32, 8, 128, 16, 128, 4096, BF, torch.Generator().manual_seed(6))
+    with compile_only() as seen:
+        fused(*t, 0.1)
+    assert seen == {"_mixed_split_kernel", "_mixed_combine_kernel"}

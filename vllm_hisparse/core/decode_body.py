@@ -5,9 +5,9 @@ Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind re
 
 1. ``decode_write``: the new token into its block, through to the host pool, into the Quest bounds;
 2. if the batch has sparse rows (a graph records it always): Quest page scores -> ``select_resolve``
-   (top-k pages, RESOLVE, then the miss copies from the host pool) -> sparse attention over the
-   selected pages and the newest page;
-3. if it has dense rows (likewise): the batch-invariant split-KV dense decode over the paged cache.
+   (top-k pages, RESOLVE, then the miss copies from the host pool);
+3. ``decode_attention``: sparse rows over their selected pages and newest page, dense rows with the
+   batch-invariant split-KV dense decode over the paged cache — one split and one combine launch.
 
 Dense layer: the new token into its block (and the dense pool, or the host pool); dense decode of
 the rows whose keys are on the GPU over the cache, of sparse rows over the dense pool; sparse rows
@@ -61,13 +61,13 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
     scores = torch.empty(N, rt.U, dtype=torch.float32, device=dev)
     sel = torch.empty(N, K, dtype=torch.int32, device=dev)
     locs = torch.empty_like(sel)
-    work = sw = ()
+    work = aw = ()
     if q.is_cuda:
-        from vllm_hisparse.ops.triton_attention import partials_shape
+        from vllm_hisparse.ops.triton_decode_attention import partials_numel
         work = tuple(torch.empty(s, dtype=torch.int32, device=dev)
                      for s in decode_ops.workspace_shapes(N, K, rt.S))
-        sw = tuple(torch.empty(s, dtype=torch.float32, device=dev)
-                   for s in partials_shape(N, q.shape[1], kv.shape[3], K * P + P, q.shape[2]))
+        aw = tuple(torch.empty(n, dtype=torch.float32, device=dev)
+                   for n in partials_numel(N, q.shape[1], kv.shape[3], K, P, q.shape[2]))
     hs = rt.hot[layer]
 
     def sparse():
@@ -79,12 +79,16 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
         decode_ops.select_resolve(scores, f("sp_seq"), f("full"), K, bt, sel, locs, work, **hot)
         if rt.trace is not None:
             rt.trace_decode(layer, db, sel)
-        kernels.sparse_decode_attention_newest(q, kv, locs, sel, f("sp_seq"), db.newest, scale,
-                                               out, work=sw)
 
-    max_k = _max_k(db, q, bt, P)
-    dense = _dense(rt, q, kv, bt, f("dn_seq"), scale, out, max_k, _dense_work(q))
-    db.run_kinds(("has_sparse", "has_dense"), [sparse, dense])
+    db.run_kinds(("has_sparse",), [sparse])
+    if rt.split_dense or not q.is_cuda:          # both row kinds: one split + one combine launch
+        kernels.decode_attention(q, kv, bt, locs, sel, f("sp_seq"), db.newest, f("dn_seq"), scale,
+                                 out, aw)
+        return
+    # split_dense off (FlashAttention for dense rows; eager only, no FULL graphs then)
+    dense = _dense(rt, q, kv, bt, f("dn_seq"), scale, out, _max_k(db, q, bt, P), ())
+    db.run_kinds(("has_sparse", "has_dense"), [lambda: kernels.sparse_decode_attention_newest(
+        q, kv, locs, sel, f("sp_seq"), db.newest, scale, out), dense])
 
 
 def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -110,6 +110,24 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
+                     locs: torch.Tensor, units: torch.Tensor, sp_seq: torch.Tensor,
+                     newest: torch.Tensor, dn_seq: torch.Tensor, scale: float, out: torch.Tensor,
+                     work: tuple) -> torch.Tensor:
+    """A decode batch's sparse-layer attention: rows with sp_seq > 0 as
+    ``sparse_decode_attention_newest(q, kv, locs, units, sp_seq, newest)``, rows with dn_seq > 0
+    as ``dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, dn_seq)``, the others' out
+    rows left as they are. CUDA: both kinds in one split and one combine launch
+    (ops/triton_decode_attention.py; work = its partials); CPU: those two functions' references."""
+    if q.is_cuda:
+        from . import triton_decode_attention
+        return triton_decode_attention.decode_attention(q, kv, block_table, locs, units, sp_seq,
+                                                        newest, dn_seq, scale, out, work)
+    sparse_decode_attention_newest(q, kv, locs, units, sp_seq, newest, scale, out, work=())
+    return dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, dn_seq, scale, out,
+                                  work=())
+
+
 def sparse_decode_attention_newest(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tensor,
                                    units: torch.Tensor, seq_lens: torch.Tensor,
                                    newest_blocks: torch.Tensor, scale: float,

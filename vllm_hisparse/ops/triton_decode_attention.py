@@ -1,0 +1,104 @@
+"""The attention of a decode batch's sparse layer in two launches (Triton): sparse rows over their
+selected pages plus their newest page (ops/triton_attention.py's split and combine), dense rows
+over their whole paged context (ops/triton_dense_decode.py's split and ordered combine), each
+program doing what its row's kind needs — instead of four launches, two of them inert for every
+row of the other kind (each launch and the gap after it cost ~1.5-3 us at one row on the H200).
+
+A row's programs run exactly the code of its kind's own kernels with the same split layout, and
+the partial results only sit at a wider stride, so every row gets the bits
+``triton_attention.sparse_decode_attention_newest`` / ``triton_dense_decode.dense_decode_attention``
+give it (tests/test_decode_attention.py checks that, bit for bit). The plain-torch twin is
+``kernels.decode_attention``'s CPU path (the two references)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_attention as ta
+from . import triton_dense_decode as td
+
+
+@triton.jit(do_not_specialize=["split_tokens", "n_sp", "ns"])
+def _mixed_split_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML,
+                        scale, n_sel, n_tok, split_tokens, n_sp, ns,
+                        s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_br,
+                        UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                        D: tl.constexpr, BLOCK: tl.constexpr, DBLOCK: tl.constexpr,
+                        NSD: tl.constexpr, MIN: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    if tl.load(SP_SEQ + r) > 0:
+        if sp < n_sp:
+            ta._split(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, SP_SEQ, PO, PML, scale, n_sel, n_tok,
+                      split_tokens, ns, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur,
+                      s_kn, s_ku, s_kc, s_kh, r, UNIT, HKV, G, GP, D, BLOCK, True, True)
+    else:
+        seq = tl.load(DN_SEQ + r)
+        split_n = td._split_len(seq, NSD, MIN)
+        start = sp * split_n
+        if (seq > 0) & (start < seq):
+            td._split(Q, KV, KV + s_kc, BT + r * s_br, PO, PML, scale, ns, r, h, sp, start, seq,
+                      split_n, s_qr, s_qh, s_kn, s_ku, s_kh, s_kn, s_ku, s_kh,
+                      UNIT, HKV, G, GP, D, DBLOCK)
+
+
+@triton.jit(do_not_specialize=["n_sp", "ns"])
+def _mixed_combine_kernel(PO, PML, SP_SEQ, DN_SEQ, OUT, n_sp, ns, s_or, s_oh, HQ: tl.constexpr,
+                          D: tl.constexpr, SP: tl.constexpr, NSD: tl.constexpr,
+                          MIN: tl.constexpr):
+    r = tl.program_id(0)
+    if tl.load(SP_SEQ + r) > 0:
+        ta._combine(PO, PML, OUT, n_sp, ns, s_or, s_oh, r, HQ, D, SP)
+    else:
+        seq = tl.load(DN_SEQ + r)
+        if seq > 0:
+            td._combine(PO, PML, OUT, ns, s_or, s_oh, r, seq, HQ, D, td._split_len(seq, NSD, MIN))
+
+
+def layout(R: int, Hkv: int, k: int, unit: int) -> tuple[int, int, int]:
+    """(sparse splits, tokens per sparse split, partial slots per (row, head)) of a batch of R rows
+    selecting k units of unit tokens (+ the newest unit)."""
+    n_sp, split = ta.split_layout(R, Hkv, k * unit + unit)
+    return n_sp, split, max(n_sp, td.SPLITS)
+
+
+def partials_numel(R: int, Hq: int, Hkv: int, k: int, unit: int, D: int) -> tuple[int, int]:
+    ns = layout(R, Hkv, k, unit)[2]
+    return R * Hq * ns * D, R * Hq * ns * 2
+
+
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
+                     locs: torch.Tensor, units: torch.Tensor, sp_seq: torch.Tensor,
+                     newest: torch.Tensor, dn_seq: torch.Tensor, scale: float, out: torch.Tensor,
+                     work: tuple) -> torch.Tensor:
+    """Rows with sp_seq > 0: sparse_decode_attention_newest(q, kv, locs, units, sp_seq, newest);
+    rows with dn_seq > 0: dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, dn_seq);
+    other rows' out left as they are. kv (N, 2, P, Hkv, D); block_table (R, W) int32 (W * P >=
+    max dn_seq); locs/units (R, k) int32; sp_seq/dn_seq (R,) int; newest (R,) int; work (po, pml)
+    of at least ``partials_numel`` elements. No allocation, no host sync: capturable."""
+    R, Hq, D = q.shape
+    unit, Hkv = kv.shape[2], kv.shape[3]
+    k = locs.shape[1]
+    assert Hq % Hkv == 0 and D in (64, 128, 256) and kv.shape[4] == D and kv.dtype == q.dtype
+    assert q.stride(2) == 1 and kv.stride(4) == 1 and locs.stride(1) == 1 and units.stride(1) == 1
+    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+    if R == 0:
+        return out
+    n_sp, split, ns = layout(R, Hkv, k, unit)
+    po, pml = work
+    assert po.numel() >= R * Hq * ns * D and pml.numel() >= R * Hq * ns * 2, "work too small"
+    G = Hq // Hkv
+    _mixed_split_kernel[(R, Hkv, ns)](
+        q, kv, locs, units, sp_seq, newest, dn_seq, block_table, po, pml,
+        float(scale), k * unit, k * unit + unit, split, n_sp, ns,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        locs.stride(0), units.stride(0), block_table.stride(0),
+        UNIT=unit, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
+        BLOCK=ta.BLOCK_N if D <= 128 else 32, DBLOCK=td.BLOCK_N if D <= 128 else 32,
+        NSD=td.SPLITS, MIN=td.MIN_SPLIT, num_warps=4, num_stages=2)
+    _mixed_combine_kernel[(R, Hq)](po, pml, sp_seq, dn_seq, out, n_sp, ns, out.stride(0),
+                                   out.stride(1), HQ=Hq, D=D, SP=ta.MAX_SPLITS, NSD=td.SPLITS,
+                                   MIN=td.MIN_SPLIT)
+    return out
