@@ -62,15 +62,17 @@ def _topk_take(SC, n, K, UB: tl.constexpr, BITS: tl.constexpr):
                 match = live
             else:
                 match = live & ((key >> (sh + w)) == prefix)
-            dig = tl.where(match, (key >> sh) & ((1 << w) - 1), 0).to(tl.int32)
-            # unmatched entries land in bin 0: take them out again
-            hist = tl.histogram(dig, NB) - tl.where(bins == 0, UB - tl.sum(match.to(tl.int32), 0), 0)
-            ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist      # entries with digit >= bin
+            dig = ((key >> sh) & ((1 << w) - 1)).to(tl.int32)
+            hist = tl.histogram(dig, NB, mask=match)
+            ge = tl.cumsum(hist, 0, reverse=True)                 # entries with digit >= bin
             d = tl.max(tl.where(ge >= need, bins, -1), 0)
-            need -= tl.sum(tl.where(bins > d, hist, 0), 0)
+            # one reduction for two numbers at bin d: entries above it (ge - hist) and in it
+            # (hist), packed (counts < 2^16: rows of up to 16384 pages)
+            both = tl.sum(tl.where(bins == d, ((ge - hist) << 16) | hist, 0), 0)
+            need -= both >> 16
             prefix = (prefix << w) | d
             used += w
-            done = (tl.sum(tl.where(bins == d, hist, 0), 0) == need).to(tl.int32)
+            done = ((both & 0xFFFF) == need).to(tl.int32)
     kp = key >> (32 - used)
     kp = tl.where(live, kp, -1)
     eq = (kp == prefix).to(tl.int32)
@@ -221,6 +223,7 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     N, U = scores.shape
     if N == 0 or k == 0:
         return
+    assert U < 1 << 16, "the top-k packs per-bin counts in 16 bits: rows of < 65536 pages"
     has_hot = hot is not None
     if has_hot:
         su, us, lru = state
