@@ -96,14 +96,18 @@ def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
     miss = valid & (cur < 0)
     hit_i = hit.to(tl.int32)
     miss_i = miss.to(tl.int32)
-    h = tl.sum(hit_i, 0)
-    m = tl.sum(miss_i, 0)
+    # hits and misses counted and ranked in one scan (packed: a row selects < 2^16 pages)
+    both = tl.cumsum(hit_i | (miss_i << 16), 0)
+    hi = (both & 0xFFFF) - hit_i                               # rank of each hit
+    mi = (both >> 16) - miss_i                                 # rank of each miss
+    hm = tl.max(both, 0)                                       # the last prefix: the totals
+    h = hm & 0xFFFF
+    m = hm >> 16
     tl.atomic_add(COUNTS, h.to(tl.int64))
     tl.atomic_add(COUNTS + 1, m.to(tl.int64))
     os_ = tl.arange(0, SB)
     sm = os_ < S
     tl.store(scr + cur, 1, mask=hit)
-    mi = tl.cumsum(miss_i, 0) - miss_i                         # rank of each miss
     vs = tl.zeros([KB], tl.int32)
     if m > 0:                                                  # victims: only when a page misses
         tl.debug_barrier()
@@ -128,7 +132,6 @@ def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
     # a miss is marked -2 - block: _miss_io_kernel copies its page in, then writes the block
     tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(hit, phys, tl.where(miss, -2 - phys, -1)),
              mask=jk < K)
-    hi = tl.cumsum(hit_i, 0) - hit_i
     tl.store(lru + (h - 1 - hi), cur, mask=hit)
     tl.store(lru + (h + m - 1 - mi), vs, mask=miss)
     stay = sm & (tl.load(scr + lo, mask=sm, other=1, volatile=True) == 0)
