@@ -131,7 +131,7 @@ def compute(args) -> dict:
                 **vllm_lines(b_blocks, cap.baseline_blocks(mml, P))}
 
     # hisparse: KV budget minus the Quest rows
-    row = cap.quest_meta_bytes(m, mml, P, args.dense_layers)
+    row = cap.indexer_row_bytes("quest", m, mml, P, args.dense_layers)
     h_bpr = cap.hisparse_blocks(args.context, P, S, sparse)
     host_layers = len(cfg.host_pool_layers(m.num_layers))     # the sparse ones with a dense pool
     host_pages = cap.host_pool_pages(host, m, P, host_layers)

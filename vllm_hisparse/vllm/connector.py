@@ -100,7 +100,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                 worker_state.runtime = SparseRuntime(
                     self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
                     mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
-                    host_pages=self.capacity, quest_meta=worker_state.quest_meta,
+                    host_pages=self.capacity, indexer_state=worker_state.indexer_state,
                     dense_pool=worker_state.dense_pool)
             except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
                 raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib, e.pinned,
