@@ -13,6 +13,7 @@ from vllm_hisparse.core.indexers.base import Indexer
 
 _PATHS = {
     "quest": "vllm_hisparse.core.indexers.quest.indexer:QuestIndexer",
+    "dsa": "vllm_hisparse.core.indexers.dsa.indexer:DSAIndexer",
 }
 NAMES = tuple(_PATHS)
 
