@@ -68,8 +68,8 @@ class ModelShape:
             with open(path) as f:
                 cfg = json.load(f)
         if "kv_lora_rank" in cfg:
-            raise ValueError("MLA models (kv_lora_rank in config) are not supported by this "
-                             "calculator yet; it covers GQA/MHA decoders (Llama/Qwen/Mistral style)")
+            raise ValueError("MLA models (kv_lora_rank in config) have their own shape "
+                             "(core/capacity_mla.MLAShape); this one covers GQA/MHA decoders")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         name = (dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bf16").lower()
