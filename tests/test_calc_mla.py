@@ -2,7 +2,7 @@
 hand computation here: per token per layer 576 bf16 latent values (1152 B) and 128 fp8 indexer
 values + one fp32 scale (132 B); stock keeps both in one KV-cache group of 64-token blocks;
 the docs/dsa.md design keeps the indexer K (+ a 16 B stub) in vLLM's blocks and the latent in
-a plugin pool: (B + newest) rows per request + full-length prefill regions."""
+a plugin pool: (B + newest) rows per request (+ RESOLVE's tables) + full-length prefill regions."""
 import json
 import subprocess
 import sys
@@ -67,10 +67,12 @@ def test_calc_against_a_hand_computation(v32_dir, context, B, newest, slots, gpu
     assert b["vllm_max_concurrency"] == pytest.approx((gpu // blk) / cdiv(mml, 64))
     # hisparse: per request indexer K blocks + (B + newest) latent rows; host: every latent row
     h = r["hisparse"]
-    per_req = cdiv(context, 64) * 64 * L * (INDEX + STUB) + L * (B + newest) * LATENT
-    assert h["gpu_bytes_per_request"] == per_req
+    # a row set: the latent rows + RESOLVE's int32 tables (token->slot per layer, slot->token and
+    # LRU order per layer, token->host row once)
+    row_set = L * (B + newest) * LATENT + 4 * (L * mml + L * 2 * (B + newest) + mml)
+    region = slots * L * mml * LATENT
+    assert h["gpu_bytes_per_request"] == cdiv(context, 64) * 64 * L * (INDEX + STUB) + row_set
     assert h["host_bytes_per_request"] == cdiv(context, page) * page * L * LATENT
-    row_set, region = L * (B + newest) * LATENT, slots * L * mml * LATENT
     n_host = int(host_gib * GIB) // h["host_bytes_per_request"]
 
     def fits(n):            # n requests: their row sets reserved, their indexer K in the rest

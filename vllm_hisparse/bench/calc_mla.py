@@ -44,7 +44,7 @@ def compute(args, hf: dict) -> dict:
 
     # hisparse: minus the prefill regions and one latent row set per request admitted at once
     newest = args.newest_rows
-    row = mla.latent_row_set_bytes(m, args.buffer, newest)
+    row = mla.latent_row_set_bytes(m, args.buffer, newest, mml)
     fixed = args.prefill_slots * mla.prefill_region_bytes(m, mml)
     n_host = host // (-(-args.context // args.page_size) * mla.host_page_bytes(m, args.page_size))
 
@@ -63,7 +63,7 @@ def compute(args, hf: dict) -> dict:
     h_blocks = mla.hisparse_num_blocks(kv, m)
     hconc = h_blocks / blocks
     hisparse = {"gpu_bytes_per_request": mla.hisparse_gpu_bytes(m, args.context, args.buffer,
-                                                                newest),
+                                                                newest, mml),
                 "host_bytes_per_request": tp * mla.hisparse_host_bytes(m, args.context,
                                                                        args.page_size),
                 "max_requests": n_h, "bound_by": by_h, "latent_rows_per_request": args.buffer + newest,

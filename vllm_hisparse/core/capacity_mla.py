@@ -19,7 +19,9 @@ it:
 
 * ``rows`` latent-row sets of ``B + newest`` rows per layer (B = device_buffer_size hot slots,
   ``newest``: rows of the newest tokens not yet placed in a slot), one per decoding request that
-  may be sparse (the analogue of Quest's rows: admission never lets more in);
+  may be sparse (the analogue of Quest's rows: admission never lets more in), each with its
+  RESOLVE state: per layer the token -> slot table (``max_model_len`` int32) and the slot -> token
+  and LRU order (2 x S int32), and one token -> host row table (``max_model_len`` int32);
 * ``prefill_slots`` full-length regions of ``max_model_len`` rows per layer: a request's latent
   stays whole on the GPU during its prefill (its chunks attend top-k anywhere in the prompt);
 * the host pool holds every latent row of a sparse request (pages of ``page_size`` tokens).
@@ -94,9 +96,12 @@ def hisparse_num_blocks(kv_bytes: int, m: MLAShape) -> int:
     return max(kv_bytes // index_block_bytes(m), 0)
 
 
-def latent_row_set_bytes(m: MLAShape, buffer: int, newest: int) -> int:
-    """The plugin pool's rows of one decoding request: (B + newest) latent rows, every layer."""
-    return m.num_layers * (buffer + newest) * m.latent_bytes
+def latent_row_set_bytes(m: MLAShape, buffer: int, newest: int, max_model_len: int) -> int:
+    """What one decoding request reserves on the GPU besides vLLM's blocks: (B + newest) latent
+    rows of every layer, and the RESOLVE state of its B slots (int32 tables, see above)."""
+    S = buffer + newest
+    resolve = m.num_layers * (max_model_len + 2 * S) * 4 + max_model_len * 4
+    return m.num_layers * S * m.latent_bytes + resolve
 
 
 def prefill_region_bytes(m: MLAShape, max_model_len: int) -> int:
@@ -104,10 +109,11 @@ def prefill_region_bytes(m: MLAShape, max_model_len: int) -> int:
     return m.num_layers * max_model_len * m.latent_bytes
 
 
-def hisparse_gpu_bytes(m: MLAShape, context: int, buffer: int, newest: int) -> int:
+def hisparse_gpu_bytes(m: MLAShape, context: int, buffer: int, newest: int,
+                       max_model_len: int) -> int:
     """GPU bytes of one decoding sparse request: its indexer K blocks + its latent row set."""
     return (cdiv(context, MLA_BLOCK) * index_block_bytes(m)
-            + latent_row_set_bytes(m, buffer, newest))
+            + latent_row_set_bytes(m, buffer, newest, max_model_len))
 
 
 def host_page_bytes(m: MLAShape, page_size: int) -> int:
