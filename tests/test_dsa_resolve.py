@@ -27,10 +27,13 @@ H_MLA = 4                      # attention heads of one rank (DeepSeek-V3.2: 128
 POISON_ROWS = 5                # hot-buffer rows owned by no slot: must stay as they were
 
 
-def episode(select, dev, K, S, starts, steps, seed, pinned_host=False):
+def episode(select, dev, K, S, starts, steps, seed, pinned_host=False, attend=sparse_mla_decode,
+            heads=H_MLA):
     """One episode: requests with contexts ``starts`` (some > S so that they miss, one may be
     < K) each decode ``steps`` tokens; every step one decode batch of len(starts) rows + one
-    padding row goes through ``select`` (select_resolve's signature). Returns (hits, misses)."""
+    padding row goes through ``select`` (select_resolve's signature), and ``attend``
+    (sparse_mla_decode's signature) over the hot slots must equal it over the resident rows.
+    Returns (hits, misses)."""
     g = torch.Generator().manual_seed(seed)
     R = len(starts)
     N, M = R + 1, R + 2                              # batch rows (last: padding), runtime rows
@@ -102,13 +105,13 @@ def episode(select, dev, K, S, starts, steps, seed, pinned_host=False):
             assert sorted(x for x in sel[i].tolist() if x >= 0) == sorted(
                 x for x in want[i].tolist() if x >= 0), (step, i)
         # attention over the hot slots == over the resident latent KV, bit for bit
-        ql = torch.randn(R, H_MLA, 512, generator=g).to(torch.bfloat16)
-        qpe = torch.randn(R, H_MLA, 64, generator=g).to(torch.bfloat16)
+        ql = torch.randn(R, heads, 512, generator=g).to(torch.bfloat16)
+        qpe = torch.randn(R, heads, 64, generator=g).to(torch.bfloat16)
         res_idx = torch.where(sel[:R] >= 0, sel[:R] + torch.arange(R)[:, None] * C, -1)
         assert torch.equal(kvc[locs[:R].long().clamp(min=0)][sel[:R] >= 0],
                            full[res_idx.long().clamp(min=0)][sel[:R] >= 0]), "wrong latent rows"
-        got = sparse_mla_decode(ql, qpe, kvc, locs[:R], scale)
-        ref = sparse_mla_decode(ql, qpe, full, res_idx, scale)
+        got = attend(to(ql), to(qpe), kv_d, locs_d[:R], scale)
+        ref = attend(to(ql), to(qpe), to(full), to(res_idx.int()), scale)
         assert torch.equal(got, ref), step
         assert torch.equal(kvc[N * S:], poison), "a row owned by no slot was written"
         su_c = state[0].cpu()
@@ -156,9 +159,47 @@ def test_resolve_episode_triton_interpreter():
     run_cases("test_dsa_resolve")
 
 
+def fa3_sparse_mla(ql, q_pe, kv, idx, scale):
+    """vLLM 0.26's FLASH_ATTN_MLA_SPARSE call (flashattn_mla_sparse.py forward_mqa) on latent rows
+    kv (M, 576) with global row indices idx (R, K), valid entries first."""
+    from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
+    R = ql.shape[0]
+    return flash_attn_varlen_func(
+        q=q_pe, k=kv[:, 512:].view(-1, 1, 1, 64), v=kv[:, :512].view(-1, 1, 1, 512), q_v=ql,
+        max_seqlen_q=1, cu_seqlens_q=torch.arange(R + 1, dtype=torch.int32, device=ql.device),
+        max_seqlen_k=idx.shape[1], seqused_k=(idx >= 0).sum(1).int(), block_table=idx.int(),
+        softmax_scale=scale, causal=True, fa_version=3)
+
+
 @pytest.mark.cuda
-def test_resolve_episode_gpu():
-    """The Triton kernel on the GPU, the host pool pinned (read through its UVA alias)."""
+@pytest.mark.parametrize("attend", ["reference", "fa3"])
+def test_resolve_episode_gpu(attend):
+    """The Triton kernel on the GPU, the host pool pinned (read through its UVA alias); attention
+    by the reference or by vLLM's own FA3 sparse MLA call (128 heads: DeepSeek-V3.2 at TP 1)."""
+    fn, heads = (sparse_mla_decode, H_MLA) if attend == "reference" else (fa3_sparse_mla, 128)
     hits, misses = episode(decode_ops.select_resolve, "cuda", K=2048, S=2560,
-                           starts=[32768, 9000, 1500], steps=4, seed=3, pinned_host=True)
+                           starts=[32768, 9000, 1500], steps=4, seed=3, pinned_host=True,
+                           attend=fn, heads=heads)
     assert misses > 0 and hits > 0
+
+
+@pytest.mark.cuda
+def test_fa3_sparse_mla_matches_the_reference():
+    """vLLM's FA3 sparse MLA vs the plain-torch reference, both against fp64: FA3's error at most
+    2x that of the same computation in torch bf16 (+ a floor for exact ties)."""
+    g = torch.Generator().manual_seed(9)
+    R, H, N, K = 5, 128, 4000, 2048
+    kv = torch.randn(N, 576, generator=g).to(torch.bfloat16).cuda()
+    ql = torch.randn(R, H, 512, generator=g).to(torch.bfloat16).cuda()
+    qpe = torch.randn(R, H, 64, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(R)]).int().cuda()
+    idx[1, 1000:] = -1
+    scale = 192 ** -0.5
+    truth = sparse_mla_decode(ql.double(), qpe.double(), kv.double(), idx, scale)
+    fa = fa3_sparse_mla(ql, qpe, kv, idx, scale).double()
+    c = kv[idx.long().clamp(min=0)]                                  # torch, all in bf16
+    s = (torch.einsum("rhl,rkl->rhk", ql, c[..., :512]) + torch.einsum(
+        "rhd,rkd->rhk", qpe, c[..., 512:])) * scale
+    p = torch.softmax(s.masked_fill((idx < 0)[:, None], float("-inf")), -1)
+    tb = torch.einsum("rhk,rkl->rhl", p, c[..., :512]).double()
+    assert (fa - truth).abs().max() <= 2 * (tb - truth).abs().max() + 1e-3
