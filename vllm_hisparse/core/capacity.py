@@ -35,6 +35,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from vllm_hisparse.core import indexers
+
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4, "float32": 4,
                "float": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
@@ -143,7 +145,6 @@ def indexer_row_bytes(indexer: str, m: ModelShape, max_model_len: int, page_size
     """The indexer's state of one runtime row (``worker_state.ensure_indexer_state``;
     ``Indexer.row_bytes``: Quest's key min and max per page of every KV head,
     ``cdiv(max_model_len, page)`` pages, every sparse layer, model dtype)."""
-    from vllm_hisparse.core import indexers
     return indexers.get(indexer).row_bytes(m.num_layers - dense_layers, m.num_kv_heads,
                                            m.head_dim, m.dtype_bytes, max_model_len, page_size)
 
