@@ -131,6 +131,28 @@ def _ref_select(scores, seq, full, k, bt, sel, locs, **kw):
     decode_ops.select_resolve(scores, seq, full, k, bt, sel, locs, **kw)
 
 
+def _ref_resolve_given(scores, seq, full, k, bt, sel, locs, hot, rows, state, host_pt, host, kv,
+                       counts):
+    """RESOLVE fed with the indexer's own selection in its own order (what the GPU hook gets
+    from vLLM, docs/dsa.md section 4): reference.resolve_lru on indexer_topk's rows."""
+    live = torch.nonzero(seq > 0)[:, 0]
+    given = indexer_topk(scores, seq, k)               # descending logit, -1 after
+    sel[live] = given[live]
+    S = state[0].shape[1]
+    sel_h, su, us, lru = reference.take_hot_rows(given, live, rows, *state, counts)
+    out = torch.empty_like(sel_h)
+    reference.resolve_lru(sel_h, su, us, lru, bt[live, :S].int(), kv, host, host_pt[rows[live]],
+                          out)
+    reference.put_hot_rows(locs, live, rows, out, su, us, lru, *state)
+
+
+def test_resolve_episode_given_selection_order():
+    """The selection as vLLM's indexer hands it over (not sorted): hot == resident still."""
+    hits, misses = episode(_ref_resolve_given, "cpu", K=2048, S=2560, starts=[4000, 3100, 1500],
+                           steps=3, seed=2)
+    assert misses > 0 and hits > 0
+
+
 def test_resolve_episode_reference_top2048():
     """top_k 2048, hot buffer 2560 rows, contexts of 1500 (fits, never misses) to 4000."""
     assert decode_ops.select_resolve is not None and reference.select_resolve is not None
