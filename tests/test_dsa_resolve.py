@@ -20,6 +20,7 @@ from vllm_hisparse.core import indexers
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.ops import decode_ops, reference
 from vllm_hisparse.ops.dsa_indexer import indexer_topk
+from vllm_hisparse.ops.resolve_given import resolve_given, resolve_given_reference
 from vllm_hisparse.ops.sparse_mla import LATENT_ROW, LATENT_ROW_BYTES, sparse_mla_decode
 
 H_IDX, D_IDX = 8, 128          # indexer heads (DeepSeek-V3.2: 64) and index_head_dim
@@ -131,25 +132,21 @@ def _ref_select(scores, seq, full, k, bt, sel, locs, **kw):
     decode_ops.select_resolve(scores, seq, full, k, bt, sel, locs, **kw)
 
 
-def _ref_resolve_given(scores, seq, full, k, bt, sel, locs, hot, rows, state, host_pt, host, kv,
-                       counts):
-    """RESOLVE fed with the indexer's own selection in its own order (what the GPU hook gets
-    from vLLM, docs/dsa.md section 4): reference.resolve_lru on indexer_topk's rows."""
-    live = torch.nonzero(seq > 0)[:, 0]
-    given = indexer_topk(scores, seq, k)               # descending logit, -1 after
-    sel[live] = given[live]
-    S = state[0].shape[1]
-    sel_h, su, us, lru = reference.take_hot_rows(given, live, rows, *state, counts)
-    out = torch.empty_like(sel_h)
-    reference.resolve_lru(sel_h, su, us, lru, bt[live, :S].int(), kv, host, host_pt[rows[live]],
-                          out)
-    reference.put_hot_rows(locs, live, rows, out, su, us, lru, *state)
+def given(resolve):
+    """select_resolve's signature over ``resolve`` (resolve_given's): the rows' selection is the
+    indexer's own top-k in its own order (what the GPU hook gets from vLLM, docs/dsa.md
+    section 4), not select_resolve's ascending one."""
+    def select(scores, seq, full, k, bt, sel, locs, hot, rows, state, host_pt, host, kv, counts):
+        mine = indexer_topk(scores.cpu(), seq.cpu(), k).to(sel.device)   # descending logit
+        sel.copy_(torch.where((seq > 0)[:, None], mine, sel))
+        resolve(sel, seq, bt, locs, hot, rows, state, host_pt, host, kv, counts)
+    return select
 
 
 def test_resolve_episode_given_selection_order():
     """The selection as vLLM's indexer hands it over (not sorted): hot == resident still."""
-    hits, misses = episode(_ref_resolve_given, "cpu", K=2048, S=2560, starts=[4000, 3100, 1500],
-                           steps=3, seed=2)
+    hits, misses = episode(given(resolve_given_reference), "cpu", K=2048, S=2560,
+                           starts=[4000, 3100, 1500], steps=3, seed=2)
     assert misses > 0 and hits > 0
 
 
@@ -171,9 +168,18 @@ def run_interpreter_cases():
                      for s in dops.workspace_shapes(scores.shape[0], k, kw["state"][0].shape[1]))
         triton_select.select_resolve(scores, seq, full, k, bt, sel, locs, *work, **kw)
 
+    from vllm_hisparse.ops import triton_resolve_given as trg
+    from vllm_hisparse.ops.resolve_given import workspace_shapes
+
+    def tri_given(sel, seq, bt, locs, hot, rows, state, host_pt, host, kv, counts):
+        work = tuple(torch.empty(s, dtype=torch.int32)
+                     for s in workspace_shapes(sel.shape[0], sel.shape[1], state[0].shape[1]))
+        trg.resolve_given(sel, seq, bt, locs, *work, hot, rows, state, host_pt, host, kv, counts)
+
     for seed, (K, S, starts) in enumerate([(64, 80, [200, 130, 50]), (32, 33, [97, 33, 31])]):
-        hits, misses = episode(tri, "cpu", K, S, starts, steps=3, seed=10 + seed)
-        assert misses > 0 and hits > 0
+        for fn in (tri, given(tri_given)):
+            hits, misses = episode(fn, "cpu", K, S, starts, steps=3, seed=10 + seed)
+            assert misses > 0 and hits > 0
     print("interpreter ok")
 
 
@@ -195,11 +201,14 @@ def fa3_sparse_mla(ql, q_pe, kv, idx, scale):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("attend", ["reference", "fa3"])
-def test_resolve_episode_gpu(attend):
-    """The Triton kernel on the GPU, the host pool pinned (read through its UVA alias); attention
-    by the reference or by vLLM's own FA3 sparse MLA call (128 heads: DeepSeek-V3.2 at TP 1)."""
+@pytest.mark.parametrize("resolve", ["select_resolve", "resolve_given"])
+def test_resolve_episode_gpu(attend, resolve):
+    """The Triton kernels on the GPU, the host pool pinned (read through its UVA alias): top-k +
+    RESOLVE over the logits, or RESOLVE of the indexer's own selection; attention by the
+    reference or by vLLM's own FA3 sparse MLA call (128 heads: DeepSeek-V3.2 at TP 1)."""
     fn, heads = (sparse_mla_decode, H_MLA) if attend == "reference" else (fa3_sparse_mla, 128)
-    hits, misses = episode(decode_ops.select_resolve, "cuda", K=2048, S=2560,
+    sel_fn = decode_ops.select_resolve if resolve == "select_resolve" else given(resolve_given)
+    hits, misses = episode(sel_fn, "cuda", K=2048, S=2560,
                            starts=[32768, 9000, 1500], steps=4, seed=3, pinned_host=True,
                            attend=fn, heads=heads)
     assert misses > 0 and hits > 0
