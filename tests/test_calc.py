@@ -148,7 +148,7 @@ def test_capacity_helpers():
     assert m.block_bytes(16) == 16 * TOK * L
     assert cap.hisparse_blocks(32768, 16, 64) == 65 and cap.hisparse_blocks(100, 16, 64) == 7
     assert cap.hisparse_blocks(32768, 16, 64, sparse=False) == 2048
-    assert cap.quest_meta_bytes(m, 32768, 16, 2) == 240 * MIB
+    assert cap.indexer_row_bytes("quest", m, 32768, 16, 2) == 240 * MIB
     assert cap.max_requests({"gpu": 5, "host": None, "max_num_seqs": 5}) == (5, "gpu")
     assert cap.max_requests({"gpu": 5, "host": 3, "max_num_seqs": None}) == (3, "host")
 

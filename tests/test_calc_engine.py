@@ -85,7 +85,7 @@ def probe(model: str, out: str) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     (o,) = llm.generate([{"prompt_token_ids": [3 + i % 500 for i in range(PROMPT)]}], sp,
                         use_tqdm=False)
-    kmin, kmax = worker_state.quest_meta
+    kmin, kmax = worker_state.indexer_state
     quest = [t for t in kmin + kmax if t is not None]
     res = {
         "num_blocks": kvc.num_blocks, "num_layers": len(group.layer_names),

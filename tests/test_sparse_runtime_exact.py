@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core import sparse_layer as sl
+from vllm_hisparse.ops.quest_update import quest_update_pages
 from vllm_hisparse.core.residency import freed_pages
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 from vllm_hisparse.ops import reference
@@ -208,7 +208,7 @@ def test_quest_update_pages_equals_reference():
     rows, pos = torch.cat(rows), torch.cat(pos)
     k = torch.randn(len(pos), HKV, D, generator=g)
     reference.quest_update(ref_min, ref_max, rows, pos, k, P)
-    sl.quest_update_pages(mn, mx, torch.cat(qp), torch.cat(qn), torch.cat(qtp), k)
+    quest_update_pages(mn, mx, torch.cat(qp), torch.cat(qn), torch.cat(qtp), k)
     assert torch.equal(mn, ref_min) and torch.equal(mx, ref_max)
 
 
@@ -224,14 +224,14 @@ def test_quest_rows_only_for_sparse_requests():
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, min_context=40,
                          host_pool_gib=0.01, quest_rows=1)
     d = Driver(cfg)
-    assert d.rt.kmin[2].shape[0] == 2                   # 1 row + the scratch row (layer 0 dense)
+    assert d.rt.ix.kmin[2].shape[0] == 2                   # 1 row + the scratch row (layer 0 dense)
     d.add("long", 100)
     d.add("short", 10)
-    with pytest.raises(RuntimeError, match="no free Quest row .*quest_rows=1"):
+    with pytest.raises(RuntimeError, match="no free indexer row .*quest_rows=1"):
         d.add("long2", 100)
     assert d.rt.finish("long")
     d.add("long2", 100)
-    assert d.rt.reqs["long2"].qrow == 0
+    assert d.rt.reqs["long2"].irow == 0
 
 
 def test_host_pool_holds_sparse_layers_only_with_a_dense_pool():
@@ -309,7 +309,7 @@ def _switch_run(host_tier: bool, full: bool, dense_pool_gib: float = 0.0):
         if seq != 40:
             continue
         turned_at = seq
-        assert d.rt.stats["turned_sparse"] == 1 and r.qrow >= 0
+        assert d.rt.stats["turned_sparse"] == 1 and r.irow >= 0
         for layer in range(L):
             # positions 0..38 as they were in the cache, 39 the switch step's own token
             kv39 = before[layer].transpose(1, 2).reshape(40, 2, HKV, D)[:39]
@@ -326,8 +326,8 @@ def _switch_run(host_tier: bool, full: bool, dense_pool_gib: float = 0.0):
                 assert torch.equal(keys[:39], kv39[:, 0])
             if layer not in cfg.dense_layers:                  # Quest bounds of every page
                 pages = keys.view(5, P, HKV, D)
-                assert torch.equal(d.rt.kmin[layer][r.qrow, :5], pages.amin(1)), layer
-                assert torch.equal(d.rt.kmax[layer][r.qrow, :5], pages.amax(1)), layer
+                assert torch.equal(d.rt.ix.kmin[layer][r.irow, :5], pages.amin(1)), layer
+                assert torch.equal(d.rt.ix.kmax[layer][r.irow, :5], pages.amax(1)), layer
     stats = d.rt.stats_dict()
     assert d.rt.finish("grow") and d.rt.host_pages_used == 0
     assert d.rt.stats_dict()["dense_pool_pages_used"] == 0

@@ -66,7 +66,7 @@ def test_unpinned_pool_is_unchanged():
 
 
 # ---- Quest page bounds --------------------------------------------------------------------------
-ROW = cap.quest_meta_bytes(LLAMA3_8B, 32768, 16, 2)             # 240 MiB per sequence
+ROW = cap.indexer_row_bytes("quest", LLAMA3_8B, 32768, 16, 2)             # 240 MiB per sequence
 
 
 def test_quest_budget_is_half_of_what_vllm_may_use():
@@ -80,21 +80,21 @@ def test_quest_reservation_names_flags_and_largest_fit():
     budget = cap.reservation_budget_bytes(H200["free"], H200["total"], 0.9)
     assert ROW == 240 * MIB
     with pytest.raises(ValueError) as e:
-        cap.check_quest_reservation(1024, ROW, budget, 32768, 16)    # vLLM's default on an H200
+        cap.check_indexer_reservation(1024, ROW, budget, 32768, 16)    # vLLM's default on an H200
     assert str(e.value) == (
         "hisparse: the Quest page bounds for max_num_seqs=1024 sequences of max_model_len=32768 "
         "tokens (page_size=16) need 240.23 GiB of GPU memory (240.0 MiB per sequence), more than "
         "the 62.50 GiB allowed (50% of the GPU memory vLLM may still use); set the hisparse config's "
         "quest_rows to 265 (the most within that limit: long requests beyond it wait) or lower "
         "--max-num-seqs or --max-model-len")                          # + the scratch row
-    cap.check_quest_reservation(265, ROW, budget, 32768, 16)         # the suggestion fits
+    cap.check_indexer_reservation(265, ROW, budget, 32768, 16)         # the suggestion fits
     with pytest.raises(ValueError, match="quest_rows to 265 "):
-        cap.check_quest_reservation(266, ROW, budget, 32768, 16)
+        cap.check_indexer_reservation(266, ROW, budget, 32768, 16)
 
 
 def test_quest_reservation_when_not_one_sequence_fits():
     with pytest.raises(ValueError, match=r"lower --max-model-len \(not even one sequence fits\)$"):
-        cap.check_quest_reservation(1, ROW, ROW - 1, 32768, 16)
+        cap.check_indexer_reservation(1, ROW, ROW - 1, 32768, 16)
 
 
 @pytest.fixture
@@ -102,30 +102,30 @@ def worker_state(monkeypatch):
     pytest.importorskip("vllm")
     from vllm_hisparse.vllm import worker_state as ws
 
-    monkeypatch.setattr(ws, "quest_meta", None)
+    monkeypatch.setattr(ws, "indexer_state", None)
     return ws
 
 
-def test_ensure_quest_meta_fails_before_allocating(worker_state, monkeypatch):
+def test_ensure_indexer_state_fails_before_allocating(worker_state, monkeypatch):
     """On CUDA the check runs before any tensor is made (a fake device: none exists here)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated before the check"))
     with pytest.raises(ValueError, match=r"max_num_seqs=1024 .* 240\.23 GiB .*quest_rows to 265 "):
-        worker_state.ensure_quest_meta(HiSparseConfig(), 32, 1024, 32768, 8, 128, torch.bfloat16,
+        worker_state.ensure_indexer_state(HiSparseConfig(), 32, 1024, 32768, 8, 128, torch.bfloat16,
                                        gpu_memory_utilization=0.9)
-    assert worker_state.quest_meta is None
+    assert worker_state.indexer_state is None
 
 
-def test_ensure_quest_meta_logs_the_reservation(worker_state, monkeypatch):
+def test_ensure_indexer_state_logs_the_reservation(worker_state, monkeypatch):
     lines = []
     monkeypatch.setattr(worker_state.logger, "info", lambda fmt, *a: lines.append(fmt % a))
     cfg = HiSparseConfig(top_k=16, device_buffer_size=16, page_size=16, dense_layers=(0,))
-    worker_state.ensure_quest_meta(cfg, 3, 4, 100, 2, 8, torch.float32)
-    kmin, kmax = worker_state.quest_meta
+    worker_state.ensure_indexer_state(cfg, 3, 4, 100, 2, 8, torch.float32)
+    kmin, kmax = worker_state.indexer_state
     assert kmin[0] is None and kmin[1].shape == kmax[2].shape == (5, 7, 2, 8)   # + scratch row
-    row = cap.quest_meta_bytes(cap.ModelShape(3, 2, 8, 4), 100, 16, 1)
+    row = cap.indexer_row_bytes("quest", cap.ModelShape(3, 2, 8, 4), 100, 16, 1)
     assert sum(t.numel() * 4 for t in kmin + kmax if t is not None) == 5 * row
     assert lines == [f"hisparse: Quest page bounds reserve {5 * row / GIB:.2f} GiB on cpu "
                      f"(max_num_seqs=4 + 1 scratch row x {row / MIB:.1f} MiB: 7 pages x 2 sparse "
@@ -140,14 +140,14 @@ def test_quest_rows_sizes_the_reservation(worker_state, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated before the check"))
     with pytest.raises(ValueError, match=r"quest_rows=300 .*quest_rows to 265 "):
-        worker_state.ensure_quest_meta(HiSparseConfig(quest_rows=300), 32, 1024, 32768, 8, 128,
+        worker_state.ensure_indexer_state(HiSparseConfig(quest_rows=300), 32, 1024, 32768, 8, 128,
                                        torch.bfloat16, gpu_memory_utilization=0.9)
     monkeypatch.undo()
-    monkeypatch.setattr(worker_state, "quest_meta", None)
+    monkeypatch.setattr(worker_state, "indexer_state", None)
     cfg = HiSparseConfig(top_k=16, device_buffer_size=16, page_size=16, dense_layers=(0,),
                          quest_rows=2)
-    worker_state.ensure_quest_meta(cfg, 3, 1024, 100, 2, 8, torch.float32)
-    kmin, _ = worker_state.quest_meta
+    worker_state.ensure_indexer_state(cfg, 3, 1024, 100, 2, 8, torch.float32)
+    kmin, _ = worker_state.indexer_state
     assert kmin[1].shape == (3, 7, 2, 8)                               # 2 rows + the scratch row
 
 

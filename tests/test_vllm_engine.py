@@ -245,7 +245,7 @@ def test_quest_rows_full_requests_wait(tmp_path):
     model = make_tiny_model()
     res = generate(tmp_path, model, dict(CFG, min_context=MIN_CONTEXT, quest_rows=1),
                    [prompts()], "questrows")
-    assert "Quest rows full" in res["log"]
+    assert "indexer rows full" in res["log"]
     assert res["stats"]["full_steps"] > 0
     assert [len(b["tokens"]) for b in res["batches"][0]] == [MAX_TOKENS] * len(PROMPT_LENS)
     assert res["stats"]["host_pages_used"] == 0 and res["stats"]["finished"] == len(PROMPT_LENS)

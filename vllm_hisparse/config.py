@@ -30,7 +30,8 @@ class HiSparseConfig:
     device_buffer_size: B, hot-buffer tokens kept on the GPU per request per layer; >= top_k and a
         multiple of the selection unit (page_size for page indexers, 1 for token indexers).
     page_size: tokens per selection unit for page/block indexers (Quest/NSA) and per host-pool page.
-    indexer: "quest" (page-level, any Llama/Qwen-style model) or "dsa" (token-level).
+    indexer: "quest" (page-level, any Llama/Qwen-style model) or "dsa" (token-level); the class
+        comes from the registry in core/indexers (vLLM serves "quest" only, docs/dsa.md).
     host_pool_gib: pinned host memory for the authoritative KV of every request.
     io_chunk_bytes: bytes one GPU thread moves per load loop when fetching misses from host.
     policy: hot-buffer replacement policy (see vllm_hisparse.core.policies.available()).

@@ -7,13 +7,17 @@ implements it today (the formulas and what they model: ``vllm_hisparse.core.capa
 
 It also prints the two capacity lines vLLM logs at startup ("GPU KV cache size", "Maximum
 concurrency"), computed the way vLLM computes them, so the two can be compared line by line.
+A config with ``kv_lora_rank`` (MLA) and ``index_topk`` (DSA: DeepSeek-V3.2) goes to
+bench/calc_mla.py: stock FLASH_ATTN_MLA_SPARSE vs the design of docs/dsa.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.bench import calc_mla
 from vllm_hisparse.core import capacity as cap
 from vllm_hisparse.core.residency import may_turn_sparse
 
@@ -82,19 +86,35 @@ def add_arguments(p):
                    help="vLLM --tensor-parallel-size N: each GPU holds 1/N of the KV heads "
                         "(--gpu-kv-gib and --dense-pool-gib are per GPU); --host-gib is the "
                         "engine's total host pool, each rank pinning 1/N (default 1)")
+    p.add_argument("--newest-rows", type=int, default=0,
+                   help="MLA/DSA: latent rows per request per layer besides the B hot slots "
+                        "(default 0: docs/dsa.md writes the newest token through to the host)")
+    p.add_argument("--prefill-slots", type=int, default=1,
+                   help="MLA/DSA: full-length latent regions for prompts in prefill (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _hf_config(path: str) -> dict:
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"--model {path}: no config.json there (give a HF model directory "
+                         f"or its config.json)") from None
+
+
 def compute(args) -> dict:
+    hf = _hf_config(args.model)
+    if "kv_lora_rank" in hf:
+        return calc_mla.compute(args, hf)
     mml = args.max_model_len or args.context
     cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=args.page_size,
                          host_pool_gib=args.host_gib, dense_layers=tuple(range(args.dense_layers)),
                          min_context=args.min_context, dense_pool_gib=args.dense_pool_gib)
     try:
-        m = cap.ModelShape.from_hf_config(args.model, args.dtype)
-    except FileNotFoundError:
-        raise SystemExit(f"--model {args.model}: no config.json there (give a HF model directory "
-                         f"or its config.json)") from None
+        m = cap.ModelShape.from_hf_config(hf, args.dtype)
     except (ValueError, KeyError) as e:
         raise SystemExit(f"--model {args.model}: {e}") from None
     tp = args.tensor_parallel_size
@@ -131,7 +151,7 @@ def compute(args) -> dict:
                 **vllm_lines(b_blocks, cap.baseline_blocks(mml, P))}
 
     # hisparse: KV budget minus the Quest rows
-    row = cap.quest_meta_bytes(m, mml, P, args.dense_layers)
+    row = cap.indexer_row_bytes("quest", m, mml, P, args.dense_layers)
     h_bpr = cap.hisparse_blocks(args.context, P, S, sparse)
     host_layers = len(cfg.host_pool_layers(m.num_layers))     # the sparse ones with a dense pool
     host_pages = cap.host_pool_pages(host, m, P, host_layers)
@@ -199,6 +219,9 @@ def run(args) -> int:
     b, h, mml = r["baseline"], r["hisparse"], r["max_model_len"]
     if args.json:
         print(json.dumps(r))
+        return 0
+    if r.get("model") == "mla-dsa":
+        calc_mla.report(args, r)
         return 0
     tp = r["tensor_parallel_size"]
     per_gpu = f" per GPU x {tp} GPUs" if tp > 1 else ""

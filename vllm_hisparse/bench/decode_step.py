@@ -51,9 +51,9 @@ class Setup:
                 n = min(tile.shape[0], flat.shape[0] - i)
                 flat[i:i + n] = tile[:n]
         for lay in range(self.L):
-            self.rt.kmin[lay].normal_(generator=g)
-            self.rt.kmax[lay].copy_(self.rt.kmin[lay] + torch.rand(
-                self.rt.kmin[lay].shape, device=dev, generator=g).to(torch.bfloat16))
+            self.rt.ix.kmin[lay].normal_(generator=g)
+            self.rt.ix.kmax[lay].copy_(self.rt.ix.kmin[lay] + torch.rand(
+                self.rt.ix.kmin[lay].shape, device=dev, generator=g).to(torch.bfloat16))
         self.ids = [f"r{i}" for i in range(rows)]
         for rid in self.ids:
             self.rt.add(rid, ctx)

@@ -5,6 +5,12 @@
 The KV footprint depends only on layers, KV heads and head_dim, so the benchmark model keeps the
 Llama-3-8B attention/MLP shapes but uses the tiny model's locally trained 512-token tokenizer (no
 model hub here); generated tokens stay decodable, and the embedding/LM head shrink by ~1 GB.
+
+DeepSeek-V3.2 (MLA + DSA indexer): ``deepseek-v3.2`` has the real config (61 layers; for
+``hisparse calc``, far too large to load on one GPU); ``deepseek-v3.2-l4`` keeps every attention and
+indexer dimension (so per-layer KV bytes are real) with 4 layers and 16 routed experts, small
+enough for one H200 with dummy weights. vLLM picks the ``deepseek_v32`` tokenizer mode for this
+architecture: serve these folders with ``--tokenizer-mode hf`` (they carry the tiny tokenizer).
 """
 from __future__ import annotations
 
@@ -20,10 +26,38 @@ SHAPES = {
                       rms_norm_eps=1e-5),
 }
 
+# DeepSeek-V3.2-Exp's config.json (attention, indexer, MoE, YaRN), less its fp8 quantization
+# (dummy weights are bf16) and vocabulary (the tiny tokenizer's)
+DEEPSEEK_V32 = dict(
+    architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64,
+    index_head_dim=128, index_topk=2048, n_routed_experts=256, n_shared_experts=1,
+    num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+    routed_scaling_factor=2.5, scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+    moe_layer_freq=1, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0,
+    max_position_embeddings=163840, num_nextn_predict_layers=1, attention_bias=False,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                      beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+MLA_SHAPES = {
+    "deepseek-v3.2": {},
+    "deepseek-v3.2-l4": dict(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16,
+                             n_group=4, topk_group=2),
+}
+
+
+def mla_config(name: str, vocab_size: int, max_len: int = 65536) -> dict:
+    """The config.json dict of an MLA shape (MLA_SHAPES)."""
+    return {**DEEPSEEK_V32, **MLA_SHAPES[name], "vocab_size": vocab_size,
+            "max_position_embeddings": max(max_len, 4096)}
+
 
 def build(name: str, out: str, max_len: int = 65536) -> str:
-    if name not in SHAPES:
-        raise SystemExit(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+    if name not in SHAPES and name not in MLA_SHAPES:
+        raise SystemExit(f"unknown shape {name!r}; choose one of "
+                         f"{', '.join([*SHAPES, *MLA_SHAPES])}")
     from transformers import LlamaConfig
 
     from vllm_hisparse import tiny_model
@@ -35,6 +69,10 @@ def build(name: str, out: str, max_len: int = 65536) -> str:
             if f.startswith(("tokenizer", "special_tokens")):
                 shutil.copy(os.path.join(tmp, f), out)
         vocab = json.load(open(os.path.join(tmp, "config.json")))["vocab_size"]
+    if name in MLA_SHAPES:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(mla_config(name, vocab, max_len), f, indent=2)
+        return out
     LlamaConfig(vocab_size=vocab, max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2,
                 tie_word_embeddings=False, torch_dtype="bfloat16", **SHAPES[name]).save_pretrained(out)
     return out

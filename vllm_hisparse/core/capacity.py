@@ -35,6 +35,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from vllm_hisparse.core import indexers
+
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp32": 4, "float32": 4,
                "float": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
@@ -68,8 +70,8 @@ class ModelShape:
             with open(path) as f:
                 cfg = json.load(f)
         if "kv_lora_rank" in cfg:
-            raise ValueError("MLA models (kv_lora_rank in config) are not supported by this "
-                             "calculator yet; it covers GQA/MHA decoders (Llama/Qwen/Mistral style)")
+            raise ValueError("MLA models (kv_lora_rank in config) have their own shape "
+                             "(core/capacity_mla.MLAShape); this one covers GQA/MHA decoders")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         name = (dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bf16").lower()
@@ -138,21 +140,23 @@ def _layer_pages(m: ModelShape, page_size: int, layers: int | None) -> int:
             layers * page_size * m.token_bytes_per_layer)
 
 
-def quest_meta_bytes(m: ModelShape, max_model_len: int, page_size: int, dense_layers: int) -> int:
-    """Quest bounds of one runtime row (``worker_state.ensure_quest_meta``): key min and max per page
-    of every KV head, ``cdiv(max_model_len, page)`` pages, every sparse layer; model dtype."""
-    return ((m.num_layers - dense_layers) * 2 * cdiv(max_model_len, page_size) * m.num_kv_heads
-            * m.head_dim * m.dtype_bytes)
+def indexer_row_bytes(indexer: str, m: ModelShape, max_model_len: int, page_size: int,
+                      dense_layers: int) -> int:
+    """The indexer's state of one runtime row (``worker_state.ensure_indexer_state``;
+    ``Indexer.row_bytes``: Quest's key min and max per page of every KV head,
+    ``cdiv(max_model_len, page)`` pages, every sparse layer, model dtype)."""
+    return indexers.get(indexer).row_bytes(m.num_layers - dense_layers, m.num_kv_heads,
+                                           m.head_dim, m.dtype_bytes, max_model_len, page_size)
 
 
-RESERVATION_SHARE = 0.5   # guess: one reservation (Quest bounds, dense pool) may take at most half
+RESERVATION_SHARE = 0.5   # guess: one reservation (indexer state, dense pool) may take at most half
                           # of what vLLM may still use at startup; the rest is for the weights,
                           # activations and the KV cache
 
 
 def reservation_budget_bytes(free_bytes: int, total_bytes: int,
                              gpu_memory_utilization: float | None = None) -> int:
-    """Most bytes one startup reservation (the Quest bounds, the dense pool) may take while the
+    """Most bytes one startup reservation (the indexer state, the dense pool) may take while the
     model is built: ``RESERVATION_SHARE`` of the GPU memory vLLM may still use, i.e. the free
     memory less the ``(1 - gpu_memory_utilization) x total`` that vLLM leaves to others (as if this
     process used all of ``total - free``)."""
@@ -162,10 +166,11 @@ def reservation_budget_bytes(free_bytes: int, total_bytes: int,
     return int(max(room, 0) * RESERVATION_SHARE)
 
 
-def check_quest_reservation(rows: int, row_bytes: int, budget_bytes: int, max_model_len: int,
-                            page_size: int, set_by: str = "max_num_seqs") -> None:
-    """Raise ValueError, naming the settings to change, when ``rows`` Quest rows of ``row_bytes``
-    (``quest_meta_bytes``), plus the runtime's scratch row, exceed ``budget_bytes``
+def check_indexer_reservation(rows: int, row_bytes: int, budget_bytes: int, max_model_len: int,
+                              page_size: int, set_by: str = "max_num_seqs",
+                              what: str = "Quest page bounds") -> None:
+    """Raise ValueError, naming the settings to change, when ``rows`` indexer rows of ``row_bytes``
+    (``indexer_row_bytes``; what: the indexer's ``state_name``), plus the runtime's scratch row, exceed ``budget_bytes``
     (``reservation_budget_bytes``). set_by: where ``rows`` came from ("max_num_seqs" or "quest_rows")."""
     need = (rows + 1) * row_bytes
     if need <= budget_bytes:
@@ -175,7 +180,7 @@ def check_quest_reservation(rows: int, row_bytes: int, budget_bytes: int, max_mo
            f"requests beyond it wait) or lower --max-num-seqs or --max-model-len" if fit else
            "lower --max-model-len (not even one sequence fits)")
     raise ValueError(
-        f"hisparse: the Quest page bounds for {set_by}={rows} sequences of max_model_len="
+        f"hisparse: the {what} for {set_by}={rows} sequences of max_model_len="
         f"{max_model_len} tokens (page_size={page_size}) need {need / (1 << 30):.2f} GiB of GPU "
         f"memory ({row_bytes / (1 << 20):.1f} MiB per sequence), more than the "
         f"{budget_bytes / (1 << 30):.2f} GiB allowed ({RESERVATION_SHARE:.0%} of the GPU memory vLLM may "
@@ -230,7 +235,7 @@ def max_requests(limits: dict[str, int | None]) -> tuple[int, str]:
 
 
 def auto_max_num_seqs(gpu_bytes: int, row_bytes: int, fit) -> int:
-    """The largest N with N <= fit(gpu_bytes - N x row_bytes): as many Quest rows as requests that
+    """The largest N with N <= fit(gpu_bytes - N x row_bytes): as many indexer rows as requests that
     still fit once those rows are reserved (fit: KV bytes -> requests, never more for fewer bytes)."""
     lo, hi = 0, (gpu_bytes // row_bytes + 1) if row_bytes else fit(gpu_bytes) + 1
     while hi - lo > 1:                         # invariant: lo fits, hi does not

@@ -11,9 +11,10 @@ before the forward. Per row (one int64 field each, ``FIELDS``):
 - ``seq``: keys including the new token; 0 = padding (the row writes and reads nothing);
 - ``full``, ``sp_seq``: a sparse row's complete pages and its seq (0 for any other row: the sparse
   kernels skip it); ``hot``: its pages left the GPU (RESOLVE through its hot slots);
-- ``row``, ``qrow``: runtime row (hot-slot state, host / dense-pool page tables) and Quest row
+- ``row``, ``irow``: runtime row (hot-slot state, host / dense-pool page tables) and indexer row
   (scratch rows for rows that own none);
-- ``host_page``, ``dpool_page``, ``q_page``: where the new token goes besides the cache (-1: not);
+- ``host_page``, ``dpool_page``: where the new token goes besides the cache (-1: not);
+- ``i_unit``: where it goes in the indexer's state (``Indexer.decode_unit``; -1: not);
 - ``dn_seq``: keys of a dense row in sparse layers; ``dl_seq`` / ``pool_seq``: keys read in dense
   layers from the cache / the dense pool (0 where the row reads the other).
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-FIELDS = ("seq", "full", "sp_seq", "hot", "row", "qrow", "host_page", "dpool_page", "q_page",
+FIELDS = ("seq", "full", "sp_seq", "hot", "row", "irow", "host_page", "dpool_page", "i_unit",
           "dn_seq", "dl_seq", "pool_seq")
 KINDS = ("has_sparse", "has_dense", "has_dl", "has_pool")
 _KIND_OF = {"has_sparse": "sp_seq", "has_dense": "dn_seq", "has_dl": "dl_seq",
@@ -67,17 +68,17 @@ class DecodeBatch:
 
 def fill(rt, db: DecodeBatch, steps: list, host_pages: dict) -> None:
     """Rows 0..n-1 of db = ``steps`` (core.step_plan.ReqStep, one query token each), the rest
-    padding; one host->device copy. rt: the SparseRuntime (page size, scratch rows, pools,
+    padding; one host->device copy. rt: the SparseRuntime (page size, scratch rows, indexer, pools,
     whether dense layers read sparse rows from the dense pool); host_pages: req_id -> (host page
     list, dense-pool page list or None) of the sparse rows, as the plan just grew them."""
-    N, n, P, U = db.N, len(steps), rt.P, rt.U
+    N, n, P = db.N, len(steps), rt.P
     if n > N:
         raise ValueError(f"{n} one-token rows do not fit a decode batch of {N}")
     m = np.zeros((len(FIELDS), N), dtype=np.int64)
     F = dict(zip(FIELDS, m))
     F["row"][:] = rt.scratch_row
-    F["qrow"][:] = rt.quest_scratch
-    F["host_page"][:] = F["dpool_page"][:] = F["q_page"][:] = -1
+    F["irow"][:] = rt.ix.scratch
+    F["host_page"][:] = F["dpool_page"][:] = F["i_unit"][:] = -1
     freed = []
     for i, s in enumerate(steps):
         seq = s.seq_len
@@ -87,8 +88,8 @@ def fill(rt, db: DecodeBatch, steps: list, host_pages: dict) -> None:
         if s.sparse:
             F["full"][i], F["sp_seq"][i] = page, seq
             F["hot"][i] = s.freed[1] > s.freed[0]
-            F["qrow"][i] = s.qrow
-            F["q_page"][i] = s.qrow * U + page
+            F["irow"][i] = s.irow
+            F["i_unit"][i] = rt.ix.decode_unit(s.irow, seq)
             hp, dp = host_pages.get(s.req_id, (None, None))
             if hp is not None:
                 F["host_page"][i] = hp[page]

@@ -3,9 +3,11 @@
 
 Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind return at once):
 
-1. ``decode_write``: the new token into its block, through to the host pool, into the Quest bounds;
-2. if the batch has sparse rows (a graph records it always): Quest page scores -> ``select_resolve``
-   (top-k pages, RESOLVE, then the miss copies from the host pool);
+1. ``decode_write``: the new token into its block, through to the host pool, into the indexer's
+   state (``Indexer.decode_write_kwargs``: fused into the same launch);
+2. if the batch has sparse rows (a graph records it always): the indexer's unit scores
+   (``Indexer.score``) -> ``select_resolve`` (top-k units, RESOLVE, then the miss copies from the
+   host pool);
 3. ``decode_attention``: sparse rows over their selected pages and newest page, dense rows with the
    batch-invariant split-KV dense decode over the paged cache — one split and one combine launch.
 
@@ -22,7 +24,6 @@ import torch
 
 from vllm_hisparse.core import prefill
 from vllm_hisparse.ops import decode_ops, kernels
-from vllm_hisparse.ops.quest import quest_scores_rows
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -55,10 +56,11 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
     f = db.field
     N, dev = q.shape[0], q.device
     host = rt.host_layer(layer)
+    ix = rt.ix
     decode_ops.decode_write(kv, k, v, bt, f("seq"), db.newest, host, f("host_page"),
-                            rt.kmin[layer], rt.kmax[layer], f("q_page"))
+                            **ix.decode_write_kwargs(layer, f("i_unit")))
     K, P = rt.k_sel, rt.P
-    scores = torch.empty(N, rt.U, dtype=torch.float32, device=dev)
+    scores = torch.empty(N, ix.U, dtype=torch.float32, device=dev)
     sel = torch.empty(N, K, dtype=torch.int32, device=dev)
     locs = torch.empty_like(sel)
     work = aw = ()
@@ -71,8 +73,7 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
     hs = rt.hot[layer]
 
     def sparse():
-        quest_scores_rows(q, rt.kmin[layer], rt.kmax[layer], f("qrow"), f("full"), scores,
-                          live_only=True)
+        ix.score(layer, q, f("irow"), f("full"), scores)
         hot = {} if hs is None else dict(
             hot=f("hot"), rows=f("row"), state=(hs.slot_unit, hs.unit_slot, hs.lru),
             host_pt=rt.host_pt.table, host=host, kv=kv, counts=rt._hit_miss)

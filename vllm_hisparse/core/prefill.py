@@ -1,5 +1,5 @@
 """The rows of a step with several query tokens (prefill chunks): their tokens written into the
-cache, through to the host pool (or the dense pool) and into the Quest bounds, and their dense
+cache, through to the host pool (or the dense pool) and into the indexer's state, and their dense
 causal attention over the paged cache — through the runtime's ``dense_fn`` (FlashAttention on the
 GPU). Also the slow path of rows whose pages left the GPU (``attend_from_host``: a chunk of a
 request recomputed after a preemption; dense layers without a dense pool), shared with the decode
@@ -22,7 +22,7 @@ from vllm_hisparse.ops.write_through import write_through
 
 def plan(rt, multi: list[ReqStep], block_table: torch.Tensor,
          slot_mapping: torch.Tensor) -> StepPlan:
-    """The step's plan with what the prefill rows ``multi`` need: write indices, Quest page
+    """The step's plan with what the prefill rows ``multi`` need: write indices, indexer
     updates, write-through destinations and their dense attention groups."""
     p = _plan_writes(rt, multi, block_table, slot_mapping)
     p.dense = multi
@@ -57,9 +57,9 @@ def rows_of(rt, group: list[ReqStep], block_table: torch.Tensor) -> torch.Tensor
 
 def _plan_writes(rt, steps: list[ReqStep], block_table: torch.Tensor,
                  slot_mapping: torch.Tensor) -> StepPlan:
-    """Cache slots, Quest page updates and host write-through of the tokens of the rows
+    """Cache slots, indexer updates and host write-through of the tokens of the rows
     `steps` (the prefill rows; the decode batch writes its own)."""
-    dev, P, U = rt.device, rt.P, rt.U
+    dev, P = rt.device, rt.P
     tok_l = [t for s in steps for t in range(s.t0, s.t1)]
     T = slot_mapping.shape[0]
     if tok_l == list(range(T)):
@@ -71,35 +71,23 @@ def _plan_writes(rt, steps: list[ReqStep], block_table: torch.Tensor,
         wr_tok = rt.h2d(tok_l, torch.int64)
         sm = slot_mapping.to(dev).long()[wr_tok]
     plan = StepPlan(steps, block_table, sm // P, sm % P, wr_tok)
-    # Quest bounds and host write-through cover the tokens of sparse requests (vectorised over
-    # the requests: this runs every step, a Python loop per request cost ~50 us each).
+    # The indexer's state and host write-through cover the tokens of sparse requests (vectorised
+    # over the requests: this runs every step, a Python loop per request cost ~50 us each).
     sp = [s for s in steps if s.sparse and s.t1 > s.t0]
     if sp:
-        t0, t1, start, seq, row, qrow = (np.array(x, dtype=np.int64) for x in zip(
-            *((s.t0, s.t1, s.start, s.seq_len, s.row, s.qrow) for s in sp)))
+        t0, t1, start, seq, row, irow = (np.array(x, dtype=np.int64) for x in zip(
+            *((s.t0, s.t1, s.start, s.seq_len, s.row, s.irow) for s in sp)))
         n = t1 - t0                                 # tokens per request
         k = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)      # index within its request
         tok = np.repeat(t0, n) + k
         pos = np.repeat(start, n) + k
-        p0 = start // P
-        m = (seq - 1) // P - p0 + 1                 # pages each request touches
-        mbase = np.cumsum(m) - m
-        page = np.repeat(p0, m) + np.arange(m.sum()) - np.repeat(mbase, m)
-        ntok, npg = len(tok), len(page)
-        packed = np.concatenate([
-            tok, pos // P - np.repeat(p0, n) + np.repeat(mbase, n),             # q_tok_page
-            np.repeat(qrow, m) * U + page, (page * P >= np.repeat(start, m)),   # q_page, q_new
-            pos, np.repeat(row, n)]).astype(np.int64)
-        d = rt.h2d(packed)
-        plan.q_tok, plan.q_tok_page = d[:ntok], d[ntok:2 * ntok]
-        plan.q_page = d[2 * ntok:2 * ntok + npg]
-        plan.q_new = d[2 * ntok + npg:2 * ntok + 2 * npg].bool()
-        if ntok == T:
-            plan.q_tok = None                      # every token: no gather of k
+        ix = rt.ix.plan_tokens(start, seq, irow)
+        d, ix_d = ship(rt, [tok, pos, np.repeat(row, n)], ix)
+        tok_d, pos_d, rows_d = d
+        plan.ix_upd = rt.ix.device_update(ix_d)
+        plan.ix_tok = None if len(tok) == T else tok_d      # every token: no gather of k
         if rt.pool is not None:
-            pos_d = d[2 * ntok + 2 * npg:3 * ntok + 2 * npg]
-            rows_d = d[3 * ntok + 2 * npg:]
-            plan.host_tok = d[:ntok]
+            plan.host_tok = tok_d
             plan.host_page = rt.host_pt.table[rows_d, pos_d // P].long()
             plan.host_off = pos_d % P
             if rt.dpool is not None:
@@ -107,10 +95,23 @@ def _plan_writes(rt, steps: list[ReqStep], block_table: torch.Tensor,
     return plan
 
 
+def ship(rt, arrays: list, named: dict) -> tuple[list, dict]:
+    """arrays and the named arrays (int64 numpy) on the device in one host->device copy."""
+    names = list(named)
+    flat = [np.asarray(a, dtype=np.int64) for a in arrays] + [np.asarray(named[c], dtype=np.int64)
+                                                              for c in names]
+    d = rt.h2d(np.concatenate(flat))
+    out, i = [], 0
+    for a in flat:
+        out.append(d[i:i + len(a)])
+        i += len(a)
+    return out[:len(arrays)], dict(zip(names, out[len(arrays):]))
+
+
 def layer(rt, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """The prefill rows of a step: their tokens written (cache, host / dense pool, Quest
-    bounds) and attended densely over the paged cache (or the dense pool / the host pool)."""
+    """The prefill rows of a step: their tokens written (cache, host / dense pool, indexer
+    state) and attended densely over the paged cache (or the dense pool / the host pool)."""
     dense_layer = layer in rt.dense_layers
     sl.write_kv(kv, plan.wr_blk, plan.wr_off, plan.wr_tok, k, v)
     host = rt.host_layer(layer)
@@ -123,10 +124,8 @@ def layer(rt, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor, v: t
         return
     if host is not None and plan.host_tok is not None:
         write_through(host, k, v, plan.host_tok, plan.host_page, plan.host_off)
-    if not dense_layer and plan.q_page is not None:
-        kq = k if plan.q_tok is None else k[plan.q_tok]
-        sl.quest_update_pages(rt.kmin[layer], rt.kmax[layer], plan.q_page, plan.q_new,
-                              plan.q_tok_page, kq)
+    if not dense_layer and plan.ix_upd is not None:
+        rt.ix.update(layer, plan.ix_upd, k if plan.ix_tok is None else k[plan.ix_tok])
     _dense(rt, plan.dense_res if dense_layer else plan.dense_sparse, q, kv, scale, out)
     if plan.dense_freed:
         attend_from_host(rt, plan.dense_freed, plan.block_table, q, kv, host, scale, out)

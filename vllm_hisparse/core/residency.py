@@ -7,7 +7,7 @@ whose context (keys including the step's new tokens) has reached ``min_context``
 (cfg.min_context_tokens). A prompt of at least ``min_context`` tokens is sparse from its first
 token (its prefill writes its KV through to the host pool); a shorter one runs resident and dense
 until the step whose context reaches ``min_context`` — the *switch* — and sparse from then on
-(core/turn_sparse.py copies the KV it already has to the host pool and the Quest bounds at that
+(core/turn_sparse.py copies the KV it already has to the host pool and the indexer state at that
 step). Resident mode (``host_tier`` false) switches at the same step, so outputs stay identical.
 
 A request's GPU blocks are its logical pages 0, 1, ... (one block = one page of ``page_size``
@@ -17,7 +17,7 @@ tokens). Once its prompt is processed *and* its context has reached ``min_contex
 writes the next token. Nothing is freed before the switch step has run (its start is below
 ``min_context``), so the switch reads every page it copies from the GPU.
 
-Admission (vllm/connector.py) reserves host pages and a Quest row for every request that *may*
+Admission (vllm/connector.py) reserves host pages and an indexer row for every request that *may*
 turn sparse: ``may_turn_sparse`` (prompt + max_tokens reaches ``min_context``).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def is_sparse_at(cfg: HiSparseConfig, num_prompt_tokens: int, context_tokens: in
 
 
 def may_turn_sparse(cfg: HiSparseConfig, num_prompt_tokens: int, max_tokens: int) -> bool:
-    """Admission: the request can be sparse at some step of its life, so it needs a Quest row and
+    """Admission: the request can be sparse at some step of its life, so it needs an indexer row and
     (with the host tier) host pages. Its context never exceeds prompt + max_tokens - 1 computed
     tokens; ``>=`` keeps one token of slack (a reservation that goes unused costs pages, a missing
     one would stop the worker)."""

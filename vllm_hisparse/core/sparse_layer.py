@@ -1,17 +1,14 @@
 """Per-layer pieces of the prefill path on a paged KV cache, and the hot-slot state.
 
 Layouts (one layer): ``kv``  (N, 2, P, Hkv, D) paged KV cache, block b = one page of P tokens (K at
-[:, 0], V at [:, 1]); ``host`` (pages, 2, P, Hkv, D) the same layer of the host pool; ``kmin``/
-``kmax`` (rows, U, Hkv, D) Quest page bounds per Quest row. ``StepPlan`` (step_plan.py) holds
-everything decided once per step; these functions do the per-layer work of the rows with several
-query tokens (write K/V, fold keys into the Quest bounds, dense causal attention, reading given-back
-pages back from the host). Decode rows go through core/decode_body.py.
+[:, 0], V at [:, 1]); ``host`` (pages, 2, P, Hkv, D) the same layer of the host pool.
+``StepPlan`` (step_plan.py) holds everything decided once per step; these functions do the
+per-layer work of the rows with several query tokens (write K/V, dense causal attention, reading
+given-back pages back from the host). Decode rows go through core/decode_body.py.
 """
 from __future__ import annotations
 
 import torch
-
-from vllm_hisparse.ops.quest_update import quest_update_pages as _quest_update_pages
 
 
 def write_kv(kv: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tok: torch.Tensor | None,
@@ -33,19 +30,6 @@ def write_kv(kv: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tok: torch.
         return
     kv[blk, 0, off] = k
     kv[blk, 1, off] = v
-
-
-def quest_update_pages(kmin: torch.Tensor, kmax: torch.Tensor, page_flat: torch.Tensor,
-                       page_new: torch.Tensor, tok_page: torch.Tensor, k: torch.Tensor) -> None:
-    """Fold this step's keys into the Quest page bounds with no host sync (same result as
-    ``reference.quest_update``); one Triton launch on CUDA (ops/quest_update.py).
-
-    kmin/kmax: (R, U, Hkv, D); page_flat: (m,) int64 distinct ``row * U + page`` of the pages this
-    step touches; page_new: (m,) bool, the page's first token is in this step (its bounds restart);
-    tok_page: (T,) int64 index into page_flat of each of the T tokens of k (T, Hkv, D),
-    non-decreasing, every page with at least one token (as the plan builds it).
-    """
-    _quest_update_pages(kmin, kmax, page_flat, page_new, tok_page, k)
 
 
 SCORE_BYTES = 512 << 20   # cap of one fp32 score block; a guess that keeps 32K prefill in memory

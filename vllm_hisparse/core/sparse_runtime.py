@@ -1,15 +1,15 @@
 """SparseRuntime: the worker-side HiSparse engine of one model (plain torch, no vLLM).
 
-It owns the host KV pool (the authoritative copy of every sparse request), the Quest page bounds
-and the per-layer hot-slot state, keyed by *runtime rows* (one per live request). The adapter
-tells it about requests (``add`` / ``finish``), builds one ``StepPlan`` per step from the batch
+It owns the host KV pool (the authoritative copy of every sparse request), the indexer (the
+selection state of ``cfg.indexer``, core/indexers) and the per-layer hot-slot state, keyed by
+*runtime rows* (one per live request). The adapter tells it about requests (``add`` / ``finish``), builds one ``StepPlan`` per step from the batch
 (block table, sequence lengths, query ranges) and calls ``forward_layer`` for every attention
 layer. Everything per step is decided in ``plan``; ``forward_layer`` only does the layer's work.
 The rows with one query token of a step form its decode batch (core/decode_batch.py), whose layers
 run core/decode_body.py; a uniform decode step is planned by ``plan_full`` for vLLM's FULL CUDA
 graph of its padded size and its layers run ``full_layer`` (recorded once, then replayed).
 
-With ``cfg.trace_dir`` set, every sparse layer's Quest selection of every decode row is appended to
+With ``cfg.trace_dir`` set, every sparse layer's selection of every decode row is appended to
 a per-request trace (``sim.recorder_hook.TraceWriter``, format ``sim/trace.py``, unit = one page,
 rows = the sparse layers in order, each row the newest page then the selected complete pages, as
 ``sim/record.py`` writes Quest traces), written to ``<trace_dir>/<request id>.npz`` at ``finish``.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core import decode_body, dense_groups, prefill
+from vllm_hisparse.core import decode_body, dense_groups, indexers, prefill
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.decode_batch import DecodeBatch, fill
 from vllm_hisparse.core.host_pool import HostKVPool
@@ -41,17 +41,17 @@ class Req:
     row: int
     num_prompt: int
     sparse: bool              # sparse now (from add for a long prompt, else from its switch on)
-    qrow: int = -1            # Quest bounds row (sparse requests only)
+    irow: int = -1            # indexer row (sparse requests only)
 
 
 class SparseRuntime:
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, max_rows: int, max_model_len: int,
-                 host_pages: int | None = None, quest_meta: tuple[list, list] | None = None,
+                 host_pages: int | None = None, indexer_state=None,
                  dense_pool: HostKVPool | None = None):
-        """max_rows: requests at once; the Quest bounds and hot-slot state have one more row, the
-        scratch row that padding rows of a decode batch point at (core/decode_batch.py).
-        quest_meta: per-layer (kmin, kmax) tensors (max_rows + 1, U, Hkv, D), None for dense layers,
+        """max_rows: requests at once; the indexer's state and hot-slot state have one more row,
+        the scratch row that padding rows of a decode batch point at (core/decode_batch.py).
+        indexer_state: the indexer's ``allocate_state`` for cfg.quest_rows (default max_rows) rows,
         allocated by the caller (the vLLM adapter does it before memory profiling); default: here.
         dense_pool: the GPU pool holding the dense layers of sparse requests when
         cfg.dense_pool_gib > 0 (the adapter allocates it before memory profiling); default: here."""
@@ -74,19 +74,11 @@ class SparseRuntime:
             host_pages = cfg.host_pool_pages(num_layers, page_bytes)
         self.pool = (HostKVPool(len(host_layers), host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
-        # Quest page bounds: one row per sparse request admitted at once (cfg.quest_rows, default
+        # The indexer: one row per sparse request admitted at once (cfg.quest_rows, default
         # max_rows) + a scratch row that decode-graph padding points at.
-        self.quest_rows = cfg.quest_rows or max_rows
-        self.quest_scratch = self.quest_rows
-        if quest_meta is None:
-            meta = (self.quest_rows + 1, self.U, num_kv_heads, head_dim)
-            mk = lambda i: (None if i in self.dense_layers  # noqa: E731
-                            else torch.zeros(meta, dtype=dtype, device=self.device))
-            quest_meta = ([mk(i) for i in range(num_layers)], [mk(i) for i in range(num_layers)])
-        self.kmin, self.kmax = quest_meta
-        if any(t is not None and t.shape[0] != self.quest_rows + 1 for t in self.kmin):
-            raise ValueError(f"quest_meta must have quest_rows + 1 = {self.quest_rows + 1} rows")
-        self._free_qrows = list(range(self.quest_rows - 1, -1, -1))
+        self.ix = indexers.get(cfg.indexer)(cfg, num_layers, cfg.quest_rows or max_rows,
+                                            max_model_len, num_kv_heads, head_dim, dtype,
+                                            self.device, state=indexer_state)
         self.hot = [sl.HotSlots(max_rows + 1, self.S, self.U, self.device)
                     if cfg.host_tier and i not in self.dense_layers else None
                     for i in range(num_layers)]
@@ -115,8 +107,8 @@ class SparseRuntime:
             self._dec_steps: dict[str, int] = {}           # req_id -> decode steps so far
             self.trace = TraceWriter(cfg.trace_dir, meta={
                 "model": "served by vLLM (hisparse runtime)", "text": "served requests",
-                "indexer": (f"Quest page selection (min/max key bounds, page {self.P}, newest page "
-                            f"first), hisparse serving runtime"),
+                "indexer": (f"{cfg.indexer} selection ({self.ix.state_name}, unit "
+                            f"{self.ix.P} tokens, newest page first), hisparse serving runtime"),
                 "unit": self.P, "page_size": self.P, "top_k": cfg.top_k,
                 "device_buffer_size": cfg.device_buffer_size, "policy": cfg.policy,
                 "num_layers": num_layers, "sparse_layers": sparse, "kv_heads": num_kv_heads,
@@ -147,14 +139,15 @@ class SparseRuntime:
         self._restart_trace(req_id)
 
     def _make_sparse(self, req_id: str, r: Req, context: int) -> None:
-        """The request is sparse from now on (core/residency.py): its Quest row and fresh hot-slot
-        state. A request stays sparse once it is (also when recomputed after a preemption)."""
-        if not self._free_qrows:     # the connector admits at most quest_rows that may be sparse
+        """The request is sparse from now on (core/residency.py): its indexer row and fresh
+        hot-slot state. A request stays sparse once it is (also when recomputed after a preemption)."""
+        irow = self.ix.allocate()    # the connector admits at most quest_rows that may be sparse
+        if irow < 0:
             raise RuntimeError(
-                f"hisparse runtime: no free Quest row for {req_id}, sparse at {context} tokens "
-                f"(quest_rows={self.quest_rows}); the connector reserves one at admission for "
+                f"hisparse runtime: no free indexer row for {req_id}, sparse at {context} tokens "
+                f"(quest_rows={self.ix.rows}); the connector reserves one at admission for "
                 f"every request whose prompt + max_tokens reaches min_context")
-        r.qrow = self._free_qrows.pop()
+        r.irow = irow
         r.sparse = True
         self._reset_row(r.row)
 
@@ -187,8 +180,7 @@ class SparseRuntime:
             self._dec_steps.pop(req_id, None)
             self.trace.finish(req_id)
         self._free_rows.append(r.row)
-        if r.qrow >= 0:
-            self._free_qrows.append(r.qrow)
+        self.ix.free(r.irow)
         self.host_pt.clear(r.row)
         if self.dpool is not None:
             self.dpool.free(req_id)
@@ -312,7 +304,7 @@ class SparseRuntime:
 
     def trace_decode(self, layer: int, db: DecodeBatch, sel: torch.Tensor) -> None:
         """Trace mode: append the layer's selections of the batch's sparse rows (newest page
-        first, then Quest's choice; one host copy)."""
+        first, then the indexer's choice; one host copy)."""
         sp = [i for i, s in enumerate(db.steps) if s.sparse]
         if not sp:
             return
@@ -327,7 +319,7 @@ class SparseRuntime:
         """The batch's requests with their tokens; one starting at token 0 (new, or recomputed
         after a preemption) gets fresh hot-slot state; one whose context reaches min_context this
         step turns sparse (core/residency.py), its KV so far copied from block_table's row to the
-        pools and its Quest row (core/turn_sparse.py); sparse requests get host (and dense-pool)
+        pools and its indexer row (core/turn_sparse.py); sparse requests get host (and dense-pool)
         pages for this step's tokens, mirrored on the device. Also returns req_id -> (host pages,
         dense-pool pages) of the sparse requests (None where there is no such pool)."""
         steps, pages, switches = [], {}, []
@@ -344,7 +336,7 @@ class SparseRuntime:
                 if start > 0:                   # KV on the GPU to copy (none at a restart)
                     switches.append((i, rid, start))
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
-                                 freed_pages(self.cfg, start, r.num_prompt), r.qrow))
+                                 freed_pages(self.cfg, start, r.num_prompt), r.irow))
             if self.pool is not None and r.sparse:
                 hp = self.pool.ensure(rid, n)
                 self.host_pt.grow(r.row, hp)
@@ -360,7 +352,7 @@ class SparseRuntime:
             if block_table is None:
                 raise RuntimeError("hisparse runtime: a request turns sparse in a step planned "
                                    "without its block table")
-            copy_context(self, [Switch(i, start, self.reqs[rid].qrow, *pages.get(rid, (None, None)))
+            copy_context(self, [Switch(i, start, self.reqs[rid].irow, *pages.get(rid, (None, None)))
                                 for i, rid, start in switches], block_table)
         return steps, pages
 

@@ -1,5 +1,5 @@
 """What one step of the serving runtime decided, once, on the host (``SparseRuntime.plan``): the
-requests of the batch, the cache / Quest / host-pool indices of the prefill rows' tokens and their
+requests of the batch, the cache / indexer / host-pool indices of the prefill rows' tokens and their
 dense attention groups, and the decode batch of the one-token rows (core/decode_batch.py).
 ``forward_layer`` only reads it."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ class ReqStep:
     row: int
     sparse: bool
     freed: tuple[int, int]
-    qrow: int = -1                             # Quest bounds row (-1: not a sparse request)
+    irow: int = -1                             # indexer row (-1: not a sparse request)
 
 
 @dataclass
@@ -45,10 +45,8 @@ class StepPlan:
     wr_blk: torch.Tensor                       # (n,) int64 block of each token written to the cache
     wr_off: torch.Tensor                       # (n,) int64 its offset in the block
     wr_tok: torch.Tensor | None                # (n,) its token index; None = all T tokens in order
-    q_page: torch.Tensor | None = None         # (m,) int64 row * U + page of the pages Quest updates
-    q_new: torch.Tensor | None = None          # (m,) bool: the page starts in this step
-    q_tok: torch.Tensor | None = None          # (Tq,) token index of each updating token
-    q_tok_page: torch.Tensor | None = None     # (Tq,) its index into q_page
+    ix_upd: object = None                      # Indexer.device_update of the sparse rows' tokens
+    ix_tok: torch.Tensor | None = None         # (Tq,) token index of each of them; None = all T
     host_tok: torch.Tensor | None = None       # (n,) tokens written through to the host pool
     host_page: torch.Tensor | None = None      # (n,) their host pages
     host_off: torch.Tensor | None = None       # (n,) their offsets in the page

@@ -80,6 +80,22 @@ def _topk_take(SC, n, K, UB: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _resolve_prelude(r, row, on, S, SU, LRU, SCR, s_su, s_lru, SB: tl.constexpr):
+    """What _resolve_row needs of row ``row``'s state before the selection is known (loaded early so
+    its latency hides behind the top-k): its LRU order (slot at recency p, MRU first), that order
+    reversed (the LRU end first) and the units of those slots; and r's scratch flags zeroed (1 hit,
+    2 victim). on: whether the row resolves (else nothing is read). A barrier must follow before
+    _resolve_row."""
+    os_ = tl.arange(0, SB)
+    pre = (os_ < S) & on
+    lo = tl.load(LRU + row * s_lru + os_, mask=pre, other=0)
+    lo_rev = tl.load(LRU + row * s_lru + (S - 1 - os_), mask=pre, other=0)
+    su_rev = tl.load(SU + row * s_su + lo_rev, mask=pre, other=0)
+    tl.store(SCR + r.to(tl.int64) * SB + os_, 0, mask=pre)
+    return lo, lo_rev, su_rev
+
+
+@triton.jit
 def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
                  s_bt, s_su, s_us, s_lru, lo, lo_rev, su_rev, KB: tl.constexpr, SB: tl.constexpr):
     """lo / lo_rev / su_rev: the row's LRU order, reversed, and the units of lo_rev's slots, loaded
@@ -182,12 +198,7 @@ def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS,
         if HAS_HOT:
             hot = tl.load(HOT + r)
         row = tl.load(ROWS + r).to(tl.int64)
-        os_ = tl.arange(0, SB)
-        pre = (os_ < S) & (hot != 0)
-        lo = tl.load(LRU + row * s_lru + os_, mask=pre, other=0)   # slot at recency p, MRU first
-        lo_rev = tl.load(LRU + row * s_lru + (S - 1 - os_), mask=pre, other=0)  # LRU end first
-        su_rev = tl.load(SU + row * s_su + lo_rev, mask=pre, other=0)
-        tl.store(SCR + r.to(tl.int64) * SB + os_, 0, mask=pre)   # flags per slot: 1 hit, 2 victim
+        lo, lo_rev, su_rev = _resolve_prelude(r, row, hot != 0, S, SU, LRU, SCR, s_su, s_lru, SB)
         o = tl.arange(0, UB)
         take = o < n
         if n > K:

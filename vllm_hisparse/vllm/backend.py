@@ -198,7 +198,7 @@ class HiSparseImpl(AttentionImpl):
         self.num_kv_heads = num_kv_heads
         vc = get_current_vllm_config()
         mc = vc.model_config
-        worker_state.ensure_quest_meta(
+        worker_state.ensure_indexer_state(
             hisparse_config_of(vc), mc.get_num_layers(vc.parallel_config),
             vc.scheduler_config.max_num_seqs, mc.max_model_len, num_kv_heads, head_size, mc.dtype,
             gpu_memory_utilization=vc.cache_config.gpu_memory_utilization)

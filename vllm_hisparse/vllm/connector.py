@@ -3,7 +3,7 @@
 Scheduler process (role SCHEDULER):
   * admission: a request that may be sparse at some step of its life (core/residency.py: its
     prompt + max_tokens reaches min_context, so a short prompt that may generate past it too)
-    reserves a Quest row and the host pages of its whole life (prompt + max_tokens) before it is
+    reserves an indexer row (core/indexers) and the host pages of its whole life (prompt + max_tokens) before it is
     scheduled; when the pool or the rows cannot hold it the request *waits* (``None`` from
     ``get_num_new_matched_tokens``) until finished requests give them back;
   * ``build_connector_meta`` ships each newly scheduled (or resumed) request's prompt length and
@@ -78,9 +78,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._bound = "host" if dense is None or self.capacity <= dense else "GPU dense"
         self._pool_reason = "host_pool" if self._bound == "host" else "dense_pool"
         self.max_model_len = mc.max_model_len
-        # Quest bounds rows on the worker: one per long request admitted at once (core/sparse_runtime)
-        self.quest_rows = self.cfg.quest_rows or vllm_config.scheduler_config.max_num_seqs
-        self._quest_held: set[str] = set()
+        # indexer rows on the worker: one per long request admitted at once (core/sparse_runtime)
+        self.indexer_rows = self.cfg.quest_rows or vllm_config.scheduler_config.max_num_seqs
+        self._rows_held: set[str] = set()
         # scheduler side
         self._reserved: dict[str, int] = {}
         self._reserved_total = 0
@@ -100,7 +100,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                 worker_state.runtime = SparseRuntime(
                     self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
                     mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
-                    host_pages=self.capacity, quest_meta=worker_state.quest_meta,
+                    host_pages=self.capacity, indexer_state=worker_state.indexer_state,
                     dense_pool=worker_state.dense_pool)
             except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
                 raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib, e.pinned,
@@ -120,7 +120,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         """One startup line: how many requests of max_model_len tokens admission lets run at once
         (bench/serving.py reads it for --concurrency cap)."""
         per_req = -(-self.max_model_len // self.cfg.page_size)
-        room, why = self.quest_rows, f"quest_rows={self.quest_rows}"
+        room, why = self.indexer_rows, f"quest_rows={self.indexer_rows}"
         if self.cfg.host_tier:
             pool = self.admit_pages // per_req
             why += f", {self._bound} pool: {self.admit_pages} pages, {per_req} per request"
@@ -162,12 +162,12 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         need = self._pages_needed(request)
         sparse = self._may_be_sparse(request)
-        if sparse and len(self._quest_held) >= self.quest_rows:
+        if sparse and len(self._rows_held) >= self.indexer_rows:
             self._waiting[rid] = "quest_rows"
             if rid not in self._waiting_logged:
                 self._waiting_logged.add(rid)
-                logger.warning("hisparse: Quest rows full (quest_rows=%d long requests at once); "
-                               "request %s waits", self.quest_rows, rid)
+                logger.warning("hisparse: indexer rows full (quest_rows=%d long requests at "
+                               "once); request %s waits", self.indexer_rows, rid)
             return None, False
         if self._reserved_total + need > self.admit_pages:
             self._waiting[rid] = self._pool_reason
@@ -180,7 +180,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._waiting_logged.discard(rid)
         self._waiting.pop(rid, None)
         if sparse:
-            self._quest_held.add(rid)
+            self._rows_held.add(rid)
         self._reserved[rid] = need
         self._reserved_total += need
         return 0, False
@@ -203,7 +203,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _release(self, rid: str) -> None:
         self._reserved_total -= self._reserved.pop(rid, 0)
-        self._quest_held.discard(rid)
+        self._rows_held.discard(rid)
         self._prompt.pop(rid, None)
         self._sent.discard(rid)
         self._waiting_logged.discard(rid)

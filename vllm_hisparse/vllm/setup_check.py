@@ -18,7 +18,8 @@ def check_served(cfg: HiSparseConfig) -> None:
     """Refuse settings the serving runtime does not implement (needs no model: the command line
     runs it before vLLM builds anything, cli_check.py)."""
     if cfg.indexer != "quest":
-        raise Refused(f"hisparse: indexer={cfg.indexer!r} is not wired into vLLM yet; use "
+        raise Refused(f"hisparse: indexer={cfg.indexer!r} is not wired into vLLM yet (its CPU "
+                      f"references are in core/indexers/dsa, the GPU design in docs/dsa.md); use "
                       f"\"quest\"")
     if cfg.policy != "lru":
         raise Refused(f"hisparse: policy={cfg.policy!r} is available in the simulator (hisparse "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.core import capacity
+from vllm_hisparse.core import capacity, indexers
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
 from .compat import init_logger
@@ -16,40 +16,41 @@ from .compat import init_logger
 logger = init_logger(__name__)
 
 runtime: SparseRuntime | None = None
-quest_meta: tuple[list, list] | None = None     # per-layer Quest (kmin, kmax), None = dense layer
+indexer_state = None        # Indexer.allocate_state (Quest: per-layer (kmin, kmax))
 _block_to_req: dict[int, str] = {}
 _req_to_block: dict[str, int] = {}
 
 
-def ensure_quest_meta(cfg, num_layers: int, rows: int, max_model_len: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype,
-                      gpu_memory_utilization: float | None = None) -> None:
-    """Allocate every sparse layer's Quest page bounds while the model is being built, so vLLM's
-    memory profiling counts them before it sizes the KV cache: 2 x rows x cdiv(max_model_len, page)
-    x Hkv x D elements per layer. On CUDA, first fail with the flags to change when they would take
-    more than half of the GPU memory vLLM may still use (``capacity.check_quest_reservation``)."""
-    global quest_meta
-    if quest_meta is not None:
+def ensure_indexer_state(cfg, num_layers: int, rows: int, max_model_len: int, num_kv_heads: int,
+                         head_dim: int, dtype: torch.dtype,
+                         gpu_memory_utilization: float | None = None) -> None:
+    """Allocate the indexer's state (core/indexers, ``Indexer.allocate_state``; Quest: every
+    sparse layer's page bounds, 2 x rows x cdiv(max_model_len, page) x Hkv x D elements per layer)
+    while the model is being built, so vLLM's memory profiling counts it before it sizes the KV
+    cache. On CUDA, first fail with the flags to change when it would take more than half of the
+    GPU memory vLLM may still use (``capacity.check_indexer_reservation``)."""
+    global indexer_state
+    if indexer_state is not None:
         return
+    ix = indexers.get(cfg.indexer)
     set_by = "quest_rows" if cfg.quest_rows else "max_num_seqs"
     rows = cfg.quest_rows or rows
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    pages = capacity.cdiv(max_model_len, cfg.page_size)
     dense = sum(1 for i in range(num_layers) if i in cfg.dense_layers)
     model = capacity.ModelShape(num_layers, num_kv_heads, head_dim,
                                 torch.empty((), dtype=dtype).element_size())
-    row_bytes = capacity.quest_meta_bytes(model, max_model_len, cfg.page_size, dense)
+    row_bytes = capacity.indexer_row_bytes(cfg.indexer, model, max_model_len, cfg.page_size, dense)
     if dev != "cpu":
         free, total = torch.cuda.mem_get_info(dev)
         budget = capacity.reservation_budget_bytes(free, total, gpu_memory_utilization)
-        capacity.check_quest_reservation(rows, row_bytes, budget, max_model_len, cfg.page_size,
-                                         set_by)
-    logger.info("hisparse: Quest page bounds reserve %.2f GiB on %s (%s=%d + 1 scratch row "
-                "x %.1f MiB: %d pages x %d sparse layers)", (rows + 1) * row_bytes / (1 << 30), dev,
-                set_by, rows, row_bytes / (1 << 20), pages, num_layers - dense)
-    shape = (rows + 1, pages, num_kv_heads, head_dim)     # + the runtime's scratch row
-    mk = lambda i: None if i in cfg.dense_layers else torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
-    quest_meta = ([mk(i) for i in range(num_layers)], [mk(i) for i in range(num_layers)])
+        capacity.check_indexer_reservation(rows, row_bytes, budget, max_model_len, cfg.page_size,
+                                           set_by, ix.state_name)
+    logger.info("hisparse: %s reserve %.2f GiB on %s (%s=%d + 1 scratch row x %.1f MiB: %d pages "
+                "x %d sparse layers)", ix.state_name, (rows + 1) * row_bytes / (1 << 30), dev,
+                set_by, rows, row_bytes / (1 << 20), capacity.cdiv(max_model_len, cfg.page_size),
+                num_layers - dense)
+    indexer_state = ix.allocate_state(cfg, num_layers, rows, max_model_len, num_kv_heads, head_dim,
+                                      dtype, dev)
 
 
 def get_runtime() -> SparseRuntime:
@@ -114,7 +115,7 @@ dense_pool = None       # core.host_pool.HostKVPool on the GPU: dense layers of 
 def ensure_dense_pool(cfg, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                       gpu_memory_utilization: float | None = None) -> None:
     """Allocate the GPU pool of the dense layers (cfg.dense_pool_gib) while the model is being
-    built, like the Quest bounds, so vLLM's memory profiling counts it before sizing the KV cache.
+    built, like the indexer state, so vLLM's memory profiling counts it before sizing the KV cache.
     On CUDA, first refuse a pool larger than half of the GPU memory vLLM may still use."""
     global dense_pool
     if dense_pool is not None or not cfg.uses_dense_pool:

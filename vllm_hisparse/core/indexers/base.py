@@ -1,0 +1,106 @@
+"""The indexer interface: per-request selection state on the device and the three things the
+runtime asks of it (allocate a row, fold new tokens in, score the units of a decode row).
+
+An indexer owns, per sparse layer, state with one *row* per sparse request admitted at once plus a
+scratch row (decode-batch padding points at it). Units are ``unit_tokens`` tokens (a page for
+Quest, one token for DSA); a decode row's scores are one fp32 value per unit, and the runtime's
+``select_resolve`` (ops/decode_ops.py) takes the top-k of them, RESOLVEs them into hot slots and
+copies the misses. Which process: everything here runs in the worker, except the class-level
+sizing (``row_bytes``), which capacity (``hisparse calc``) and admission use as well.
+
+New tokens reach the indexer on two paths, both without host syncs on the device:
+
+- several tokens per request (prefill chunks; the context of a request turning sparse):
+  ``plan_tokens`` once per step turns the requests' token ranges into index arrays (numpy; the
+  runtime ships them to the device in its one copy of the step) and ``update`` folds a layer's
+  keys in with them;
+- one token per decode row: ``decode_unit`` gives a row's value of the decode batch field
+  ``i_unit`` and ``decode_write_kwargs`` the state the fused decode write updates
+  (ops/decode_ops.decode_write), so the new token costs no extra launch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class Indexer:
+    """Base class; subclasses set ``name`` and ``state_name`` and implement every method."""
+
+    name = ""
+    state_name = ""          # what the state is called in startup lines and errors
+
+    # ---- sizing (class level: capacity, admission, startup checks) ------------------------------
+    @staticmethod
+    def unit_tokens(cfg) -> int:
+        """Tokens per selection unit (and per hot slot)."""
+        raise NotImplementedError
+
+    @classmethod
+    def row_bytes(cls, sparse_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                  max_model_len: int, page_size: int) -> int:
+        """Device bytes the plugin reserves for one indexer row (one request, every sparse layer)
+        for requests of up to max_model_len tokens (0: the state lives elsewhere)."""
+        raise NotImplementedError
+
+    @classmethod
+    def allocate_state(cls, cfg, num_layers: int, rows: int, max_model_len: int,
+                       num_kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+        """The state of ``rows`` rows + 1 scratch row, every layer (None for dense layers):
+        allocated by the vLLM adapter before memory profiling, or by the runtime."""
+        raise NotImplementedError
+
+    # ---- runtime --------------------------------------------------------------------------------
+    def __init__(self, cfg, num_layers: int, rows: int, max_model_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device, state=None):
+        self.cfg = cfg
+        self.rows = rows
+        self.scratch = rows                           # padding rows of a decode batch use it
+        self.P = self.unit_tokens(cfg)
+        self.U = -(-max_model_len // self.P)          # units of a max_model_len request
+        if state is None:
+            state = self.allocate_state(cfg, num_layers, rows, max_model_len, num_kv_heads,
+                                        head_dim, dtype, device)
+        self.check_state(state)
+        self.state = state
+        self._free = list(range(rows - 1, -1, -1))
+
+    def check_state(self, state) -> None:
+        """Raise ValueError when state given by the caller does not have rows + 1 rows."""
+
+    def allocate(self) -> int:
+        """A free row for a request turning sparse; -1 when every row is taken."""
+        return self._free.pop() if self._free else -1
+
+    def free(self, row: int) -> None:
+        if row >= 0:
+            self._free.append(row)
+
+    def plan_tokens(self, start: np.ndarray, seq: np.ndarray, row: np.ndarray) -> dict:
+        """Index arrays (name -> int64 numpy) folding in the tokens [start[i], seq[i]) of the
+        requests with indexer rows row[i], in that order (the order of k in ``update``)."""
+        raise NotImplementedError
+
+    def device_update(self, arrays: dict) -> object:
+        """The device copies of ``plan_tokens``'s arrays (same names), in the form ``update``
+        reads; called once per step."""
+        raise NotImplementedError
+
+    def update(self, layer: int, upd, k: torch.Tensor) -> None:
+        """Fold the keys k (T, Hkv, D) of the planned tokens into layer's state."""
+        raise NotImplementedError
+
+    def decode_unit(self, row: int, seq: int) -> int:
+        """The decode batch's ``i_unit`` of a row whose new token makes seq keys."""
+        raise NotImplementedError
+
+    def decode_write_kwargs(self, layer: int, i_unit: torch.Tensor) -> dict:
+        """Keyword arguments of ops/decode_ops.decode_write that fold each decode row's new key
+        into layer's state (i_unit: the batch field)."""
+        raise NotImplementedError
+
+    def score(self, layer: int, q: torch.Tensor, rows: torch.Tensor, num_units: torch.Tensor,
+              out: torch.Tensor) -> None:
+        """out (R, U) fp32: the score of every unit of row rows[r] for query q[r]; units at or
+        past num_units[r] are ignored by the selection (any value)."""
+        raise NotImplementedError

@@ -1,0 +1,51 @@
+"""RESOLVE of a *given* selection (Triton): the hot-slot half of ops/triton_select.py without its
+top-k, for indexers that hand over their own selection (DSA: vLLM's ``topk_indices_buffer``,
+docs/dsa.md section 4). Per live hot row r: ``_resolve_row`` on ``sel[r]`` as it is (any order,
+-1 anywhere = nothing), then ``_miss_io_kernel`` copies the misses' rows from the host pool; the
+contract is ``resolve_given.resolve_given_reference``. It reuses triton_select's jit functions
+(_resolve_prelude, _resolve_row, _miss_io_kernel: their signatures are this file's only coupling
+to that kernel).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_select import (_miss_io_kernel, _resolve_prelude, _resolve_row, row_chunk,
+                            select_widths)
+
+
+@triton.jit
+def _resolve_given_kernel(SEL, SEQ, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS, K, S,
+                          s_bt, s_su, s_us, s_lru, KB: tl.constexpr, SB: tl.constexpr):
+    r = tl.program_id(0)
+    if (tl.load(SEQ + r) > 0) & (tl.load(HOT + r) != 0):
+        jk = tl.arange(0, KB)
+        u = tl.load(SEL + r.to(tl.int64) * K + jk, mask=jk < K, other=-1)
+        row = tl.load(ROWS + r).to(tl.int64)
+        lo, lo_rev, su_rev = _resolve_prelude(r, row, True, S, SU, LRU, SCR, s_su, s_lru, SB)
+        tl.debug_barrier()
+        _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS, s_bt, s_su,
+                     s_us, s_lru, lo, lo_rev, su_rev, KB, SB)
+
+
+def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
+                  locs: torch.Tensor, scratch: torch.Tensor, victims: torch.Tensor,
+                  hot: torch.Tensor, rows: torch.Tensor, state: tuple, host_pt: torch.Tensor,
+                  host: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor) -> None:
+    """Launch on checked inputs (ops/resolve_given.py); shapes there; scratch (N, SB) / victims
+    (N, KB) int32 (select_widths); host on the device (the pool's CUDA alias on a GPU)."""
+    N, K = sel.shape
+    if N == 0 or K == 0:
+        return
+    su, us, lru = state
+    S = su.shape[1]
+    KB, SB = select_widths(K, S)
+    _resolve_given_kernel[(N,)](
+        sel, seq, hot, rows, block_table, su, us, lru, scratch, victims, counts, locs, K, S,
+        block_table.stride(0), su.stride(0), us.stride(0), lru.stride(0), KB=KB, SB=SB,
+        num_warps=4)
+    row = kv[0].numel()
+    _miss_io_kernel[(N, K)](locs, sel, seq, seq, hot, rows, host_pt, host, kv, K,
+                            host_pt.stride(0), ROW=row, CH=row_chunk(row), num_warps=4)
