@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core import decode_body, dense_groups, prefill
+from vllm_hisparse.core import decode_body, dense_groups, gpu_pools, prefill
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.decode_batch import DecodeBatch, fill
 from vllm_hisparse.core.host_pool import HostKVPool
@@ -74,9 +74,9 @@ class SparseRuntime:
             host_pages = cfg.host_pool_pages(num_layers, page_bytes)
         self.pool = (HostKVPool(len(host_layers), host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
-        # Quest page bounds: one row per sparse request admitted at once (cfg.quest_rows, default
-        # max_rows) + a scratch row that decode-graph padding points at.
-        self.quest_rows = cfg.quest_rows or max_rows
+        # Quest page bounds: one row per sparse request admitted at once (core/gpu_pools.py) + a
+        # scratch row that decode-graph padding points at.
+        self.quest_rows = gpu_pools.quest_rows(cfg, max_rows, max_model_len)
         self.quest_scratch = self.quest_rows
         if quest_meta is None:
             meta = (self.quest_rows + 1, self.U, num_kv_heads, head_dim)
@@ -96,9 +96,9 @@ class SparseRuntime:
         self.dpool = None
         if cfg.uses_dense_pool:
             nd = len(self.dense_layers)
-            self.dpool = dense_pool or HostKVPool(
-                nd, cfg.dense_pool_pages(page_bytes), self.P, num_kv_heads, head_dim, dtype,
-                device=self.device)
+            pages = gpu_pools.dense_pool_pages(cfg, page_bytes, max_rows, max_model_len)
+            self.dpool = dense_pool or HostKVPool(nd, pages, self.P, num_kv_heads, head_dim, dtype,
+                                                  device=self.device)
             self._dpool_layer = {layer: i for i, layer in enumerate(sorted(self.dense_layers))}
             self.dense_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)
         # Paged causal attention for prefill / dense rows: paged_dense_reference's signature. The
