@@ -104,8 +104,8 @@ def warn_never_sparse(cfg: HiSparseConfig, max_model_len: int) -> None:
     pool = (f" and the {cfg.host_pool_gib:g} GiB host pool is reserved for nothing"
             if cfg.host_tier else "")
     logger.warning("hisparse: max_model_len=%d is below min_context=%d%s: every request stays "
-                   "dense and fully resident, no decode step is sparse (no Quest row or dense pool "
-                   "is reserved on the GPU)%s; set min_context below "
+                   "dense and fully resident, no decode step is sparse%s (no Quest row or dense "
+                   "pool is reserved on the GPU); set min_context below "
                    "max_model_len (0 = every request sparse), or serve without "
                    "--attention-backend hisparse",
                    max_model_len, cfg.min_context_tokens, unset, pool)
