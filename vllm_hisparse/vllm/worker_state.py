@@ -126,7 +126,7 @@ def ensure_dense_pool(cfg, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
         return
     from vllm_hisparse.core.host_pool import HostKVPool
 
-    page_bytes = HostKVPool.page_bytes(cfg.page_size, num_kv_heads, head_dim, dtype)
+    page_bytes = 2 * cfg.page_size * num_kv_heads * head_dim * dtype.itemsize   # K+V, one layer
     pages = gpu_pools.dense_pool_pages(cfg, page_bytes, max_num_seqs, max_model_len)
     nbytes = gpu_pools.dense_pool_bytes(cfg, page_bytes, max_num_seqs, max_model_len)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
