@@ -28,7 +28,10 @@ line, or --kv-cache-memory-bytes). hisparse allocates its Quest page bounds for 
 reservation. Without --max-num-seqs, calc picks the largest N such that N requests still fit once N
 rows are reserved: pass that N to vLLM (its own default, 256, or 1024 on >=70 GiB GPUs, can
 reserve more than the KV cache at long max_model_len). With an explicit N, N also caps both
-backends' max requests (vLLM never runs more than max_num_seqs at once).
+backends' max requests (vLLM never runs more than max_num_seqs at once). A --max-model-len below
+min_context reserves no Quest row but the scratch row and no dense pool (no request can turn
+sparse: core/gpu_pools.py), and the dense pool is at most the Quest rows' requests of
+max_model_len tokens.
 
 max requests counts decoding requests of --context tokens: whole blocks, vLLM's null block left out;
 a hisparse request keeps S+1 = B/page+1 blocks in every layer after its prefill (dense layers
