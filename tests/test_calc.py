@@ -139,8 +139,10 @@ def test_min_context_keeps_short_requests_resident(model_dir):
     h, b = out["hisparse"], out["baseline"]
     assert h["gpu_bytes_per_request"] == b["gpu_bytes_per_request"] == 256 * 16 * TOK * L
     assert h["host_bytes_per_request"] == 0
-    # vLLM's line does not know about min_context: it still assumes S+1 blocks
-    assert h["vllm_max_concurrency"] == h["num_blocks"] / 65
+    # max_model_len (= context) < min_context: no request can be sparse, so vLLM's line counts
+    # every page (HiSparseSpec) and no Quest row but the scratch row is reserved
+    assert h["vllm_max_concurrency"] == h["num_blocks"] / 256
+    assert h["quest_rows"] == 0 and h["quest_meta_bytes"] == 30 * 2 * 256 * 8 * 128 * 2
 
 
 def test_capacity_helpers():
@@ -174,18 +176,20 @@ def test_mla_refused(tmp_path):
 
 @pytest.mark.parametrize("pool_gib,host_gib", [(10, 52), (1, 200)])
 def test_dense_pool(model_dir, pool_gib, host_gib):
-    """--dense-pool-gib: a fixed GPU reservation out of the KV budget; each request takes its dense
-    layers' pages there; the request count is bound by the smaller pool."""
+    """--dense-pool-gib: a GPU reservation out of the KV budget, at most what the max_num_seqs Quest
+    rows' requests can fill (core/gpu_pools.py); each request takes its dense layers' pages there;
+    the request count is bound by the smaller pool."""
     ctx, dense, seqs, G = 32768, 2, 8, 27
     out = calc_json(model_dir, "--context", ctx, "--gpu-kv-gib", G, "--host-gib", host_gib,
                     "--dense-layers", dense, "--dense-pool-gib", pool_gib, "--max-num-seqs", seqs)
     h = out["hisparse"]
     pages = ctx // 16
-    pool_pages = pool_gib * GIB // (16 * TOK * dense)
-    assert (h["dense_pool_bytes"], h["dense_pool_pages"]) == (pool_gib * GIB, pool_pages)
+    pool_pages = min(pool_gib * GIB // (16 * TOK * dense), seqs * pages)
+    pool_bytes = pool_pages * 16 * TOK * dense
+    assert (h["dense_pool_bytes"], h["dense_pool_pages"]) == (pool_bytes, pool_pages)
     assert h["dense_pool_bytes_per_request"] == dense * pages * 16 * TOK
     row = (L - dense) * 2 * pages * 8 * 128 * 2
-    kv = G * GIB - pool_gib * GIB - (seqs + 1) * row
+    kv = G * GIB - pool_bytes - (seqs + 1) * row
     assert h["kv_cache_bytes"] == kv
     n_host = (host_gib * GIB // (16 * TOK * (L - dense))) // pages    # host: sparse layers only
     assert h["host_bytes_per_request"] == (L - dense) * pages * 16 * TOK
@@ -245,3 +249,52 @@ def test_short_prompt_with_long_output_is_sparse(model_dir):
     assert short["peak_blocks_per_request"] == 2048 // 16
     text = calc("--model", model_dir, "--context", 17408, "--prompt", 1024, *args)
     assert "1024-token prompt with 16384 output tokens holds up to 512 blocks" in text
+
+
+SERVING = ("--buffer", 4096, "--top-k", 2048, "--dense-pool-gib", 6, "--host-gib", 84,
+           "--quest-rows", 22, "--dense-layers", 2)     # bench/serving.py's hisparse config
+
+
+@pytest.mark.parametrize("input_len,seqs", [(4096, 64), (4096, 256), (2048, 128)])
+def test_short_server_gets_stock_kv(model_dir, input_len, seqs):
+    """issue 14 item 5: a server whose max_model_len is below min_context (2 x B = 8192) can hold
+    no sparse request, so the Quest rows and the dense pool that the same config reserves at 32K
+    are not reserved: the KV cache is stock's less the one scratch Quest row, and as many requests
+    fit as in stock. Hand computation: H200 run's stock KV budget, Llama-3-8B, max_model_len =
+    input + 512 + 16 (bench/serving.py)."""
+    G, mml = 27.4, input_len + 512 + 16
+    out = calc_json(model_dir, "--context", mml, "--max-model-len", mml, "--gpu-kv-gib", G,
+                    "--max-num-seqs", seqs, *SERVING)
+    b, h = out["baseline"], out["hisparse"]
+    pages = cdiv(mml, 16)
+    scratch = 30 * 2 * pages * 8 * 128 * 2                   # one row, 30 sparse layers, bf16
+    block = 16 * TOK * L
+    assert (h["dense_pool_bytes"], h["quest_rows"], h["quest_meta_bytes"]) == (0, 0, scratch)
+    stock_blocks = int(G * GIB) // block
+    assert b["num_blocks"] == stock_blocks
+    assert h["num_blocks"] == (int(G * GIB) - scratch) // block
+    assert stock_blocks - h["num_blocks"] <= cdiv(scratch, block)
+    assert h["max_requests"] == b["max_requests"] == min((stock_blocks - 1) // pages, seqs)
+    assert h["vllm_max_concurrency"] == h["num_blocks"] / pages      # every page, as stock
+
+
+def test_long_server_keeps_its_pools(model_dir):
+    """The same config at 32K (max_model_len 33,296): 22 Quest rows + the scratch row, and the 6 GiB
+    dense pool, which 22 requests of 2,081 pages x 2 dense layers (5.59 GiB) cannot fill, sized to
+    that: the admission (22 at once, as the 32K / 512 run of docs/gpu-results.md) is today's."""
+    G, mml = 27.4, 32768 + 512 + 16
+    out = calc_json(model_dir, "--context", mml, "--gpu-kv-gib", G, "--max-num-seqs", 64, *SERVING)
+    h = out["hisparse"]
+    pages = cdiv(mml, 16)
+    row = 30 * 2 * pages * 8 * 128 * 2
+    dense_pages = min(6 * GIB // (16 * TOK * 2), 22 * pages)
+    assert dense_pages == 22 * pages
+    assert (h["quest_rows"], h["quest_meta_bytes"]) == (22, 23 * row)
+    assert (h["dense_pool_pages"], h["dense_pool_bytes"]) == (dense_pages, dense_pages * 16 * TOK * 2)
+    kv = int(G * GIB) - 23 * row - dense_pages * 16 * TOK * 2
+    assert h["kv_cache_bytes"] == kv
+    n_host = (84 * GIB // (16 * TOK * 30)) // pages
+    n_gpu = (kv // (16 * TOK * L) - 1) // 257
+    assert n_host >= 22 and n_gpu >= 22
+    assert h["max_requests"] == 22 and h["bound_by"] in ("quest_rows", "host")
+    assert out["baseline"]["max_requests"] == (int(G * GIB) // (16 * TOK * L) - 1) // pages

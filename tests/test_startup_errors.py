@@ -132,6 +132,19 @@ def test_ensure_indexer_state_logs_the_reservation(worker_state, monkeypatch):
                      f"layers)"]
 
 
+def test_no_quest_row_when_nothing_can_be_sparse(worker_state, monkeypatch):
+    """max_model_len 31 below min_context 32 (2 x B): the scratch row only, whatever quest_rows
+    and max_num_seqs say, and the log line says why."""
+    lines = []
+    monkeypatch.setattr(worker_state.logger, "info", lambda fmt, *a: lines.append(fmt % a))
+    cfg = HiSparseConfig(top_k=16, device_buffer_size=16, page_size=16, dense_layers=(0,),
+                         quest_rows=5)
+    worker_state.ensure_indexer_state(cfg, 3, 64, 31, 2, 8, torch.float32)
+    kmin, kmax = worker_state.indexer_state
+    assert kmin[0] is None and kmin[1].shape == kmax[2].shape == (1, 2, 2, 8)
+    assert "no request can turn sparse" in lines[0] and "=0 + 1 scratch row" in lines[0]
+
+
 def test_quest_rows_sizes_the_reservation(worker_state, monkeypatch):
     """quest_rows set: that many rows (+ scratch) whatever --max-num-seqs says; too many is refused
     naming quest_rows."""
@@ -158,5 +171,15 @@ def test_dense_pool_too_large_is_refused(worker_state, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
     monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("allocated before the check"))
     with pytest.raises(ValueError, match=r"dense_pool_gib=100 is more than the 62\.50 GiB allowed"):
+        # 256 rows of 128K tokens could fill 256 GiB: the pool stays 100 GiB (core/gpu_pools.py)
         worker_state.ensure_dense_pool(HiSparseConfig(dense_pool_gib=100), 8, 128, torch.bfloat16,
-                                       gpu_memory_utilization=0.9)
+                                       256, 131072, gpu_memory_utilization=0.9)
+
+
+def test_dense_pool_not_reserved_when_nothing_can_be_sparse(worker_state, monkeypatch):
+    """max_model_len below min_context: an empty pool (no page), whatever dense_pool_gib says, and
+    no refusal however large it is."""
+    monkeypatch.setattr(worker_state, "dense_pool", None)
+    worker_state.ensure_dense_pool(HiSparseConfig(dense_pool_gib=100), 8, 128, torch.bfloat16,
+                                   256, 4624, gpu_memory_utilization=0.9)
+    assert worker_state.dense_pool.num_pages == 0 and worker_state.dense_pool.data.numel() == 0

@@ -39,7 +39,9 @@ class HiSparseConfig:
     dense_pool_gib: GPU memory reserved for the full KV of the dense_layers of long (sparse)
         requests, so those layers stay resident after the request's other GPU blocks are given
         back. 0 = no pool: a dense layer then reads the given-back pages from the host pool every
-        step (exact, but PCIe-bound). Requests wait when the pool is full.
+        step (exact, but PCIe-bound). Requests wait when the pool is full. The runtime allocates at
+        most quest_rows x cdiv(max_model_len, page_size) pages, none when max_model_len <
+        min_context (core/gpu_pools.py).
     min_context: a request is sparse from the step its context (prompt + generated tokens)
         reaches this (core/residency.py): a longer prompt from its first token, a shorter one from
         the step it grows past it; until then, and for requests that never reach it, fully resident
@@ -48,7 +50,8 @@ class HiSparseConfig:
         not worth the slower sparse decode. 0 = every request sparse.
     quest_rows: Quest page-bound rows on the GPU = long (sparse) requests admitted at once; each row
         is 2 x cdiv(max_model_len, page_size) x Hkv x D per sparse layer. 0 = --max-num-seqs. Set it
-        when vLLM's max_num_seqs x max_model_len would not fit (requests beyond it wait).
+        when vLLM's max_num_seqs x max_model_len would not fit (requests beyond it wait). None are
+        reserved when max_model_len < min_context (no request can turn sparse: core/gpu_pools.py).
     prefetch: overlap miss IO with the previous layer when layers share a selection.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).

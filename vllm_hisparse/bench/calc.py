@@ -19,6 +19,7 @@ import os
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.bench import calc_mla
 from vllm_hisparse.core import capacity as cap
+from vllm_hisparse.core import gpu_pools
 from vllm_hisparse.core.residency import may_turn_sparse
 
 GIB = 1 << 30
@@ -31,7 +32,10 @@ line, or --kv-cache-memory-bytes). hisparse allocates its Quest page bounds for 
 reservation. Without --max-num-seqs, calc picks the largest N such that N requests still fit once N
 rows are reserved: pass that N to vLLM (its own default, 256, or 1024 on >=70 GiB GPUs, can
 reserve more than the KV cache at long max_model_len). With an explicit N, N also caps both
-backends' max requests (vLLM never runs more than max_num_seqs at once).
+backends' max requests (vLLM never runs more than max_num_seqs at once). A --max-model-len below
+min_context reserves no Quest row but the scratch row and no dense pool (no request can turn
+sparse: core/gpu_pools.py), and the dense pool is at most the Quest rows' requests of
+max_model_len tokens.
 
 max requests counts decoding requests of --context tokens: whole blocks, vLLM's null block left out;
 a hisparse request keeps S+1 = B/page+1 blocks in every layer after its prefill (dense layers
@@ -157,12 +161,18 @@ def compute(args) -> dict:
     host_pages = cap.host_pool_pages(host, m, P, host_layers)
     h_pages = cap.hisparse_host_pages(args.context, P, sparse)
     n_host = host_pages // h_pages if h_pages else None
-    # the dense pool (cfg.uses_dense_pool): a fixed GPU reservation; a sparse request takes as many
-    # pages there (its dense layers) as in the host pool
-    dense_bytes = cfg.dense_pool_bytes if cfg.uses_dense_pool else 0
-    dense_pages = (dense_bytes // (m.token_bytes_per_layer * P * args.dense_layers)
-                   if dense_bytes else None)
-    n_dense = dense_pages // h_pages if dense_pages is not None and h_pages else None
+    # the GPU pools (core/gpu_pools.py): none when no request can turn sparse; else the dense pool
+    # (cfg.uses_dense_pool) is dense_pool_gib, at most what the Quest rows' requests can fill; a
+    # sparse request takes as many pages there (its dense layers) as in the host pool
+    possible = gpu_pools.sparse_possible(cfg, mml)
+    page_bytes = m.token_bytes_per_layer * P           # one page of one layer
+
+    def dense_pool(rows: int) -> tuple[int, int | None, int | None]:
+        pages = gpu_pools.dense_pool_pages(cfg, page_bytes, rows, mml)  # rows: cfg.quest_rows = 0
+        n = pages // h_pages if pages is not None and h_pages else None
+        return (pages or 0) * page_bytes * args.dense_layers, pages, n
+
+    dense_bytes, dense_pages, n_dense = dense_pool(1 << 40)     # dense_pool_gib (not yet capped)
     n_pools = min((x for x in (n_host, n_dense) if x is not None), default=None)
     gpu_kv = gpu - dense_bytes
 
@@ -171,18 +181,21 @@ def compute(args) -> dict:
         return (nb - 1) // h_bpr if cap.hisparse_prefill_fits(nb, mml, P) else 0
 
     # Quest rows: quest_rows, else max_num_seqs, else the most that fit (+ one scratch row)
-    auto = args.quest_rows is None and seqs is None
-    if args.quest_rows is not None:
+    auto = args.quest_rows is None and seqs is None and possible
+    if not possible:       # no request can turn sparse: the scratch row only
+        n_seqs = 0
+    elif args.quest_rows is not None:
         n_seqs = args.quest_rows
     elif seqs is None:
         n_seqs = cap.auto_max_num_seqs(gpu_kv - row, row, lambda kv: min(fit_gpu(kv), n_pools if
                                                                      n_pools is not None else 1 << 62))
     else:
         n_seqs = seqs
-    kv = gpu_kv - (n_seqs + 1) * row
+    dense_bytes, dense_pages, n_dense = dense_pool(n_seqs)     # what n_seqs rows can fill
+    kv = gpu - dense_bytes - (n_seqs + 1) * row
     h_blocks = cap.num_blocks(kv, m, P)
     limits = {"gpu": fit_gpu(kv), "host": n_host, "dense_pool": n_dense, "max_num_seqs": seqs,
-              "quest_rows": n_seqs}
+              "quest_rows": n_seqs if possible else None}
     if auto:               # n_seqs is the answer; say which resource stopped it growing
         n_h, by_h = n_seqs, ("host" if n_host is not None and n_seqs == n_host else
                              "dense_pool" if n_dense is not None and n_seqs == n_dense else "gpu")
@@ -196,15 +209,16 @@ def compute(args) -> dict:
                                                                        host_layers),
                 "max_requests": n_h, "bound_by": by_h,
                 "quest_meta_bytes_per_request": row, "quest_rows": n_seqs,
-                "max_num_seqs": seqs if seqs is not None else n_seqs,
+                "max_num_seqs": seqs if seqs is not None or not possible else n_seqs,
                 "quest_meta_bytes": (n_seqs + 1) * row, "kv_cache_bytes": kv, "num_blocks": h_blocks,
                 "prefill_fits": cap.hisparse_prefill_fits(h_blocks, mml, P),
                 "host_pool_pages": host_pages, "host_pool_bytes_per_rank": host,
                 "dense_pool_bytes": dense_bytes, "dense_pool_pages": dense_pages,
                 "dense_pool_bytes_per_request": (h_pages * P * m.token_bytes_per_layer
                                                  * args.dense_layers if dense_bytes else 0),
-                # HiSparseSpec.max_memory_usage_bytes ignores min_context: vLLM's lines assume S+1
-                **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S))}
+                # HiSparseSpec.max_memory_usage_bytes: S+1 blocks (whatever the prompt) when some
+                # request can turn sparse, else every page
+                **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S, possible))}
     return {"max_model_len": mml, "tensor_parallel_size": tp, "min_context": cfg.min_context_tokens,
             "baseline": baseline,
             "hisparse": hisparse}
@@ -233,8 +247,10 @@ def run(args) -> int:
     for name, v in (("baseline", b), ("hisparse", h)):
         print(f"{name:10s} {_gib(v['gpu_bytes_per_request']):>14s} {_gib(v['host_bytes_per_request']):>14s}"
               f" {v['max_requests']:13d}  {v['bound_by']}")
-    how = ("--quest-rows" if args.quest_rows is not None else "--max-num-seqs"
-           if args.max_num_seqs is not None else "auto: pass it as the hisparse quest_rows")
+    how = ("none: no request can turn sparse, max_model_len < min_context"
+           if r["min_context"] > mml else "--quest-rows" if args.quest_rows is not None else
+           "--max-num-seqs" if args.max_num_seqs is not None else
+           "auto: pass it as the hisparse quest_rows")
     print(f"hisparse Quest bounds: {_gib(h['quest_meta_bytes_per_request'])} per row x "
           f"({h['quest_rows']} + 1 scratch) rows ({how}) = {_gib(h['quest_meta_bytes'])} out of the "
           f"KV budget "

@@ -278,7 +278,8 @@ def main(argv=None) -> int:
                    help="hisparse config (JSON); the default is sized with `hisparse calc` for the "
                         "128 GiB GPU box at 32K and gpu_memory_utilization 0.3: 84 GiB pinned host "
                         "= 22 requests' sparse layers, 22 Quest rows, their two dense layers in a "
-                        "6 GiB GPU dense pool")
+                        "6 GiB GPU dense pool (neither reserved when max_model_len < min_context, "
+                        "e.g. at 4K: core/gpu_pools.py)")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--port", type=int, default=18000)
     p.add_argument("--ready-timeout", type=float, default=900)

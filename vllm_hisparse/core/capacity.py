@@ -22,7 +22,9 @@ HiSparse today (``vllm/spec.py``, ``core/residency.py``, ``vllm/connector.py``, 
   per request at admission.
 * Quest page bounds: key min and max per page of every KV head, in every sparse layer, allocated
   for ``max_num_seqs`` rows x ``cdiv(max_model_len, page)`` pages while the model is built, so
-  vLLM's memory profiling takes them out of the KV budget: a fixed reservation, not per live request.
+  vLLM's memory profiling takes them out of the KV budget: a fixed reservation, not per live request
+  (none but the scratch row when max_model_len < min_context: ``core/gpu_pools.py``, which also
+  caps the dense pool at what the Quest rows' requests can fill).
   (The runtime's int32 slot/page indices, ~``4 x (U + 2S)`` bytes per row per sparse layer, are
   left out: <0.2% of the bounds.)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core import decode_body, dense_groups, indexers, prefill
+from vllm_hisparse.core import decode_body, dense_groups, gpu_pools, indexers, prefill
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.decode_batch import DecodeBatch, fill
 from vllm_hisparse.core.host_pool import HostKVPool
@@ -74,9 +74,11 @@ class SparseRuntime:
             host_pages = cfg.host_pool_pages(num_layers, page_bytes)
         self.pool = (HostKVPool(len(host_layers), host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
-        # The indexer: one row per sparse request admitted at once (cfg.quest_rows, default
-        # max_rows) + a scratch row that decode-graph padding points at.
-        self.ix = indexers.get(cfg.indexer)(cfg, num_layers, cfg.quest_rows or max_rows,
+        # The indexer: one row per sparse request admitted at once (core/gpu_pools.py: none but
+        # the scratch row when no request can turn sparse) + a scratch row that decode-graph
+        # padding points at.
+        self.ix = indexers.get(cfg.indexer)(cfg, num_layers,
+                                            gpu_pools.quest_rows(cfg, max_rows, max_model_len),
                                             max_model_len, num_kv_heads, head_dim, dtype,
                                             self.device, state=indexer_state)
         self.hot = [sl.HotSlots(max_rows + 1, self.S, self.U, self.device)
@@ -88,9 +90,9 @@ class SparseRuntime:
         self.dpool = None
         if cfg.uses_dense_pool:
             nd = len(self.dense_layers)
-            self.dpool = dense_pool or HostKVPool(
-                nd, cfg.dense_pool_pages(page_bytes), self.P, num_kv_heads, head_dim, dtype,
-                device=self.device)
+            pages = gpu_pools.dense_pool_pages(cfg, page_bytes, max_rows, max_model_len)
+            self.dpool = dense_pool or HostKVPool(nd, pages, self.P, num_kv_heads, head_dim, dtype,
+                                                  device=self.device)
             self._dpool_layer = {layer: i for i, layer in enumerate(sorted(self.dense_layers))}
             self.dense_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)
         # Paged causal attention for prefill / dense rows: paged_dense_reference's signature. The

@@ -203,6 +203,7 @@ class HiSparseImpl(AttentionImpl):
             vc.scheduler_config.max_num_seqs, mc.max_model_len, num_kv_heads, head_size, mc.dtype,
             gpu_memory_utilization=vc.cache_config.gpu_memory_utilization)
         worker_state.ensure_dense_pool(hisparse_config_of(vc), num_kv_heads, head_size, mc.dtype,
+                                       vc.scheduler_config.max_num_seqs, mc.max_model_len,
                                        gpu_memory_utilization=vc.cache_config.gpu_memory_utilization)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,

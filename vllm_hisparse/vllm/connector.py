@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_hisparse.core import capacity
+from vllm_hisparse.core import capacity, gpu_pools
 from vllm_hisparse.core.residency import may_turn_sparse
 from vllm_hisparse.core.host_pool import HostKVPool, HostPoolPinError
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
@@ -62,8 +62,11 @@ def host_pages_capacity(cfg, model_config, parallel_config) -> int:
     return share // (_page_bytes(cfg, model_config, parallel_config) * layers)
 
 
-def dense_pages_capacity(cfg, model_config, parallel_config) -> int | None:
-    return cfg.dense_pool_pages(_page_bytes(cfg, model_config, parallel_config))
+def dense_pages_capacity(cfg, vllm_config) -> int | None:
+    """Pages of the GPU dense pool (None without one), as the worker allocates it."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    return gpu_pools.dense_pool_pages(cfg, _page_bytes(cfg, mc, pc),
+                                      vllm_config.scheduler_config.max_num_seqs, mc.max_model_len)
 
 
 class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
@@ -72,14 +75,15 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self.cfg = hisparse_config_of(vllm_config)
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         self.capacity = host_pages_capacity(self.cfg, mc, pc)
-        dense = dense_pages_capacity(self.cfg, mc, pc)
+        dense = dense_pages_capacity(self.cfg, vllm_config)
         # A sparse request takes the same number of pages in the host pool and the dense pool.
         self.admit_pages = self.capacity if dense is None else min(self.capacity, dense)
         self._bound = "host" if dense is None or self.capacity <= dense else "GPU dense"
         self._pool_reason = "host_pool" if self._bound == "host" else "dense_pool"
         self.max_model_len = mc.max_model_len
-        # indexer rows on the worker: one per long request admitted at once (core/sparse_runtime)
-        self.indexer_rows = self.cfg.quest_rows or vllm_config.scheduler_config.max_num_seqs
+        # indexer rows on the worker: one per long request admitted at once (core/gpu_pools.py)
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.indexer_rows = gpu_pools.quest_rows(self.cfg, self.max_num_seqs, mc.max_model_len)
         self._rows_held: set[str] = set()
         # scheduler side
         self._reserved: dict[str, int] = {}
@@ -120,6 +124,12 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         """One startup line: how many requests of max_model_len tokens admission lets run at once
         (bench/serving.py reads it for --concurrency cap)."""
         per_req = -(-self.max_model_len // self.cfg.page_size)
+        if not gpu_pools.sparse_possible(self.cfg, self.max_model_len):
+            logger.info("hisparse: room for %d requests of max_model_len=%d tokens at once (no "
+                        "request can turn sparse: max_model_len < min_context=%d, so no indexer "
+                        "row or dense pool is reserved; vLLM's KV blocks bound them)",
+                        self.max_num_seqs, self.max_model_len, self.cfg.min_context_tokens)
+            return
         room, why = self.indexer_rows, f"quest_rows={self.indexer_rows}"
         if self.cfg.host_tier:
             pool = self.admit_pages // per_req
@@ -146,6 +156,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         """Sparse at some step of its life: a long prompt, or a short one whose prompt +
         max_tokens reaches min_context (it turns sparse when its context does)."""
         max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
+        # its context never exceeds max_model_len (so with max_model_len < min_context none does)
+        max_tokens = min(max_tokens, self.max_model_len - request.num_prompt_tokens)
         return may_turn_sparse(self.cfg, request.num_prompt_tokens, max_tokens)
 
     def _pages_needed(self, request) -> int:

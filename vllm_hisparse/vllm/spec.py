@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.core.gpu_pools import sparse_possible
 from vllm_hisparse.core.residency import freed_pages
 
 from .compat import FullAttentionManager, FullAttentionSpec
@@ -33,10 +34,11 @@ class HiSparseSpec(FullAttentionSpec):
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
         """Steady-state GPU bytes of one request: S hot blocks + the newest page (hisparse mode);
-        the full length in resident mode. (The prompt's own prefill is still fully resident.)"""
+        the full length in resident mode or when no request can turn sparse (max_model_len below
+        min_context). (The prompt's own prefill is still fully resident.)"""
         cfg = self.cfg
         full = super().max_memory_usage_bytes(vllm_config)
-        if not cfg.host_tier:
+        if not cfg.host_tier or not sparse_possible(cfg, vllm_config.model_config.max_model_len):
             return full
         return min(full, (cfg.num_slots + 1) * self.page_size_bytes)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.core import capacity, indexers
+from vllm_hisparse.core import capacity, gpu_pools, indexers
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
 from .compat import init_logger
@@ -27,14 +27,17 @@ def ensure_indexer_state(cfg, num_layers: int, rows: int, max_model_len: int, nu
     """Allocate the indexer's state (core/indexers, ``Indexer.allocate_state``; Quest: every
     sparse layer's page bounds, 2 x rows x cdiv(max_model_len, page) x Hkv x D elements per layer)
     while the model is being built, so vLLM's memory profiling counts it before it sizes the KV
-    cache. On CUDA, first fail with the flags to change when it would take more than half of the
+    cache; rows = ``gpu_pools.quest_rows`` (none but the scratch row when no request can turn
+    sparse). On CUDA, first fail with the flags to change when it would take more than half of the
     GPU memory vLLM may still use (``capacity.check_indexer_reservation``)."""
     global indexer_state
     if indexer_state is not None:
         return
     ix = indexers.get(cfg.indexer)
     set_by = "quest_rows" if cfg.quest_rows else "max_num_seqs"
-    rows = cfg.quest_rows or rows
+    rows = gpu_pools.quest_rows(cfg, rows, max_model_len)
+    if not gpu_pools.sparse_possible(cfg, max_model_len):
+        set_by = "rows (no request can turn sparse: max_model_len < min_context)"
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     dense = sum(1 for i in range(num_layers) if i in cfg.dense_layers)
     model = capacity.ModelShape(num_layers, num_kv_heads, head_dim,
@@ -113,25 +116,31 @@ dense_pool = None       # core.host_pool.HostKVPool on the GPU: dense layers of 
 
 
 def ensure_dense_pool(cfg, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      max_num_seqs: int, max_model_len: int,
                       gpu_memory_utilization: float | None = None) -> None:
-    """Allocate the GPU pool of the dense layers (cfg.dense_pool_gib) while the model is being
-    built, like the indexer state, so vLLM's memory profiling counts it before sizing the KV cache.
-    On CUDA, first refuse a pool larger than half of the GPU memory vLLM may still use."""
+    """Allocate the GPU pool of the dense layers (cfg.dense_pool_gib, at most what the Quest rows'
+    sparse requests can fill: ``gpu_pools.dense_pool_pages``) while the model is being built, like
+    the indexer state, so vLLM's memory profiling counts it before sizing the KV cache. On CUDA,
+    first refuse a pool larger than half of the GPU memory vLLM may still use."""
     global dense_pool
     if dense_pool is not None or not cfg.uses_dense_pool:
         return
     from vllm_hisparse.core.host_pool import HostKVPool
 
+    page_bytes = 2 * cfg.page_size * num_kv_heads * head_dim * dtype.itemsize   # K+V, one layer
+    pages = gpu_pools.dense_pool_pages(cfg, page_bytes, max_num_seqs, max_model_len)
+    nbytes = gpu_pools.dense_pool_bytes(cfg, page_bytes, max_num_seqs, max_model_len)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     if dev != "cpu":
         free, total = torch.cuda.mem_get_info(dev)
         budget = capacity.reservation_budget_bytes(free, total, gpu_memory_utilization)
-        if cfg.dense_pool_bytes > budget:
+        if nbytes > budget:
             raise ValueError(
                 f"hisparse: dense_pool_gib={cfg.dense_pool_gib} is more than the "
                 f"{budget / (1 << 30):.2f} GiB allowed (half of the GPU memory vLLM may still use); "
                 f"lower dense_pool_gib (each request of N tokens takes "
                 f"{len(cfg.dense_layers)} dense layers x N tokens of K/V there)")
-    pages = cfg.dense_pool_pages(HostKVPool.page_bytes(cfg.page_size, num_kv_heads, head_dim, dtype))
+    logger.info("hisparse: the dense pool reserves %.2f GiB on %s (%d pages x %d dense layers)",
+                nbytes / (1 << 30), dev, pages, len(cfg.dense_layers))
     dense_pool = HostKVPool(len(cfg.dense_layers), pages, cfg.page_size, num_kv_heads, head_dim,
                             dtype, device=dev)

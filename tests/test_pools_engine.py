@@ -1,0 +1,150 @@
+"""issue 14 item 5 through the real vLLM 0.26 engine (CPU): the GPU pools of sparse requests do not
+starve short work, with one config for both loads (a dense pool and Quest rows sized for long
+requests, as bench/serving.py's).
+
+Each engine runs in a subprocess (this file as a script, in-process engine core). On a GPU vLLM
+profiles memory after the model is built, so hisparse's KV cache is stock's budget less what the
+backend reserved while it was built (Quest rows, dense pool); on the CPU the KV size is explicit.
+So the probe measures the bytes the engine really reserved and gives it the blocks a GPU would:
+stock's less ``cdiv(reserved, block bytes)``.
+
+* short server (max_model_len 96 < min_context 128: no request can turn sparse): only the scratch
+  Quest row is reserved (less than one block), and 12 requests of 60 + 20 tokens run with as many
+  at once as in stock vLLM on stock's blocks.
+* long server (max_model_len 512): the same config reserves its Quest rows and a dense pool of
+  quest_rows x 32 pages, admits the long requests, and they stay exact (tests/test_vllm_engine.py's
+  dense-pool runs check tokens and logprobs against resident mode with this sizing).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PY = sys.executable
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = 16
+CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
+       "host_pool_gib": 0.05, "dense_pool_gib": 0.01, "quest_rows": 3}     # min_context 128
+LAYERS, HKV, D, ELT = 4, 2, 32, 4                 # scripts/make_tiny_model.py, fp32
+BLOCK_BYTES = LAYERS * PAGE * 2 * HKV * D * ELT
+# 33 usable (block 0 is vLLM's null block): 8 prompts of 4 blocks, one block to spare, so the
+# one block the scratch row may cost does not cross a request (at 33 it would: 7 vs 8 running)
+STOCK_BLOCKS = 34
+N_REQ, PROMPT, OUT = 12, 60, 20
+
+
+def probe(model: str, backend: str, mml: int, num_blocks: int, prompt: int, out: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    kw = {}
+    if backend == "hisparse":
+        from vllm_hisparse.vllm.plugin import register
+
+        register()
+        kw = {"attention_backend": "hisparse", "additional_config": {"hisparse": CFG}}
+    running = {"max": 0}
+    orig = Scheduler.schedule
+
+    def spy(self, *a, **k):
+        so = orig(self, *a, **k)
+        running["max"] = max(running["max"], len(self.running))
+        return so
+
+    Scheduler.schedule = spy
+    llm = LLM(model, dtype="float32", max_model_len=mml, max_num_seqs=16, block_size=PAGE,
+              max_num_batched_tokens=512, enforce_eager=True, seed=0,
+              num_gpu_blocks_override=num_blocks, **kw)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(prompt)]}
+               for _ in range(N_REQ)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=OUT, ignore_eos=True),
+                 use_tqdm=False)
+    res = {"running_max": running["max"]}
+    if backend == "hisparse":
+        from vllm_hisparse.vllm import worker_state
+
+        kmin, kmax = worker_state.indexer_state
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        res["quest_bytes"] = sum(nbytes(t) for t in kmin + kmax if t is not None)
+        dp = worker_state.dense_pool
+        res["dense_pool_bytes"] = nbytes(dp.data) if dp is not None else 0
+        rt = worker_state.get_runtime()
+        for _ in range(20):                   # delayed frees complete on the following steps
+            if rt.stats_dict()["live_requests"] == 0:
+                break
+            llm.llm_engine.step()
+        res["quest_rows"] = rt.ix.rows
+        res["stats"] = rt.stats_dict()
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+def run(tmp, model, backend, mml, num_blocks, prompt=PROMPT) -> dict:
+    out = tmp / f"{backend}-{mml}-{num_blocks}.json"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               HF_HUB_OFFLINE="1")
+    r = subprocess.run([PY, __file__, model, backend, str(mml), str(num_blocks), str(prompt),
+                        str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return subprocess.run([PY, os.path.join(ROOT, "scripts", "make_tiny_model.py")], check=True,
+                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+
+def test_short_server_runs_as_many_requests_as_stock(model, tmp_path):
+    mml = 96
+    # what a GPU run would reserve: the scratch Quest row of the 3 sparse layers (6 pages) and no
+    # dense pool, so its KV cache is stock's blocks less cdiv(that, block bytes)
+    scratch = 2 * (LAYERS - 1) * cdiv(mml, PAGE) * HKV * D * ELT
+    hs_blocks = STOCK_BLOCKS - cdiv(scratch, BLOCK_BYTES)
+    assert STOCK_BLOCKS - hs_blocks <= 1
+    stock = run(tmp_path, model, "stock", mml, STOCK_BLOCKS)
+    hs = run(tmp_path, model, "hisparse", mml, hs_blocks)
+    # ... which is what the engine reserved
+    assert (hs["quest_bytes"], hs["dense_pool_bytes"], hs["quest_rows"]) == (scratch, 0, 0)
+    assert hs["stats"]["decode_rows"] == 0 and hs["stats"]["finished"] == N_REQ   # none sparse
+    # vLLM admits a request while its prompt's blocks fit (60 tokens: 4 blocks): 33 // 4 at once,
+    # some preempted as they grow; hisparse's dense requests are scheduled the same way
+    assert stock["running_max"] == (STOCK_BLOCKS - 1) // cdiv(PROMPT, PAGE)
+    assert hs["running_max"] == stock["running_max"]
+    # the sizing before core/gpu_pools.py: 3 + 1 Quest rows and the whole 0.01 GiB dense pool,
+    # more than the 33 blocks: the server would not have held one request
+    before = 4 * scratch + int(CFG["dense_pool_gib"] * (1 << 30)) // (2 * PAGE * HKV * D * ELT) \
+        * 2 * PAGE * HKV * D * ELT
+    assert before // BLOCK_BYTES > STOCK_BLOCKS
+
+
+def test_long_server_keeps_its_pools(model, tmp_path):
+    mml = 512
+    res = run(tmp_path, model, "hisparse", mml, 200, prompt=200)      # sparse from the start
+    rows, pages = CFG["quest_rows"], cdiv(mml, PAGE)
+    assert res["quest_rows"] == rows
+    assert res["quest_bytes"] == 2 * (LAYERS - 1) * (rows + 1) * pages * HKV * D * ELT
+    pool_pages = min(int(CFG["dense_pool_gib"] * (1 << 30)) // (2 * PAGE * HKV * D * ELT),
+                     rows * pages)
+    assert res["dense_pool_bytes"] == pool_pages * 2 * PAGE * HKV * D * ELT
+    # admission: at most quest_rows long requests at once (the blocks would hold more), all served
+    assert res["running_max"] == rows
+    assert res["stats"]["decode_rows"] > 0 and res["stats"]["finished"] == N_REQ
+
+
+if __name__ == "__main__":
+    probe(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+          sys.argv[6])
