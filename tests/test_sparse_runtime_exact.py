@@ -15,6 +15,7 @@ from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.residency import freed_pages
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 from vllm_hisparse.ops import reference
+from vllm_hisparse.sim.recorder_hook import TraceWriter
 
 P, L, HKV, D, HQ, W = 8, 3, 2, 8, 4, 40          # W pages per request (max_model_len 320)
 
@@ -37,7 +38,7 @@ class Driver:
         self.P, self.L, self.W = shape
         self.dev, self.dt = torch.device(device), dtype
         self.rt = SparseRuntime(cfg, self.L, self.hkv, self.d, dtype, self.dev, rows,
-                                self.W * self.P, host_pages=400)
+                                self.W * self.P, host_pages=400, trace_writer=TraceWriter)
         self.kv = [torch.zeros(1 + rows * self.W, 2, self.P, self.hkv, self.d, dtype=dtype,
                                device=self.dev) for _ in range(self.L)]    # block 0: vLLM's null
         self.rt.bind_kv_caches(self.kv)

@@ -73,7 +73,6 @@ def test_unsupported_setups_fail_with_what_is_supported(over, words):
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("policy", "crf", "policy='crf' is available in the simulator"),
     ("policy", "fifo", "policy='fifo' is available in the simulator"),
     ("prefetch", True, "prefetch=True is not implemented"),
     ("indexer", "dsa", "indexer='dsa' is not wired"),

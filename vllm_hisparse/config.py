@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 
 GIB = 1 << 30
 
-# Registered names; the policy registry in core/policies checks the same list at use.
+# Registered names; the policy registry in slots/ checks the same list at use.
 INDEXERS = ("quest", "dsa")
 
 
@@ -33,7 +33,7 @@ class HiSparseConfig:
     indexer: "quest" (page-level, any Llama/Qwen-style model) or "dsa" (token-level).
     host_pool_gib: pinned host memory for the authoritative KV of every request.
     io_chunk_bytes: bytes one GPU thread moves per load loop when fetching misses from host.
-    policy: hot-buffer replacement policy (see vllm_hisparse.core.policies.available()).
+    policy: hot-buffer replacement policy (vllm_hisparse.slots.available(); served: slots.served()).
     dense_layers: layers kept fully resident and dense (Quest skips the first two).
     dense_pool_gib: GPU memory reserved for the full KV of the dense_layers of long (sparse)
         requests, so those layers stay resident after the request's other GPU blocks are given
@@ -121,12 +121,13 @@ class HiSparseConfig:
                   "use 0 (all requests sparse), a token count, or null (2 x device_buffer_size)")
         if self.full_decode_graphs and self.full_graphs_blocker():
             _fail("full_decode_graphs", True, self.full_graphs_blocker())
-        from vllm_hisparse.core.policies import available  # local: policies import nothing of ours
+        from vllm_hisparse.slots import available, served  # the lowest layer (torch only)
 
         if self.policy not in available():
-            others = ", ".join(p for p in available() if p != "lru")
-            _fail("policy", self.policy, f"use \"lru\" (what vLLM serves); {others} run only in the "
-                  f"core and the simulator (hisparse sim)")
+            others = ", ".join(p for p in available() if p not in served())
+            also = ", ".join(p for p in served() if p != "lru")
+            _fail("policy", self.policy, f"use \"lru\" (what vLLM serves; also served: {also}); "
+                  f"{others} run only in the core and the simulator (hisparse sim)")
 
     # ---- derived -------------------------------------------------------------------------------
     def full_graphs_blocker(self) -> str | None:

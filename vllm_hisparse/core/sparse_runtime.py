@@ -10,7 +10,7 @@ run core/decode_body.py; a uniform decode step is planned by ``plan_full`` for v
 graph of its padded size and its layers run ``full_layer`` (recorded once, then replayed).
 
 With ``cfg.trace_dir`` set, every sparse layer's Quest selection of every decode row is appended to
-a per-request trace (``sim.recorder_hook.TraceWriter``, format ``sim/trace.py``, unit = one page,
+a per-request trace (the writer the adapter passes, ``sim.recorder_hook.TraceWriter``, format ``sim/trace.py``, unit = one page,
 rows = the sparse layers in order, each row the newest page then the selected complete pages, as
 ``sim/record.py`` writes Quest traces), written to ``<trace_dir>/<request id>.npz`` at ``finish``.
 It copies the selection to the host once per layer: a measurement mode, not a serving mode.
@@ -34,6 +34,7 @@ from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_re
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
 from vllm_hisparse.core.turn_sparse import Switch, copy_context
+from vllm_hisparse.slots import HotBufferState
 
 
 @dataclass
@@ -48,13 +49,15 @@ class SparseRuntime:
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, max_rows: int, max_model_len: int,
                  host_pages: int | None = None, quest_meta: tuple[list, list] | None = None,
-                 dense_pool: HostKVPool | None = None):
+                 dense_pool: HostKVPool | None = None, trace_writer=None):
         """max_rows: requests at once; the Quest bounds and hot-slot state have one more row, the
         scratch row that padding rows of a decode batch point at (core/decode_batch.py).
         quest_meta: per-layer (kmin, kmax) tensors (max_rows + 1, U, Hkv, D), None for dense layers,
         allocated by the caller (the vLLM adapter does it before memory profiling); default: here.
         dense_pool: the GPU pool holding the dense layers of sparse requests when
-        cfg.dense_pool_gib > 0 (the adapter allocates it before memory profiling); default: here."""
+        cfg.dense_pool_gib > 0 (the adapter allocates it before memory profiling); default: here.
+        trace_writer: with cfg.trace_dir, the trace writer's factory ``(trace_dir, meta=dict) ->
+        writer`` (sim.recorder_hook.TraceWriter; the adapter passes it, so core imports no sim)."""
         cfg.check_layers(num_layers)
         self.cfg = cfg
         self.max_rows, self.scratch_row = max_rows, max_rows
@@ -87,7 +90,7 @@ class SparseRuntime:
         if any(t is not None and t.shape[0] != self.quest_rows + 1 for t in self.kmin):
             raise ValueError(f"quest_meta must have quest_rows + 1 = {self.quest_rows + 1} rows")
         self._free_qrows = list(range(self.quest_rows - 1, -1, -1))
-        self.hot = [sl.HotSlots(max_rows + 1, self.S, self.U, self.device)
+        self.hot = [HotBufferState.create(max_rows + 1, self.S, self.U, cfg.policy, self.device)
                     if cfg.host_tier and i not in self.dense_layers else None
                     for i in range(num_layers)]
         self.host_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)  # host page of each
@@ -108,12 +111,13 @@ class SparseRuntime:
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.trace = None
         if cfg.trace_dir:
-            from vllm_hisparse.sim.recorder_hook import TraceWriter
-
+            if trace_writer is None:
+                raise ValueError("hisparse runtime: trace_dir is set but no trace_writer was passed "
+                                 "(pass sim.recorder_hook.TraceWriter, as the vLLM adapter does)")
             sparse = [i for i in range(num_layers) if i not in self.dense_layers]
             self._trace_row = {layer: j for j, layer in enumerate(sparse)}
             self._dec_steps: dict[str, int] = {}           # req_id -> decode steps so far
-            self.trace = TraceWriter(cfg.trace_dir, meta={
+            self.trace = trace_writer(cfg.trace_dir, meta={
                 "model": "served by vLLM (hisparse runtime)", "text": "served requests",
                 "indexer": (f"Quest page selection (min/max key bounds, page {self.P}, newest page "
                             f"first), hisparse serving runtime"),
@@ -417,3 +421,4 @@ class SparseRuntime:
             with open(tmp, "w") as f:
                 json.dump(self.stats_dict(), f)
             os.replace(tmp, path)
+        s["policy"] = self.cfg.policy

@@ -1,6 +1,7 @@
 """SELECT + RESOLVE of a decode batch (Triton): one program per row takes the row's Quest page
 scores, picks its top pages, and maps them to physical blocks — through the block table while every
-page is on the GPU, or through the row's hot slots (LRU) otherwise; a second launch, one program per
+page is on the GPU, or through the row's hot slots otherwise (a constexpr branch per served policy of
+vllm_hisparse.slots: ``POLICY`` 0 = lru, 1 = crf); a second launch, one program per
 selected page, copies the missing pages from the pinned host pool with GPU loads (a row's misses in
 parallel: one program copying them one after the other moved 13 GB/s on the H200).
 
@@ -12,10 +13,14 @@ Per row r (program r; rows with ``seq[r] == 0`` stop at once, rows without a com
    then every larger key and the first ties in page order (contract ``reference.topk_index``).
    ``sel[r]`` = the pages in ascending order, -1 after them.
 2. **Resident rows**: ``locs[r, j] = block_table[r, sel[r, j]]``.
-3. **Hot rows** (RESOLVE, contract ``reference.resolve_lru``): hits through the page table
-   ``unit_slot``; victims in eviction order (the LRU end first), empty slots before occupied ones
-   that are not hit now; the i-th miss in selection order takes the i-th victim; the new order is
-   hits (later selection entries more recent), then misses, then the rest in their old order. Slot
+3. **Hot rows** (RESOLVE, contract ``reference.select_resolve``, i.e. ``slots.engine.resolve``):
+   hits through the page table ``unit_slot``; victims in the policy's eviction order, empty slots
+   before occupied ones that are not hit now; the i-th miss in selection order takes the i-th
+   victim. LRU (state ``order``, MRU first): victims from the LRU end; the new order is hits (later
+   selection entries more recent), then misses, then the rest in their old order. crf (state
+   ``value``, slots/crf.py): victims in ascending (value, slot) order, one block-wide sort of the
+   32-bit key ``(value + 1) << 16 | slot`` with hit slots pushed last; then every occupied value
+   decays, hits add HIT, misses start at HIT // 2. Slot
    s of the row is block ``block_table[r, s]`` (the request's first S blocks are its hot slots).
    The state rows are read and written in place through the runtime row ``rows[r]``; hits and
    misses are added to ``counts``; a miss's locs entry is marked ``-2 - block`` until the IO
@@ -64,12 +69,13 @@ def _topk_take(SC, n, K, UB: tl.constexpr):
 
 
 @triton.jit
-def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
-                 s_bt, s_su, s_us, s_lru, KB: tl.constexpr, SB: tl.constexpr):
+def _resolve_row(r, row, u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS,
+                 s_bt, s_su, s_us, s_pol, KB: tl.constexpr, SB: tl.constexpr,
+                 POLICY: tl.constexpr, SHIFT: tl.constexpr, HIT: tl.constexpr):
     valid = u >= 0
     us = US + row * s_us
     su = SU + row * s_su
-    lru = LRU + row * s_lru
+    pol = POL + row * s_pol                                    # the policy's state row
     bt = BT + r.to(tl.int64) * s_bt
     scr = SCR + r.to(tl.int64) * SB
     vic = VIC + r.to(tl.int64) * KB
@@ -84,25 +90,37 @@ def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
     tl.atomic_add(COUNTS + 1, m.to(tl.int64))
     os_ = tl.arange(0, SB)
     sm = os_ < S
-    lo = tl.load(lru + os_, mask=sm, other=0)                 # slot at recency position p (MRU first)
-    lo_rev = tl.load(lru + (S - 1 - os_), mask=sm, other=0)   # eviction order: LRU end first
-    su_rev = tl.load(su + lo_rev, mask=sm, other=0)
     tl.store(scr + os_, 0, mask=sm)                            # flags per slot: 1 hit, 2 victim
     tl.debug_barrier()
     tl.store(scr + cur, 1, mask=hit)
     tl.debug_barrier()
-    hitf = tl.load(scr + lo_rev, mask=sm, other=0, volatile=True) == 1
-    empty = sm & (su_rev < 0)
-    occ = sm & (su_rev >= 0) & ~hitf
-    e_i = empty.to(tl.int32)
-    o_i = occ.to(tl.int32)
-    n_empty = tl.sum(e_i, 0)
-    rank = tl.where(empty, tl.cumsum(e_i, 0) - e_i,
-                    tl.where(occ, n_empty + tl.cumsum(o_i, 0) - o_i, 1 << 30))
-    is_v = rank < m
-    tl.store(vic + rank, lo_rev, mask=is_v)
-    tl.store(us + su_rev, -1, mask=is_v & ~empty)             # a victim forgets its old page
-    tl.store(scr + lo_rev, 2, mask=is_v)
+    if POLICY == 0:                                            # LRU: pol = order, MRU first
+        lo = tl.load(pol + os_, mask=sm, other=0)             # slot at recency position p
+        lo_rev = tl.load(pol + (S - 1 - os_), mask=sm, other=0)   # eviction order: LRU end first
+        su_rev = tl.load(su + lo_rev, mask=sm, other=0)
+        hitf = tl.load(scr + lo_rev, mask=sm, other=0, volatile=True) == 1
+        empty = sm & (su_rev < 0)
+        occ = sm & (su_rev >= 0) & ~hitf
+        e_i = empty.to(tl.int32)
+        o_i = occ.to(tl.int32)
+        n_empty = tl.sum(e_i, 0)
+        rank = tl.where(empty, tl.cumsum(e_i, 0) - e_i,
+                        tl.where(occ, n_empty + tl.cumsum(o_i, 0) - o_i, 1 << 30))
+        is_v = rank < m
+        tl.store(vic + rank, lo_rev, mask=is_v)
+        tl.store(us + su_rev, -1, mask=is_v & ~empty)         # a victim forgets its old page
+        tl.store(scr + lo_rev, 2, mask=is_v)
+    else:                                                      # crf: pol = value, -1 = empty
+        val = tl.load(pol + os_, mask=sm, other=0)
+        hits_s = tl.load(scr + os_, mask=sm, other=0, volatile=True) == 1
+        # eviction order = ascending (value, slot): empty slots (-1) first; hit slots never
+        key = tl.where(sm & ~hits_s, ((val + 1) << 16) | os_, 0x7FFFFFFF)
+        vslot = tl.sort(key, 0) & 0xFFFF
+        is_v = os_ < m
+        old = tl.load(su + vslot, mask=is_v, other=-1)
+        tl.store(vic + os_, vslot, mask=is_v)
+        tl.store(us + old, -1, mask=is_v & (old >= 0))        # a victim forgets its old page
+        vcur = tl.load(pol + cur, mask=hit, other=0)           # hits' values before the decay
     tl.debug_barrier()
     mi = tl.cumsum(miss_i, 0) - miss_i                         # rank of each miss
     vs = tl.load(vic + mi, mask=miss, other=0, volatile=True)
@@ -112,12 +130,18 @@ def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
     # a miss is marked -2 - block: _miss_io_kernel copies its page in, then writes the block
     tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(hit, phys, tl.where(miss, -2 - phys, -1)),
              mask=jk < K)
-    hi = tl.cumsum(hit_i, 0) - hit_i
-    tl.store(lru + (h - 1 - hi), cur, mask=hit)
-    tl.store(lru + (h + m - 1 - mi), vs, mask=miss)
-    stay = sm & (tl.load(scr + lo, mask=sm, other=1, volatile=True) == 0)
-    st_i = stay.to(tl.int32)
-    tl.store(lru + (h + m + tl.cumsum(st_i, 0) - st_i), lo, mask=stay)
+    if POLICY == 0:
+        hi = tl.cumsum(hit_i, 0) - hit_i
+        tl.store(pol + (h - 1 - hi), cur, mask=hit)
+        tl.store(pol + (h + m - 1 - mi), vs, mask=miss)
+        stay = sm & (tl.load(scr + lo, mask=sm, other=1, volatile=True) == 0)
+        st_i = stay.to(tl.int32)
+        tl.store(pol + (h + m + tl.cumsum(st_i, 0) - st_i), lo, mask=stay)
+    else:
+        tl.store(pol + os_, tl.where(val >= 0, val - (val >> SHIFT), val), mask=sm)
+        tl.debug_barrier()
+        tl.store(pol + cur, vcur - (vcur >> SHIFT) + HIT, mask=hit)
+        tl.store(pol + vs, HIT // 2, mask=miss)
 
 
 @triton.jit
@@ -148,9 +172,10 @@ def _miss_io_kernel(LOCS, SEL, SEQ, NFULL, HOT, ROWS, HPT, HOST, KV, K, s_hpt, R
 
 
 @triton.jit
-def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS, SEL, LOCS, K, S,
-                   s_sc, s_bt, s_su, s_us, s_lru, UB: tl.constexpr, KB: tl.constexpr,
-                   SB: tl.constexpr, HAS_HOT: tl.constexpr):
+def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, POL, SCR, VIC, COUNTS, SEL, LOCS, K, S,
+                   s_sc, s_bt, s_su, s_us, s_pol, UB: tl.constexpr, KB: tl.constexpr,
+                   SB: tl.constexpr, HAS_HOT: tl.constexpr, POLICY: tl.constexpr,
+                   SHIFT: tl.constexpr, HIT: tl.constexpr):
     r = tl.program_id(0)
     n = tl.load(NFULL + r).to(tl.int32)
     jk = tl.arange(0, KB)
@@ -172,8 +197,8 @@ def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS,
         if HAS_HOT:
             hot = tl.load(HOT + r)
         if hot != 0:
-            _resolve_row(r, tl.load(ROWS + r).to(tl.int64), u, jk, K, S, BT, SU, US, LRU, SCR,
-                         VIC, COUNTS, LOCS, s_bt, s_su, s_us, s_lru, KB, SB)
+            _resolve_row(r, tl.load(ROWS + r).to(tl.int64), u, jk, K, S, BT, SU, US, POL, SCR,
+                         VIC, COUNTS, LOCS, s_bt, s_su, s_us, s_pol, KB, SB, POLICY, SHIFT, HIT)
         else:
             blk = tl.load(BT + r.to(tl.int64) * s_bt + u, mask=u >= 0, other=-1)
             tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(u >= 0, blk, -1), mask=jk < K)
@@ -191,32 +216,35 @@ def row_chunk(row_elems: int) -> int:
 def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tensor, k: int,
                    block_table: torch.Tensor, sel: torch.Tensor, locs: torch.Tensor,
                    scratch: torch.Tensor, victims: torch.Tensor, hot: torch.Tensor | None = None,
-                   rows: torch.Tensor | None = None, state: tuple | None = None,
+                   rows: torch.Tensor | None = None, state=None,
                    host_pt: torch.Tensor | None = None, host: torch.Tensor | None = None,
                    kv: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
     """Launch on checked inputs (ops/decode_ops.py); also runs under TRITON_INTERPRET=1. Shapes as
     reference.select_resolve; scratch (N, SB) / victims (N, KB) int32 workspaces with SB, KB the
-    powers of two >= S, k (select_widths); host on the device (the pool's CUDA alias)."""
+    powers of two >= S, k (select_widths); host on the device (the pool's CUDA alias); state a
+    slots.HotBufferState whose policy has a kernel branch (POLICY = its ``kernel`` id)."""
     N, U = scores.shape
     if N == 0 or k == 0:
         return
     has_hot = hot is not None
+    consts = {"POLICY": 0, "SHIFT": 0, "HIT": 0}
     if has_hot:
-        su, us, lru = state
+        su, us, pol = state.kernel_state()
+        consts.update(state.policy.kernel_constants, POLICY=state.policy.kernel)
         S = su.shape[1]
         row = kv[0].numel()
     else:
-        su = us = lru = host_pt = sel
+        su = us = pol = host_pt = sel
         host = kv = scores
         hot = rows = seq
         counts = seq
         S, row = 1, 1
     KB, SB = select_widths(k, S)
     _select_kernel[(N,)](
-        scores, seq, num_full, hot, rows, block_table, su, us, lru, scratch, victims, counts, sel,
+        scores, seq, num_full, hot, rows, block_table, su, us, pol, scratch, victims, counts, sel,
         locs, k, S, scores.stride(0), block_table.stride(0), su.stride(0), us.stride(0),
-        lru.stride(0), UB=max(16, triton.next_power_of_2(U)), KB=KB, SB=SB, HAS_HOT=has_hot,
-        num_warps=SELECT_WARPS)
+        pol.stride(0), UB=max(16, triton.next_power_of_2(U)), KB=KB, SB=SB, HAS_HOT=has_hot,
+        num_warps=SELECT_WARPS, **consts)
     if has_hot:
         _miss_io_kernel[(N, k)](locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k,
                                 host_pt.stride(0), ROW=row, CH=row_chunk(row), num_warps=4)

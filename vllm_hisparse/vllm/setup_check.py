@@ -20,7 +20,8 @@ def check_served(cfg: HiSparseConfig) -> None:
     if cfg.indexer != "quest":
         raise Refused(f"hisparse: indexer={cfg.indexer!r} is not wired into vLLM yet; use "
                       f"\"quest\"")
-    if cfg.policy != "lru":
+    from vllm_hisparse.slots import served
+    if cfg.policy not in served():
         raise Refused(f"hisparse: policy={cfg.policy!r} is available in the simulator (hisparse "
                       f"sim) and the core, not yet in the serving runtime (the RESOLVE kernel "
                       f"implements 'lru'); use \"lru\"")
