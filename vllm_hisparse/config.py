@@ -49,6 +49,10 @@ class HiSparseConfig:
         is 2 x cdiv(max_model_len, page_size) x Hkv x D per sparse layer. 0 = --max-num-seqs. Set it
         when vLLM's max_num_seqs x max_model_len would not fit (requests beyond it wait).
     prefetch: overlap miss IO with the previous layer when layers share a selection.
+    resident_first: a sparse request keeps every GPU block after its prompt (RESOLVE through the
+        block table, no misses) until it is spilled to its hot buffer, one way (docs/vllm-
+        integration.md, "Residency states"); admission still counts the hot-buffer floor. Core
+        runtime only so far: the vLLM adapter refuses it until the scheduler side lands.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
     full_decode_graphs: let vLLM replay whole decode steps as FULL CUDA graphs, as stock vLLM does
@@ -84,6 +88,7 @@ class HiSparseConfig:
     min_context: Optional[int] = None
     quest_rows: int = 0
     prefetch: bool = False
+    resident_first: bool = False
     host_tier: bool = True
     full_decode_graphs: Optional[bool] = None
     split_dense_decode: Optional[bool] = None
@@ -286,7 +291,7 @@ _TYPES = {
     "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
-    "min_context": (int, type(None)), "quest_rows": int, "prefetch": bool, "host_tier": bool,
+    "min_context": (int, type(None)), "quest_rows": int, "prefetch": bool, "resident_first": bool, "host_tier": bool,
     "full_decode_graphs": (bool, type(None)),
     "split_dense_decode": (bool, type(None)),
     "trace_dir": (str, type(None)),

@@ -43,6 +43,7 @@ class Req:
     num_prompt: int
     sparse: bool              # sparse now (from add for a long prompt, else from its switch on)
     qrow: int = -1            # Quest bounds row (sparse requests only)
+    spilled: bool = True      # blocks beyond the hot buffer given back (resident_first: from spill)
 
 
 class SparseRuntime:
@@ -130,7 +131,8 @@ class SparseRuntime:
         self._batches: dict[int, DecodeBatch] = {}         # decode batches by size (fixed buffers)
         self._kv: list[torch.Tensor | None] = [None] * num_layers    # bind_kv_caches
         self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
-                      "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0}
+                      "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0,
+                      "resident_rows": 0, "spills": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -139,7 +141,7 @@ class SparseRuntime:
         if req_id not in self.reqs:
             if not self._free_rows:
                 raise RuntimeError(f"hisparse runtime: no free row for {req_id} (max_num_seqs rows)")
-            r = Req(self._free_rows.pop(), num_prompt, False)
+            r = Req(self._free_rows.pop(), num_prompt, False, spilled=not self.cfg.resident_first)
             if is_sparse_request(self.cfg, num_prompt):
                 try:
                     self._make_sparse(req_id, r, num_prompt)
@@ -161,6 +163,15 @@ class SparseRuntime:
         r.qrow = self._free_qrows.pop()
         r.sparse = True
         self._reset_row(r.row)
+
+    def spill(self, req_id: str) -> None:
+        """resident_first: from this step on the request holds only its hot-buffer floor (the
+        scheduler gave its other blocks back); one way. Its first spilled step resolves through
+        empty hot slots (every selected page is fetched from the host pool)."""
+        r = self.reqs[req_id]
+        if not r.spilled:
+            r.spilled = True
+            self.stats["spills"] += 1
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         """The paged KV cache of every layer (layer i: (blocks, 2, P, Hkv, D)), the tensors the
@@ -295,6 +306,8 @@ class SparseRuntime:
         self._trace_steps(db)
         self.stats["decode_rows"] += sum(s.sparse for s in dec)
         self.stats["dense_decode_rows"] += sum(not s.sparse and s.start > 0 for s in dec)
+        # sparse rows with every page on the GPU: resolved through the block table, no misses
+        self.stats["resident_rows"] += sum(s.sparse and s.freed[1] <= s.freed[0] for s in dec)
         return db
 
     def _batch(self, N: int) -> DecodeBatch:
@@ -348,7 +361,7 @@ class SparseRuntime:
                 if start > 0:                   # KV on the GPU to copy (none at a restart)
                     switches.append((i, rid, start))
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
-                                 freed_pages(self.cfg, start, r.num_prompt), r.qrow))
+                                 freed_pages(self.cfg, start, r.num_prompt, r.spilled), r.qrow))
             if self.pool is not None and r.sparse:
                 hp = self.pool.ensure(rid, n)
                 self.host_pt.grow(r.row, hp)
@@ -408,9 +421,11 @@ class SparseRuntime:
         s["hits"], s["misses"] = (int(x) for x in self._hit_miss.tolist())
         n = s["resolved_units"] = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / n if n else None
+        s["policy"] = self.cfg.policy
         s["host_pages_used"] = self.host_pages_used
         s["dense_pool_pages_used"] = self.dpool.used_pages if self.dpool is not None else 0
         s["live_requests"] = len(self.reqs)
+        s["resident_requests"] = sum(r.sparse and not r.spilled for r in self.reqs.values())
         # host (CPU) time spent in plan / forward_layer, totals over all steps
         s.update({f"host_ms_{k}": round(v * 1e3, 3) for k, v in self._host_s.items()})
         return s
@@ -421,4 +436,3 @@ class SparseRuntime:
             with open(tmp, "w") as f:
                 json.dump(self.stats_dict(), f)
             os.replace(tmp, path)
-        s["policy"] = self.cfg.policy
