@@ -10,8 +10,8 @@ run core/decode_body.py; a uniform decode step is planned by ``plan_full`` for v
 graph of its padded size and its layers run ``full_layer`` (recorded once, then replayed).
 
 With ``cfg.trace_dir`` set, every sparse layer's Quest selection of every decode row is appended to
-a per-request trace (the writer the adapter passes, ``sim.recorder_hook.TraceWriter``, format ``sim/trace.py``, unit = one page,
-rows = the sparse layers in order, each row the newest page then the selected complete pages, as
+a per-request trace (the writer the adapter passes, ``sim.recorder_hook.TraceWriter``; format
+``sim/trace.py``, unit = one page, rows = the sparse layers in order, each row the newest page then the selected complete pages, as
 ``sim/record.py`` writes Quest traces), written to ``<trace_dir>/<request id>.npz`` at ``finish``.
 It copies the selection to the host once per layer: a measurement mode, not a serving mode.
 """

@@ -11,8 +11,8 @@ Per resolve of a row (rows whose selection is all -1 are left alone, as by every
 
 Victims are the non-hit slots in ascending (value, slot index) order, empty slots (-1) first;
 the i-th miss in selection order takes the i-th victim (the engine's rule). The values stay below
-2**15 (with shift 4 they never pass 16399, the fixed point of ``v = v - v//16 + HIT``), so the kernel sorts the key
-``(v + 1) << 16 | slot`` in 32 bits.
+2**15 (with shift 4 they never pass 16399, the fixed point of ``v = v - v//16 + HIT``), so the
+kernel sorts the key ``(v + 1) << 16 | slot`` in 32 bits.
 
 Defaults: shift 4 (decay 0.9375) and fresh 1/2, no rank weight: on the SmolLM2 top-k traces decay
 0.9-0.95 lie within ~0.25 points of each other, and the rank inside the top-k (beta 0 / 1 / 8) within
