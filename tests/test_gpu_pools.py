@@ -46,7 +46,7 @@ def test_runtime_allocates_what_gpu_pools_says(mml):
     rt = SparseRuntime(cfg, 3, H, D, torch.float32, "cpu", 4, mml)
     U = -(-mml // P)
     rows = 0 if mml < 160 else 5
-    assert [t.shape if t is not None else None for t in rt.kmin] == \
+    assert [t.shape if t is not None else None for t in rt.ix.kmin] == \
         [None, (rows + 1, U, H, D), (rows + 1, U, H, D)]
-    assert rt.quest_rows == rows
+    assert rt.ix.rows == rows
     assert rt.dpool.num_pages == (0 if mml < 160 else min(5 * U, int(0.01 * (1 << 30)) // (2 * P * H * D * 4)))
