@@ -139,3 +139,16 @@ def test_host_time_per_step_from_the_worker_counters():
     assert h["steps"] == 20
     assert h["plan"] == pytest.approx(4.0 / 20) and h["layers"] == pytest.approx(30.0 / 20)
     assert host_per_step(None, after) == {} and host_per_step(after, after) == {}
+
+
+def test_cache_counters_per_point():
+    from vllm_hisparse.bench.serving import cache_per_point
+
+    before = {"hits": 100, "misses": 20, "spills": 1, "policy": "crf"}
+    after = {"hits": 190, "misses": 30, "spills": 3, "policy": "crf"}
+    c = cache_per_point(before, after)
+    assert c == {"policy": "crf", "hit_rate": pytest.approx(0.9), "misses": 10, "spills": 2}
+    assert cache_per_point(None, after) == {} and cache_per_point(after, after) == {}
+    rs = [RequestResult(ttft=0.5, latency=2.5, output_tokens=5)]
+    row = Point("hisparse", 1, rs, wall=1.0, cache=c).row()
+    assert (row["policy"], row["hit_rate"], row["misses"], row["spills"]) == ("crf", 0.9, 10, 2)

@@ -69,8 +69,9 @@ CASES = [
      """the JSON string '{"top_k": 64,' is not valid JSON (Expecting"""),
     ("file JSON typo", ["--hisparse-config", "@typo"], "is not valid JSON: Expecting"),
     ("no flag value", ["--hisparse-config"], "--hisparse-config has no value"),
-    ("unknown policy", hs(policy="mru"), 'policy=\'mru\' is invalid: use "lru" (what vLLM serves)'),
-    ("policy not served", ["--hisparse-config", "@crf"], "policy='crf' is available in the simulator"),
+    ("unknown policy", hs(policy="mru"),
+     'policy=\'mru\' is invalid: use "lru" (what vLLM serves; also served: crf)'),
+    ("policy not served", ["--hisparse-config", "@fifo"], "policy='fifo' is available in the simulator"),
     ("prefetch not served", hs(prefetch=True), "prefetch=True is not implemented"),
     ("pool larger than RAM", hs(host_pool_gib=_ram_gib()),
      f"host_pool_gib={_ram_gib()} is invalid: more than "),
@@ -99,9 +100,9 @@ def _argv(extra, files):
 @pytest.fixture(scope="module")
 def results(tiny, tmp_path_factory):
     d = tmp_path_factory.mktemp("cfg")
-    files = {"typo": d / "typo.json", "crf": d / "crf.json"}
+    files = {"typo": d / "typo.json", "fifo": d / "fifo.json"}
     files["typo"].write_text('{"top_k": 64,')
-    files["crf"].write_text('{"policy": "crf"}')
+    files["fifo"].write_text('{"policy": "fifo"}')
     files = {k: str(v) for k, v in files.items()}
     base = ["serve", tiny, "--dtype", "float32", "--max-model-len", "1024"]
     cases = [base + _argv(extra, files) for _, extra, _ in CASES]

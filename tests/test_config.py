@@ -91,7 +91,8 @@ def test_load_errors_are_one_config_line(src, words):
 def test_policy_error_offers_what_vllm_serves():
     with pytest.raises(HiSparseConfigError) as e:
         HiSparseConfig(policy="mru")
-    assert 'use "lru" (what vLLM serves); belady, crf, fifo, random, vanilla run only in' in str(e.value)
+    assert ('use "lru" (what vLLM serves; also served: crf); belady, fifo, random, vanilla run '
+            'only in') in str(e.value)
 
 
 def test_tiny_pools_name_a_size_that_fits():

@@ -11,6 +11,8 @@ import torch
 from triton_interpreter import run_cases
 
 from vllm_hisparse.ops import decode_ops, reference
+from vllm_hisparse.slots import HotBufferState, served
+from vllm_hisparse.slots.crf import HIT
 
 # (N rows, P, Hkv, D, W blocks per row)
 WRITE_CASES = [(5, 16, 2, 64, 6), (3, 4, 1, 32, 9), (8, 16, 8, 128, 4)]
@@ -18,6 +20,7 @@ WRITE_CASES = [(5, 16, 2, 64, 6), (3, 4, 1, 32, 9), (8, 16, 8, 128, 4)]
 SELECT_CASES = [(4, 4, 2, 32, 40, 5, 8), (3, 2, 1, 16, 70, 31, 33), (5, 4, 2, 16, 33, 32, 32),
                 (2, 4, 1, 16, 300, 16, 17)]
 STEPS = 6
+POLICIES = served()          # every policy the kernel has a branch for
 
 
 def write_inputs(N, P, Hkv, D, W, gen, dev="cpu", dt=torch.float32):
@@ -84,7 +87,7 @@ def test_decode_write_reference_equals_loop(case):
     assert not torch.equal(got[0], t[0]), "nothing was written"
 
 
-def select_inputs(N, P, Hkv, D, U, k, S, gen, dev="cpu"):
+def select_inputs(N, P, Hkv, D, U, k, S, gen, dev="cpu", policy="lru"):
     """N rows over a (M = N + 2)-row state: row 0 padding, the last one resident (hot 0, when N > 2), the rest
     hot; scores rounded so ties happen; a host pool of distinct bytes per page."""
     M = N + 2
@@ -106,13 +109,20 @@ def select_inputs(N, P, Hkv, D, U, k, S, gen, dev="cpu"):
     hot = torch.ones(N, dtype=torch.int64)
     if N > 2:
         hot[-1] = 0
-    su = torch.full((M, S), -1, dtype=torch.int32)
-    us = torch.full((M, U), -1, dtype=torch.int32)
-    lru = torch.arange(S, dtype=torch.int32).repeat(M, 1)
     t = dict(kv=kv, bt=bt, host=host, host_pt=host_pt, rows=rows, seq=seq, full=full, hot=hot,
-             state=(su, us, lru), counts=torch.zeros(2, dtype=torch.int64))
-    return {n: (tuple(x.to(dev) for x in v) if isinstance(v, tuple) else v.to(dev))
-            for n, v in t.items()}
+             counts=torch.zeros(2, dtype=torch.int64))
+    t = {n: v.to(dev) for n, v in t.items()}
+    t["state"] = HotBufferState.create(M, S, U, policy, dev)
+    return t
+
+
+def clone_state(st: HotBufferState) -> HotBufferState:
+    return HotBufferState.wrap(st.slot_unit.clone(), st.unit_slot.clone(),
+                               {n: x.clone() for n, x in st.pstate.items()}, st.policy)
+
+
+def policy_state(st: HotBufferState) -> torch.Tensor:
+    return st.pstate[st.policy.kernel_state]
 
 
 def random_scores(N, U, gen, dev):
@@ -132,7 +142,8 @@ def run_select(fn, t, scores, k, work=None):
 
 def check_select_properties(t, scores, k, sel, locs, before):
     """What the selection and RESOLVE must satisfy, checked without the reference's code."""
-    su, us, lru = t["state"]
+    st = t["state"]
+    su, us, ps = st.slot_unit, st.unit_slot, policy_state(st)
     for r in range(scores.shape[0]):
         n = int(t["full"][r])
         if int(t["seq"][r]) == 0:
@@ -155,22 +166,28 @@ def check_select_properties(t, scores, k, sel, locs, before):
                 assert slot >= 0 and int(su[row, slot]) == p and b == int(t["bt"][r, slot])
                 hp = int(t["host_pt"][row, p])
                 assert torch.equal(t["kv"][b], t["host"][hp]), "wrong bytes in the hot block"
-        if int(t["hot"][r]):
+        if int(t["hot"][r]) and st.policy.name == "lru":
             row = int(t["rows"][r])
+            lru = ps
             assert sorted(lru[row].tolist()) == list(range(lru.shape[1]))
             assert (before[row] == lru[row]).all() or set(lru[row, :len(got)].tolist()) == {
                 int(us[row, p]) for p in got}, "the selected slots are not the most recent"
+        if int(t["hot"][r]) and st.policy.name == "crf":
+            row = int(t["rows"][r])      # empty slots hold -1; this step's units at least HIT // 2
+            assert torch.equal(ps[row] == -1, su[row] == -1)
+            assert all(int(ps[row, int(us[row, p])]) >= HIT // 2 for p in got)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("case", SELECT_CASES)
-def test_select_resolve_reference_properties(case):
+def test_select_resolve_reference_properties(case, policy):
     N, P, Hkv, D, U, k, S = case
     gen = torch.Generator().manual_seed(sum(case))
-    t = select_inputs(*case, gen)
+    t = select_inputs(*case, gen, policy=policy)
     total = 0
     for _ in range(STEPS):
         scores = random_scores(N, U, gen, "cpu")
-        before = t["state"][2].clone()
+        before = policy_state(t["state"]).clone()
         sel, locs = run_select(decode_ops.select_resolve, t, scores, k)
         check_select_properties(t, scores, k, sel, locs, before)
         total += sum(min(int(t["full"][r]), k) for r in range(N)
@@ -178,13 +195,13 @@ def test_select_resolve_reference_properties(case):
     assert int(t["counts"].sum()) == total and int(t["counts"][1]) > 0
 
 
-def compare_select(case, gen, dev, fn_triton, pinned_host=False):
-    """Triton vs reference over STEPS steps of one episode: everything bit for bit (pinned_host:
-    the kernel's host pool is a pinned CPU copy of the reference's)."""
+def compare_select(case, gen, dev, fn_triton, pinned_host=False, policy="lru"):
+    """Triton vs reference over STEPS steps of one episode: everything bit for bit, the policy's
+    replacement state included (pinned_host: the kernel's host pool is a pinned CPU copy of the
+    reference's)."""
     N, P, Hkv, D, U, k, S = case
-    a = select_inputs(*case, gen, dev)
-    b = {n: (tuple(x.clone() for x in v) if isinstance(v, tuple) else v.clone())
-         for n, v in a.items()}
+    a = select_inputs(*case, gen, dev, policy)
+    b = {n: (clone_state(v) if n == "state" else v.clone()) for n, v in a.items()}
     if pinned_host:
         b["host"] = a["host"].cpu().pin_memory()
     shapes = decode_ops.workspace_shapes(N, k, S)
@@ -196,9 +213,10 @@ def compare_select(case, gen, dev, fn_triton, pinned_host=False):
         want = run_select(reference.select_resolve, a, scores, k)
         got = run_select(fn_triton, b, scores, k, work)
         for name, x, y in (("sel", want[0], got[0]), ("locs", want[1], got[1]),
-                           ("slot_unit", a["state"][0], b["state"][0]),
-                           ("unit_slot", a["state"][1], b["state"][1]),
-                           ("lru", a["state"][2], b["state"][2]), ("counts", a["counts"], b["counts"])):
+                           ("slot_unit", a["state"].slot_unit, b["state"].slot_unit),
+                           ("unit_slot", a["state"].unit_slot, b["state"].unit_slot),
+                           (policy, policy_state(a["state"]), policy_state(b["state"])),
+                           ("counts", a["counts"], b["counts"])):
             assert torch.equal(x, y), f"step {step}: {name} differs"
         assert torch.equal(a["kv"].nan_to_num(-9.0), b["kv"].nan_to_num(-9.0)), f"step {step}: kv"
     return a
@@ -222,9 +240,10 @@ def run_interpreter_cases():
     def tri(scores, seq, full, k, bt, sel, locs, work, **kw):
         triton_select.select_resolve(scores, seq, full, k, bt, sel, locs, *work, **kw)
 
-    for i, case in enumerate(SELECT_CASES):
-        triton_select.RADIX_BITS = (8, 11)[i % 2]     # both top-k radix widths
-        compare_select(case, torch.Generator().manual_seed(50 + i), "cpu", tri)
+    for policy in POLICIES:
+        for i, case in enumerate(SELECT_CASES):
+            triton_select.RADIX_BITS = (8, 11)[i % 2]     # both top-k radix widths
+            compare_select(case, torch.Generator().manual_seed(50 + i), "cpu", tri, policy=policy)
     print("interpreter ok")
 
 
@@ -242,9 +261,10 @@ def test_gpu_decode_write(case):
 
 @pytest.mark.cuda
 @pytest.mark.ext
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("case", SELECT_CASES + [(4, 16, 8, 128, 2048, 127, 256)])
-def test_gpu_select_resolve(case):
+def test_gpu_select_resolve(case, policy):
     """On the GPU the kernel reads the host pool as pinned CPU memory, through its UVA alias."""
     a = compare_select(case, torch.Generator().manual_seed(70 + sum(case)), "cuda",
-                       decode_ops.select_resolve, pinned_host=True)
+                       decode_ops.select_resolve, pinned_host=True, policy=policy)
     assert int(a["counts"][1]) > 0

@@ -22,6 +22,7 @@ from vllm_hisparse.ops import decode_ops, reference
 from vllm_hisparse.ops.dsa_indexer import indexer_topk
 from vllm_hisparse.ops.resolve_given import resolve_given, resolve_given_reference
 from vllm_hisparse.ops.sparse_mla import LATENT_ROW, LATENT_ROW_BYTES, sparse_mla_decode
+from vllm_hisparse.slots import HotBufferState
 
 H_IDX, D_IDX = 8, 128          # indexer heads (DeepSeek-V3.2: 64) and index_head_dim
 H_MLA = 4                      # attention heads of one rank (DeepSeek-V3.2: 128 / TP)
@@ -85,7 +86,7 @@ def episode(select, dev, K, S, starts, steps, seed, pinned_host=False, attend=sp
     scale = 192 ** -0.5
     to = (lambda t: t.to(dev)) if dev != "cpu" else (lambda t: t)
     host_d = host if pinned_host else to(host)
-    state = tuple(to(t) for t in (su, us, lru))
+    state = HotBufferState.wrap(to(su), to(us), {"order": to(lru)}, "lru")
     kv_d, counts_d = to(kv), to(counts)
     for step in range(steps):
         seq_b = torch.from_numpy(np.append(seq, 0))                 # the padding row: seq 0
@@ -115,7 +116,7 @@ def episode(select, dev, K, S, starts, steps, seed, pinned_host=False, attend=sp
         ref = attend(to(ql), to(qpe), to(full), to(res_idx.int()), scale)
         assert torch.equal(got, ref), step
         assert torch.equal(kvc[N * S:], poison), "a row owned by no slot was written"
-        su_c = state[0].cpu()
+        su_c = state.slot_unit.cpu()
         for i in range(R):                            # every occupied slot holds its token's row
             held = su_c[rows[i]]
             occ = held >= 0
@@ -139,7 +140,7 @@ def given(resolve):
     def select(scores, seq, full, k, bt, sel, locs, hot, rows, state, host_pt, host, kv, counts):
         mine = indexer_topk(scores.cpu(), seq.cpu(), k).to(sel.device)   # descending logit
         sel.copy_(torch.where((seq > 0)[:, None], mine, sel))
-        resolve(sel, seq, bt, locs, hot, rows, state, host_pt, host, kv, counts)
+        resolve(sel, seq, bt, locs, hot, rows, state.kernel_state(), host_pt, host, kv, counts)
     return select
 
 
@@ -165,7 +166,7 @@ def run_interpreter_cases():
 
     def tri(scores, seq, full, k, bt, sel, locs, **kw):
         work = tuple(torch.empty(s, dtype=torch.int32)
-                     for s in dops.workspace_shapes(scores.shape[0], k, kw["state"][0].shape[1]))
+                     for s in dops.workspace_shapes(scores.shape[0], k, kw["state"].slots))
         triton_select.select_resolve(scores, seq, full, k, bt, sel, locs, *work, **kw)
 
     from vllm_hisparse.ops import triton_resolve_given as trg

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm_hisparse.core.host_pool import HostKVPool
-from vllm_hisparse.core.hot_buffer import HotBufferState, fetch_misses, resolve, write_resident
+from vllm_hisparse.slots.engine import HotBufferState, fetch_misses, resolve, write_resident
 from vllm_hisparse.ops import reference as ref
 
 POLICIES = ["lru", "fifo", "random", "vanilla"]

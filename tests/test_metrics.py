@@ -108,6 +108,19 @@ def test_prometheus_series(m):
     assert v("vllm:hisparse_host_pool_pages_capacity") == 20
     assert v("vllm:hisparse_requests_waiting", reason="host_pool") == 2
     assert v("vllm:hisparse_requests_waiting", reason="quest_rows") == 1
+    assert v("vllm:hisparse_policy_info", policy="lru") == 1             # the default
+
+
+def test_policy_info_names_the_configured_policy(m):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    reg = CollectorRegistry()
+    types = {c: functools.partial(c, registry=reg) for c in (Counter, Gauge, Histogram)}
+    cfg = SimpleNamespace(kv_transfer_config=None, additional_config={"hisparse": {"policy": "crf"}})
+    m.HiSparsePromMetrics(cfg, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    lab = {"model_name": "tiny", "engine": "0"}
+    assert reg.get_sample_value("vllm:hisparse_policy_info", dict(lab, policy="crf")) == 1
+    assert reg.get_sample_value("vllm:hisparse_policy_info", dict(lab, policy="lru")) is None
 
 
 def test_device_counters_on_cpu_read_at_once(m):

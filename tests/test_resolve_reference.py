@@ -1,10 +1,10 @@
-"""The resolve engine (core/hot_buffer.py) and its tensor-level LRU reference (ops/reference.py):
+"""The resolve engine (slots/engine.py) and its tensor-level LRU reference (ops/reference.py):
 scripted scenarios on tiny buffers and invariants on random episodes."""
 import pytest
 import torch
 
-from vllm_hisparse.core.hot_buffer import HotBufferState, resolve
-from vllm_hisparse.core.policies import available, make
+from vllm_hisparse.slots.engine import HotBufferState, resolve
+from vllm_hisparse.slots import available, make
 from vllm_hisparse.ops import reference as ref
 
 A, B, C, D, E, F = range(6)

@@ -1,12 +1,12 @@
 """The simulator runs the runtime's resolve: its batched miss counts equal an independent replay,
-one row and one resolve call at a time, and it really calls core.hot_buffer.resolve."""
+one row and one resolve call at a time, and it really calls slots.engine.resolve."""
 import numpy as np
 import pytest
 import torch
 
-from vllm_hisparse.core import hot_buffer
-from vllm_hisparse.core.hot_buffer import HotBufferState, resolve
-from vllm_hisparse.core.policies import make
+from vllm_hisparse.slots import engine as hot_buffer
+from vllm_hisparse.slots.engine import HotBufferState, resolve
+from vllm_hisparse.slots import make
 from vllm_hisparse.sim import engine, trace
 
 STEPS = 24
@@ -53,7 +53,7 @@ def test_sim_calls_the_runtime_resolve(real, monkeypatch):
         return orig(*a, **kw)
 
     monkeypatch.setattr(engine, "resolve", spy)
-    assert engine.resolve is spy and orig.__module__ == "vllm_hisparse.core.hot_buffer"
+    assert engine.resolve is spy and orig.__module__ == "vllm_hisparse.slots.engine"
     engine.replay(real, "lru", [engine.Config(8, 16), engine.Config(16, 32), engine.Config(4, 16)])
     assert len(calls) == 2 * STEPS            # one call per step per slot count (16 and 32)
 

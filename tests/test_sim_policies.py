@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_hisparse.core.hot_buffer import HotBufferState, resolve
-from vllm_hisparse.core.policies import available, make, online
-from vllm_hisparse.core.policies.base import StepInfo, positions_of, reorder
+from vllm_hisparse.slots.engine import HotBufferState, resolve
+from vllm_hisparse.slots import available, make, online
+from vllm_hisparse.slots.base import StepInfo, positions_of, reorder
 from vllm_hisparse.sim import engine
 from vllm_hisparse.sim.trace import Trace
 
@@ -75,20 +75,29 @@ def test_belady_without_oracle_refuses():
 def test_crf_keeps_a_frequent_unit_through_one_off_selections():
     steps = [[A], [A], [A], [B], [C], [D]]
     _, lru = run("lru", steps, slots=3)
-    _, crf = run("crf", steps, slots=3, decay=0.9)
+    _, crf = run("crf", steps, slots=3)
     assert A not in lru.resident_units(0)
     assert crf.resident_units(0) == {A, C, D}                # B, seen once, went first
 
 
-def test_crf_prefers_the_better_ranked_unit_within_a_step():
-    # One step selects A (rank 0) .. D (rank 3); the next miss must evict D, the worst ranked.
-    _, crf = run("crf", [[A, B, C, D], [E]], decay=0.5, beta=2.0)
-    assert crf.resident_units(0) == {A, B, C, E}
+def test_crf_decay_sets_the_memory():
+    # A selected 3x long ago, B 2x recently: a long memory (decay 15/16) keeps A, a short one
+    # (decay 1/2) keeps B. Values: shift 4: A 2140 vs B 1504; shift 1: A 416 vs B 1280.
+    steps = [[A], [A], [A], [B], [B], [C]]
+    _, slow = run("crf", steps, slots=2)
+    _, fast = run("crf", steps, slots=2, shift=1)
+    assert slow.resident_units(0) == {A, C} and fast.resident_units(0) == {B, C}
 
 
-def test_crf_rejects_bad_decay():
-    with pytest.raises(ValueError, match="decay"):
-        make("crf", decay=1.5)
+def test_crf_ties_go_to_the_lower_slot():
+    # A, B, C fetched together (equal values); A is hit again; D takes B's slot (slot 1 < slot 2).
+    _, crf = run("crf", [[A, B, C], [A], [D]], slots=3)
+    assert crf.resident_units(0) == {A, C, D} and int(crf.slot_unit[0, 1]) == D
+
+
+def test_crf_rejects_bad_shift():
+    with pytest.raises(ValueError, match="shift"):
+        make("crf", shift=9)
 
 
 def test_registry_lists_choices_and_online_excludes_belady():
@@ -122,7 +131,7 @@ def test_belady_beats_every_online_policy_on_random_traces(seed, wa):
 
 
 def test_sort_free_reorder_matches_the_sort_formulation():
-    """core/policies/base.reorder must equal sorting the keys hits k-1-j, misses 2k-1-j, rest 2k+pos."""
+    """slots/base.reorder must equal sorting the keys hits k-1-j, misses 2k-1-j, rest 2k+pos."""
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         R, S = 3, int(torch.randint(2, 20, (1,), generator=g))

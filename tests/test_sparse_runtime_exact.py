@@ -15,6 +15,7 @@ from vllm_hisparse.ops.quest_update import quest_update_pages
 from vllm_hisparse.core.residency import freed_pages
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 from vllm_hisparse.ops import reference
+from vllm_hisparse.sim.recorder_hook import TraceWriter
 
 P, L, HKV, D, HQ, W = 8, 3, 2, 8, 4, 40          # W pages per request (max_model_len 320)
 
@@ -37,11 +38,12 @@ class Driver:
         self.P, self.L, self.W = shape
         self.dev, self.dt = torch.device(device), dtype
         self.rt = SparseRuntime(cfg, self.L, self.hkv, self.d, dtype, self.dev, rows,
-                                self.W * self.P, host_pages=400)
+                                self.W * self.P, host_pages=400, trace_writer=TraceWriter)
         self.kv = [torch.zeros(1 + rows * self.W, 2, self.P, self.hkv, self.d, dtype=dtype,
                                device=self.dev) for _ in range(self.L)]    # block 0: vLLM's null
         self.rt.bind_kv_caches(self.kv)
         self.blocks, self.lens, self.prompt = {}, {}, {}
+        self.spilled: set[str] = set()          # resident_first: what the scheduler spilled
         self.g = torch.Generator().manual_seed(seed)
         self.outs: list[torch.Tensor] = []
 
@@ -50,6 +52,11 @@ class Driver:
         i = len(self.blocks)
         self.blocks[rid] = torch.arange(1 + i * self.W, 1 + (i + 1) * self.W, dtype=torch.int32)
         self.lens[rid], self.prompt[rid] = 0, n_prompt
+
+    def spill(self, rid):
+        """The scheduler gives the request's blocks beyond its hot buffer back (resident_first)."""
+        self.spilled.add(rid)
+        self.rt.spill(rid)
 
     def _rand(self, *shape):
         return torch.randn(*shape, generator=self.g).to(self.dev, self.dt)
@@ -72,7 +79,8 @@ class Driver:
         else:
             self._step(ids, qsl, seq, bt, torch.cat(slots).to(self.dev))
         for rid in ids:                          # what the scheduler frees, nobody may read
-            lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid])
+            spilled = not self.cfg.resident_first or rid in self.spilled
+            lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid], spilled)
             for kv in self.kv:
                 kv[self.blocks[rid][lo:hi].long()] = float("nan")
 
@@ -109,11 +117,12 @@ class Driver:
 
 
 def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0, split=False,
-        full=False):
+        full=False, policy="lru", resident_first=False, spills=None):
+    """spills: {decode step i: request ids the scheduler spills before it} (resident_first)."""
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=dense_layers,
                          min_context=40, host_pool_gib=0.01, host_tier=host_tier,
                          dense_pool_gib=dense_pool_gib, quest_rows=quest_rows,
-                         split_dense_decode=split)
+                         split_dense_decode=split, policy=policy, resident_first=resident_first)
     d = Driver(cfg, rows=5, full=full)
     # "short" finishes below min_context (dense all its life); "grow" turns sparse at 40 tokens
     prompts = {"a": 150, "b": 93, "short": 20, "c": 61, "grow": 9}
@@ -124,6 +133,8 @@ def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0, sp
     d.step({"a": 22, "b": 1, "short": 1, "c": 1, "grow": 1})
     live = dict(prompts)
     for i in range(40):
+        for rid in (spills or {}).get(i, ()):
+            d.spill(rid)
         if i == 15:                                          # at 37 tokens
             assert not d.rt.reqs["short"].sparse and d.rt.finish("short")
             del live["short"]
@@ -151,6 +162,53 @@ def test_hisparse_equals_resident_with_freed_blocks_poisoned(dense_layers, dense
         # ... and the host pool held only the sparse layers (the runtime builds it from cfg)
         assert stats["dense_pool_pages_used"] == sum(-(-n // P) for n in (150 + 40, 93 + 42, 61 + 41,
                                                                           9 + 42))
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_crf_equals_lru_and_resident(full):
+    """The served crf policy changes where pages sit, never what is attended: every layer's output
+    of every step equals the LRU run's and resident mode's; the same lookups, other misses."""
+    crf, s_crf = run(True, full=full, policy="crf")
+    lru, s_lru = run(True, full=full)
+    res, _ = run(False, full=full)
+    for i, (a, b, c) in enumerate(zip(crf, lru, res, strict=True)):
+        assert torch.equal(a, b) and torch.equal(a, c), f"step/layer {i} differs"
+    assert s_crf["policy"] == "crf" and s_lru["policy"] == "lru"
+    assert s_crf["resolved_units"] == s_lru["resolved_units"] > 0
+    assert s_crf["misses"] != s_lru["misses"]        # the policy really ran (fixed seeds)
+
+
+# decode step -> requests spilled before it: "a" early, "b" mid-run, "grow" right after it turned
+# sparse (step 28: 9 + 3 + 28 = 40 tokens), "c" never (resident to the end)
+SPILLS = {2: ["a"], 17: ["b"], 29: ["grow"]}
+
+
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("dense_layers,dense_pool_gib", [((0,), 0.0), ((0, 2), 0.001)])
+def test_resident_first_with_forced_spills_equals_resident(dense_layers, dense_pool_gib, full):
+    """resident_first: sparse requests keep their blocks (resolved through the block table) until
+    the scheduler spills them, mid-run, one by one; the blocks it gives back are poisoned from then
+    on. Every layer's output of every step equals resident mode's and the spill-at-once run's;
+    pools empty afterwards."""
+    rf, s_rf = run(True, dense_layers, dense_pool_gib, full=full, resident_first=True,
+                   spills=SPILLS)
+    now, s_now = run(True, dense_layers, dense_pool_gib, full=full)
+    res, _ = run(False, dense_layers, full=full)
+    for i, (a, b, c) in enumerate(zip(rf, now, res, strict=True)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN (read a given-back block)"
+        assert torch.equal(a, c) and torch.equal(b, c), f"step/layer {i} differs"
+    assert s_rf["spills"] == 3 and s_now["spills"] == 0
+    assert s_rf["resident_rows"] > s_now["resident_rows"]
+    assert 0 < s_rf["misses"] < s_now["misses"]
+    assert s_rf["resolved_units"] < s_now["resolved_units"]    # resident rows resolve nothing
+
+
+def test_resident_first_without_pressure_never_misses():
+    """No spill: every sparse decode row resolves through the block table, zero misses."""
+    rf, s = run(True, resident_first=True)
+    res, _ = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(rf, res, strict=True))
+    assert s["misses"] == s["hits"] == 0 and s["resident_rows"] > 0 and s["decode_rows"] > 0
 
 
 def test_padding_tokens_at_the_tail_change_nothing():

@@ -23,12 +23,12 @@ def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
 
 
-@pytest.mark.parametrize("bits", [8, 11])
-def test_select_resolve_compiles(bits, monkeypatch):
+@pytest.mark.parametrize("bits,policy", [(8, "lru"), (11, "lru"), (8, "crf")])
+def test_select_resolve_compiles(bits, policy, monkeypatch):
     from vllm_hisparse.ops import decode_ops, triton_select
     monkeypatch.setattr(triton_select, "RADIX_BITS", bits)
     N, P, Hkv, D, U, k, S = 4, 16, 8, 128, 2048, 128, 256
-    t = select_inputs(N, P, Hkv, D, U, k, S, torch.Generator().manual_seed(0))
+    t = select_inputs(N, P, Hkv, D, U, k, S, torch.Generator().manual_seed(0), policy=policy)
     t["kv"], t["host"] = t["kv"].to(BF), t["host"].to(BF)
     work = tuple(torch.zeros(s, dtype=torch.int32) for s in decode_ops.workspace_shapes(N, k, S))
     scores = torch.randn(N, U)

@@ -225,6 +225,25 @@ def test_full_decode_graphs_with_dense_pool_equal_resident(runs, tmp_path):
             assert f["logprobs"] == r["logprobs"], f"request {i}: logprobs differ"
 
 
+def test_policy_crf_equals_lru_and_resident(runs, tmp_path):
+    """policy crf (its branch of the select_resolve kernel's reference on the CPU): the same
+    tokens and logprobs as the resident run and the lru run, over the same lookups, with its own
+    misses; pools empty afterwards."""
+    resident, lru = runs
+    model = make_tiny_model()
+    crf = generate(tmp_path, model, dict(CFG, min_context=MIN_CONTEXT, dense_pool_gib=0.01,
+                                         policy="crf"), batches(), "crf")
+    for b_res, b_lru, b_crf in zip(resident["batches"], lru["batches"], crf["batches"], strict=True):
+        for i, (r, h, c) in enumerate(zip(b_res, b_lru, b_crf, strict=True)):
+            assert c["tokens"] == r["tokens"] == h["tokens"], f"request {i}: tokens differ"
+            assert c["logprobs"] == r["logprobs"] == h["logprobs"], f"request {i}: logprobs differ"
+    s, sl = crf["stats"], lru["stats"]
+    assert s["policy"] == "crf" and sl["policy"] == "lru"
+    assert s["resolved_units"] == sl["resolved_units"] and s["misses"] > 0
+    assert s["misses"] != sl["misses"], (s["misses"], sl["misses"])   # the policy really ran
+    assert s["host_pages_used"] == 0 and s["dense_pool_pages_used"] == 0 and s["live_requests"] == 0
+
+
 def test_host_pool_full_requests_wait(tmp_path):
     """A host pool that holds one max-length request (32 pages of 16 tokens): the 5 requests need
     ~70 pages in all, so some wait for others to finish; all complete, none crashes."""

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 
 GIB = 1 << 30
 
-# Registered names; the policy registry in core/policies checks the same list at use.
+# Registered names; the policy registry in slots/ checks the same list at use.
 INDEXERS = ("quest", "dsa")
 
 
@@ -34,7 +34,7 @@ class HiSparseConfig:
         comes from the registry in core/indexers (vLLM serves "quest" only, docs/dsa.md).
     host_pool_gib: pinned host memory for the authoritative KV of every request.
     io_chunk_bytes: bytes one GPU thread moves per load loop when fetching misses from host.
-    policy: hot-buffer replacement policy (see vllm_hisparse.core.policies.available()).
+    policy: hot-buffer replacement policy (vllm_hisparse.slots.available(); served: slots.served()).
     dense_layers: layers kept fully resident and dense (Quest skips the first two).
     dense_pool_gib: GPU memory reserved for the full KV of the dense_layers of long (sparse)
         requests, so those layers stay resident after the request's other GPU blocks are given
@@ -53,6 +53,10 @@ class HiSparseConfig:
         when vLLM's max_num_seqs x max_model_len would not fit (requests beyond it wait). None are
         reserved when max_model_len < min_context (no request can turn sparse: core/gpu_pools.py).
     prefetch: overlap miss IO with the previous layer when layers share a selection.
+    resident_first: a sparse request keeps every GPU block after its prompt (RESOLVE through the
+        block table, no misses) until it is spilled to its hot buffer, one way (docs/vllm-
+        integration.md, "Residency states"); admission still counts the hot-buffer floor. Core
+        runtime only so far: the vLLM adapter refuses it until the scheduler side lands.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
     full_decode_graphs: let vLLM replay whole decode steps as FULL CUDA graphs, as stock vLLM does
@@ -88,6 +92,7 @@ class HiSparseConfig:
     min_context: Optional[int] = None
     quest_rows: int = 0
     prefetch: bool = False
+    resident_first: bool = False
     host_tier: bool = True
     full_decode_graphs: Optional[bool] = None
     split_dense_decode: Optional[bool] = None
@@ -125,12 +130,13 @@ class HiSparseConfig:
                   "use 0 (all requests sparse), a token count, or null (2 x device_buffer_size)")
         if self.full_decode_graphs and self.full_graphs_blocker():
             _fail("full_decode_graphs", True, self.full_graphs_blocker())
-        from vllm_hisparse.core.policies import available  # local: policies import nothing of ours
+        from vllm_hisparse.slots import available, served  # the lowest layer (torch only)
 
         if self.policy not in available():
-            others = ", ".join(p for p in available() if p != "lru")
-            _fail("policy", self.policy, f"use \"lru\" (what vLLM serves); {others} run only in the "
-                  f"core and the simulator (hisparse sim)")
+            others = ", ".join(p for p in available() if p not in served())
+            also = ", ".join(p for p in served() if p != "lru")
+            _fail("policy", self.policy, f"use \"lru\" (what vLLM serves; also served: {also}); "
+                  f"{others} run only in the core and the simulator (hisparse sim)")
 
     # ---- derived -------------------------------------------------------------------------------
     def full_graphs_blocker(self) -> str | None:
@@ -289,7 +295,8 @@ _TYPES = {
     "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
-    "min_context": (int, type(None)), "quest_rows": int, "prefetch": bool, "host_tier": bool,
+    "min_context": (int, type(None)), "quest_rows": int, "prefetch": bool, "resident_first": bool,
+    "host_tier": bool,
     "full_decode_graphs": (bool, type(None)),
     "split_dense_decode": (bool, type(None)),
     "trace_dir": (str, type(None)),

@@ -23,7 +23,7 @@ import torch
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.server_health import ServerExited, stop, wait_healthy
 from vllm_hisparse.core.host_pool import HostKVPool
-from vllm_hisparse.core.hot_buffer import HotBufferState, fetch_misses, resolve, write_resident
+from vllm_hisparse.slots.engine import HotBufferState, fetch_misses, resolve, write_resident
 from vllm_hisparse.ops import reference as ref
 
 SERVE_CONFIG = {"top_k": 64, "device_buffer_size": 128, "page_size": 16, "dense_layers": [0],

@@ -63,6 +63,7 @@ class Point:
     decode: dict = field(default_factory=dict)    # steps.decode_rate of the point's step records
     engine_steps: int = 0                         # step records of the point
     host: dict = field(default_factory=dict)      # host_per_step (hisparse worker), {} for stock
+    cache: dict = field(default_factory=dict)     # cache_per_point (hisparse worker), {} for stock
 
     def row(self) -> dict:
         r = self.results
@@ -81,6 +82,8 @@ class Point:
             "engine_steps": self.engine_steps,
             "host_ms_plan_per_step": rnd(h.get("plan"), 3),
             "host_ms_layers_per_step": rnd(h.get("layers"), 3),
+            "policy": self.cache.get("policy"), "hit_rate": rnd(self.cache.get("hit_rate"), 4),
+            "misses": self.cache.get("misses"), "spills": self.cache.get("spills"),
             "wall_s": round(self.wall, 2),
         }
 
@@ -151,6 +154,19 @@ def host_per_step(before: dict | None, after: dict | None) -> dict:
     return {"steps": n, "plan": d("host_ms_plan") / n, "layers": layers / n}
 
 
+def cache_per_point(before: dict | None, after: dict | None) -> dict:
+    """RESOLVE between two snapshots of the worker's counters: the policy, the hit rate, misses and
+    resident-first spills; {} without them or when nothing was resolved."""
+    if not before or not after:
+        return {}
+    d = lambda k: after.get(k, 0) - before.get(k, 0)  # noqa: E731
+    n = d("hits") + d("misses")
+    if n <= 0:
+        return {}
+    return {"policy": after.get("policy"), "hit_rate": d("hits") / n, "misses": d("misses"),
+            "spills": d("spills")}
+
+
 def _settle(step_log: str, offset: int, stats_path: str | None, timeout: float = 30.0):
     """After a point's last answer: its step records up to the step that left nothing running, and
     the worker's counters once it has dropped every request (written a step or two later)."""
@@ -219,6 +235,7 @@ async def run_point(args, backend: str, c: int, port: int, model: str, vocab: in
     pt.running_max, pt.running_mean = st.running(recs)
     pt.decode = st.decode_rate(recs)
     pt.host = host_per_step(before, after)
+    pt.cache = cache_per_point(before, after)
     return pt
 
 

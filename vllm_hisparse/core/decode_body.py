@@ -75,7 +75,7 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
     def sparse():
         ix.score(layer, q, f("irow"), f("full"), scores)
         hot = {} if hs is None else dict(
-            hot=f("hot"), rows=f("row"), state=(hs.slot_unit, hs.unit_slot, hs.lru),
+            hot=f("hot"), rows=f("row"), state=hs,
             host_pt=rt.host_pt.table, host=host, kv=kv, counts=rt._hit_miss)
         decode_ops.select_resolve(scores, f("sp_seq"), f("full"), K, bt, sel, locs, work, **hot)
         if rt.trace is not None:

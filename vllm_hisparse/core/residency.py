@@ -17,6 +17,10 @@ tokens). Once its prompt is processed *and* its context has reached ``min_contex
 writes the next token. Nothing is freed before the switch step has run (its start is below
 ``min_context``), so the switch reads every page it copies from the GPU.
 
+With ``resident_first`` a sparse request keeps every block (state *resident*) until it is
+*spilled*, one way, when the KV pool needs blocks (docs/vllm-integration.md, "Residency states"):
+``freed_pages(..., spilled=False)`` is empty, and ``spill_order`` picks whom to spill.
+
 Admission (vllm/connector.py) reserves host pages and an indexer row for every request that *may*
 turn sparse: ``may_turn_sparse`` (prompt + max_tokens reaches ``min_context``).
 """
@@ -45,12 +49,29 @@ def may_turn_sparse(cfg: HiSparseConfig, num_prompt_tokens: int, max_tokens: int
     return num_prompt_tokens + max_tokens >= cfg.min_context_tokens
 
 
-def freed_pages(cfg: HiSparseConfig, processed_tokens: int, num_prompt_tokens: int) -> tuple[int, int]:
+def freed_pages(cfg: HiSparseConfig, processed_tokens: int, num_prompt_tokens: int,
+                spilled: bool = True) -> tuple[int, int]:
     """Logical pages [lo, hi) whose GPU blocks are released once ``processed_tokens`` tokens are
     computed (empty when hi <= lo). Monotone in processed_tokens; empty in resident mode, during
     the prompt's prefill and until the context has reached ``min_context`` (so also at the switch
-    step, whose start is below it)."""
+    step, whose start is below it), and while a ``resident_first`` request is not spilled."""
     s = cfg.num_slots
-    if not cfg.host_tier or processed_tokens < max(num_prompt_tokens, cfg.min_context_tokens):
+    if (not cfg.host_tier or not spilled
+            or processed_tokens < max(num_prompt_tokens, cfg.min_context_tokens)):
         return s, s
     return s, max(s, processed_tokens // cfg.page_size)
+
+
+def spill_order(surplus: dict[str, int], free_blocks: int, reserve: int) -> list[str]:
+    """Resident requests to spill so that ``free_blocks`` reaches ``reserve``: the one with the most
+    surplus blocks (held beyond its hot-buffer floor) first, ties by id, stopping as soon as the
+    spilled surplus covers the shortfall (all of them if it never does). Requests with no surplus
+    are never picked (spilling them frees nothing)."""
+    need = reserve - free_blocks
+    out = []
+    for rid, n in sorted(surplus.items(), key=lambda kv: (-kv[1], kv[0])):
+        if need <= 0 or n <= 0:
+            break
+        out.append(rid)
+        need -= n
+    return out

@@ -1,4 +1,4 @@
-"""Per-layer pieces of the prefill path on a paged KV cache, and the hot-slot state.
+"""Per-layer pieces of the prefill path on a paged KV cache.
 
 Layouts (one layer): ``kv``  (N, 2, P, Hkv, D) paged KV cache, block b = one page of P tokens (K at
 [:, 0], V at [:, 1]); ``host`` (pages, 2, P, Hkv, D) the same layer of the host pool.
@@ -102,16 +102,3 @@ def gather_pages(kv: torch.Tensor, host: torch.Tensor, block_rows: list[torch.Te
         base += m
     return torch.cat(parts), torch.stack(tables).to(kv.device)
 
-
-class HotSlots:
-    """LRU hot-buffer state of one layer for every runtime row (see ops.reference.resolve_lru)."""
-
-    def __init__(self, rows: int, slots: int, max_units: int, device):
-        self.slot_unit = torch.full((rows, slots), -1, dtype=torch.int32, device=device)
-        self.unit_slot = torch.full((rows, max_units), -1, dtype=torch.int32, device=device)
-        self.lru = torch.arange(slots, dtype=torch.int32, device=device).repeat(rows, 1)
-
-    def reset(self, row: int) -> None:
-        self.slot_unit[row] = -1
-        self.unit_slot[row] = -1
-        self.lru[row] = torch.arange(self.lru.shape[1], dtype=torch.int32, device=self.lru.device)

@@ -10,8 +10,9 @@ run core/decode_body.py; a uniform decode step is planned by ``plan_full`` for v
 graph of its padded size and its layers run ``full_layer`` (recorded once, then replayed).
 
 With ``cfg.trace_dir`` set, every sparse layer's selection of every decode row is appended to
-a per-request trace (``sim.recorder_hook.TraceWriter``, format ``sim/trace.py``, unit = one page,
-rows = the sparse layers in order, each row the newest page then the selected complete pages, as
+a per-request trace (the writer the adapter passes, ``sim.recorder_hook.TraceWriter``; format
+``sim/trace.py``, unit = one page, rows = the sparse layers in order, each row the newest page then
+the selected complete pages, as
 ``sim/record.py`` writes Quest traces), written to ``<trace_dir>/<request id>.npz`` at ``finish``.
 It copies the selection to the host once per layer: a measurement mode, not a serving mode.
 """
@@ -34,6 +35,7 @@ from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_re
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
 from vllm_hisparse.core.turn_sparse import Switch, copy_context
+from vllm_hisparse.slots import HotBufferState
 
 
 @dataclass
@@ -42,19 +44,22 @@ class Req:
     num_prompt: int
     sparse: bool              # sparse now (from add for a long prompt, else from its switch on)
     irow: int = -1            # indexer row (sparse requests only)
+    spilled: bool = True      # blocks beyond the hot buffer given back (resident_first: from spill)
 
 
 class SparseRuntime:
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, max_rows: int, max_model_len: int,
                  host_pages: int | None = None, indexer_state=None,
-                 dense_pool: HostKVPool | None = None):
+                 dense_pool: HostKVPool | None = None, trace_writer=None):
         """max_rows: requests at once; the indexer's state and hot-slot state have one more row,
         the scratch row that padding rows of a decode batch point at (core/decode_batch.py).
         indexer_state: the indexer's ``allocate_state`` for cfg.quest_rows (default max_rows) rows,
         allocated by the caller (the vLLM adapter does it before memory profiling); default: here.
         dense_pool: the GPU pool holding the dense layers of sparse requests when
-        cfg.dense_pool_gib > 0 (the adapter allocates it before memory profiling); default: here."""
+        cfg.dense_pool_gib > 0 (the adapter allocates it before memory profiling); default: here.
+        trace_writer: with cfg.trace_dir, the trace writer's factory ``(trace_dir, meta=dict) ->
+        writer`` (sim.recorder_hook.TraceWriter; the adapter passes it, so core imports no sim)."""
         cfg.check_layers(num_layers)
         self.cfg = cfg
         self.max_rows, self.scratch_row = max_rows, max_rows
@@ -81,7 +86,7 @@ class SparseRuntime:
                                             gpu_pools.quest_rows(cfg, max_rows, max_model_len),
                                             max_model_len, num_kv_heads, head_dim, dtype,
                                             self.device, state=indexer_state)
-        self.hot = [sl.HotSlots(max_rows + 1, self.S, self.U, self.device)
+        self.hot = [HotBufferState.create(max_rows + 1, self.S, self.U, cfg.policy, self.device)
                     if cfg.host_tier and i not in self.dense_layers else None
                     for i in range(num_layers)]
         self.host_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)  # host page of each
@@ -102,12 +107,13 @@ class SparseRuntime:
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.trace = None
         if cfg.trace_dir:
-            from vllm_hisparse.sim.recorder_hook import TraceWriter
-
+            if trace_writer is None:
+                raise ValueError("hisparse runtime: trace_dir is set but no trace_writer was passed "
+                                 "(pass sim.recorder_hook.TraceWriter, as the vLLM adapter does)")
             sparse = [i for i in range(num_layers) if i not in self.dense_layers]
             self._trace_row = {layer: j for j, layer in enumerate(sparse)}
             self._dec_steps: dict[str, int] = {}           # req_id -> decode steps so far
-            self.trace = TraceWriter(cfg.trace_dir, meta={
+            self.trace = trace_writer(cfg.trace_dir, meta={
                 "model": "served by vLLM (hisparse runtime)", "text": "served requests",
                 "indexer": (f"{cfg.indexer} selection ({self.ix.state_name}, unit "
                             f"{self.ix.P} tokens, newest page first), hisparse serving runtime"),
@@ -120,7 +126,8 @@ class SparseRuntime:
         self._batches: dict[int, DecodeBatch] = {}         # decode batches by size (fixed buffers)
         self._kv: list[torch.Tensor | None] = [None] * num_layers    # bind_kv_caches
         self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
-                      "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0}
+                      "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0,
+                      "resident_rows": 0, "spills": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -129,7 +136,7 @@ class SparseRuntime:
         if req_id not in self.reqs:
             if not self._free_rows:
                 raise RuntimeError(f"hisparse runtime: no free row for {req_id} (max_num_seqs rows)")
-            r = Req(self._free_rows.pop(), num_prompt, False)
+            r = Req(self._free_rows.pop(), num_prompt, False, spilled=not self.cfg.resident_first)
             if is_sparse_request(self.cfg, num_prompt):
                 try:
                     self._make_sparse(req_id, r, num_prompt)
@@ -152,6 +159,15 @@ class SparseRuntime:
         r.irow = irow
         r.sparse = True
         self._reset_row(r.row)
+
+    def spill(self, req_id: str) -> None:
+        """resident_first: from this step on the request holds only its hot-buffer floor (the
+        scheduler gave its other blocks back); one way. Its first spilled step resolves through
+        empty hot slots (every selected page is fetched from the host pool)."""
+        r = self.reqs[req_id]
+        if not r.spilled:
+            r.spilled = True
+            self.stats["spills"] += 1
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         """The paged KV cache of every layer (layer i: (blocks, 2, P, Hkv, D)), the tensors the
@@ -285,6 +301,8 @@ class SparseRuntime:
         self._trace_steps(db)
         self.stats["decode_rows"] += sum(s.sparse for s in dec)
         self.stats["dense_decode_rows"] += sum(not s.sparse and s.start > 0 for s in dec)
+        # sparse rows with every page on the GPU: resolved through the block table, no misses
+        self.stats["resident_rows"] += sum(s.sparse and s.freed[1] <= s.freed[0] for s in dec)
         return db
 
     def _batch(self, N: int) -> DecodeBatch:
@@ -338,7 +356,7 @@ class SparseRuntime:
                 if start > 0:                   # KV on the GPU to copy (none at a restart)
                     switches.append((i, rid, start))
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
-                                 freed_pages(self.cfg, start, r.num_prompt), r.irow))
+                                 freed_pages(self.cfg, start, r.num_prompt, r.spilled), r.irow))
             if self.pool is not None and r.sparse:
                 hp = self.pool.ensure(rid, n)
                 self.host_pt.grow(r.row, hp)
@@ -398,9 +416,11 @@ class SparseRuntime:
         s["hits"], s["misses"] = (int(x) for x in self._hit_miss.tolist())
         n = s["resolved_units"] = s["hits"] + s["misses"]
         s["hit_rate"] = s["hits"] / n if n else None
+        s["policy"] = self.cfg.policy
         s["host_pages_used"] = self.host_pages_used
         s["dense_pool_pages_used"] = self.dpool.used_pages if self.dpool is not None else 0
         s["live_requests"] = len(self.reqs)
+        s["resident_requests"] = sum(r.sparse and not r.spilled for r in self.reqs.values())
         # host (CPU) time spent in plan / forward_layer, totals over all steps
         s.update({f"host_ms_{k}": round(v * 1e3, 3) for k, v in self._host_s.items()})
         return s

@@ -45,7 +45,7 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    block_table: torch.Tensor, sel: torch.Tensor, locs: torch.Tensor,
                    work: tuple[torch.Tensor, torch.Tensor] | None = None,
                    hot: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                   state: tuple | None = None, host_pt: torch.Tensor | None = None,
+                   state=None, host_pt: torch.Tensor | None = None,
                    host: torch.Tensor | None = None, kv: torch.Tensor | None = None,
                    counts: torch.Tensor | None = None) -> None:
     """reference.select_resolve (shapes there); one Triton launch on CUDA. work: the (scratch,
@@ -58,7 +58,7 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     if hot is not None:
         assert host is not None and host.dtype == kv.dtype and kv.is_contiguous()
         assert host[0].numel() == kv[0].numel(), "host pages and cache blocks must have one layout"
-        assert all(t.stride(1) == 1 for t in (*state, host_pt))
+        assert all(t.stride(1) == 1 for t in (*state.kernel_state(), host_pt))
     triton_select.select_resolve(scores, seq, num_full, k, block_table, sel, locs, *work, hot,
                                  rows, state, host_pt, _device_alias(host, scores.device), kv,
                                  counts)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.core.hot_buffer import HotBufferState, fetch_misses, resolve
-from vllm_hisparse.core.policies import make
+from vllm_hisparse.slots import HotBufferState, fetch_misses, resolve
 
 
 # ---- RESOLVE ------------------------------------------------------------------------------------
@@ -34,54 +33,12 @@ def resolve_lru(selection: torch.Tensor, slot_unit: torch.Tensor, unit_slot: tor
     device_locs: (R, k) int32 out: physical slot of each selected unit, -1 for padding
     io_chunk_bytes: the CUDA kernel's per-thread transfer size; no effect on results (ignored here)
     """
-    R, S = slot_unit.shape
-    state = HotBufferState.__new__(HotBufferState)
-    state.rows, state.slots, state.max_units = R, S, unit_slot.shape[1]
-    state.policy = make("lru")
-    state.slot_unit, state.unit_slot = slot_unit, unit_slot
-    state.pstate = {"order": lru_order.long()}
+    state = HotBufferState.wrap(slot_unit, unit_slot, {"order": lru_order}, "lru")
     locs, miss = resolve(state, selection)
-    lru_order.copy_(state.pstate["order"])
     fetch_misses(buffer, slot_map, locs, miss, selection,
                  lambda r, u: host[host_page_table[r.cpu(), u.cpu()].long()])
     phys = torch.gather(slot_map.long(), 1, locs.clamp(min=0))
     device_locs.copy_(torch.where(locs >= 0, phys, -1).to(device_locs.dtype))
-
-
-def take_hot_rows(sel: torch.Tensor, hot: torch.Tensor | None, rows: torch.Tensor,
-                  slot_unit: torch.Tensor, unit_slot: torch.Tensor, lru_order: torch.Tensor,
-                  counts: torch.Tensor):
-    """What RESOLVE of the hot rows reads: their selections and copies of their LRU state rows;
-    adds [hits, misses] of those selections to counts in place (a hit: a unit already resident).
-
-    sel: (Rd, k) int32 selections of the decode rows, -1 padding; hot: (Rh,) int64 indices of the
-    hot ones among them, or a (Rd,) bool mask of them (then Rh = Rd and a cold row's selection
-    reads as all -1: RESOLVE leaves it alone), or None: all; rows: (Rd,) int64 their runtime rows;
-    slot_unit/lru_order (N, S), unit_slot (N, U) int32 state of every runtime row; counts: (2,)
-    int64. Returns (sel[hot], slot_unit[r], unit_slot[r], lru_order[r]) with r = rows[hot].
-    """
-    if hot is not None and hot.dtype == torch.bool:
-        sel = torch.where(hot[:, None], sel, -1)
-    elif hot is not None:
-        sel, rows = sel[hot], rows[hot]
-    su, us, lru = slot_unit[rows], unit_slot[rows], lru_order[rows]
-    valid = sel >= 0
-    was = torch.gather(us, 1, sel.long().clamp(min=0)) >= 0
-    counts += torch.stack([(valid & was).sum(), (valid & ~was).sum()])
-    return sel, su, us, lru
-
-
-def put_hot_rows(locs: torch.Tensor, hot: torch.Tensor | None, rows: torch.Tensor,
-                 hot_locs: torch.Tensor, su: torch.Tensor, us: torch.Tensor, lru: torch.Tensor,
-                 slot_unit: torch.Tensor, unit_slot: torch.Tensor, lru_order: torch.Tensor) -> None:
-    """After RESOLVE: locs[hot] = hot_locs (skipped when hot is None: RESOLVE wrote locs) and the
-    state rows rows[hot] = su, us, lru (the inverse of take_hot_rows)."""
-    if hot is not None and hot.dtype == torch.bool:
-        locs.copy_(torch.where(hot[:, None], hot_locs, locs))
-    elif hot is not None:
-        rows = rows[hot]
-        locs[hot] = hot_locs
-    slot_unit[rows], unit_slot[rows], lru_order[rows] = su, us, lru
 
 
 # ---- sparse decode attention -------------------------------------------------------------------
@@ -325,17 +282,17 @@ def decode_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table
 def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tensor, k: int,
                    block_table: torch.Tensor, sel: torch.Tensor, locs: torch.Tensor,
                    hot: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                   state: tuple | None = None, host_pt: torch.Tensor | None = None,
+                   state: HotBufferState | None = None, host_pt: torch.Tensor | None = None,
                    host: torch.Tensor | None = None, kv: torch.Tensor | None = None,
                    counts: torch.Tensor | None = None) -> None:
     """Each live row's top pages and their physical blocks, in place (the plain-torch twin of
-    ops/triton_select.py, composed from topk_index, topk_pages and resolve_lru).
+    ops/triton_select.py, composed from topk_index, topk_pages and the slot engine's resolve).
 
     scores: (N, U) fp32 page scores (only pages [0, num_full[r]) are read); seq, num_full: (N,) int
     (a row is live when seq > 0; other rows' sel/locs are left as they are); k: pages to select;
     block_table: (N, W) int; sel, locs: (N, k) int32 out: pages ascending then -1, and their blocks.
-    hot: (N,) int, non-zero = the row resolves through its hot slots: state = (slot_unit, unit_slot,
-    lru_order) (M, S)/(M, U)/(M, S) int32 read and written at runtime rows rows (N,) int64, slot s =
+    hot: (N,) int, non-zero = the row resolves through its hot slots: ``state`` (slots.HotBufferState
+    of M rows, any served policy) read and written at runtime rows rows (N,) int64, slot s =
     block_table[r, s]; misses come from host[host_pt[rows[r], page]] into kv (both (*, 2, P, Hkv,
     D)); counts (2,) int64 += [hits, misses]."""
     N, U = scores.shape
@@ -352,9 +309,12 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     h = torch.nonzero(live & (num_full > 0) & (hot != 0))[:, 0]
     if len(h) == 0:
         return
-    S = state[0].shape[1]
-    sel_h, su, us, lru = take_hot_rows(pages, h, rows, *state, counts)
-    out = torch.empty_like(sel_h)
-    resolve_lru(sel_h, su, us, lru, block_table[h, :S].to(torch.int32), kv, host,
-                host_pt[rows[h]], out)
-    put_hot_rows(locs, h, rows, out, su, us, lru, *state)
+    S, r = state.slots, rows[h].long()
+    ph = pages[h]
+    loc, miss = resolve(state, ph, rows=r)
+    valid = ph >= 0
+    counts += torch.stack([(valid & ~miss).sum(), miss.sum()])
+    slot_map = block_table[h, :S].long()
+    fetch_misses(kv, slot_map, loc, miss, ph, lambda i, u: host[host_pt[r[i], u].long()])
+    phys = torch.gather(slot_map, 1, loc.clamp(min=0))
+    locs[h] = torch.where(loc >= 0, phys, -1).to(locs.dtype)

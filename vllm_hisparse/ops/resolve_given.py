@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from vllm_hisparse.slots import HotBufferState, fetch_misses, resolve
 
 
 def resolve_given_reference(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
@@ -23,18 +23,21 @@ def resolve_given_reference(sel: torch.Tensor, seq: torch.Tensor, block_table: t
     seq: (N,) int, 0 = padding; block_table: (N, >= S) int32, slot s of row r = row
     block_table[r, s] of kv; locs: (N, K) int32 out (other rows untouched); hot: (N,) int;
     rows: (N,) int64 runtime rows; state: (slot_unit (M, S), unit_slot (M, U), lru (M, S)) int32
-    read and written at rows (LRU, contract reference.resolve_lru); host_pt: (M, U) int32 host row
+    read and written at rows (LRU: the slot engine's resolve, slots/engine.py); host_pt: (M, U) int32 host row
     of each unit; host (P, *row), kv (B, *row) the same row shape (opaque bytes); counts: (2,)
     int64 += [hits, misses]."""
     h = torch.nonzero((seq > 0) & (hot != 0))[:, 0]
     if len(h) == 0 or sel.shape[1] == 0:
         return
-    S = state[0].shape[1]
-    sel_h, su, us, lru = reference.take_hot_rows(sel, h, rows, *state, counts)
-    out = torch.empty_like(sel_h)
-    reference.resolve_lru(sel_h, su, us, lru, block_table[h, :S].to(torch.int32), kv, host,
-                          host_pt[rows[h]], out)
-    reference.put_hot_rows(locs, h, rows, out, su, us, lru, *state)
+    su, us, lru = state
+    st = HotBufferState.wrap(su, us, {"order": lru}, "lru")
+    r, sh = rows[h].long(), sel[h]
+    loc, miss = resolve(st, sh, rows=r)
+    counts += torch.stack([((sh >= 0) & ~miss).sum(), miss.sum()])
+    slot_map = block_table[h, :su.shape[1]].long()
+    fetch_misses(kv, slot_map, loc, miss, sh, lambda i, u: host[host_pt[r[i], u].long()])
+    phys = torch.gather(slot_map, 1, loc.clamp(min=0))
+    locs[h] = torch.where(loc >= 0, phys, -1).to(locs.dtype)
 
 
 def workspace_shapes(N: int, K: int, S: int) -> tuple[tuple, tuple]:

@@ -24,10 +24,10 @@ def _resolve_given_kernel(SEL, SEQ, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS
         jk = tl.arange(0, KB)
         u = tl.load(SEL + r.to(tl.int64) * K + jk, mask=jk < K, other=-1)
         row = tl.load(ROWS + r).to(tl.int64)
-        lo, lo_rev, su_rev = _resolve_prelude(r, row, True, S, SU, LRU, SCR, s_su, s_lru, SB)
+        lo, lo_rev, su_rev = _resolve_prelude(r, row, True, S, SU, LRU, SCR, s_su, s_lru, SB, 0)
         tl.debug_barrier()
         _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS, s_bt, s_su,
-                     s_us, s_lru, lo, lo_rev, su_rev, KB, SB)
+                     s_us, s_lru, lo, lo_rev, su_rev, KB, SB, 0, 0, 0)       # POLICY 0: LRU
 
 
 def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,

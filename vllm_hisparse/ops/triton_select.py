@@ -1,6 +1,7 @@
 """SELECT + RESOLVE of a decode batch (Triton): one program per row takes the row's Quest page
 scores, picks its top pages, and maps them to physical blocks — through the block table while every
-page is on the GPU, or through the row's hot slots (LRU) otherwise; a second launch, one program per
+page is on the GPU, or through the row's hot slots otherwise (a constexpr branch per served policy of
+vllm_hisparse.slots: ``POLICY`` 0 = lru, 1 = crf); a second launch, one program per
 selected page, copies the missing pages from the pinned host pool with GPU loads (a row's misses in
 parallel: one program copying them one after the other moved 13 GB/s on the H200).
 
@@ -12,10 +13,14 @@ Per row r (program r; rows with ``seq[r] == 0`` stop at once, rows without a com
    then every larger key and the first ties in page order (contract ``reference.topk_index``).
    ``sel[r]`` = the pages in ascending order, -1 after them.
 2. **Resident rows**: ``locs[r, j] = block_table[r, sel[r, j]]``.
-3. **Hot rows** (RESOLVE, contract ``reference.resolve_lru``): hits through the page table
-   ``unit_slot``; victims in eviction order (the LRU end first), empty slots before occupied ones
-   that are not hit now; the i-th miss in selection order takes the i-th victim; the new order is
-   hits (later selection entries more recent), then misses, then the rest in their old order. Slot
+3. **Hot rows** (RESOLVE, contract ``reference.select_resolve``, i.e. ``slots.engine.resolve``):
+   hits through the page table ``unit_slot``; victims in the policy's eviction order, empty slots
+   before occupied ones that are not hit now; the i-th miss in selection order takes the i-th
+   victim. LRU (state ``order``, MRU first): victims from the LRU end; the new order is hits (later
+   selection entries more recent), then misses, then the rest in their old order. crf (state
+   ``value``, slots/crf.py): victims in ascending (value, slot) order, one block-wide sort of the
+   32-bit key ``(value + 1) << 16 | slot`` with hit slots pushed last; then every occupied value
+   decays, hits add HIT, misses start at HIT // 2. Slot
    s of the row is block ``block_table[r, s]`` (the request's first S blocks are its hot slots).
    The state rows are read and written in place through the runtime row ``rows[r]``; hits and
    misses are added to ``counts``; a miss's locs entry is marked ``-2 - block`` until the IO
@@ -80,30 +85,35 @@ def _topk_take(SC, n, K, UB: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _resolve_prelude(r, row, on, S, SU, LRU, SCR, s_su, s_lru, SB: tl.constexpr):
+def _resolve_prelude(r, row, on, S, SU, POL, SCR, s_su, s_pol, SB: tl.constexpr,
+                     POLICY: tl.constexpr):
     """What _resolve_row needs of row ``row``'s state before the selection is known (loaded early so
-    its latency hides behind the top-k): its LRU order (slot at recency p, MRU first), that order
-    reversed (the LRU end first) and the units of those slots; and r's scratch flags zeroed (1 hit,
-    2 victim). on: whether the row resolves (else nothing is read). A barrier must follow before
-    _resolve_row."""
+    its latency hides behind the top-k), and r's scratch flags zeroed (1 hit, 2 victim). LRU: its
+    order (slot at recency p, MRU first), that order reversed (the LRU end first) and the units of
+    those slots; crf: the slots' values (three times). on: whether the row resolves (else nothing
+    is read). A barrier must follow before _resolve_row."""
     os_ = tl.arange(0, SB)
     pre = (os_ < S) & on
-    lo = tl.load(LRU + row * s_lru + os_, mask=pre, other=0)
-    lo_rev = tl.load(LRU + row * s_lru + (S - 1 - os_), mask=pre, other=0)
-    su_rev = tl.load(SU + row * s_su + lo_rev, mask=pre, other=0)
+    lo = tl.load(POL + row * s_pol + os_, mask=pre, other=0)
+    lo_rev = lo
+    su_rev = lo
+    if POLICY == 0:
+        lo_rev = tl.load(POL + row * s_pol + (S - 1 - os_), mask=pre, other=0)
+        su_rev = tl.load(SU + row * s_su + lo_rev, mask=pre, other=0)
     tl.store(SCR + r.to(tl.int64) * SB + os_, 0, mask=pre)
     return lo, lo_rev, su_rev
 
 
 @triton.jit
-def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
-                 s_bt, s_su, s_us, s_lru, lo, lo_rev, su_rev, KB: tl.constexpr, SB: tl.constexpr):
-    """lo / lo_rev / su_rev: the row's LRU order, reversed, and the units of lo_rev's slots, loaded
-    (and scratch zeroed) by the caller before the top-k so their latency hides behind it."""
+def _resolve_row(r, row, u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS,
+                 s_bt, s_su, s_us, s_pol, lo, lo_rev, su_rev, KB: tl.constexpr, SB: tl.constexpr,
+                 POLICY: tl.constexpr, SHIFT: tl.constexpr, HIT: tl.constexpr):
+    """lo / lo_rev / su_rev: _resolve_prelude's loads of the row's policy state, made by the caller
+    before the top-k so their latency hides behind it."""
     valid = u >= 0
     us = US + row * s_us
     su = SU + row * s_su
-    lru = LRU + row * s_lru
+    pol = POL + row * s_pol                                    # the policy's state row
     bt = BT + r.to(tl.int64) * s_bt
     scr = SCR + r.to(tl.int64) * SB
     vic = VIC + r.to(tl.int64) * KB
@@ -127,32 +137,51 @@ def _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS,
     vs = tl.zeros([KB], tl.int32)
     if m > 0:                                                  # victims: only when a page misses
         tl.debug_barrier()
-        hitf = tl.load(scr + lo_rev, mask=sm, other=0, volatile=True) == 1
-        empty = sm & (su_rev < 0)
-        occ = sm & (su_rev >= 0) & ~hitf
-        e_i = empty.to(tl.int32)
-        o_i = occ.to(tl.int32)
-        n_empty = tl.sum(e_i, 0)
-        rank = tl.where(empty, tl.cumsum(e_i, 0) - e_i,
-                        tl.where(occ, n_empty + tl.cumsum(o_i, 0) - o_i, 1 << 30))
-        is_v = rank < m
-        tl.store(vic + rank, lo_rev, mask=is_v)
-        tl.store(us + su_rev, -1, mask=is_v & ~empty)         # a victim forgets its old page
-        tl.store(scr + lo_rev, 2, mask=is_v)
+        if POLICY == 0:                                        # LRU: victims from the LRU end
+            hitf = tl.load(scr + lo_rev, mask=sm, other=0, volatile=True) == 1
+            empty = sm & (su_rev < 0)
+            occ = sm & (su_rev >= 0) & ~hitf
+            e_i = empty.to(tl.int32)
+            o_i = occ.to(tl.int32)
+            n_empty = tl.sum(e_i, 0)
+            rank = tl.where(empty, tl.cumsum(e_i, 0) - e_i,
+                            tl.where(occ, n_empty + tl.cumsum(o_i, 0) - o_i, 1 << 30))
+            is_v = rank < m
+            tl.store(vic + rank, lo_rev, mask=is_v)
+            tl.store(us + su_rev, -1, mask=is_v & ~empty)     # a victim forgets its old page
+            tl.store(scr + lo_rev, 2, mask=is_v)
+        else:                                                  # crf: lo = value, -1 = empty
+            hits_s = tl.load(scr + os_, mask=sm, other=0, volatile=True) == 1
+            # eviction order = ascending (value, slot): empty slots (-1) first; hit slots never
+            key = tl.where(sm & ~hits_s, ((lo + 1) << 16) | os_, 0x7FFFFFFF)
+            vslot = tl.sort(key, 0) & 0xFFFF
+            is_v = os_ < m
+            old = tl.load(su + vslot, mask=is_v, other=-1)
+            tl.store(vic + os_, vslot, mask=is_v)
+            tl.store(us + old, -1, mask=is_v & (old >= 0))    # a victim forgets its old page
         tl.debug_barrier()
         vs = tl.load(vic + mi, mask=miss, other=0, volatile=True)
         tl.store(su + vs, u, mask=miss)
         tl.store(us + u, vs, mask=miss)
+    vcur = tl.zeros([KB], tl.int32)
+    if POLICY != 0:
+        vcur = tl.load(pol + cur, mask=hit, other=0)           # hits' values before the decay
     tl.debug_barrier()
     phys = tl.load(bt + tl.where(hit, cur, vs), mask=valid, other=-1)
     # a miss is marked -2 - block: _miss_io_kernel copies its page in, then writes the block
     tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(hit, phys, tl.where(miss, -2 - phys, -1)),
              mask=jk < K)
-    tl.store(lru + (h - 1 - hi), cur, mask=hit)
-    tl.store(lru + (h + m - 1 - mi), vs, mask=miss)
-    stay = sm & (tl.load(scr + lo, mask=sm, other=1, volatile=True) == 0)
-    st_i = stay.to(tl.int32)
-    tl.store(lru + (h + m + tl.cumsum(st_i, 0) - st_i), lo, mask=stay)
+    if POLICY == 0:
+        tl.store(pol + (h - 1 - hi), cur, mask=hit)
+        tl.store(pol + (h + m - 1 - mi), vs, mask=miss)
+        stay = sm & (tl.load(scr + lo, mask=sm, other=1, volatile=True) == 0)
+        st_i = stay.to(tl.int32)
+        tl.store(pol + (h + m + tl.cumsum(st_i, 0) - st_i), lo, mask=stay)
+    else:
+        tl.store(pol + os_, tl.where(lo >= 0, lo - (lo >> SHIFT), lo), mask=sm)
+        tl.debug_barrier()
+        tl.store(pol + cur, vcur - (vcur >> SHIFT) + HIT, mask=hit)
+        tl.store(pol + vs, HIT // 2, mask=miss)
 
 
 @triton.jit
@@ -183,9 +212,10 @@ def _miss_io_kernel(LOCS, SEL, SEQ, NFULL, HOT, ROWS, HPT, HOST, KV, K, s_hpt, R
 
 
 @triton.jit
-def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS, SEL, LOCS, K, S,
-                   s_sc, s_bt, s_su, s_us, s_lru, UB: tl.constexpr, KB: tl.constexpr,
-                   SB: tl.constexpr, HAS_HOT: tl.constexpr, BITS: tl.constexpr):
+def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, POL, SCR, VIC, COUNTS, SEL, LOCS, K, S,
+                   s_sc, s_bt, s_su, s_us, s_pol, UB: tl.constexpr, KB: tl.constexpr,
+                   SB: tl.constexpr, HAS_HOT: tl.constexpr, BITS: tl.constexpr,
+                   POLICY: tl.constexpr, SHIFT: tl.constexpr, HIT: tl.constexpr):
     r = tl.program_id(0)
     n = tl.load(NFULL + r).to(tl.int32)
     jk = tl.arange(0, KB)
@@ -198,7 +228,8 @@ def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS,
         if HAS_HOT:
             hot = tl.load(HOT + r)
         row = tl.load(ROWS + r).to(tl.int64)
-        lo, lo_rev, su_rev = _resolve_prelude(r, row, hot != 0, S, SU, LRU, SCR, s_su, s_lru, SB)
+        lo, lo_rev, su_rev = _resolve_prelude(r, row, hot != 0, S, SU, POL, SCR, s_su, s_pol, SB,
+                                              POLICY)
         o = tl.arange(0, UB)
         take = o < n
         if n > K:
@@ -209,8 +240,8 @@ def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS,
         tl.debug_barrier()
         u = tl.load(sel + jk, mask=jk < K, other=-1, volatile=True)
         if hot != 0:
-            _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS, s_bt, s_su,
-                         s_us, s_lru, lo, lo_rev, su_rev, KB, SB)
+            _resolve_row(r, row, u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS, s_bt, s_su,
+                         s_us, s_pol, lo, lo_rev, su_rev, KB, SB, POLICY, SHIFT, HIT)
         else:
             blk = tl.load(BT + r.to(tl.int64) * s_bt + u, mask=u >= 0, other=-1)
             tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(u >= 0, blk, -1), mask=jk < K)
@@ -228,33 +259,36 @@ def row_chunk(row_elems: int) -> int:
 def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tensor, k: int,
                    block_table: torch.Tensor, sel: torch.Tensor, locs: torch.Tensor,
                    scratch: torch.Tensor, victims: torch.Tensor, hot: torch.Tensor | None = None,
-                   rows: torch.Tensor | None = None, state: tuple | None = None,
+                   rows: torch.Tensor | None = None, state=None,
                    host_pt: torch.Tensor | None = None, host: torch.Tensor | None = None,
                    kv: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
     """Launch on checked inputs (ops/decode_ops.py); also runs under TRITON_INTERPRET=1. Shapes as
     reference.select_resolve; scratch (N, SB) / victims (N, KB) int32 workspaces with SB, KB the
-    powers of two >= S, k (select_widths); host on the device (the pool's CUDA alias)."""
+    powers of two >= S, k (select_widths); host on the device (the pool's CUDA alias); state a
+    slots.HotBufferState whose policy has a kernel branch (POLICY = its ``kernel`` id)."""
     N, U = scores.shape
     if N == 0 or k == 0:
         return
     assert U < 1 << 16, "the top-k packs per-bin counts in 16 bits: rows of < 65536 pages"
     has_hot = hot is not None
+    consts = {"POLICY": 0, "SHIFT": 0, "HIT": 0}
     if has_hot:
-        su, us, lru = state
+        su, us, pol = state.kernel_state()
+        consts.update(state.policy.kernel_constants, POLICY=state.policy.kernel)
         S = su.shape[1]
         row = kv[0].numel()
     else:
-        su = us = lru = host_pt = sel
+        su = us = pol = host_pt = sel
         host = kv = scores
         hot = rows = seq
         counts = seq
         S, row = 1, 1
     KB, SB = select_widths(k, S)
     _select_kernel[(N,)](
-        scores, seq, num_full, hot, rows, block_table, su, us, lru, scratch, victims, counts, sel,
+        scores, seq, num_full, hot, rows, block_table, su, us, pol, scratch, victims, counts, sel,
         locs, k, S, scores.stride(0), block_table.stride(0), su.stride(0), us.stride(0),
-        lru.stride(0), UB=max(16, triton.next_power_of_2(U)), KB=KB, SB=SB, HAS_HOT=has_hot,
-        BITS=RADIX_BITS, num_warps=SELECT_WARPS)
+        pol.stride(0), UB=max(16, triton.next_power_of_2(U)), KB=KB, SB=SB, HAS_HOT=has_hot,
+        BITS=RADIX_BITS, num_warps=SELECT_WARPS, **consts)
     if has_hot:
         _miss_io_kernel[(N, k)](locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k,
                                 host_pt.stride(0), ROW=row, CH=row_chunk(row), num_warps=4)

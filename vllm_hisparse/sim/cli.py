@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from vllm_hisparse.core import policies
+from vllm_hisparse import slots as policies
 
 from . import engine, results, trace
 

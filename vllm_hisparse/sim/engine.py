@@ -1,7 +1,7 @@
 """Replay a selection trace through the runtime's own resolve engine and policies.
 
-Nothing here re-implements caching: every step calls ``core.hot_buffer.resolve`` on a
-``HotBufferState`` built by ``core.policies.make``. To stay fast on a CPU, one resolve call per step
+Nothing here re-implements caching: every step calls ``slots.engine.resolve`` on a
+``HotBufferState`` built by ``slots.make``. To stay fast on a CPU, one resolve call per step
 covers every trace row (layer, or layer x KV head) of every configuration that has the same slot
 count (e.g. k=64,B=4k and k=128,B=2k), for write-allocate on and off: rows of a smaller k are padded
 with -1 (a no-op in resolve).
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_hisparse.core.hot_buffer import HotBufferState, resolve
-from vllm_hisparse.core.policies import make
-from vllm_hisparse.core.policies.belady import NEVER
+from vllm_hisparse.slots.engine import HotBufferState, resolve
+from vllm_hisparse.slots import make
+from vllm_hisparse.slots.belady import NEVER
 
 from .trace import Trace
 

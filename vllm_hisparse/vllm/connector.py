@@ -25,6 +25,7 @@ from vllm_hisparse.core import capacity, gpu_pools
 from vllm_hisparse.core.residency import may_turn_sparse
 from vllm_hisparse.core.host_pool import HostKVPool, HostPoolPinError
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
+from vllm_hisparse.sim.recorder_hook import TraceWriter
 
 from . import metrics, worker_state
 from .flash_dense import make_dense_fn
@@ -105,7 +106,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                     self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
                     mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
                     host_pages=self.capacity, indexer_state=worker_state.indexer_state,
-                    dense_pool=worker_state.dense_pool)
+                    dense_pool=worker_state.dense_pool, trace_writer=TraceWriter)
             except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
                 raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib, e.pinned,
                                        pc.tensor_parallel_size) from e.__cause__

@@ -1,17 +1,23 @@
-"""Hot-buffer state and the resolve engine (plain torch, batched over rows).
+"""The slot engine: hot-buffer state and the resolve step (plain torch, batched over rows).
+
+One engine for everything that keeps hot slots: the serving runtime holds one ``HotBufferState`` per
+sparse layer (its tensors are what the Triton RESOLVE kernel reads and writes in place), the
+plain-torch references of the kernels (ops/reference.py) call ``resolve`` on them, and the
+simulator (sim/engine.py) replays traces through the same ``resolve``.
 
 A *row* is one (request, layer) pair, or one request of a per-layer state. Each row owns S slots,
 each holding one selection unit (a token for DSA, a page for Quest/NSA). State, all int tensors:
 
   slot_unit: (R, S) int32   logical unit held by each slot, -1 = empty
   unit_slot: (R, U) int32   page table: logical unit -> local slot, -1 = not resident
-  policy state              e.g. LRU ``order`` (R, S) int64, MRU first
+  policy state              e.g. LRU ``order`` (R, S) int32, MRU first; crf ``value`` (R, S) int32
 
 ``resolve`` maps one step's selection (R, k) to local slots: hits keep their slot; each miss takes
 a victim (empty slots first, then in the policy's eviction order, never a slot hit this step); the
 i-th miss in selection order gets the i-th victim. The caller copies the missing units' rows from
 the host pool into the victims' physical slots (``fetch_misses``). With the LRU policy this is the
-exact contract of the CUDA RESOLVE kernel.
+exact contract of the CUDA RESOLVE kernel; with every policy that sets ``kernel``, of the Triton
+select_resolve kernel's branch for it.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .policies import Policy, StepInfo, make
+from . import make
+from .base import Policy, StepInfo
 
 
 @dataclass
@@ -43,6 +50,33 @@ class HotBufferState:
                device="cpu") -> "HotBufferState":
         pol = make(policy) if isinstance(policy, str) else policy
         return cls(rows, slots, max_units, pol, device)
+
+    @classmethod
+    def wrap(cls, slot_unit: torch.Tensor, unit_slot: torch.Tensor, pstate: dict,
+             policy: str | Policy = "lru") -> "HotBufferState":
+        """A state over existing tensors (no copies): resolve updates them in place."""
+        state = cls.__new__(cls)
+        state.rows, state.slots = slot_unit.shape
+        state.max_units = unit_slot.shape[1]
+        state.policy = make(policy) if isinstance(policy, str) else policy
+        state.device = slot_unit.device
+        state.slot_unit, state.unit_slot, state.pstate = slot_unit, unit_slot, pstate
+        return state
+
+    def kernel_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slot_unit, unit_slot, the policy's kernel state tensor): what a RESOLVE kernel reads and
+        writes in place, all (rows, *) int32."""
+        if self.policy.kernel is None:
+            raise ValueError(f"policy {self.policy.name!r} has no RESOLVE kernel; served policies: "
+                             f"{', '.join(_served())}")
+        return self.slot_unit, self.unit_slot, self.pstate[self.policy.kernel_state]
+
+    def reset(self, row: int) -> None:
+        """Empty one row (a request starts, or restarts from token 0)."""
+        self.slot_unit[row] = -1
+        self.unit_slot[row] = -1
+        for key, t in self.policy.init_state(1, self.slots, self.slot_unit.device).items():
+            self.pstate[key][row] = t[0]
 
     def reset_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Empty the given rows (a request finished, or a new request takes the row)."""
@@ -118,6 +152,11 @@ def resolve(state: HotBufferState, selection: torch.Tensor, rows: torch.Tensor |
     state.slot_unit[rows] = su[:, :S]
     state.policy.update(state.pstate, StepInfo(sel.to(torch.int32), locs, hit, miss, rows, scores, step))
     return locs, miss
+
+
+def _served() -> list[str]:
+    from . import served
+    return served()
 
 
 def _empty_first(order: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,15 @@ from .base import Policy, StepInfo, reorder
 @register
 class LRU(Policy):
     name = "lru"
+    kernel = 0
+    kernel_state = "order"
 
     def init_state(self, rows, slots, device):
         # order[r, p] = local slot at recency position p, MRU first.
-        return {"order": torch.arange(slots, device=device, dtype=torch.int64).repeat(rows, 1)}
+        return {"order": torch.arange(slots, device=device, dtype=torch.int32).repeat(rows, 1)}
 
     def evict_order(self, state, rows, slot_unit, step):
-        return state["order"][rows].flip(1)
+        return state["order"][rows].flip(1).long()
 
     def update(self, state, info: StepInfo):
         order = state["order"]

@@ -1,8 +1,11 @@
-"""Hot-buffer replacement policies, one per file, behind a small registry.
+"""The slot engine: hot-buffer state, the resolve step and the replacement policies behind a small
+registry. The lowest layer of the package (it imports torch only): the runtime (core/), the
+plain-torch references of the kernels (ops/reference.py), the simulator (sim/) and the config's
+validation all use this one engine.
 
-Every policy works on the batched hot-buffer state (rows = (request, layer) pairs) with torch ops
-only, so the runtime's CPU path, the simulator and the tests run the very same code. The CUDA
-RESOLVE kernel implements ``lru`` with identical semantics.
+A policy is one file here: a ``Policy`` subclass decorated with ``@register``. A policy that the
+served RESOLVE kernel implements (ops/triton_select.py) sets ``kernel`` to its branch id there;
+``served()`` lists those, the values config ``policy`` accepts.
 """
 from __future__ import annotations
 
@@ -28,6 +31,12 @@ def online() -> list[str]:
     return sorted(n for n, c in _REGISTRY.items() if not c.offline)
 
 
+def served() -> list[str]:
+    """Policies the served RESOLVE kernel implements (config ``policy``)."""
+    _load_builtin()
+    return sorted(n for n, c in _REGISTRY.items() if c.kernel is not None)
+
+
 def make(name: str, **kw) -> Policy:
     _load_builtin()
     if name not in _REGISTRY:
@@ -47,4 +56,7 @@ def _load_builtin():
     from . import lru, fifo, random_policy, vanilla, belady, crf  # noqa: F401  (they register themselves)
 
 
-__all__ = ["Policy", "StepInfo", "register", "available", "online", "make"]
+from .engine import HotBufferState, fetch_misses, resolve, write_resident  # noqa: E402
+
+__all__ = ["Policy", "StepInfo", "register", "available", "online", "served", "make",
+           "HotBufferState", "resolve", "fetch_misses", "write_resident"]

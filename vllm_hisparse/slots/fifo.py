@@ -12,10 +12,10 @@ class FIFO(Policy):
     name = "fifo"
 
     def init_state(self, rows, slots, device):
-        return {"order": torch.arange(slots, device=device, dtype=torch.int64).repeat(rows, 1)}
+        return {"order": torch.arange(slots, device=device, dtype=torch.int32).repeat(rows, 1)}
 
     def evict_order(self, state, rows, slot_unit, step):
-        return state["order"][rows].flip(1)
+        return state["order"][rows].flip(1).long()
 
     def update(self, state, info: StepInfo):
         order = state["order"]

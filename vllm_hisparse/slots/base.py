@@ -1,4 +1,4 @@
-"""The policy interface used by the resolve engine (core/hot_buffer.py).
+"""The policy interface used by the resolve engine (slots/engine.py).
 
 A policy owns per-slot state tensors of shape (rows, slots) and answers two questions per step:
 which slots to evict first (``evict_order``) and how its state changes once the step's hits and
@@ -38,6 +38,9 @@ class Policy:
     name = "base"
     offline = False      # True: needs future knowledge (simulator only)
     retain = True        # False: slots not selected this step are dropped (vanilla)
+    kernel = None        # the served RESOLVE kernel's branch id (ops/triton_select.py); None: not served
+    kernel_state = None  # the state key the kernel reads and writes, an (R, S) int32 tensor
+    kernel_constants: dict = {}   # the kernel branch's compile-time constants (e.g. crf's SHIFT)
 
     def init_state(self, rows: int, slots: int, device) -> dict:
         """Return fresh per-row state tensors, each with leading dims (rows, slots)."""
@@ -61,6 +64,7 @@ class Policy:
 
 def positions_of(order: torch.Tensor) -> torch.Tensor:
     """Inverse permutation per row: pos[r, order[r, p]] = p."""
+    order = order.long()
     pos = torch.empty_like(order)
     ar = torch.arange(order.shape[1], device=order.device).expand_as(order)
     pos.scatter_(1, order, ar)
@@ -74,6 +78,7 @@ def reorder(order: torch.Tensor, info: StepInfo, hit_key: bool, miss_key: bool) 
     (all misses) the order is D C B A, so a later step selecting A E evicts B for E.
     ``hit_key``/``miss_key`` say whether hits/misses move to the front at all."""
     R, S = order.shape
+    dt, order = order.dtype, order.long()       # int32 in the kernels' state; indices need int64
     zero = torch.zeros_like(info.hit)
     hit = info.hit if hit_key else zero
     miss = info.miss if miss_key else zero
@@ -89,5 +94,5 @@ def reorder(order: torch.Tensor, info: StepInfo, hit_key: bool, miss_key: bool) 
     new.scatter_(1, torch.where(stay, n_front + stay.cumsum(1) - 1, S), order)
     new.scatter_(1, torch.where(hit, n_hit - hit.cumsum(1), S), loc)
     new.scatter_(1, torch.where(miss, n_front - miss.cumsum(1), S), loc)
-    return new[:, :S].contiguous()
+    return new[:, :S].to(dt).contiguous()
 
