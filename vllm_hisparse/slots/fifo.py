@@ -1,21 +1,17 @@
-"""First in, first out: misses enter at the front in selection order; hits do not move."""
+"""First in, first out: misses enter at the front in selection order; hits do not move. LRU's
+state and eviction order (victims from the back), without LRU's move of hits to the front."""
 from __future__ import annotations
 
-import torch
-
 from . import register
-from .base import Policy, StepInfo, reorder
+from .base import StepInfo, reorder
+from .lru import LRU
 
 
 @register
-class FIFO(Policy):
+class FIFO(LRU):
     name = "fifo"
-
-    def init_state(self, rows, slots, device):
-        return {"order": torch.arange(slots, device=device, dtype=torch.int32).repeat(rows, 1)}
-
-    def evict_order(self, state, rows, slot_unit, step):
-        return state["order"][rows].flip(1).long()
+    kernel = None            # not served: no RESOLVE kernel branch
+    kernel_state = None
 
     def update(self, state, info: StepInfo):
         order = state["order"]
