@@ -79,7 +79,7 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
             host_pt=rt.host_pt.table, host=host, kv=kv, counts=rt._hit_miss)
         decode_ops.select_resolve(scores, f("sp_seq"), f("full"), K, bt, sel, locs, work, **hot)
         if rt.trace is not None:
-            rt.trace_decode(layer, db, sel)
+            rt.trace.decode(layer, db, sel)
 
     db.run_kinds(("has_sparse",), [sparse])
     if rt.split_dense or not q.is_cuda:          # both row kinds: one split + one combine launch

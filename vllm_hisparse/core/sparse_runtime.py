@@ -9,12 +9,9 @@ The rows with one query token of a step form its decode batch (core/decode_batch
 run core/decode_body.py; a uniform decode step is planned by ``plan_full`` for vLLM's FULL CUDA
 graph of its padded size and its layers run ``full_layer`` (recorded once, then replayed).
 
-With ``cfg.trace_dir`` set, every sparse layer's selection of every decode row is appended to
-a per-request trace (the writer the adapter passes, ``sim.recorder_hook.TraceWriter``; format
-``sim/trace.py``, unit = one page, rows = the sparse layers in order, each row the newest page then
-the selected complete pages, as
-``sim/record.py`` writes Quest traces), written to ``<trace_dir>/<request id>.npz`` at ``finish``.
-It copies the selection to the host once per layer: a measurement mode, not a serving mode.
+With ``cfg.trace_dir`` set, every sparse layer's selection of every decode row is appended to a
+per-request trace (core/decode_trace.py, as ``sim/record.py`` writes Quest traces). It copies the
+selection to the host once per layer: a measurement mode, not a serving mode.
 """
 from __future__ import annotations
 
@@ -29,6 +26,7 @@ from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import decode_body, dense_groups, gpu_pools, indexers, prefill
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.decode_batch import DecodeBatch, fill
+from vllm_hisparse.core.decode_trace import DecodeTrace
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.page_table import DevicePageTable
 from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
@@ -105,22 +103,8 @@ class SparseRuntime:
         self.dense_fn = sl.paged_dense_reference
         self.reqs: dict[str, Req] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
-        self.trace = None
-        if cfg.trace_dir:
-            if trace_writer is None:
-                raise ValueError("hisparse runtime: trace_dir is set but no trace_writer was passed "
-                                 "(pass sim.recorder_hook.TraceWriter, as the vLLM adapter does)")
-            sparse = [i for i in range(num_layers) if i not in self.dense_layers]
-            self._trace_row = {layer: j for j, layer in enumerate(sparse)}
-            self._dec_steps: dict[str, int] = {}           # req_id -> decode steps so far
-            self.trace = trace_writer(cfg.trace_dir, meta={
-                "model": "served by vLLM (hisparse runtime)", "text": "served requests",
-                "indexer": (f"{cfg.indexer} selection ({self.ix.state_name}, unit "
-                            f"{self.ix.P} tokens, newest page first), hisparse serving runtime"),
-                "unit": self.P, "page_size": self.P, "top_k": cfg.top_k,
-                "device_buffer_size": cfg.device_buffer_size, "policy": cfg.policy,
-                "num_layers": num_layers, "sparse_layers": sparse, "kv_heads": num_kv_heads,
-                "head_dim": head_dim, "decode": "as served"})
+        self.trace = (DecodeTrace(trace_writer, cfg, self.ix, num_layers, self.dense_layers,
+                                  num_kv_heads, head_dim) if cfg.trace_dir else None)
         self._hit_miss = torch.zeros(2, dtype=torch.int64, device=self.device)  # read in stats_dict
         self.split_dense = dense_groups.split_enabled(cfg, self.device, head_dim)
         self._batches: dict[int, DecodeBatch] = {}         # decode batches by size (fixed buffers)
@@ -145,7 +129,8 @@ class SparseRuntime:
                     raise
             self.reqs[req_id] = r
         self._reset_row(self.reqs[req_id].row)
-        self._restart_trace(req_id)
+        if self.trace is not None:
+            self.trace.restart(req_id)
 
     def _make_sparse(self, req_id: str, r: Req, context: int) -> None:
         """The request is sparse from now on (core/residency.py): its indexer row and fresh
@@ -195,7 +180,6 @@ class SparseRuntime:
         if self.pool is not None:
             self.pool.free(req_id)
         if self.trace is not None:
-            self._dec_steps.pop(req_id, None)
             self.trace.finish(req_id)
         self._free_rows.append(r.row)
         self.ix.free(r.irow)
@@ -205,12 +189,6 @@ class SparseRuntime:
             self.dense_pt.clear(r.row)
         self.stats["finished"] += 1
         return True
-
-    def _restart_trace(self, req_id: str) -> None:
-        """A (re)started request traces from decode step 0: what an earlier run of it recorded
-        (before a preemption) is written now and dropped; finish overwrites it with the new run."""
-        if self.trace is not None and self._dec_steps.pop(req_id, None) is not None:
-            self.trace.finish(req_id)
 
     def _reset_row(self, row: int) -> None:
         for h in self.hot:
@@ -298,7 +276,8 @@ class SparseRuntime:
         steps and row counts (stats: sparse rows, and dense ones past their prompt's start)."""
         db = self._batch(N)
         fill(self, db, dec, pages)
-        self._trace_steps(db)
+        if self.trace is not None:
+            self.trace.number_steps(db)
         self.stats["decode_rows"] += sum(s.sparse for s in dec)
         self.stats["dense_decode_rows"] += sum(not s.sparse and s.start > 0 for s in dec)
         # sparse rows with every page on the GPU: resolved through the block table, no misses
@@ -310,29 +289,6 @@ class SparseRuntime:
         if db is None:
             db = self._batches[N] = DecodeBatch(N, self.device)
         return db
-
-    def _trace_steps(self, db: DecodeBatch) -> None:
-        """Trace mode: the decode-step index of each sparse row of the batch (counted here)."""
-        if self.trace is None:
-            return
-        db.trace_steps = []
-        for s in db.steps:
-            if s.sparse:
-                n = self._dec_steps.get(s.req_id, 0)
-                db.trace_steps.append(n)
-                self._dec_steps[s.req_id] = n + 1
-
-    def trace_decode(self, layer: int, db: DecodeBatch, sel: torch.Tensor) -> None:
-        """Trace mode: append the layer's selections of the batch's sparse rows (newest page
-        first, then the indexer's choice; one host copy)."""
-        sp = [i for i, s in enumerate(db.steps) if s.sparse]
-        if not sp:
-            return
-        st = [db.steps[i] for i in sp]
-        newest = torch.tensor([(s.seq_len - 1) // self.P for s in st], dtype=torch.int64)
-        pos = torch.cat([newest[:, None], sel[sp].cpu().long()], 1)
-        self.trace.append_batch([s.req_id for s in st], self._trace_row[layer], db.trace_steps,
-                                pos, [s.seq_len for s in st])
 
     def _req_steps(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int],
                    block_table: torch.Tensor | None) -> tuple[list[ReqStep], dict]:
@@ -349,7 +305,8 @@ class SparseRuntime:
             start, n = seq_lens[i] - (t1 - t0), seq_lens[i]
             if start == 0:
                 self._reset_row(r.row)
-                self._restart_trace(rid)
+                if self.trace is not None:
+                    self.trace.restart(rid)
             if not r.sparse and is_sparse_at(self.cfg, r.num_prompt, n):
                 self._make_sparse(rid, r, n)
                 self.stats["turned_sparse"] += 1
