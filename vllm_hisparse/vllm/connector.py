@@ -7,7 +7,8 @@ Scheduler process (role SCHEDULER):
     scheduled; when the pool or the rows cannot hold it the request *waits* (``None`` from
     ``get_num_new_matched_tokens``) until finished requests give them back;
   * ``build_connector_meta`` ships each newly scheduled (or resumed) request's prompt length and
-    first GPU block to the worker;
+    first GPU block to the worker, and (resident_first) the requests the KV manager spilled in this
+    step (vllm/spec.py ``SpillLedger``), which the worker spills before the step's forward;
   * finish: GPU blocks are freed only after the worker has dropped the request (delayed free,
     ``request_finished`` -> True, the worker reports it through ``get_finished``).
 Worker process (role WORKER): owns the ``SparseRuntime`` (host pool + hot-slot state) that the
@@ -28,6 +29,7 @@ from vllm_hisparse.core.sparse_runtime import SparseRuntime
 from vllm_hisparse.sim.recorder_hook import TraceWriter
 
 from . import metrics, worker_state
+from .spec import ledger_of
 from .flash_dense import make_dense_fn
 from .compat import (
     KVConnectorBase_V1,
@@ -48,6 +50,7 @@ STATS_ENV = "HISPARSE_STATS_FILE"      # worker writes hit-rate stats there (the
 class HiSparseConnectorMetadata(KVConnectorMetadata):
     new: dict[str, tuple[int, int]] = field(default_factory=dict)   # req -> (prompt len, block 0)
     finished: list[str] = field(default_factory=list)   # dropped before ``new`` takes their rows
+    spilled: list[str] = field(default_factory=list)    # resident_first: blocks given back this step
 
 
 def _page_bytes(cfg, model_config, parallel_config) -> int:
@@ -96,6 +99,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._waiting_logged: set[str] = set()
         self._waiting: dict[str, str] = {}     # req -> what it waits for (metrics.WAIT_REASONS)
         self._sched_report: dict | None = None
+        self._ledger = None                    # resident_first: the KV manager's spills
         if role == KVConnectorRole.SCHEDULER:
             self._log_room()
         if role == KVConnectorRole.WORKER:
@@ -142,9 +146,13 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         """Startup check: a prompt is fully resident during its own prefill, so one max_model_len
         prompt must fit in the GPU blocks (else it would wait forever); vLLM's own check only sees
-        the bounded steady-state footprint of HiSparseSpec."""
+        the bounded steady-state footprint of HiSparseSpec. resident_first: the reserve R of free
+        blocks the KV manager keeps by spilling (docs/vllm-integration.md, "Residency states")."""
         if not self.cfg.host_tier:
             return
+        if self.cfg.resident_first:
+            self._ledger = ledger_of(gpu_block_pool)
+            self._ledger.reserve = self.spill_reserve(gpu_block_pool.num_gpu_blocks)
         need = -(-self.max_model_len // self.cfg.page_size) + 1
         have = gpu_block_pool.num_gpu_blocks - 1                 # block 0 is vLLM's null block
         if have < need:
@@ -152,6 +160,14 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                 f"hisparse: the GPU KV cache holds {have} blocks of {self.cfg.page_size} tokens, but "
                 f"a max_model_len={self.max_model_len} prompt needs {need} during its own prefill; "
                 f"lower --max-model-len or raise --gpu-memory-utilization")
+
+    def spill_reserve(self, num_gpu_blocks: int) -> int:
+        """R: one max_model_len prompt (scheduler_reserve_full_isl wants it free before a waiting
+        request is allocated), every block one step's allocations can take (its batched tokens plus
+        a partial block per request) and vLLM's watermark."""
+        sc, page = self._vllm_config.scheduler_config, self.cfg.page_size
+        return (-(-self.max_model_len // page) + -(-sc.max_num_batched_tokens // page)
+                + sc.max_num_seqs + int(sc.watermark * num_gpu_blocks))
 
     def _may_be_sparse(self, request) -> bool:
         """Sparse at some step of its life: a long prompt, or a short one whose prompt +
@@ -204,6 +220,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> HiSparseConnectorMetadata:
         md = HiSparseConnectorMetadata(finished=self._finishing)
         self._finishing = []
+        if self._ledger is not None:          # after every allocation of the step
+            md.spilled = self._ledger.take()
         for r in scheduler_output.scheduled_new_reqs:
             md.new[r.req_id] = (self._prompt.get(r.req_id, len(r.prompt_token_ids or ())),
                                 r.block_ids[0][0])
@@ -253,6 +271,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         for rid, (num_prompt, first_block) in connector_metadata.new.items():
             rt.add(rid, num_prompt)
             worker_state.bind_request(rid, first_block)
+        for rid in connector_metadata.spilled:       # before the step is planned and run
+            if rid in rt.reqs:
+                rt.spill(rid)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         # full_decode_graphs: plan a single-token step now that its requests are bound, before
