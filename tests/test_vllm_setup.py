@@ -75,7 +75,6 @@ def test_unsupported_setups_fail_with_what_is_supported(over, words):
 @pytest.mark.parametrize("field, value, words", [
     ("policy", "fifo", "policy='fifo' is available in the simulator"),
     ("prefetch", True, "prefetch=True is not implemented"),
-    ("resident_first", True, "resident_first=True is implemented in the core runtime only"),
     ("indexer", "dsa", "indexer='dsa' is not wired"),
     ("io_chunk_bytes", 512, "io_chunk_bytes=512"),
 ])

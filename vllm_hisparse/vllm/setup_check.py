@@ -26,9 +26,6 @@ def check_served(cfg: HiSparseConfig) -> None:
         raise Refused(f"hisparse: policy={cfg.policy!r} is available in the simulator (hisparse "
                       f"sim) and the core, not in the serving runtime (the RESOLVE kernel "
                       f"implements {', '.join(served())}); use \"lru\" (the default) or \"crf\"")
-    if cfg.resident_first:
-        raise Refused("hisparse: resident_first=True is implemented in the core runtime only; the "
-                      "scheduler side (spill on pressure) is not wired into vLLM yet; use false")
     if cfg.prefetch:
         raise Refused("hisparse: prefetch=True is not implemented in the serving runtime yet; "
                       "use false (misses are fetched inside RESOLVE)")
