@@ -1,0 +1,78 @@
+"""resident_first on the scheduler side (vllm/spec.py HiSparseManager, issue 15 item 1-2): a sparse
+request keeps its blocks while the pool's free blocks stay at or above the reserve R; below it the
+manager spills resident requests, most surplus first, down to the hot-buffer floor, one way, and
+records them for the connector. Driven on a real vLLM BlockPool."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vllm_hisparse.config import HiSparseConfig
+
+pytestmark = pytest.mark.vllm
+PAGE, S = 16, 4                                  # device_buffer_size 64: 4 hot slots
+
+
+def manager(num_blocks, reserve, **over):
+    from vllm.v1.core.block_pool import BlockPool
+
+    from vllm_hisparse.vllm.spec import HiSparseManager, HiSparseSpec, ledger_of
+
+    cfg = HiSparseConfig(**dict(dict(top_k=48, device_buffer_size=64, page_size=PAGE,
+                                     min_context=64, resident_first=True), **over))
+    spec = HiSparseSpec(block_size=PAGE, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                        hisparse_config=json.dumps(cfg.to_dict()))
+    pool = BlockPool(num_blocks, enable_caching=False, hash_block_size=PAGE)
+    m = HiSparseManager(spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0,
+                        scheduler_block_size=PAGE)
+    ledger_of(pool).reserve = reserve
+    return m, pool, ledger_of(pool)
+
+
+def prefill(m, rid, tokens):
+    m.allocate_new_blocks(rid, tokens + 1, tokens + 1)
+    m.remove_skipped_blocks(rid, tokens, tokens)       # prompt processed: resident or floor
+
+
+def held(m, rid):
+    return sum(b is not m._null_block for b in m.req_to_blocks[rid])
+
+
+def test_resident_while_above_reserve_then_spill_most_surplus_first():
+    m, pool, led = manager(101, reserve=40)           # 100 usable blocks
+    prefill(m, "a", 320)                              # 21 blocks, surplus 16
+    prefill(m, "b", 480)                              # 31 blocks, surplus 26: 48 free
+    assert (held(m, "a"), held(m, "b"), led.take()) == (21, 31, [])
+    m.allocate_new_blocks("c", 200, 200)              # 13 more: 35 free < 40
+    m.remove_skipped_blocks("a", 321, 320)
+    assert led.take() == ["b"]                        # the most surplus; one spill is enough
+    assert held(m, "b") == S + 1 and held(m, "a") == 21
+    assert pool.get_num_free_blocks() == 35 + 26
+    # one way: b stays on its floor as it grows; a stays resident while the pool holds R
+    m.allocate_new_blocks("b", 520, 520)
+    m.remove_skipped_blocks("b", 512, 480)
+    assert held(m, "b") == S + 1 and led.take() == []
+    # finishing frees everything, no state left behind
+    for rid in ("a", "b", "c"):
+        m.free(rid)
+    assert pool.get_num_free_blocks() == 100 and not m._resident and not m._spilled
+
+
+def test_no_reserve_bound_spills_at_once_and_off_never_keeps():
+    m, pool, led = manager(101, reserve=None)        # no connector bound: today's behaviour
+    prefill(m, "a", 320)
+    assert led.take() == ["a"] and held(m, "a") == S + 1
+    off, _, led_off = manager(101, reserve=40, resident_first=False)
+    prefill(off, "a", 320)
+    assert held(off, "a") == S + 1 and led_off.take() == []
+
+
+def test_prefill_and_short_requests_are_never_spilled():
+    m, pool, led = manager(60, reserve=1000)         # always under pressure
+    m.allocate_new_blocks("a", 320, 320)
+    m.remove_skipped_blocks("a", 256, 320)            # prompt not processed yet: keeps every block
+    m.allocate_new_blocks("d", 50, 50)
+    m.remove_skipped_blocks("d", 49, 49)              # below min_context: dense, nothing to free
+    assert led.take() == [] and held(m, "a") == 20 and held(m, "d") == 4
