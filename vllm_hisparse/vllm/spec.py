@@ -107,10 +107,11 @@ class HiSparseManager(FullAttentionManager):
             self._remove_blocks_in_range(request_id, lo, hi)
 
     def surplus(self, request_id: str) -> int:
-        """Blocks a resident request holds beyond its floor (what spilling it gives back)."""
+        """Blocks a resident request holds beyond its floor (what spilling it gives back): all of
+        [lo, hi), none of which was freed while it was resident (O(1): called per request under
+        pressure)."""
         lo, hi = freed_pages(self.hs_cfg, *self._resident[request_id])
-        held = self.req_to_blocks.get(request_id, ())
-        return sum(b is not self._null_block for b in held[lo:hi])
+        return max(0, min(hi, len(self.req_to_blocks.get(request_id, ()))) - lo)
 
     def _spill_under_pressure(self) -> None:
         """Spill resident requests, most surplus first, until the pool's free blocks reach the
