@@ -1,0 +1,152 @@
+"""issue 15 item 1-2 through the real vLLM 0.26 engine (CPU): resident-first with spills under
+pressure is exact.
+
+Requests arrive while others decode (each added to the engine once the previous one has generated
+a few tokens), on a small KV pool: a request keeps every block after its prompt (resident rows)
+until the next arrival's prompt brings the free blocks below the reserve R; then the KV manager
+spills it (vllm/spec.py) and the worker spills it before that step's forward (connector metadata).
+Every free GPU block is overwritten with large values after each schedule, before its forward, so
+a read of a block already given back (e.g. a spill the worker learns a step late) changes outputs.
+Tokens and logprobs equal resident mode's (host_tier false) and hisparse's without resident_first;
+no GPU block or host page is left afterwards. With blocks to spare, nothing spills and nothing
+misses.
+
+Each engine runs in a subprocess (this file as a script, in-process engine core).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PY = sys.executable
+PAGE = 16
+CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
+       "host_pool_gib": 0.05, "min_context": 64}
+MML, SEQS, BATCHED = 512, 4, 256
+# R = cdiv(512, 16) + cdiv(256, 16) + 4 = 52 free blocks. 79 usable blocks: the first request
+# (19 blocks of prompt) stays resident; each later prompt takes the free blocks below R.
+PRESSURE_BLOCKS, SPARE_BLOCKS = 80, 400
+POISON = 100.0                      # written into free blocks before every forward (probe)
+PROMPTS, MAX_TOKENS, ARRIVE_AFTER = (300, 280, 200), 40, 8   # next one after 8 generated tokens
+
+
+def probe(model: str, cfg: dict, num_blocks: int, out: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    from vllm_hisparse.vllm import worker_state
+    from vllm_hisparse.vllm.plugin import register
+
+    register()
+    llm = LLM(model, dtype="float32", max_model_len=MML, max_num_seqs=SEQS, block_size=PAGE,
+              max_num_batched_tokens=BATCHED, enforce_eager=True, seed=0,
+              num_gpu_blocks_override=num_blocks, attention_backend="hisparse",
+              additional_config={"hisparse": cfg})
+    eng = llm.llm_engine
+    sched = eng.engine_core.engine_core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    rt = worker_state.get_runtime()
+    orig = sched.schedule
+
+    def schedule_and_poison(*a, **k):
+        """After each schedule, before its forward: every free block (given back, possibly this
+        very step) is overwritten with large keys and values, so a read of one changes outputs."""
+        so = orig(*a, **k)
+        ids = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+        for kv in rt._kv:
+            if kv is not None and ids:
+                kv[ids] = POISON
+        return so
+
+    sched.schedule = schedule_and_poison
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPTS]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True)
+    done, generated, timeline = {}, {}, []
+    eng.add_request("0", {"prompt_token_ids": prompts[0]}, sp)
+    nxt = 1
+    for _ in range(2000):
+        for o in eng.step():
+            generated[o.request_id] = len(o.outputs[0].token_ids)
+            if o.finished:
+                done[o.request_id] = o.outputs[0]
+        st = rt.stats_dict()
+        timeline.append({"resident_rows": st["resident_rows"], "spills": st["spills"],
+                         "misses": st["misses"], "free_blocks": pool.get_num_free_blocks()})
+        if nxt < len(prompts) and generated.get(str(nxt - 1), 0) >= ARRIVE_AFTER:
+            eng.add_request(str(nxt), {"prompt_token_ids": prompts[nxt]}, sp)
+            nxt += 1
+        if len(done) == len(prompts) and rt.stats_dict()["live_requests"] == 0:
+            break
+    res = {"outputs": [{"tokens": list(done[str(i)].token_ids),
+                        "logprobs": [sorted([k, v.logprob] for k, v in d.items())
+                                     for d in done[str(i)].logprobs]}
+                       for i in range(len(prompts))],
+           "stats": rt.stats_dict(), "timeline": timeline,
+           "free_blocks": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks}
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+def run(tmp, model, tag, cfg, num_blocks) -> dict:
+    out = tmp / f"{tag}.json"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               HF_HUB_OFFLINE="1")
+    r = subprocess.run([PY, __file__, model, json.dumps(cfg), str(num_blocks), str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rf")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = subprocess.run([PY, os.path.join(root, "scripts", "make_tiny_model.py")], check=True,
+                           capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return {"resident": run(tmp, model, "resident", dict(CFG, host_tier=False), SPARE_BLOCKS),
+            "hisparse": run(tmp, model, "hisparse", CFG, PRESSURE_BLOCKS),
+            "rf": run(tmp, model, "rf", dict(CFG, resident_first=True), PRESSURE_BLOCKS),
+            "rf_spare": run(tmp, model, "rf_spare", dict(CFG, resident_first=True),
+                            SPARE_BLOCKS)}
+
+
+def _no_leaks(res):
+    assert res["free_blocks"] == res["num_blocks"] - 1          # block 0 is vLLM's null block
+    assert res["stats"]["host_pages_used"] == 0 and res["stats"]["live_requests"] == 0
+
+
+def test_spills_under_pressure_are_exact(runs):
+    rf, resident, hs = runs["rf"], runs["resident"], runs["hisparse"]
+    for i, (a, b, c) in enumerate(zip(rf["outputs"], resident["outputs"], hs["outputs"])):
+        assert len(a["tokens"]) == MAX_TOKENS
+        assert a["tokens"] == b["tokens"] == c["tokens"], f"request {i}: tokens differ"
+        assert a["logprobs"] == b["logprobs"] == c["logprobs"], f"request {i}: logprobs differ"
+    tl = rf["timeline"]
+    first_spill = next(i for i, t in enumerate(tl) if t["spills"] > 0)
+    # resident rows were served (and missed nothing) before the first spill, spills happened
+    # mid-run and misses only after them
+    assert tl[first_spill - 1]["resident_rows"] > 0 and tl[first_spill - 1]["misses"] == 0
+    assert rf["stats"]["spills"] > 0 and rf["stats"]["misses"] > 0
+    # the spilled run held more blocks than hisparse without resident_first at some step
+    assert min(t["free_blocks"] for t in tl) < min(t["free_blocks"] for t in hs["timeline"])
+    _no_leaks(rf)
+    _no_leaks(hs)
+
+
+def test_no_pressure_no_misses(runs):
+    spare, resident = runs["rf_spare"], runs["resident"]
+    assert spare["outputs"] == resident["outputs"]
+    assert spare["stats"]["spills"] == 0 and spare["stats"]["misses"] == 0
+    assert spare["stats"]["resident_rows"] > 0
+    _no_leaks(spare)
+
+
+if __name__ == "__main__":
+    probe(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
