@@ -55,8 +55,8 @@ class HiSparseConfig:
     prefetch: overlap miss IO with the previous layer when layers share a selection.
     resident_first: a sparse request keeps every GPU block after its prompt (RESOLVE through the
         block table, no misses) until it is spilled to its hot buffer, one way (docs/vllm-
-        integration.md, "Residency states"); admission still counts the hot-buffer floor. Core
-        runtime only so far: the vLLM adapter refuses it until the scheduler side lands.
+        integration.md, "Residency states"); admission still counts the hot-buffer floor; the
+        KV manager (vllm/spec.py) spills when the free blocks fall below its reserve.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
     full_decode_graphs: let vLLM replay whole decode steps as FULL CUDA graphs, as stock vLLM does
