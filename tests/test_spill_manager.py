@@ -76,3 +76,14 @@ def test_prefill_and_short_requests_are_never_spilled():
     m.allocate_new_blocks("d", 50, 50)
     m.remove_skipped_blocks("d", 49, 49)              # below min_context: dense, nothing to free
     assert led.take() == [] and held(m, "a") == 20 and held(m, "d") == 4
+
+
+def test_one_sparse_group_per_pool():
+    """The worker keeps one residency state per request: a second hisparse KV group on the same
+    pool (whose spills could differ) is refused."""
+    from vllm_hisparse.vllm.spec import HiSparseManager
+
+    m, pool, _ = manager(40, reserve=10)
+    with pytest.raises(ValueError, match="resident_first=true needs all hisparse layers in one"):
+        HiSparseManager(m.kv_cache_spec, block_pool=pool, enable_caching=False,
+                        kv_cache_group_id=1, scheduler_block_size=PAGE)

@@ -57,7 +57,8 @@ class SpillLedger:
     the requests it spills to ``spilled``, the connector takes them into the step's metadata."""
     reserve: int | None = None        # free blocks to keep; None (no connector bound): spill at once
     spilled: list[str] = field(default_factory=list)
-    manager: object = None            # the one HiSparseManager of the pool (one sparse KV group)
+    bound: bool = False               # a HiSparseManager uses it (one per pool: one sparse group;
+                                      # a flag, not the manager, which holds the pool: weak key)
 
     def take(self) -> list[str]:
         out, self.spilled = self.spilled, []
@@ -84,10 +85,10 @@ class HiSparseManager(FullAttentionManager):
         self._spilled: set[str] = set()
         if self.hs_cfg.resident_first and self.hs_cfg.host_tier:
             self._ledger = ledger_of(self.block_pool)
-            if self._ledger.manager is not None:
+            if self._ledger.bound:
                 raise ValueError("hisparse: resident_first=true needs all hisparse layers in one "
                                  "KV cache group; use resident_first=false for this model")
-            self._ledger.manager = self
+            self._ledger.bound = True
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
