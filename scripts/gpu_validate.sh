@@ -20,7 +20,8 @@ case "$part" in
   kernels)
     for f in tests/test_decode_ops.py tests/test_decode_body_gpu.py tests/test_topk_index.py \
              tests/test_kernels_attention.py tests/test_dense_decode.py tests/test_quest_rows.py \
-             tests/test_decode_attention.py; do
+             tests/test_decode_attention.py tests/test_resolve_given.py tests/test_dsa_resolve.py \
+             tests/test_dsa_reference.py; do
       timeout 120 python3 -X faulthandler -m pytest -q -x -m cuda -p no:cacheprovider "$f" \
         > "/tmp/pytest-$(basename $f .py).log" 2>&1
       echo "== $f rc=$?: $(tail -1 /tmp/pytest-$(basename $f .py).log)" | tee -a "$out/pytest.log"
