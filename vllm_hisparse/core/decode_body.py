@@ -63,13 +63,10 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
     scores = torch.empty(N, ix.U, dtype=torch.float32, device=dev)
     sel = torch.empty(N, K, dtype=torch.int32, device=dev)
     locs = torch.empty_like(sel)
-    work = aw = ()
+    work = ()
     if q.is_cuda:
-        from vllm_hisparse.ops.triton_decode_attention import partials_numel
         work = tuple(torch.empty(s, dtype=torch.int32, device=dev)
                      for s in decode_ops.workspace_shapes(N, K, rt.S))
-        aw = tuple(torch.empty(n, dtype=torch.float32, device=dev)
-                   for n in partials_numel(N, q.shape[1], kv.shape[3], K, P, q.shape[2]))
     hs = rt.hot[layer]
 
     def sparse():
@@ -83,6 +80,11 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     db.run_kinds(("has_sparse",), [sparse])
     if rt.split_dense or not q.is_cuda:          # both row kinds: one split + one combine launch
+        aw = ()
+        if q.is_cuda:
+            from vllm_hisparse.ops.triton_decode_attention import partials_numel
+            aw = tuple(torch.empty(n, dtype=torch.float32, device=dev)
+                       for n in partials_numel(N, q.shape[1], kv.shape[3], K, P, q.shape[2]))
         kernels.decode_attention(q, kv, bt, locs, sel, f("sp_seq"), db.newest, f("dn_seq"), scale,
                                  out, aw)
         return
