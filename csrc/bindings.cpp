@@ -10,6 +10,11 @@ void resolve_lru(const torch::Tensor& selection, torch::Tensor& slot_unit, torch
 void write_through(torch::Tensor& host, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tok,
                    const torch::Tensor& page, const torch::Tensor& off);
 torch::Tensor uva_view(const torch::Tensor& host);
+void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const torch::Tensor& num_full,
+                    const torch::Tensor& hot, const torch::Tensor& rows, const torch::Tensor& block_table,
+                    torch::Tensor& slot_unit, torch::Tensor& unit_slot, torch::Tensor& pol, torch::Tensor& counts,
+                    torch::Tensor& sel, torch::Tensor& locs, int64_t k, bool has_hot, int64_t policy,
+                    int64_t shift, int64_t hit, int64_t threads);
 
 TORCH_LIBRARY(hisparse, m) {
   m.def("add_one(Tensor x, Tensor(a!) out) -> ()");
@@ -19,12 +24,17 @@ TORCH_LIBRARY(hisparse, m) {
       "int io_chunk_bytes=64) -> ()");
   m.def("write_through(Tensor(a!) host, Tensor k, Tensor v, Tensor tok, Tensor page, Tensor off) -> ()");
   m.def("uva_view(Tensor(a) host) -> Tensor(a)");
+  m.def(
+      "select_resolve(Tensor scores, Tensor seq, Tensor num_full, Tensor hot, Tensor rows, Tensor block_table, "
+      "Tensor(a!) slot_unit, Tensor(b!) unit_slot, Tensor(c!) pol, Tensor(d!) counts, Tensor(e!) sel, "
+      "Tensor(f!) locs, int k, bool has_hot, int policy, int shift, int hit, int threads) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hisparse, CUDA, m) {
   m.impl("add_one", &add_one);
   m.impl("resolve_lru", &resolve_lru);
   m.impl("write_through", &write_through);
+  m.impl("select_resolve", &select_resolve);
 }
 
 TORCH_LIBRARY_IMPL(hisparse, CPU, m) { m.impl("uva_view", &uva_view); }

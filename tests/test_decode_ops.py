@@ -259,12 +259,33 @@ def test_gpu_decode_write(case):
                   decode_ops.decode_write)
 
 
+# cases only the CUDA select runs: selections and slots wider than its CTA (each thread a chunk of
+# entries), rows of pages beyond its register-held keys
+CUDA_SELECT_CASES = [(2, 4, 1, 16, 20000, 1100, 1300), (3, 4, 1, 16, 3000, 200, 600)]
+
+
 @pytest.mark.cuda
 @pytest.mark.ext
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("case", SELECT_CASES + [(4, 16, 8, 128, 2048, 127, 256)])
-def test_gpu_select_resolve(case, policy):
+def test_gpu_select_resolve(case, policy, impl, monkeypatch):
     """On the GPU the kernel reads the host pool as pinned CPU memory, through its UVA alias."""
+    monkeypatch.setattr(decode_ops, "SELECT_IMPL", impl)
     a = compare_select(case, torch.Generator().manual_seed(70 + sum(case)), "cuda",
+                       decode_ops.select_resolve, pinned_host=True, policy=policy)
+    assert int(a["counts"][1]) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.ext
+@pytest.mark.parametrize("threads", [256, 512, 1024])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("case", CUDA_SELECT_CASES + [(4, 16, 8, 128, 2048, 127, 256)])
+def test_gpu_cuda_select_widths(case, policy, threads, monkeypatch):
+    """The CUDA select at each CTA width, on rows wider than the CTA."""
+    monkeypatch.setattr(decode_ops, "SELECT_IMPL", "cuda")
+    monkeypatch.setattr(decode_ops, "SELECT_THREADS", threads)
+    a = compare_select(case, torch.Generator().manual_seed(90 + sum(case)), "cuda",
                        decode_ops.select_resolve, pinned_host=True, policy=policy)
     assert int(a["counts"][1]) > 0

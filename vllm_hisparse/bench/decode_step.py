@@ -223,9 +223,17 @@ def main(argv=None) -> int:
                     help="tuning: override ops/triton_select.RADIX_BITS (top-k bits per pass)")
     ap.add_argument("--quest-tile-elems", type=int, default=None,
                     help="tuning: override ops/triton_quest.TILE_ELEMS (pages x Hkv x D)")
+    ap.add_argument("--select-impl", choices=("cuda", "triton"), default=None,
+                    help="A/B: override ops/decode_ops.SELECT_IMPL (the select kernel)")
+    ap.add_argument("--select-threads", type=int, default=None,
+                    help="tuning: override ops/decode_ops.SELECT_THREADS (CUDA select's CTA)")
     ap.add_argument("--out", default="out/decode_step")
     args = ap.parse_args(argv)
-    from vllm_hisparse.ops import triton_quest, triton_select
+    from vllm_hisparse.ops import decode_ops, triton_quest, triton_select
+    if args.select_impl is not None:
+        decode_ops.SELECT_IMPL = args.select_impl
+    if args.select_threads is not None:
+        decode_ops.SELECT_THREADS = args.select_threads
     if args.select_warps is not None:
         triton_select.SELECT_WARPS = args.select_warps
     if args.radix_bits is not None:
@@ -241,6 +249,8 @@ def main(argv=None) -> int:
                 s.capture()
             row = {"context": ctx, "rows": R, "mode": "eager" if args.eager else "graph",
                    "resident": args.resident, "q_noise": args.q_noise,
+                   "select_impl": decode_ops.SELECT_IMPL,
+                   "select_threads": decode_ops.SELECT_THREADS,
                    "select_warps": args.select_warps, "radix_bits": args.radix_bits,
                    "quest_tile_elems": args.quest_tile_elems,
                    "sparse_rows": sum(s.rt.reqs[i].sparse for i in s.ids), **measure(s, args.steps)}

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from vllm_hisparse.bench import steps as st
 from vllm_hisparse.server_health import stop, wait_healthy
 
-BACKENDS = ("stock", "resident", "hisparse")
+BACKENDS = ("stock", "resident", "hisparse", "hisparse-rf")  # -rf: resident_first on
 WORKLOADS = {"paper": (32768, 8192), "reasoning": (1024, 16384)}     # (input, output) tokens
 
 
@@ -111,6 +111,8 @@ def server_cmd(args, backend: str, port: int) -> list[str]:
         cfg = json.loads(args.hisparse)
         if backend == "resident":
             cfg["host_tier"] = False
+        if backend == "hisparse-rf":
+            cfg["resident_first"] = True
         cmd += ["--attention-backend", "hisparse", "--additional-config", json.dumps({"hisparse": cfg})]
     return cmd + args.extra_server_args
 

@@ -7,9 +7,19 @@ caller passes every output and workspace), so they can sit in a conditional CUDA
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import kernels, reference
+
+
+# Which select_resolve kernel runs on CUDA: "cuda" (csrc/select_resolve.cu, when the extension is
+# built) or "triton" (ops/triton_select.py). Both give the same bits (tests/test_decode_ops.py runs
+# each against the reference); the knob is for A/B runs (bench.decode_step --select-impl, env
+# HISPARSE_SELECT_IMPL).
+SELECT_IMPL = os.environ.get("HISPARSE_SELECT_IMPL", "cuda")
+SELECT_THREADS = 512     # threads of the CUDA select's CTA (256, 512 or 1024)
 
 
 def _device_alias(t: torch.Tensor | None, dev: torch.device) -> torch.Tensor | None:
@@ -49,7 +59,8 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    host: torch.Tensor | None = None, kv: torch.Tensor | None = None,
                    counts: torch.Tensor | None = None) -> None:
     """reference.select_resolve (shapes there); one Triton launch on CUDA. work: the (scratch,
-    victims) int32 workspaces of workspace_shapes(N, k, S) (CUDA only)."""
+    victims) int32 workspaces of workspace_shapes(N, k, S) (CUDA only; allocated here when None,
+    which a captured graph must not do: the decode body passes its own)."""
     if not scores.is_cuda:
         reference.select_resolve(scores, seq, num_full, k, block_table, sel, locs, hot, rows,
                                  state, host_pt, host, kv, counts)
@@ -59,9 +70,38 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
         assert host is not None and host.dtype == kv.dtype and kv.is_contiguous()
         assert host[0].numel() == kv[0].numel(), "host pages and cache blocks must have one layout"
         assert all(t.stride(1) == 1 for t in (*state.kernel_state(), host_pt))
+    if SELECT_IMPL not in ("cuda", "triton"):
+        raise ValueError(f"HISPARSE_SELECT_IMPL={SELECT_IMPL!r}: use cuda or triton")
+    if SELECT_IMPL == "cuda" and kernels.available():
+        _select_resolve_cuda(scores, seq, num_full, k, block_table, sel, locs, hot, rows, state,
+                             host_pt, host, kv, counts)
+        return
+    if work is None:
+        S = state.kernel_state()[0].shape[1] if hot is not None else 1
+        work = tuple(torch.empty(s, dtype=torch.int32, device=scores.device)
+                     for s in workspace_shapes(scores.shape[0], k, S))
     triton_select.select_resolve(scores, seq, num_full, k, block_table, sel, locs, *work, hot,
                                  rows, state, host_pt, _device_alias(host, scores.device), kv,
                                  counts)
+
+
+def _select_resolve_cuda(scores, seq, num_full, k, block_table, sel, locs, hot, rows, state,
+                         host_pt, host, kv, counts) -> None:
+    """The CUDA select + RESOLVE (one CTA per row), then the miss copies (triton_select's IO
+    launch). Rows' int fields int64, as the decode batch holds them."""
+    from . import triton_select
+    if hot is None:
+        torch.ops.hisparse.select_resolve(scores, seq, num_full, seq, seq, block_table, sel, sel,
+                                          sel, seq, sel, locs, k, False, 0, 0, 0, SELECT_THREADS)
+        return
+    su, us, pol = state.kernel_state()
+    consts = state.policy.kernel_constants
+    torch.ops.hisparse.select_resolve(scores, seq, num_full, hot, rows, block_table, su, us, pol,
+                                      counts, sel, locs, k, True, state.policy.kernel,
+                                      consts.get("SHIFT", 0), consts.get("HIT", 0),
+                                      SELECT_THREADS)
+    triton_select.miss_io(locs, sel, seq, num_full, hot, rows, host_pt,
+                          _device_alias(host, scores.device), kv, k)
 
 
 def workspace_shapes(N: int, k: int, S: int) -> tuple[tuple, tuple]:

@@ -276,13 +276,12 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
         su, us, pol = state.kernel_state()
         consts.update(state.policy.kernel_constants, POLICY=state.policy.kernel)
         S = su.shape[1]
-        row = kv[0].numel()
     else:
         su = us = pol = host_pt = sel
         host = kv = scores
         hot = rows = seq
         counts = seq
-        S, row = 1, 1
+        S = 1
     KB, SB = select_widths(k, S)
     _select_kernel[(N,)](
         scores, seq, num_full, hot, rows, block_table, su, us, pol, scratch, victims, counts, sel,
@@ -290,8 +289,18 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
         pol.stride(0), UB=max(16, triton.next_power_of_2(U)), KB=KB, SB=SB, HAS_HOT=has_hot,
         BITS=RADIX_BITS, num_warps=SELECT_WARPS, **consts)
     if has_hot:
-        _miss_io_kernel[(N, k)](locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k,
-                                host_pt.stride(0), ROW=row, CH=row_chunk(row), num_warps=4)
+        miss_io(locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k)
+
+
+def miss_io(locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k: int) -> None:
+    """The miss copies of a select: every locs entry marked -2 - block gets its page from the host
+    pool (host: the pool's CUDA alias) and then the block (one program per selection entry)."""
+    N = locs.shape[0]
+    if N == 0 or k == 0:
+        return
+    row = kv[0].numel()
+    _miss_io_kernel[(N, k)](locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k,
+                            host_pt.stride(0), ROW=row, CH=row_chunk(row), num_warps=4)
 
 
 def select_widths(k: int, S: int) -> tuple[int, int]:

@@ -1,0 +1,294 @@
+// SELECT + RESOLVE of a decode batch, one CTA per row: top-k of the row's page scores by 8-bit radix
+// passes with shared-memory histograms, then (hot rows) the hit/victim/miss plan of the row's hot
+// slots under the served policy (0 = lru, 1 = crf), written in place. The contract, decision for
+// decision, is ops/triton_select.py's (and so reference.select_resolve / slots.engine.resolve):
+// the same pages, slots, state and counts, bit for bit. Raw pointers only (no torch headers).
+//
+// Why a CUDA kernel beside the Triton one: the select is latency, not bytes (a 32K row reads 8 KB of
+// scores), and Triton spends its ~20 us of one row on ~30 block-wide reductions each going through
+// shared memory with its own barriers; here a radix pass is a shared-memory histogram by atomics,
+// one block scan and one barrier to publish the chosen bin.
+#pragma once
+#include <cub/block/block_scan.cuh>
+
+#include <cstdint>
+
+namespace hisparse {
+
+struct SelectArgs {
+  const float* scores;      // (N, >= U) row stride s_sc
+  const int64_t* seq;       // (N,) > 0: a live sparse row
+  const int64_t* num_full;  // (N,) complete pages of the row (the selectable ones)
+  const int64_t* hot;       // (N,) != 0: RESOLVE through the hot slots (nullptr: no hot rows)
+  const int64_t* rows;      // (N,) the row's state row
+  const int32_t* bt;        // (N, W) row stride s_bt: slot s of row r is block bt[r, s]
+  int32_t* su;              // (M, S) slot -> unit, -1 empty
+  int32_t* us;              // (M, max units) unit -> slot, -1 not resident
+  int32_t* pol;             // (M, S) lru: order (slot at recency p, MRU first); crf: value per slot
+  unsigned long long* counts;  // (2,) hits, misses (added)
+  int32_t* sel;             // (N, K) selected pages ascending, -1 after them
+  int32_t* locs;            // (N, K) blocks; a miss is marked -2 - block for the IO launch
+  int64_t s_sc, s_bt, s_su, s_us, s_pol;
+  int K, S, policy, shift, hit;
+};
+
+__device__ __forceinline__ uint32_t order_key(float x) {
+  const uint32_t b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+constexpr int kKeyRegs = 8;  // keys a thread keeps in registers across the radix passes
+
+// f(page, key) over a thread's pages [lo, hi) in order: from registers when they hold them (the
+// loop unrolled so kr stays in registers), else loaded again (L1 hits after the first pass).
+template <class F>
+__device__ __forceinline__ void each_key(bool in_regs, const uint32_t (&kr)[kKeyRegs], const float* sc,
+                                         int lo, int hi, F f) {
+  if (in_regs) {
+#pragma unroll
+    for (int c = 0; c < kKeyRegs; ++c)
+      if (lo + c < hi) f(lo + c, kr[c]);
+  } else {
+    for (int i = lo; i < hi; ++i) f(i, order_key(sc[i]));
+  }
+}
+
+// The shared-memory layout of one CTA: sel[K], vic[K], flag[S], su[S], pol[S] (int32).
+inline size_t select_smem_bytes(int K, int S) { return sizeof(int32_t) * (2 * (size_t)K + 3 * (size_t)S); }
+
+template <int T>
+struct SelectShared {
+  typename cub::BlockScan<uint32_t, T>::TempStorage scan;
+  int32_t hist[256];
+  uint32_t pick[3];          // the chosen bin, entries above it, entries in it
+  uint32_t total;
+};
+
+// Exclusive scan of one value per thread; *total = the block's sum (after the call, all threads).
+template <int T>
+__device__ __forceinline__ uint32_t block_excl(SelectShared<T>& sh, uint32_t v, uint32_t* total) {
+  uint32_t out, agg;
+  cub::BlockScan<uint32_t, T>(sh.scan).ExclusiveSum(v, out, agg);
+  __syncthreads();  // the temp storage is reused by the next scan
+  *total = agg;
+  return out;
+}
+
+template <int T>
+__global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
+  static_assert(T % 32 == 0 && T >= 256, "one thread per histogram bin, whole warps");
+  __shared__ SelectShared<T> sh;
+  extern __shared__ int32_t dyn[];
+  const int K = a.K, S = a.S, tid = threadIdx.x;
+  int32_t* s_sel = dyn;
+  int32_t* s_vic = dyn + K;
+  int32_t* s_flag = dyn + 2 * K;
+  int32_t* s_su = dyn + 2 * K + S;
+  int32_t* s_pol = dyn + 2 * K + 2 * S;
+  const int64_t r = blockIdx.x;
+  if (a.seq[r] <= 0) return;
+  const int n = (int)a.num_full[r];
+  int32_t* sel = a.sel + r * K;
+  int32_t* locs = a.locs + r * K;
+  if (n == 0) {  // no complete page yet: nothing selected
+    for (int j = tid; j < K; j += T) sel[j] = locs[j] = -1;
+    return;
+  }
+  const bool hot = a.hot != nullptr && a.hot[r] != 0;
+  const int64_t row = a.rows[r];
+  if (hot) {  // the row's state, read before the top-k so its latency hides behind it
+    for (int s = tid; s < S; s += T) {
+      s_su[s] = a.su[row * a.s_su + s];
+      s_pol[s] = a.pol[row * a.s_pol + s];
+      s_flag[s] = 0;
+    }
+  }
+  // ---- top-k: the pages [0, n) among the K best keys, ascending in s_sel[0, min(n, K))
+  const float* sc = a.scores + r * a.s_sc;
+  const int nk = n < K ? n : K;
+  const int chunk = (n + T - 1) / T;  // pages [tid * chunk, ...) are this thread's, in order
+  const int lo = tid * chunk, hi = min(n, lo + chunk);
+  if (n <= K) {
+    for (int i = tid; i < n; i += T) s_sel[i] = i;
+  } else {
+    const bool in_regs = chunk <= kKeyRegs;  // rows of up to kKeyRegs * T pages: keys in registers
+    uint32_t kr[kKeyRegs];
+    if (in_regs) {
+#pragma unroll
+      for (int c = 0; c < kKeyRegs; ++c) kr[c] = lo + c < hi ? order_key(sc[lo + c]) : 0u;
+    }
+    uint32_t need = K, prefix = 0;
+    int used = 0;
+    for (int p = 0; p < 4; ++p) {
+      const int sh_ = 24 - 8 * p;
+      for (int b = tid; b < 256; b += T) sh.hist[b] = 0;
+      __syncthreads();
+      // one atomic per distinct bin per warp (scores of a row share their top bits: lane-by-lane
+      // atomics on one bin would serialise 32-fold); every lane runs the same iterations
+      auto add = [&](uint32_t key, bool live) {
+        const bool m = live && (p == 0 || (key >> (sh_ + 8)) == prefix);
+        const uint32_t bin = m ? (key >> sh_) & 0xFFu : 256u;
+        const unsigned peers = __match_any_sync(0xFFFFFFFFu, bin);
+        if (bin < 256u && (tid & 31) == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], __popc(peers));
+      };
+      if (in_regs) {
+#pragma unroll
+        for (int c = 0; c < kKeyRegs; ++c) add(kr[c], lo + c < hi);
+      } else {
+        for (int c = 0; c < chunk; ++c) add(lo + c < hi ? order_key(sc[lo + c]) : 0u, lo + c < hi);
+      }
+      __syncthreads();
+      // thread t holds bin 255 - t: its inclusive scan = entries with digit >= that bin
+      const uint32_t h = tid < 256 ? (uint32_t)sh.hist[255 - tid] : 0u;
+      uint32_t tot;
+      const uint32_t ge = block_excl<T>(sh, h, &tot) + h;
+      if (tid < 256 && ge >= need && ge - h < need) {  // the bin holding the need-th largest key
+        sh.pick[0] = 255 - tid;
+        sh.pick[1] = ge - h;
+        sh.pick[2] = h;
+      }
+      __syncthreads();
+      const uint32_t d = sh.pick[0], above = sh.pick[1], in_bin = sh.pick[2];
+      need -= above;
+      prefix = (prefix << 8) | d;
+      used += 8;
+      if (in_bin == need) break;  // the bin is taken whole: the prefix alone decides
+      __syncthreads();            // pick[] is rewritten by the next pass
+    }
+    // every key above the prefix, then the first `need` equal to it in page order
+    const int shift = 32 - used;
+    uint32_t gt = 0, eq = 0;
+    each_key(in_regs, kr, sc, lo, hi, [&](int, uint32_t key) {
+      gt += (key >> shift) > prefix;
+      eq += (key >> shift) == prefix;
+    });
+    uint32_t tot;
+    const uint32_t before = block_excl<T>(sh, gt | (eq << 16), &tot);
+    uint32_t g = before & 0xFFFF, e = before >> 16;
+    each_key(in_regs, kr, sc, lo, hi, [&](int i, uint32_t key) {
+      const uint32_t kp = key >> shift;
+      if (kp > prefix) {
+        s_sel[g + min(e, need)] = i;
+        ++g;
+      } else if (kp == prefix) {
+        if (e < need) s_sel[g + e] = i;
+        ++e;
+      }
+    });
+  }
+  __syncthreads();
+  for (int j = tid; j < K; j += T) sel[j] = j < nk ? s_sel[j] : -1;
+  const int32_t* bt = a.bt + r * a.s_bt;
+  if (!hot) {  // every page on the GPU: through the block table
+    for (int j = tid; j < K; j += T) locs[j] = j < nk ? bt[s_sel[j]] : -1;
+    return;
+  }
+  // ---- RESOLVE: entries j (selection order) in contiguous chunks, like the pages above
+  int32_t* su = a.su + row * a.s_su;
+  int32_t* us = a.us + row * a.s_us;
+  int32_t* pol = a.pol + row * a.s_pol;
+  const int kc = (nk + T - 1) / T;
+  const int jlo = tid * kc, jhi = min(nk, jlo + kc);
+  uint32_t nh = 0, nm = 0;
+  for (int j = jlo; j < jhi; ++j) {  // locs holds the entry's slot before this step until publish
+    const int32_t cur = us[s_sel[j]];
+    locs[j] = cur;
+    if (cur >= 0) s_flag[cur] = 1;
+    nh += cur >= 0;
+    nm += cur < 0;
+  }
+  uint32_t tot;
+  const uint32_t rk = block_excl<T>(sh, nh | (nm << 16), &tot);
+  const uint32_t H = tot & 0xFFFF, M = tot >> 16;
+  if (tid == 0) {
+    atomicAdd(a.counts, (unsigned long long)H);
+    atomicAdd(a.counts + 1, (unsigned long long)M);
+  }
+  __syncthreads();
+  if (M > 0) {  // victims, in the policy's eviction order: empty slots before unhit occupied ones
+    const int sc_ = (S + T - 1) / T;
+    const int slo = tid * sc_, shi = min(S, slo + sc_);
+    if (a.policy == 0) {  // LRU: from the LRU end of the order
+      uint32_t ne = 0, no = 0;
+      for (int p = slo; p < shi; ++p) {
+        const int32_t s = s_pol[S - 1 - p];
+        const bool empty = s_su[s] < 0;
+        ne += empty;
+        no += !empty && s_flag[s] != 1;
+      }
+      const uint32_t eb = block_excl<T>(sh, ne | (no << 16), &tot);
+      const uint32_t n_empty = tot & 0xFFFF;
+      uint32_t e = eb & 0xFFFF, o = eb >> 16;
+      for (int p = slo; p < shi; ++p) {
+        const int32_t s = s_pol[S - 1 - p];
+        const int32_t old = s_su[s];
+        uint32_t rank = 0xFFFFFFFFu;
+        if (old < 0) {
+          rank = e++;
+        } else if (s_flag[s] != 1) {
+          rank = n_empty + o++;
+        }
+        if (rank < M) {
+          s_vic[rank] = s;  // victims occupy s_vic[0, M)
+          if (old >= 0) us[old] = -1;  // a victim forgets its old page
+          s_flag[s] = 2;
+        }
+      }
+    } else {  // crf: ascending ((value + 1) << 16 | slot), hit slots never
+      for (int s = slo; s < shi; ++s) {
+        const int32_t key = s_flag[s] == 1 ? 0x7FFFFFFF : ((s_pol[s] + 1) << 16) | s;
+        uint32_t rank = 0;
+        for (int t = 0; t < S; ++t) {
+          const int32_t kt = s_flag[t] == 1 ? 0x7FFFFFFF : ((s_pol[t] + 1) << 16) | t;
+          rank += kt < key;
+        }
+        if (rank < M && s_flag[s] != 1) {
+          const int32_t old = s_su[s];
+          if (old >= 0) us[old] = -1;
+          s_vic[rank] = s;
+        }
+      }
+      __syncthreads();
+      for (int i = tid; i < (int)M; i += T) s_flag[s_vic[i]] = 2;
+    }
+  }
+  __syncthreads();
+  // publish: hits keep their slot, the i-th miss takes the i-th victim
+  uint32_t hr = rk & 0xFFFF, mr = rk >> 16;
+  for (int j = jlo; j < jhi; ++j) {
+    const int32_t u = s_sel[j];
+    const int32_t cur = locs[j];
+    int32_t slot;
+    if (cur >= 0) {
+      slot = cur;
+      if (a.policy == 0) pol[H - 1 - hr] = cur;  // later selection entries are more recent
+      ++hr;
+    } else {
+      slot = s_vic[mr];
+      su[slot] = u;
+      us[u] = slot;
+      if (a.policy == 0) pol[H + M - 1 - mr] = slot;
+      ++mr;
+    }
+    const int32_t phys = bt[slot];
+    locs[j] = cur >= 0 ? phys : -2 - phys;
+  }
+  for (int j = nk + tid; j < K; j += T) locs[j] = -1;
+  if (a.policy == 0) {  // the rest of the order: slots neither hit nor victim, in their old order
+    const int sc_ = (S + T - 1) / T;
+    const int slo = tid * sc_, shi = min(S, slo + sc_);
+    uint32_t ns = 0;
+    for (int p = slo; p < shi; ++p) ns += s_flag[s_pol[p]] == 0;
+    uint32_t b = block_excl<T>(sh, ns, &tot);
+    for (int p = slo; p < shi; ++p)
+      if (s_flag[s_pol[p]] == 0) pol[H + M + b++] = s_pol[p];
+  } else {  // crf: every occupied value decays; hits add HIT, misses start at HIT / 2
+    for (int s = tid; s < S; s += T) {
+      const int32_t v = s_pol[s];
+      const int32_t dec = v - (v >> a.shift);
+      pol[s] = s_flag[s] == 1 ? dec + a.hit : s_flag[s] == 2 ? a.hit / 2 : (v >= 0 ? dec : v);
+    }
+  }
+}
+
+}  // namespace hisparse
