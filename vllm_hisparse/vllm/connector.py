@@ -7,8 +7,9 @@ Scheduler process (role SCHEDULER):
     scheduled; when the pool or the rows cannot hold it the request *waits* (``None`` from
     ``get_num_new_matched_tokens``) until finished requests give them back;
   * ``build_connector_meta`` ships each newly scheduled (or resumed) request's prompt length and
-    first GPU block to the worker, and (resident_first) the requests the KV manager spilled in this
-    step (vllm/spec.py ``SpillLedger``), which the worker spills before the step's forward;
+    first GPU block to the worker, and (resident_first) the requests the KV manager took blocks
+    from in this step with their new ``keep`` (vllm/spec.py ``SpillLedger``), which the worker
+    applies before the step's forward;
   * finish: GPU blocks are freed only after the worker has dropped the request (delayed free,
     ``request_finished`` -> True, the worker reports it through ``get_finished``).
 Worker process (role WORKER): owns the ``SparseRuntime`` (host pool + hot-slot state) that the
@@ -50,7 +51,7 @@ STATS_ENV = "HISPARSE_STATS_FILE"      # worker writes hit-rate stats there (the
 class HiSparseConnectorMetadata(KVConnectorMetadata):
     new: dict[str, tuple[int, int]] = field(default_factory=dict)   # req -> (prompt len, block 0)
     finished: list[str] = field(default_factory=list)   # dropped before ``new`` takes their rows
-    spilled: list[str] = field(default_factory=list)    # resident_first: blocks given back this step
+    spilled: dict[str, int] = field(default_factory=dict)  # resident_first: req -> its new keep
 
 
 def _page_bytes(cfg, model_config, parallel_config) -> int:
@@ -271,9 +272,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         for rid, (num_prompt, first_block) in connector_metadata.new.items():
             rt.add(rid, num_prompt)
             worker_state.bind_request(rid, first_block)
-        for rid in connector_metadata.spilled:       # before the step is planned and run
+        for rid, keep in connector_metadata.spilled.items():   # before the step is planned
             if rid in rt.reqs:
-                rt.spill(rid)
+                rt.spill(rid, keep)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         # full_decode_graphs: plan a single-token step now that its requests are bound, before
