@@ -115,3 +115,51 @@ def test_one_sparse_group_per_pool():
         HiSparseManager(m.kv_cache_spec, block_pool=pool, enable_caching=False,
                         kv_cache_group_id=1, scheduler_block_size=PAGE)
 
+
+def connector_view(ledger, max_model_len=512, batched=64, seqs=4, watermark=0.0, full_isl=True):
+    """The scheduler-side connector's pieces that size R and a waiting request's room (no engine):
+    what HiSparseConnector.bind_gpu_block_pool sets up, on a SimpleNamespace."""
+    from types import SimpleNamespace
+
+    sc = SimpleNamespace(max_num_batched_tokens=batched, max_num_seqs=seqs, watermark=watermark,
+                         scheduler_reserve_full_isl=full_isl)
+    cfg = HiSparseConfig(top_k=48, device_buffer_size=64, page_size=PAGE, min_context=64,
+                         resident_first=True)
+    from vllm_hisparse.vllm.connector import HiSparseConnector
+
+    me = SimpleNamespace(cfg=cfg, max_model_len=max_model_len, _ledger=ledger,
+                         _vllm_config=SimpleNamespace(scheduler_config=sc),
+                         _watermark_blocks=int(watermark * 101))
+    me.admission_blocks = lambda request: HiSparseConnector.admission_blocks(me, request)
+    return me
+
+
+def test_room_for_the_waiting_requests_own_prompt():
+    """Item 2: R covers one step's allocations of running requests only (not a max_model_len
+    prompt); a waiting request gets its own blocks (whole sequence + watermark + 1) freed when
+    the connector admits it, before vLLM's full-sequence check, by spilling just enough."""
+    from types import SimpleNamespace
+
+    from vllm_hisparse.vllm.connector import HiSparseConnector as C
+
+    m, pool, led = manager(101, reserve=None)
+    me = connector_view(led, watermark=0.02)           # 2 watermark blocks
+    led.reserve = C.spill_reserve(me)
+    assert led.reserve == 64 // PAGE + 4 + 2 == 10     # was cdiv(512, 16) + 10 = 42
+    prefill(m, "a", 480)                               # 31 blocks, surplus 26
+    prefill(m, "b", 480)                               # 31 more
+    prefill(m, "c", 160)                               # 11 more: 27 free >= R, all resident
+    assert led.take() == {} and pool.get_num_free_blocks() == 27
+    waiting = SimpleNamespace(num_tokens=700)          # clamped to max_model_len: 32 blocks
+    need = C.admission_blocks(me, waiting)
+    assert need == 32 + 2 + 1
+    C._make_room(me, waiting)
+    # 8 blocks from the most surplus (a and b: 26; ties by id), its oldest pages
+    assert pool.get_num_free_blocks() == need and led.take() == {"a": 18}
+    assert real(m, "a") == list(range(S)) + list(range(S + 8, 31))
+    C._make_room(me, SimpleNamespace(num_tokens=200))  # already room: nothing more
+    assert led.take() == {}
+    # chunked admission without the full-sequence check: its first chunk only
+    assert C.admission_blocks(connector_view(led, full_isl=False), waiting) == 64 // PAGE + 1
+    # a preempted request (prompt + outputs) asks for all its tokens
+    assert C.admission_blocks(me, SimpleNamespace(num_tokens=330)) == 21 + 2 + 1

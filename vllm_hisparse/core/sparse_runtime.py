@@ -116,7 +116,8 @@ class SparseRuntime:
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add(self, req_id: str, num_prompt: int) -> None:
-        """A request was scheduled (new, or resumed after preemption: it restarts from token 0)."""
+        """A request was scheduled (new, or resumed after preemption: it restarts from token 0 with
+        no block, resident again under resident_first as in the KV manager)."""
         keep = None if self.cfg.resident_first else 0
         if req_id not in self.reqs:
             if not self._free_rows:
@@ -130,7 +131,7 @@ class SparseRuntime:
                     raise
             self.reqs[req_id] = r
         r = self.reqs[req_id]
-        r.start = 0
+        r.keep, r.start = keep, 0
         self._reset_row(r.row)
         if self.trace is not None:
             self.trace.restart(req_id)
