@@ -145,10 +145,16 @@ def test_cache_counters_per_point():
     from vllm_hisparse.bench.serving import cache_per_point
 
     before = {"hits": 100, "misses": 20, "spills": 1, "policy": "crf"}
-    after = {"hits": 190, "misses": 30, "spills": 3, "policy": "crf"}
+    after = {"hits": 190, "misses": 30, "spills": 3, "shrinks": 5, "resident_units": 100,
+             "policy": "crf"}
     c = cache_per_point(before, after)
-    assert c == {"policy": "crf", "hit_rate": pytest.approx(0.9), "misses": 10, "spills": 2}
+    assert c == {"policy": "crf", "hit_rate": pytest.approx(0.9), "misses": 10,
+                 "miss_rate": pytest.approx(0.05), "resident_units": 100, "spills": 2,
+                 "shrinks": 5}
     assert cache_per_point(None, after) == {} and cache_per_point(after, after) == {}
+    # resident_first with no spill: every selected page on the block table, no hot-slot lookup
+    res = cache_per_point({"resident_units": 10}, {"resident_units": 50, "policy": "lru"})
+    assert res["hit_rate"] is None and res["miss_rate"] == 0 and res["resident_units"] == 40
     rs = [RequestResult(ttft=0.5, latency=2.5, output_tokens=5)]
     row = Point("hisparse", 1, rs, wall=1.0, cache=c).row()
     assert (row["policy"], row["hit_rate"], row["misses"], row["spills"]) == ("crf", 0.9, 10, 2)

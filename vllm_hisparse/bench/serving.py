@@ -83,7 +83,9 @@ class Point:
             "host_ms_plan_per_step": rnd(h.get("plan"), 3),
             "host_ms_layers_per_step": rnd(h.get("layers"), 3),
             "policy": self.cache.get("policy"), "hit_rate": rnd(self.cache.get("hit_rate"), 4),
-            "misses": self.cache.get("misses"), "spills": self.cache.get("spills"),
+            "misses": self.cache.get("misses"), "miss_rate": rnd(self.cache.get("miss_rate"), 4),
+            "resident_units": self.cache.get("resident_units"), "spills": self.cache.get("spills"),
+            "shrinks": self.cache.get("shrinks"),
             "wall_s": round(self.wall, 2),
         }
 
@@ -155,16 +157,20 @@ def host_per_step(before: dict | None, after: dict | None) -> dict:
 
 
 def cache_per_point(before: dict | None, after: dict | None) -> dict:
-    """RESOLVE between two snapshots of the worker's counters: the policy, the hit rate, misses and
-    resident-first spills; {} without them or when nothing was resolved."""
+    """RESOLVE between two snapshots of the worker's counters: the policy, the hot slots' hit rate
+    (None when every selected page was on the block table), misses, the miss rate over every
+    selected page (comparable with and without resident_first), the pages taken through the block
+    table, resident-first spills and shrinks; {} without them or when nothing was selected."""
     if not before or not after:
         return {}
     d = lambda k: after.get(k, 0) - before.get(k, 0)  # noqa: E731
     n = d("hits") + d("misses")
-    if n <= 0:
+    sel = n + d("resident_units")
+    if sel <= 0:
         return {}
-    return {"policy": after.get("policy"), "hit_rate": d("hits") / n, "misses": d("misses"),
-            "spills": d("spills")}
+    return {"policy": after.get("policy"), "hit_rate": d("hits") / n if n else None,
+            "misses": d("misses"), "miss_rate": d("misses") / sel,
+            "resident_units": d("resident_units"), "spills": d("spills"), "shrinks": d("shrinks")}
 
 
 def _settle(step_log: str, offset: int, stats_path: str | None, timeout: float = 30.0):
