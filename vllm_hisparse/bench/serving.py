@@ -9,7 +9,8 @@ prefill, on the engine's clock (bench/steps.py), running_max/mean the scheduler'
 hisparse worker's counters (``HISPARSE_STATS_FILE``) give its host time per step (plan, layers).
 Writes DIR/serving.csv, PNG plots (throughput vs concurrency, TTFT vs throughput: one line per
 backend), the server logs, step records (DIR/steps-BACKEND.jsonl) and the hisparse worker's
-counters (DIR/stats-BACKEND.json).
+counters (DIR/stats-BACKEND.json). Backend ``elastic`` is ``hisparse`` with ``resident_first``
+(docs/vllm-integration.md, "Residency states"), so one run compares the fixed hot buffer with it.
 
     python -m vllm_hisparse.bench.serving --model DIR --input-len 32768 --output-len 512 \
         --concurrency 1,2,4,8,16,32,64,128,256 --backends stock,resident,hisparse \
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from vllm_hisparse.bench import steps as st
 from vllm_hisparse.server_health import stop, wait_healthy
 
-BACKENDS = ("stock", "resident", "hisparse")
+BACKENDS = ("stock", "resident", "hisparse", "elastic")    # elastic: hisparse + resident_first
 WORKLOADS = {"paper": (32768, 8192), "reasoning": (1024, 16384)}     # (input, output) tokens
 
 
@@ -113,6 +114,8 @@ def server_cmd(args, backend: str, port: int) -> list[str]:
         cfg = json.loads(args.hisparse)
         if backend == "resident":
             cfg["host_tier"] = False
+        if backend == "elastic":           # the same config, spilling only under pressure
+            cfg["resident_first"] = True
         cmd += ["--attention-backend", "hisparse", "--additional-config", json.dumps({"hisparse": cfg})]
     return cmd + args.extra_server_args
 
