@@ -14,6 +14,10 @@
 #   bash scripts/gpu_sweep.sh OUT 32k-1k-hisparse  # hisparse, 32K / 1024 outputs         (~8 min)
 #   bash scripts/gpu_sweep.sh OUT 4k-sized       # hisparse with pools sized for 4K work (no dense
 #                                                # pool, 1 Quest row): stock's KV at 4K  (~4 min)
+# Issue 15's elastic residency (backend elastic = hisparse + resident_first; miss_rate, shrinks,
+# resident_units in the CSV, residency per request in stats-elastic.json):
+#   bash scripts/gpu_sweep.sh OUT 32k-elastic-1    # resident + elastic, 32K / 512, 1 request (~6)
+#   bash scripts/gpu_sweep.sh OUT 32k-elastic-cap  # hisparse + elastic, 32K / 512, 22 requests (~8)
 # Issue 16's decode-heavy workloads (bench/serving.py --workload; `cap` = each backend's capacity
 # from its startup log; the decode-only rate, running requests and host ms per step in the CSV):
 #   bash scripts/gpu_sweep.sh OUT paper-1               # stock + hisparse, 32K / 8K, 1 request (~7 min)
@@ -43,6 +47,8 @@ case "$part" in
   4k-sized)     args=(--input-len 4096 --backends hisparse --concurrency 1,16,64,128
                       --hisparse '{"top_k": 2048, "device_buffer_size": 4096, "dense_pool_gib": 0,
                                    "host_pool_gib": 16, "quest_rows": 1}') ;;
+  32k-elastic-1) args=(--input-len 32768 --backends resident,elastic --concurrency 1) ;;
+  32k-elastic-cap) args=(--input-len 32768 --backends hisparse,elastic --concurrency 22) ;;
   32k-1k-stock) args=(--input-len 32768 --output-len 1024 --backends stock --concurrency 1,8) ;;
   32k-1k-hisparse) args=(--input-len 32768 --output-len 1024 --backends hisparse
                          --concurrency 1,8,32) ;;

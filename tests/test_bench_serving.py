@@ -27,7 +27,11 @@ def test_server_cmd_per_backend():
     cfg = json.loads(res[res.index("--additional-config") + 1])["hisparse"]
     assert cfg == {"top_k": 64, "device_buffer_size": 128, "host_tier": False}
     his = server_cmd(args(), "hisparse", 9)
-    assert json.loads(his[his.index("--additional-config") + 1])["hisparse"].get("host_tier", True)
+    cfg = json.loads(his[his.index("--additional-config") + 1])["hisparse"]
+    assert cfg.get("host_tier", True) and not cfg.get("resident_first", False)
+    el = server_cmd(args(), "elastic", 9)
+    cfg = json.loads(el[el.index("--additional-config") + 1])["hisparse"]
+    assert cfg == {"top_k": 64, "device_buffer_size": 128, "resident_first": True}
 
 
 def test_point_row_aggregates():
@@ -145,10 +149,16 @@ def test_cache_counters_per_point():
     from vllm_hisparse.bench.serving import cache_per_point
 
     before = {"hits": 100, "misses": 20, "spills": 1, "policy": "crf"}
-    after = {"hits": 190, "misses": 30, "spills": 3, "policy": "crf"}
+    after = {"hits": 190, "misses": 30, "spills": 3, "shrinks": 5, "resident_units": 100,
+             "policy": "crf"}
     c = cache_per_point(before, after)
-    assert c == {"policy": "crf", "hit_rate": pytest.approx(0.9), "misses": 10, "spills": 2}
+    assert c == {"policy": "crf", "hit_rate": pytest.approx(0.9), "misses": 10,
+                 "miss_rate": pytest.approx(0.05), "resident_units": 100, "spills": 2,
+                 "shrinks": 5}
     assert cache_per_point(None, after) == {} and cache_per_point(after, after) == {}
+    # resident_first with no spill: every selected page on the block table, no hot-slot lookup
+    res = cache_per_point({"resident_units": 10}, {"resident_units": 50, "policy": "lru"})
+    assert res["hit_rate"] is None and res["miss_rate"] == 0 and res["resident_units"] == 40
     rs = [RequestResult(ttft=0.5, latency=2.5, output_tokens=5)]
     row = Point("hisparse", 1, rs, wall=1.0, cache=c).row()
     assert (row["policy"], row["hit_rate"], row["misses"], row["spills"]) == ("crf", 0.9, 10, 2)

@@ -18,7 +18,7 @@ from vllm_hisparse.slots.crf import HIT
 WRITE_CASES = [(5, 16, 2, 64, 6), (3, 4, 1, 32, 9), (8, 16, 8, 128, 4)]
 # (N rows, P, Hkv, D, U pages per row, k selected, S slots)
 SELECT_CASES = [(4, 4, 2, 32, 40, 5, 8), (3, 2, 1, 16, 70, 31, 33), (5, 4, 2, 16, 33, 32, 32),
-                (2, 4, 1, 16, 300, 16, 17)]
+                (2, 4, 1, 16, 300, 16, 17), (7, 4, 2, 16, 40, 8, 12)]
 STEPS = 6
 POLICIES = served()          # every policy the kernel has a branch for
 
@@ -88,8 +88,10 @@ def test_decode_write_reference_equals_loop(case):
 
 
 def select_inputs(N, P, Hkv, D, U, k, S, gen, dev="cpu", policy="lru"):
-    """N rows over a (M = N + 2)-row state: row 0 padding, the last one resident (hot 0, when N > 2), the rest
-    hot; scores rounded so ties happen; a host pool of distinct bytes per page."""
+    """N rows over a (M = N + 2)-row state: row 0 padding, the last one resident (hot 0, when N > 2),
+    rows 3, 5, ... before it partially spilled (pages [hot, full) in the block table, hot >= S as
+    in the runtime, moved up by ``advance``), the rest hot (every page through the slots, hot >
+    full); scores rounded so ties happen; a host pool of distinct bytes per page."""
     M = N + 2
     W = U + 1
     blocks = N * W + 2
@@ -106,14 +108,25 @@ def select_inputs(N, P, Hkv, D, U, k, S, gen, dev="cpu", policy="lru"):
     full[1] = min(k, U)                                  # exactly k pages: all taken
     if N > 3:
         full[2] = 0                                      # no complete page yet: all -1
-    hot = torch.ones(N, dtype=torch.int64)
+    hot = torch.full((N,), U + 1, dtype=torch.int64)
+    for i in range(3, N - 1, 2):
+        full[i] = U
+        hot[i] = int(torch.randint(S, max(S, U - 4) + 1, (1,), generator=gen))
     if N > 2:
         hot[-1] = 0
     t = dict(kv=kv, bt=bt, host=host, host_pt=host_pt, rows=rows, seq=seq, full=full, hot=hot,
-             counts=torch.zeros(2, dtype=torch.int64))
+             counts=torch.zeros(3, dtype=torch.int64))
     t = {n: v.to(dev) for n, v in t.items()}
     t["state"] = HotBufferState.create(M, S, U, policy, dev)
     return t
+
+
+def advance(t, by=2):
+    """The KV manager takes more blocks from the partially spilled rows: their hot boundary moves
+    up (never down), as freed_pages' does when keep shrinks."""
+    U = t["host_pt"].shape[1]
+    part = (t["hot"] > 0) & (t["hot"] <= U)
+    t["hot"].copy_(torch.where(part, (t["hot"] + by).clamp(max=U), t["hot"]))
 
 
 def clone_state(st: HotBufferState) -> HotBufferState:
@@ -156,9 +169,10 @@ def check_select_properties(t, scores, k, sel, locs, before):
             chosen = torch.zeros(n, dtype=torch.bool)
             chosen[got] = True
             assert s[~chosen].max() <= s[chosen].min()
+        h = int(t["hot"][r])
         for j, p in enumerate(got):
             b = int(locs[r, j])
-            if int(t["hot"][r]) == 0:
+            if p >= h:              # resident, or kept by a partially spilled row
                 assert b == int(t["bt"][r, p])
             else:                   # resident now, in one of the row's S hot blocks, holding p
                 row = int(t["rows"][r])
@@ -166,14 +180,16 @@ def check_select_properties(t, scores, k, sel, locs, before):
                 assert slot >= 0 and int(su[row, slot]) == p and b == int(t["bt"][r, slot])
                 hp = int(t["host_pt"][row, p])
                 assert torch.equal(t["kv"][b], t["host"][hp]), "wrong bytes in the hot block"
-        if int(t["hot"][r]) and st.policy.name == "lru":
-            row = int(t["rows"][r])
+        got = [p for p in got if p < h]                  # the pages of the hot slots
+        row = int(t["rows"][r])
+        if h and not got:
+            assert torch.equal(before[row], ps[row]), "a row with no slot page was touched"
+        if h and st.policy.name == "lru":
             lru = ps
             assert sorted(lru[row].tolist()) == list(range(lru.shape[1]))
             assert (before[row] == lru[row]).all() or set(lru[row, :len(got)].tolist()) == {
                 int(us[row, p]) for p in got}, "the selected slots are not the most recent"
-        if int(t["hot"][r]) and st.policy.name == "crf":
-            row = int(t["rows"][r])      # empty slots hold -1; this step's units at least HIT // 2
+        if h and st.policy.name == "crf":   # empty slots hold -1; this step's units >= HIT // 2
             assert torch.equal(ps[row] == -1, su[row] == -1)
             assert all(int(ps[row, int(us[row, p])]) >= HIT // 2 for p in got)
 
@@ -184,15 +200,20 @@ def test_select_resolve_reference_properties(case, policy):
     N, P, Hkv, D, U, k, S = case
     gen = torch.Generator().manual_seed(sum(case))
     t = select_inputs(*case, gen, policy=policy)
-    total = 0
-    for _ in range(STEPS):
+    total = on_bt = 0
+    for step in range(STEPS):
+        if step == STEPS // 2:
+            advance(t)
         scores = random_scores(N, U, gen, "cpu")
         before = policy_state(t["state"]).clone()
         sel, locs = run_select(decode_ops.select_resolve, t, scores, k)
         check_select_properties(t, scores, k, sel, locs, before)
-        total += sum(min(int(t["full"][r]), k) for r in range(N)
-                     if int(t["seq"][r]) and int(t["hot"][r]))
-    assert int(t["counts"].sum()) == total and int(t["counts"][1]) > 0
+        live = t["seq"] > 0
+        total += int((sel[live] >= 0).sum())
+        on_bt += int(((sel >= t["hot"][:, None]) & live[:, None]).sum())
+    # every selected page counted once: a hit or a miss of the slots, or a block-table page
+    assert int(t["counts"].sum()) == total and int(t["counts"][2]) == on_bt
+    assert int(t["counts"][1]) > 0 and (N < 3 or on_bt > 0)
 
 
 def compare_select(case, gen, dev, fn_triton, pinned_host=False, policy="lru"):
@@ -208,6 +229,9 @@ def compare_select(case, gen, dev, fn_triton, pinned_host=False, policy="lru"):
     work = tuple(torch.zeros(s, dtype=torch.int32, device=dev) for s in shapes)
     scores = None
     for step in range(STEPS):
+        if step == STEPS // 2:
+            advance(a)
+            advance(b)
         if step % 3 != 2:   # every third step repeats the last scores: all hits where k <= S
             scores = random_scores(N, U, gen, dev)
         want = run_select(reference.select_resolve, a, scores, k)

@@ -70,7 +70,7 @@ def episode(select, dev, K, S, starts, steps, seed, pinned_host=False, attend=sp
     su = torch.full((M, S), -1, dtype=torch.int32)
     us = torch.full((M, C), -1, dtype=torch.int32)
     lru = torch.arange(S, dtype=torch.int32).repeat(M, 1)
-    counts = torch.zeros(2, dtype=torch.int64)
+    counts = torch.zeros(3, dtype=torch.int64)       # [hits, misses, block-table pages]
     # the DSA indexer (core/indexers/dsa) holds the requests' indexer keys, one row each
     cfg = HiSparseConfig(indexer="dsa", top_k=K, device_buffer_size=S, dense_layers=())
     ix = indexers.get("dsa")(cfg, 1, M, C, 1, D_IDX, torch.bfloat16, "cpu")
@@ -98,7 +98,7 @@ def episode(select, dev, K, S, starts, steps, seed, pinned_host=False, attend=sp
         sel_d, locs_d = to(sel), to(locs)
         host_pt = pool.page_table_tensor(keys, C)    # (M, C): host page of each token, -1 after
         select(to(scores), to(seq_b), to(seq_b), K, to(bt), sel_d, locs_d,
-               hot=to(torch.ones(N, dtype=torch.int64)), rows=to(rows), state=state,
+               hot=to(seq_b), rows=to(rows), state=state,           # every token: slots
                host_pt=to(host_pt), host=host_d, kv=kv_d, counts=counts_d)
         sel, locs, kvc = sel_d.cpu(), locs_d.cpu(), kv_d.cpu()
         assert (sel[R] == -7).all() and (locs[R] == -7).all(), "the padding row was written"
@@ -125,7 +125,8 @@ def episode(select, dev, K, S, starts, steps, seed, pinned_host=False, attend=sp
         for i in range(R):                            # latent row through to the host pool
             write_through(i, int(seq[i]), int(seq[i]) + 1)
         seq = seq + 1
-    hits, misses = (int(x) for x in counts_d.cpu())
+    hits, misses, on_bt = (int(x) for x in counts_d.cpu())
+    assert on_bt == 0
     return hits, misses
 
 

@@ -1,15 +1,18 @@
-"""issue 15 item 1-2 through the real vLLM 0.26 engine (CPU): resident-first with spills under
-pressure is exact.
+"""issue 15 item 1-3 through the real vLLM 0.26 engine (CPU): resident-first with partial spills
+under pressure, and a preemption, is exact.
 
 Requests arrive while others decode (each added to the engine once the previous one has generated
 a few tokens), on a small KV pool: a request keeps every block after its prompt (resident rows)
-until the next arrival's prompt brings the free blocks below the reserve R; then the KV manager
-spills it (vllm/spec.py) and the worker spills it before that step's forward (connector metadata).
-Every free GPU block is overwritten with large values after each schedule, before its forward, so
-a read of a block already given back (e.g. a spill the worker learns a step late) changes outputs.
-Tokens and logprobs equal resident mode's (host_tier false) and hisparse's without resident_first;
-no GPU block or host page is left afterwards. With blocks to spare, nothing spills and nothing
-misses.
+until the pool's free blocks fall below the reserve R, or below what an arriving prompt needs
+(the connector asks the KV manager for room when it admits it); then the manager takes just the
+missing blocks, oldest pages first, from the request with the most surplus (vllm/spec.py), and
+the worker learns each new keep before that step's forward (connector metadata). Request 0 is
+preempted once mid-run (after it was spilled) and resumes resident, on both sides. Every free GPU
+block is overwritten with large values after each schedule, before its forward, so a read of a
+block already given back (e.g. a spill the worker learns a step late) changes outputs. Tokens and
+logprobs equal resident mode's (host_tier false) and hisparse's without resident_first, all with
+the same preemption; the worker's residency equals the manager's after every step; no GPU block or
+host page is left afterwards. With blocks to spare, nothing spills and nothing misses.
 
 Each engine runs in a subprocess (this file as a script, in-process engine core).
 """
@@ -20,6 +23,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -30,15 +34,18 @@ PAGE = 16
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
        "host_pool_gib": 0.05, "min_context": 64}
 MML, SEQS, BATCHED = 512, 4, 256
-# R = cdiv(512, 16) + cdiv(256, 16) + 4 = 52 free blocks. 79 usable blocks: the first request
-# (19 blocks of prompt) stays resident; each later prompt takes the free blocks below R.
-PRESSURE_BLOCKS, SPARE_BLOCKS = 80, 400
+# R = cdiv(256, 16) + 4 = 20 free blocks; an arriving prompt asks for its own blocks + 1. 55 usable
+# blocks: the first two prompts (19 + 18 blocks) fit resident, then the pool runs below R and
+# every later page or prompt takes blocks from the resident ones, a few at a time.
+PRESSURE_BLOCKS, SPARE_BLOCKS = 56, 400
 POISON = 100.0                      # written into free blocks before every forward (probe)
 PROMPTS, MAX_TOKENS, ARRIVE_AFTER = (300, 280, 200), 40, 8   # next one after 8 generated tokens
+PREEMPT = ("0", 24)                 # request 0 is preempted once, after 24 generated tokens
 
 
 def probe(model: str, cfg: dict, num_blocks: int, out: str) -> None:
     from vllm import LLM, SamplingParams
+    from vllm.v1.request import RequestStatus
 
     from vllm_hisparse.vllm import worker_state
     from vllm_hisparse.vllm.plugin import register
@@ -65,20 +72,51 @@ def probe(model: str, cfg: dict, num_blocks: int, out: str) -> None:
         return so
 
     sched.schedule = schedule_and_poison
+    mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+
+    def preempt(rid):
+        """What vLLM's scheduler does to the lowest-priority running request when a block is
+        missing (and reset_prefix_cache to every one): its blocks freed, back to waiting,
+        recomputed from token 0 when it resumes."""
+        [req] = [r for k, r in sched.requests.items() if k.split("-")[0] == rid]  # engine's id
+        assert req.status == RequestStatus.RUNNING
+        sched.running.remove(req)
+        sched._preempt_request(req, time.monotonic())
+        req.async_tokens_to_discard = req.num_output_placeholders
+        req.num_output_placeholders = 0
+        sched.prev_step_scheduled_req_ids.discard(req.request_id)
+        return req.request_id
+
+    def keep_of(rid):
+        """Request rid's keep on the worker (None: resident; its window of pages), "gone" while
+        the KV manager does not hold it (not admitted yet, waiting to resume, or finished)."""
+        ids = [k for k in mgr._seen if k.split("-")[0] == rid and k in rt.reqs]
+        return rt.reqs[ids[0]].keep if ids else "gone"
+
+    def agree():
+        """The worker's keep of every request the KV manager tracks equals the manager's (None:
+        resident); None when this run has no resident_first."""
+        if not cfg.get("resident_first"):
+            return None
+        return all(rt.reqs[r].keep == mgr._keep.get(r) for r in mgr._seen if r in rt.reqs)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPTS]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True)
     done, generated, timeline = {}, {}, []
     eng.add_request("0", {"prompt_token_ids": prompts[0]}, sp)
-    nxt = 1
+    nxt, preempted = 1, None
     for _ in range(2000):
         for o in eng.step():
             generated[o.request_id] = len(o.outputs[0].token_ids)
             if o.finished:
                 done[o.request_id] = o.outputs[0]
         st = rt.stats_dict()
-        timeline.append({"resident_rows": st["resident_rows"], "spills": st["spills"],
-                         "misses": st["misses"], "free_blocks": pool.get_num_free_blocks()})
+        timeline.append({k: st[k] for k in ("resident_rows", "partial_rows", "spills", "shrinks",
+                                            "misses", "resident_requests", "partial_requests")}
+                        | {"free_blocks": pool.get_num_free_blocks(), "agree": agree(),
+                           "preempted": bool(preempted), "keep": keep_of(PREEMPT[0])})
+        if not preempted and generated.get(PREEMPT[0], 0) >= PREEMPT[1]:
+            preempted = preempt(PREEMPT[0])
         if nxt < len(prompts) and generated.get(str(nxt - 1), 0) >= ARRIVE_AFTER:
             eng.add_request(str(nxt), {"prompt_token_ids": prompts[nxt]}, sp)
             nxt += 1
@@ -134,10 +172,26 @@ def test_spills_under_pressure_are_exact(runs):
     # mid-run and misses only after them
     assert tl[first_spill - 1]["resident_rows"] > 0 and tl[first_spill - 1]["misses"] == 0
     assert rf["stats"]["spills"] > 0 and rf["stats"]["misses"] > 0
+    # partial spills: requests kept a window of pages beside their hot slots, rows resolved
+    # partly through the block table, and a request was shrunk more than once
+    assert max(t["partial_requests"] for t in tl) > 0 and rf["stats"]["partial_rows"] > 0
+    assert rf["stats"]["shrinks"] > rf["stats"]["spills"] and rf["stats"]["resident_units"] > 0
     # the spilled run held more blocks than hisparse without resident_first at some step
     assert min(t["free_blocks"] for t in tl) < min(t["free_blocks"] for t in hs["timeline"])
     _no_leaks(rf)
     _no_leaks(hs)
+
+
+def test_worker_residency_follows_the_manager_through_a_preemption(runs):
+    """After every step the worker's keep of every request equals the KV manager's; request 0,
+    spilled before its preemption, resumes resident on both sides (and may be spilled again)."""
+    tl = runs["rf"]["timeline"]
+    assert all(t["agree"] for t in tl)
+    cut = next(i for i, t in enumerate(tl) if t["preempted"])
+    assert any(t["keep"] not in (None, "gone") for t in tl[:cut]), "not spilled before"
+    after = [t["keep"] for t in tl[cut:] if t["keep"] != "gone"]
+    assert after and after[0] is None, "the resumed request is not resident"
+    assert all(t["agree"] is None for t in runs["hisparse"]["timeline"])
 
 
 def test_no_pressure_no_misses(runs):

@@ -43,7 +43,7 @@ class Driver:
                                device=self.dev) for _ in range(self.L)]    # block 0: vLLM's null
         self.rt.bind_kv_caches(self.kv)
         self.blocks, self.lens, self.prompt = {}, {}, {}
-        self.spilled: set[str] = set()          # resident_first: what the scheduler spilled
+        self.keep: dict[str, int] = {}          # resident_first: what the scheduler spilled
         self.g = torch.Generator().manual_seed(seed)
         self.outs: list[torch.Tensor] = []
 
@@ -53,10 +53,11 @@ class Driver:
         self.blocks[rid] = torch.arange(1 + i * self.W, 1 + (i + 1) * self.W, dtype=torch.int32)
         self.lens[rid], self.prompt[rid] = 0, n_prompt
 
-    def spill(self, rid):
-        """The scheduler gives the request's blocks beyond its hot buffer back (resident_first)."""
-        self.spilled.add(rid)
-        self.rt.spill(rid)
+    def spill(self, rid, keep=0):
+        """The scheduler gives the request's blocks beyond its hot buffer back but its ``keep``
+        newest complete pages (resident_first)."""
+        self.keep[rid] = keep
+        self.rt.spill(rid, keep)
 
     def _rand(self, *shape):
         return torch.randn(*shape, generator=self.g).to(self.dev, self.dt)
@@ -79,8 +80,8 @@ class Driver:
         else:
             self._step(ids, qsl, seq, bt, torch.cat(slots).to(self.dev))
         for rid in ids:                          # what the scheduler frees, nobody may read
-            spilled = not self.cfg.resident_first or rid in self.spilled
-            lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid], spilled)
+            keep = self.keep.get(rid) if self.cfg.resident_first else 0
+            lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid], keep)
             for kv in self.kv:
                 kv[self.blocks[rid][lo:hi].long()] = float("nan")
 
@@ -118,7 +119,8 @@ class Driver:
 
 def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0, split=False,
         full=False, policy="lru", resident_first=False, spills=None):
-    """spills: {decode step i: request ids the scheduler spills before it} (resident_first)."""
+    """spills: {decode step i: request ids the scheduler spills before it, or (id, keep) pairs
+    for a partial spill} (resident_first)."""
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=dense_layers,
                          min_context=40, host_pool_gib=0.01, host_tier=host_tier,
                          dense_pool_gib=dense_pool_gib, quest_rows=quest_rows,
@@ -134,7 +136,7 @@ def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0, sp
     live = dict(prompts)
     for i in range(40):
         for rid in (spills or {}).get(i, ()):
-            d.spill(rid)
+            d.spill(*((rid,) if isinstance(rid, str) else rid))
         if i == 15:                                          # at 37 tokens
             assert not d.rt.reqs["short"].sparse and d.rt.finish("short")
             del live["short"]
@@ -201,6 +203,36 @@ def test_resident_first_with_forced_spills_equals_resident(dense_layers, dense_p
     assert s_rf["resident_rows"] > s_now["resident_rows"]
     assert 0 < s_rf["misses"] < s_now["misses"]
     assert s_rf["resolved_units"] < s_now["resolved_units"]    # resident rows resolve nothing
+
+
+# partial spills: the window of newest pages shrinks step by step ("a": 15 complete pages beyond
+# the floor of 4 at step 2), "b" partially then to its floor, "grow" keeps one page
+PARTIAL = {2: [("a", 12)], 6: [("a", 9)], 11: [("a", 2), ("b", 5)], 20: [("b", 0)],
+           29: [("grow", 1)]}
+
+
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("dense_layers,dense_pool_gib", [((0,), 0.0), ((0, 2), 0.001)])
+def test_resident_first_with_partial_spills_equals_resident(dense_layers, dense_pool_gib, full):
+    """Partial spills: a request keeps a window of its newest pages (resolved through the block
+    table) beside its hot slots (the older pages), the window shrinking at each spill; the blocks
+    given back are poisoned. Every layer's output equals resident mode's; fewer misses than
+    spilling to the floor at the same steps, pages taken through the block table counted."""
+    part, s_part = run(True, dense_layers, dense_pool_gib, full=full, resident_first=True,
+                       spills=PARTIAL)
+    floor, s_floor = run(True, dense_layers, dense_pool_gib, full=full, resident_first=True,
+                         spills={i: [r for r, _ in v] for i, v in PARTIAL.items()})
+    res, _ = run(False, dense_layers, full=full)
+    for i, (a, b, c) in enumerate(zip(part, floor, res, strict=True)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN (read a given-back block)"
+        assert torch.equal(a, c) and torch.equal(b, c), f"step/layer {i} differs"
+    assert s_part["spills"] == s_floor["spills"] == 3 and s_part["shrinks"] == 6
+    assert s_part["partial_rows"] > 0 and s_floor["partial_rows"] == 0
+    assert 0 < s_part["misses"] < s_floor["misses"]
+    # every selected page of a sparse row is a hit, a miss or a block-table page, in both runs
+    assert (s_part["resolved_units"] + s_part["resident_units"]
+            == s_floor["resolved_units"] + s_floor["resident_units"])
+    assert s_part["resident_units"] > s_floor["resident_units"]
 
 
 def test_resident_first_without_pressure_never_misses():

@@ -54,9 +54,11 @@ class HiSparseConfig:
         reserved when max_model_len < min_context (no request can turn sparse: core/gpu_pools.py).
     prefetch: overlap miss IO with the previous layer when layers share a selection.
     resident_first: a sparse request keeps every GPU block after its prompt (RESOLVE through the
-        block table, no misses) until it is spilled to its hot buffer, one way (docs/vllm-
+        block table, no misses) until the KV pool needs blocks; then it gives back just the
+        missing ones, oldest pages first, down to its hot buffer, one way (docs/vllm-
         integration.md, "Residency states"); admission still counts the hot-buffer floor; the
-        KV manager (vllm/spec.py) spills when the free blocks fall below its reserve.
+        KV manager (vllm/spec.py) spills when the free blocks fall below its reserve or below
+        what an arriving request needs.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
     full_decode_graphs: let vLLM replay whole decode steps as FULL CUDA graphs, as stock vLLM does

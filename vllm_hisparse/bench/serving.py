@@ -9,7 +9,8 @@ prefill, on the engine's clock (bench/steps.py), running_max/mean the scheduler'
 hisparse worker's counters (``HISPARSE_STATS_FILE``) give its host time per step (plan, layers).
 Writes DIR/serving.csv, PNG plots (throughput vs concurrency, TTFT vs throughput: one line per
 backend), the server logs, step records (DIR/steps-BACKEND.jsonl) and the hisparse worker's
-counters (DIR/stats-BACKEND.json).
+counters (DIR/stats-BACKEND.json). Backend ``elastic`` is ``hisparse`` with ``resident_first``
+(docs/vllm-integration.md, "Residency states"), so one run compares the fixed hot buffer with it.
 
     python -m vllm_hisparse.bench.serving --model DIR --input-len 32768 --output-len 512 \
         --concurrency 1,2,4,8,16,32,64,128,256 --backends stock,resident,hisparse \
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from vllm_hisparse.bench import steps as st
 from vllm_hisparse.server_health import stop, wait_healthy
 
-BACKENDS = ("stock", "resident", "hisparse", "hisparse-rf")  # -rf: resident_first on
+BACKENDS = ("stock", "resident", "hisparse", "elastic")    # elastic: hisparse + resident_first
 WORKLOADS = {"paper": (32768, 8192), "reasoning": (1024, 16384)}     # (input, output) tokens
 
 
@@ -83,7 +84,9 @@ class Point:
             "host_ms_plan_per_step": rnd(h.get("plan"), 3),
             "host_ms_layers_per_step": rnd(h.get("layers"), 3),
             "policy": self.cache.get("policy"), "hit_rate": rnd(self.cache.get("hit_rate"), 4),
-            "misses": self.cache.get("misses"), "spills": self.cache.get("spills"),
+            "misses": self.cache.get("misses"), "miss_rate": rnd(self.cache.get("miss_rate"), 4),
+            "resident_units": self.cache.get("resident_units"), "spills": self.cache.get("spills"),
+            "shrinks": self.cache.get("shrinks"),
             "wall_s": round(self.wall, 2),
         }
 
@@ -111,7 +114,7 @@ def server_cmd(args, backend: str, port: int) -> list[str]:
         cfg = json.loads(args.hisparse)
         if backend == "resident":
             cfg["host_tier"] = False
-        if backend == "hisparse-rf":
+        if backend == "elastic":           # the same config, spilling only under pressure
             cfg["resident_first"] = True
         cmd += ["--attention-backend", "hisparse", "--additional-config", json.dumps({"hisparse": cfg})]
     return cmd + args.extra_server_args
@@ -157,16 +160,20 @@ def host_per_step(before: dict | None, after: dict | None) -> dict:
 
 
 def cache_per_point(before: dict | None, after: dict | None) -> dict:
-    """RESOLVE between two snapshots of the worker's counters: the policy, the hit rate, misses and
-    resident-first spills; {} without them or when nothing was resolved."""
+    """RESOLVE between two snapshots of the worker's counters: the policy, the hot slots' hit rate
+    (None when every selected page was on the block table), misses, the miss rate over every
+    selected page (comparable with and without resident_first), the pages taken through the block
+    table, resident-first spills and shrinks; {} without them or when nothing was selected."""
     if not before or not after:
         return {}
     d = lambda k: after.get(k, 0) - before.get(k, 0)  # noqa: E731
     n = d("hits") + d("misses")
-    if n <= 0:
+    sel = n + d("resident_units")
+    if sel <= 0:
         return {}
-    return {"policy": after.get("policy"), "hit_rate": d("hits") / n, "misses": d("misses"),
-            "spills": d("spills")}
+    return {"policy": after.get("policy"), "hit_rate": d("hits") / n if n else None,
+            "misses": d("misses"), "miss_rate": d("misses") / sel,
+            "resident_units": d("resident_units"), "spills": d("spills"), "shrinks": d("shrinks")}
 
 
 def _settle(step_log: str, offset: int, stats_path: str | None, timeout: float = 30.0):

@@ -10,7 +10,8 @@ before the forward. Per row (one int64 field each, ``FIELDS``):
 
 - ``seq``: keys including the new token; 0 = padding (the row writes and reads nothing);
 - ``full``, ``sp_seq``: a sparse row's complete pages and its seq (0 for any other row: the sparse
-  kernels skip it); ``hot``: its pages left the GPU (RESOLVE through its hot slots);
+  kernels skip it); ``hot``: pages [0, hot) resolve through its hot slots (its pages given back
+  and the floor's blocks), pages [hot, full) through the block table (0: a resident row);
 - ``row``, ``irow``: runtime row (hot-slot state, host / dense-pool page tables) and indexer row
   (scratch rows for rows that own none);
 - ``host_page``, ``dpool_page``: where the new token goes besides the cache (-1: not);
@@ -87,7 +88,7 @@ def fill(rt, db: DecodeBatch, steps: list, host_pages: dict) -> None:
         F["row"][i] = s.row
         if s.sparse:
             F["full"][i], F["sp_seq"][i] = page, seq
-            F["hot"][i] = s.freed[1] > s.freed[0]
+            F["hot"][i] = s.freed[1] if s.freed[1] > s.freed[0] else 0
             F["irow"][i] = s.irow
             F["i_unit"][i] = rt.ix.decode_unit(s.irow, seq)
             hp, dp = host_pages.get(s.req_id, (None, None))

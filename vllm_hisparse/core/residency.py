@@ -17,9 +17,13 @@ tokens). Once its prompt is processed *and* its context has reached ``min_contex
 writes the next token. Nothing is freed before the switch step has run (its start is below
 ``min_context``), so the switch reads every page it copies from the GPU.
 
-With ``resident_first`` a sparse request keeps every block (state *resident*) until it is
-*spilled*, one way, when the KV pool needs blocks (docs/vllm-integration.md, "Residency states"):
-``freed_pages(..., spilled=False)`` is empty, and ``spill_order`` picks whom to spill.
+With ``resident_first`` a sparse request keeps every block (state *resident*) until the KV pool
+needs blocks; then it gives back only as many as are needed, oldest page first, and keeps a
+window of its ``keep`` newest complete pages on the GPU beside its floor (state *partial*; keep 0
+is the floor, today's *spilled*), docs/vllm-integration.md, "Residency states". ``keep`` only ever
+shrinks, and the window slides with the request (a new complete page pushes its oldest one out),
+so a request never holds more blocks after its first spill than before it. ``freed_pages(...,
+keep=None)`` is empty (resident); ``spill_order`` picks whom to take blocks from.
 
 Admission (vllm/connector.py) reserves host pages and an indexer row for every request that *may*
 turn sparse: ``may_turn_sparse`` (prompt + max_tokens reaches ``min_context``).
@@ -50,23 +54,46 @@ def may_turn_sparse(cfg: HiSparseConfig, num_prompt_tokens: int, max_tokens: int
 
 
 def freed_pages(cfg: HiSparseConfig, processed_tokens: int, num_prompt_tokens: int,
-                spilled: bool = True) -> tuple[int, int]:
+                keep: int | None = 0) -> tuple[int, int]:
     """Logical pages [lo, hi) whose GPU blocks are released once ``processed_tokens`` tokens are
-    computed (empty when hi <= lo). Monotone in processed_tokens; empty in resident mode, during
-    the prompt's prefill and until the context has reached ``min_context`` (so also at the switch
-    step, whose start is below it), and while a ``resident_first`` request is not spilled."""
+    computed (empty when hi <= lo). keep: complete pages beyond the floor the request still holds,
+    counted back from its newest complete page (None: all of them, *resident*; 0: none, the
+    floor). Monotone in processed_tokens and, for a fixed processed_tokens, in -keep; empty in
+    resident mode, during the prompt's prefill and until the context has reached ``min_context``
+    (so also at the switch step, whose start is below it), and while keep is None."""
     s = cfg.num_slots
-    if (not cfg.host_tier or not spilled
+    if (not cfg.host_tier or keep is None
             or processed_tokens < max(num_prompt_tokens, cfg.min_context_tokens)):
         return s, s
-    return s, max(s, processed_tokens // cfg.page_size)
+    return s, max(s, processed_tokens // cfg.page_size - keep)
+
+
+def resident_pages(cfg: HiSparseConfig, processed_tokens: int, num_prompt_tokens: int,
+                   keep: int | None) -> int:
+    """Complete pages beyond the floor that stay on the GPU through the block table (what a
+    request can give back): pages [max(S, freed hi), processed // page)."""
+    hi = processed_tokens // cfg.page_size
+    return max(0, hi - freed_pages(cfg, processed_tokens, num_prompt_tokens, keep)[1])
+
+
+def residency_summary(cfg: HiSparseConfig, reqs: dict[str, tuple[int, int, int | None]]) -> dict:
+    """Worker stats of the live sparse requests ``reqs``: id -> (processed tokens at its last
+    step, prompt, keep): how many are *resident* (keep None), *partial* (a window of newest pages
+    beyond the floor) or at the *floor*, and ``resident_pages``: id -> complete pages beyond the
+    floor each holds in the block table (what resident_first uses above the floor)."""
+    pages = {rid: resident_pages(cfg, *r) for rid, r in reqs.items()}
+    return {"resident_requests": sum(r[2] is None for r in reqs.values()),
+            "partial_requests": sum(r[2] is not None and pages[i] > 0 for i, r in reqs.items()),
+            "floor_requests": sum(r[2] is not None and pages[i] == 0 for i, r in reqs.items()),
+            "resident_pages": pages}
 
 
 def spill_order(surplus: dict[str, int], free_blocks: int, reserve: int) -> list[str]:
-    """Resident requests to spill so that ``free_blocks`` reaches ``reserve``: the one with the most
-    surplus blocks (held beyond its hot-buffer floor) first, ties by id, stopping as soon as the
-    spilled surplus covers the shortfall (all of them if it never does). Requests with no surplus
-    are never picked (spilling them frees nothing)."""
+    """Requests to take blocks from so that ``free_blocks`` reaches ``reserve``: the one with the
+    most surplus blocks (held beyond its hot-buffer floor) first, ties by id, stopping as soon as
+    their surplus covers the shortfall (all of them if it never does). Requests with no surplus
+    are never picked (spilling them frees nothing). The manager takes only the shortfall from the
+    first and re-counts, so repeated small shortfalls level the largest requests down in turn."""
     need = reserve - free_blocks
     out = []
     for rid, n in sorted(surplus.items(), key=lambda kv: (-kv[1], kv[0])):

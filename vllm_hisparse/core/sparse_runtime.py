@@ -15,8 +15,6 @@ selection to the host once per layer: a measurement mode, not a serving mode.
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass
 
@@ -29,6 +27,7 @@ from vllm_hisparse.core.decode_batch import DecodeBatch, fill
 from vllm_hisparse.core.decode_trace import DecodeTrace
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.page_table import DevicePageTable
+from vllm_hisparse.core import runtime_stats
 from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
@@ -42,7 +41,8 @@ class Req:
     num_prompt: int
     sparse: bool              # sparse now (from add for a long prompt, else from its switch on)
     irow: int = -1            # indexer row (sparse requests only)
-    spilled: bool = True      # blocks beyond the hot buffer given back (resident_first: from spill)
+    keep: int | None = 0      # newest complete pages kept beyond the floor (residency.freed_pages)
+    start: int = 0            # tokens before its last planned step (the stats' residency)
 
 
 class SparseRuntime:
@@ -105,22 +105,24 @@ class SparseRuntime:
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.trace = (DecodeTrace(trace_writer, cfg, self.ix, num_layers, self.dense_layers,
                                   num_kv_heads, head_dim) if cfg.trace_dir else None)
-        self._hit_miss = torch.zeros(2, dtype=torch.int64, device=self.device)  # read in stats_dict
+        self._hit_miss = torch.zeros(3, dtype=torch.int64, device=self.device)  # see hit_miss
         self.split_dense = dense_groups.split_enabled(cfg, self.device, head_dim)
         self._batches: dict[int, DecodeBatch] = {}         # decode batches by size (fixed buffers)
         self._kv: list[torch.Tensor | None] = [None] * num_layers    # bind_kv_caches
         self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
                       "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0,
-                      "resident_rows": 0, "spills": 0}
+                      "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add(self, req_id: str, num_prompt: int) -> None:
-        """A request was scheduled (new, or resumed after preemption: it restarts from token 0)."""
+        """A request was scheduled (new, or resumed after preemption: it restarts from token 0 with
+        no block, resident again under resident_first as in the KV manager)."""
+        keep = None if self.cfg.resident_first else 0
         if req_id not in self.reqs:
             if not self._free_rows:
                 raise RuntimeError(f"hisparse runtime: no free row for {req_id} (max_num_seqs rows)")
-            r = Req(self._free_rows.pop(), num_prompt, False, spilled=not self.cfg.resident_first)
+            r = Req(self._free_rows.pop(), num_prompt, False, keep=keep)
             if is_sparse_request(self.cfg, num_prompt):
                 try:
                     self._make_sparse(req_id, r, num_prompt)
@@ -128,7 +130,9 @@ class SparseRuntime:
                     self._free_rows.append(r.row)
                     raise
             self.reqs[req_id] = r
-        self._reset_row(self.reqs[req_id].row)
+        r = self.reqs[req_id]
+        r.keep, r.start = keep, 0
+        self._reset_row(r.row)
         if self.trace is not None:
             self.trace.restart(req_id)
 
@@ -145,14 +149,17 @@ class SparseRuntime:
         r.sparse = True
         self._reset_row(r.row)
 
-    def spill(self, req_id: str) -> None:
-        """resident_first: from this step on the request holds only its hot-buffer floor (the
-        scheduler gave its other blocks back); one way. Its first spilled step resolves through
-        empty hot slots (every selected page is fetched from the host pool)."""
+    def spill(self, req_id: str, keep: int = 0) -> None:
+        """resident_first: from this step on the request holds, beyond its floor, only its ``keep``
+        newest complete pages (0: the floor); keep only shrinks. Older pages resolve through the
+        hot slots, empty at the row's first step with a page given back."""
         r = self.reqs[req_id]
-        if not r.spilled:
-            r.spilled = True
+        if r.keep is not None and keep >= r.keep:
+            return
+        if r.keep is None:
             self.stats["spills"] += 1
+        self.stats["shrinks"] += 1
+        r.keep = keep
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         """The paged KV cache of every layer (layer i: (blocks, 2, P, Hkv, D)), the tensors the
@@ -209,8 +216,8 @@ class SparseRuntime:
 
     @property
     def hit_miss(self) -> torch.Tensor:
-        """(2,) int64 on the device: RESOLVE's hits and misses so far (vllm/metrics.py reads it
-        without waiting for the GPU)."""
+        """(3,) int64 on the device: RESOLVE's hits, misses and pages taken through the block table
+        so far (vllm/metrics.py reads it without waiting for the GPU)."""
         return self._hit_miss
 
     @property
@@ -280,8 +287,10 @@ class SparseRuntime:
             self.trace.number_steps(db)
         self.stats["decode_rows"] += sum(s.sparse for s in dec)
         self.stats["dense_decode_rows"] += sum(not s.sparse and s.start > 0 for s in dec)
-        # sparse rows with every page on the GPU: resolved through the block table, no misses
+        # sparse rows with every page on the GPU (block table, no misses); with some of them
         self.stats["resident_rows"] += sum(s.sparse and s.freed[1] <= s.freed[0] for s in dec)
+        self.stats["partial_rows"] += sum(                # (the rest: hot slots)
+            s.sparse and s.freed[0] < s.freed[1] < (s.seq_len - 1) // self.P for s in dec)
         return db
 
     def _batch(self, N: int) -> DecodeBatch:
@@ -312,8 +321,9 @@ class SparseRuntime:
                 self.stats["turned_sparse"] += 1
                 if start > 0:                   # KV on the GPU to copy (none at a restart)
                     switches.append((i, rid, start))
+            r.start = start
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
-                                 freed_pages(self.cfg, start, r.num_prompt, r.spilled), r.irow))
+                                 freed_pages(self.cfg, start, r.num_prompt, r.keep), r.irow))
             if self.pool is not None and r.sparse:
                 hp = self.pool.ensure(rid, n)
                 self.host_pt.grow(r.row, hp)
@@ -369,22 +379,7 @@ class SparseRuntime:
 
     # ---- reporting -----------------------------------------------------------------------------
     def stats_dict(self) -> dict:
-        s = dict(self.stats)
-        s["hits"], s["misses"] = (int(x) for x in self._hit_miss.tolist())
-        n = s["resolved_units"] = s["hits"] + s["misses"]
-        s["hit_rate"] = s["hits"] / n if n else None
-        s["policy"] = self.cfg.policy
-        s["host_pages_used"] = self.host_pages_used
-        s["dense_pool_pages_used"] = self.dpool.used_pages if self.dpool is not None else 0
-        s["live_requests"] = len(self.reqs)
-        s["resident_requests"] = sum(r.sparse and not r.spilled for r in self.reqs.values())
-        # host (CPU) time spent in plan / forward_layer, totals over all steps
-        s.update({f"host_ms_{k}": round(v * 1e3, 3) for k, v in self._host_s.items()})
-        return s
+        return runtime_stats.stats_dict(self)
 
     def dump_stats(self, path: str | None) -> None:
-        if path:
-            tmp = f"{path}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(self.stats_dict(), f)
-            os.replace(tmp, path)
+        runtime_stats.dump(self, path)

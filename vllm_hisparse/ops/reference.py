@@ -291,10 +291,12 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     scores: (N, U) fp32 page scores (only pages [0, num_full[r]) are read); seq, num_full: (N,) int
     (a row is live when seq > 0; other rows' sel/locs are left as they are); k: pages to select;
     block_table: (N, W) int; sel, locs: (N, k) int32 out: pages ascending then -1, and their blocks.
-    hot: (N,) int, non-zero = the row resolves through its hot slots: ``state`` (slots.HotBufferState
-    of M rows, any served policy) read and written at runtime rows rows (N,) int64, slot s =
-    block_table[r, s]; misses come from host[host_pt[rows[r], page]] into kv (both (*, 2, P, Hkv,
-    D)); counts (2,) int64 += [hits, misses]."""
+    hot: (N,) int, pages [0, hot[r]) of row r resolve through its hot slots, pages [hot[r],
+    num_full[r]) through the block table (0: a resident row; >= num_full[r]: every page through
+    the slots): ``state`` (slots.HotBufferState of M rows, any served policy) read and written at
+    runtime rows rows (N,) int64, slot s = block_table[r, s]; misses come from
+    host[host_pt[rows[r], page]] into kv (both (*, 2, P, Hkv, D)); counts (3,) int64 += [hits,
+    misses, pages taken through the block table] of the live rows."""
     N, U = scores.shape
     live = seq > 0
     if N == 0 or k == 0 or not bool(live.any()):
@@ -306,15 +308,17 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     locs.copy_(torch.where(live[:, None], blocks, locs))
     if hot is None:
         return
+    on_bt = live[:, None] & (pages >= hot[:, None])              # includes -1 padding: not counted
+    counts[2] += (on_bt & (pages >= 0)).sum()
     h = torch.nonzero(live & (num_full > 0) & (hot != 0))[:, 0]
     if len(h) == 0:
         return
     S, r = state.slots, rows[h].long()
-    ph = pages[h]
+    ph = torch.where(pages[h] < hot[h, None], pages[h], -1)     # the pages of the hot slots
     loc, miss = resolve(state, ph, rows=r)
     valid = ph >= 0
-    counts += torch.stack([(valid & ~miss).sum(), miss.sum()])
+    counts[:2] += torch.stack([(valid & ~miss).sum(), miss.sum()])
     slot_map = block_table[h, :S].long()
     fetch_misses(kv, slot_map, loc, miss, ph, lambda i, u: host[host_pt[r[i], u].long()])
     phys = torch.gather(slot_map, 1, loc.clamp(min=0))
-    locs[h] = torch.where(loc >= 0, phys, -1).to(locs.dtype)
+    locs[h] = torch.where(loc >= 0, phys, blocks[h]).to(locs.dtype)

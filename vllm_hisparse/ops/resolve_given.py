@@ -25,7 +25,7 @@ def resolve_given_reference(sel: torch.Tensor, seq: torch.Tensor, block_table: t
     rows: (N,) int64 runtime rows; state: (slot_unit (M, S), unit_slot (M, U), lru (M, S)) int32
     read and written at rows (LRU: the slot engine's resolve, slots/engine.py); host_pt: (M, U) int32 host row
     of each unit; host (P, *row), kv (B, *row) the same row shape (opaque bytes); counts: (2,)
-    int64 += [hits, misses]."""
+    or longer int64, counts[:2] += [hits, misses]."""
     h = torch.nonzero((seq > 0) & (hot != 0))[:, 0]
     if len(h) == 0 or sel.shape[1] == 0:
         return
@@ -33,7 +33,7 @@ def resolve_given_reference(sel: torch.Tensor, seq: torch.Tensor, block_table: t
     st = HotBufferState.wrap(su, us, {"order": lru}, "lru")
     r, sh = rows[h].long(), sel[h]
     loc, miss = resolve(st, sh, rows=r)
-    counts += torch.stack([((sh >= 0) & ~miss).sum(), miss.sum()])
+    counts[:2] += torch.stack([((sh >= 0) & ~miss).sum(), miss.sum()])
     slot_map = block_table[h, :su.shape[1]].long()
     fetch_misses(kv, slot_map, loc, miss, sh, lambda i, u: host[host_pt[r[i], u].long()])
     phys = torch.gather(slot_map, 1, loc.clamp(min=0))

@@ -27,7 +27,8 @@ def _resolve_given_kernel(SEL, SEQ, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS
         lo, lo_rev, su_rev = _resolve_prelude(r, row, True, S, SU, LRU, SCR, s_su, s_lru, SB, 0)
         tl.debug_barrier()
         _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS, s_bt, s_su,
-                     s_us, s_lru, lo, lo_rev, su_rev, KB, SB, 0, 0, 0)       # POLICY 0: LRU
+                     s_us, s_lru, lo, lo_rev, su_rev, tl.full([KB], -1, tl.int32), KB, SB, 0, 0,
+                     0)                                                         # POLICY 0: LRU
 
 
 def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,

@@ -12,8 +12,10 @@ Per row r (program r; rows with ``seq[r] == 0`` stop at once, rows without a com
    largest by an order-preserving 32-bit key, found by four 8-bit radix passes (a histogram each),
    then every larger key and the first ties in page order (contract ``reference.topk_index``).
    ``sel[r]`` = the pages in ascending order, -1 after them.
-2. **Resident rows**: ``locs[r, j] = block_table[r, sel[r, j]]``.
-3. **Hot rows** (RESOLVE, contract ``reference.select_resolve``, i.e. ``slots.engine.resolve``):
+2. **Pages on the block table** (every page of a resident row, ``hot[r] == 0``; pages >= hot[r] of
+   a partially spilled row): ``locs[r, j] = block_table[r, sel[r, j]]``, counted in ``counts[2]``.
+3. **Hot rows**, their pages < hot[r] (RESOLVE, contract ``reference.select_resolve``, i.e.
+   ``slots.engine.resolve`` on the selection with the other pages masked to -1):
    hits through the page table ``unit_slot``; victims in the policy's eviction order, empty slots
    before occupied ones that are not hit now; the i-th miss in selection order takes the i-th
    victim. LRU (state ``order``, MRU first): victims from the LRU end; the new order is hits (later
@@ -106,10 +108,12 @@ def _resolve_prelude(r, row, on, S, SU, POL, SCR, s_su, s_pol, SB: tl.constexpr,
 
 @triton.jit
 def _resolve_row(r, row, u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS,
-                 s_bt, s_su, s_us, s_pol, lo, lo_rev, su_rev, KB: tl.constexpr, SB: tl.constexpr,
-                 POLICY: tl.constexpr, SHIFT: tl.constexpr, HIT: tl.constexpr):
+                 s_bt, s_su, s_us, s_pol, lo, lo_rev, su_rev, rest, KB: tl.constexpr,
+                 SB: tl.constexpr, POLICY: tl.constexpr, SHIFT: tl.constexpr, HIT: tl.constexpr):
     """lo / lo_rev / su_rev: _resolve_prelude's loads of the row's policy state, made by the caller
-    before the top-k so their latency hides behind it."""
+    before the top-k so their latency hides behind it. u: (KB,) the units to resolve through the
+    hot slots, -1 = none; rest: (KB,) what locs gets where u is -1 (-1, or a resident page's
+    block)."""
     valid = u >= 0
     us = US + row * s_us
     su = SU + row * s_su
@@ -169,7 +173,7 @@ def _resolve_row(r, row, u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS,
     tl.debug_barrier()
     phys = tl.load(bt + tl.where(hit, cur, vs), mask=valid, other=-1)
     # a miss is marked -2 - block: _miss_io_kernel copies its page in, then writes the block
-    tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(hit, phys, tl.where(miss, -2 - phys, -1)),
+    tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(hit, phys, tl.where(miss, -2 - phys, rest)),
              mask=jk < K)
     if POLICY == 0:
         tl.store(pol + (h - 1 - hi), cur, mask=hit)
@@ -239,12 +243,17 @@ def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, POL, SCR, VIC, COUNTS,
         tl.store(sel + jk, -1, mask=(jk >= tl.minimum(n, K)) & (jk < K))
         tl.debug_barrier()
         u = tl.load(sel + jk, mask=jk < K, other=-1, volatile=True)
-        if hot != 0:
-            _resolve_row(r, row, u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS, s_bt, s_su,
-                         s_us, s_pol, lo, lo_rev, su_rev, KB, SB, POLICY, SHIFT, HIT)
+        # pages [hot, n) through the block table (all of them in a resident row, hot == 0)
+        on_bt = (u >= 0) & (u >= hot)
+        blk = tl.load(BT + r.to(tl.int64) * s_bt + u, mask=on_bt, other=-1)
+        if HAS_HOT:
+            tl.atomic_add(COUNTS + 2, tl.sum(on_bt.to(tl.int64), 0))
+        slot_u = tl.where(on_bt, -1, u)           # the pages of the hot slots (hot rows only)
+        if tl.max(slot_u, 0) >= 0:                # a row with none is left alone (slots.engine)
+            _resolve_row(r, row, slot_u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS, s_bt,
+                         s_su, s_us, s_pol, lo, lo_rev, su_rev, blk, KB, SB, POLICY, SHIFT, HIT)
         else:
-            blk = tl.load(BT + r.to(tl.int64) * s_bt + u, mask=u >= 0, other=-1)
-            tl.store(LOCS + r.to(tl.int64) * K + jk, tl.where(u >= 0, blk, -1), mask=jk < K)
+            tl.store(LOCS + r.to(tl.int64) * K + jk, blk, mask=jk < K)
 
 
 def row_chunk(row_elems: int) -> int:

@@ -7,8 +7,9 @@ Scheduler process (role SCHEDULER):
     scheduled; when the pool or the rows cannot hold it the request *waits* (``None`` from
     ``get_num_new_matched_tokens``) until finished requests give them back;
   * ``build_connector_meta`` ships each newly scheduled (or resumed) request's prompt length and
-    first GPU block to the worker, and (resident_first) the requests the KV manager spilled in this
-    step (vllm/spec.py ``SpillLedger``), which the worker spills before the step's forward;
+    first GPU block to the worker, and (resident_first) the requests the KV manager took blocks
+    from in this step with their new ``keep`` (vllm/spec.py ``SpillLedger``), which the worker
+    applies before the step's forward;
   * finish: GPU blocks are freed only after the worker has dropped the request (delayed free,
     ``request_finished`` -> True, the worker reports it through ``get_finished``).
 Worker process (role WORKER): owns the ``SparseRuntime`` (host pool + hot-slot state) that the
@@ -50,7 +51,7 @@ STATS_ENV = "HISPARSE_STATS_FILE"      # worker writes hit-rate stats there (the
 class HiSparseConnectorMetadata(KVConnectorMetadata):
     new: dict[str, tuple[int, int]] = field(default_factory=dict)   # req -> (prompt len, block 0)
     finished: list[str] = field(default_factory=list)   # dropped before ``new`` takes their rows
-    spilled: list[str] = field(default_factory=list)    # resident_first: blocks given back this step
+    spilled: dict[str, int] = field(default_factory=dict)  # resident_first: req -> its new keep
 
 
 def _page_bytes(cfg, model_config, parallel_config) -> int:
@@ -100,6 +101,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._waiting: dict[str, str] = {}     # req -> what it waits for (metrics.WAIT_REASONS)
         self._sched_report: dict | None = None
         self._ledger = None                    # resident_first: the KV manager's spills
+        self._watermark_blocks = 0
         if role == KVConnectorRole.SCHEDULER:
             self._log_room()
         if role == KVConnectorRole.WORKER:
@@ -152,7 +154,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if self.cfg.resident_first:
             self._ledger = ledger_of(gpu_block_pool)
-            self._ledger.reserve = self.spill_reserve(gpu_block_pool.num_gpu_blocks)
+            self._watermark_blocks = int(self._vllm_config.scheduler_config.watermark
+                                         * gpu_block_pool.num_gpu_blocks)
+            self._ledger.reserve = self.spill_reserve()
         need = -(-self.max_model_len // self.cfg.page_size) + 1
         have = gpu_block_pool.num_gpu_blocks - 1                 # block 0 is vLLM's null block
         if have < need:
@@ -161,13 +165,31 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                 f"a max_model_len={self.max_model_len} prompt needs {need} during its own prefill; "
                 f"lower --max-model-len or raise --gpu-memory-utilization")
 
-    def spill_reserve(self, num_gpu_blocks: int) -> int:
-        """R: one max_model_len prompt (scheduler_reserve_full_isl wants it free before a waiting
-        request is allocated), every block one step's allocations can take (its batched tokens plus
-        a partial block per request) and vLLM's watermark."""
+    def spill_reserve(self) -> int:
+        """R, kept free at every KV-manager call: every block one step's allocations of running
+        requests can take (its batched tokens plus a partial block per request) and vLLM's
+        watermark. A waiting request's own blocks are made free when it is admitted
+        (``admission_blocks``, from get_num_new_matched_tokens, before vLLM checks them)."""
         sc, page = self._vllm_config.scheduler_config, self.cfg.page_size
-        return (-(-self.max_model_len // page) + -(-sc.max_num_batched_tokens // page)
-                + sc.max_num_seqs + int(sc.watermark * num_gpu_blocks))
+        return (-(-sc.max_num_batched_tokens // page) + sc.max_num_seqs
+                + self._watermark_blocks)
+
+    def admission_blocks(self, request) -> int:
+        """Free blocks a waiting request (new, or preempted: prompt and output so far) needs when
+        vLLM allocates it: its whole sequence (scheduler_reserve_full_isl, vLLM's default, checks
+        it fits before anything is allocated; else its first chunk), vLLM's watermark and one
+        block of slack (the copy of a partial prefix-cache hit)."""
+        sc, page = self._vllm_config.scheduler_config, self.cfg.page_size
+        n = min(request.num_tokens, self.max_model_len)
+        if not getattr(sc, "scheduler_reserve_full_isl", True):
+            n = min(n, sc.max_num_batched_tokens)
+        return -(-n // page) + self._watermark_blocks + 1
+
+    def _make_room(self, request) -> None:
+        """resident_first: the KV manager spills until this admitted request's blocks are free,
+        before vLLM's checks in this same step (running requests were scheduled already)."""
+        if self._ledger is not None:
+            self._ledger.make_room(self.admission_blocks(request))
 
     def _may_be_sparse(self, request) -> bool:
         """Sparse at some step of its life: a long prompt, or a short one whose prompt +
@@ -188,6 +210,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         rid = request.request_id
         self._prompt[rid] = request.num_prompt_tokens
         if rid in self._reserved:
+            self._make_room(request)
             return 0, False
         need = self._pages_needed(request)
         sparse = self._may_be_sparse(request)
@@ -212,6 +235,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self._rows_held.add(rid)
         self._reserved[rid] = need
         self._reserved_total += need
+        self._make_room(request)
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
@@ -268,12 +292,14 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         rt = worker_state.get_runtime()
         for rid in connector_metadata.finished:
             self._drop(rt, rid)
+        # spills first: a request resumed after a preemption restarts resident (rt.add), as in
+        # the KV manager; none is spilled in the step it is (re)scheduled (no processed page)
+        for rid, keep in connector_metadata.spilled.items():   # before the step is planned
+            if rid in rt.reqs:
+                rt.spill(rid, keep)
         for rid, (num_prompt, first_block) in connector_metadata.new.items():
             rt.add(rid, num_prompt)
             worker_state.bind_request(rid, first_block)
-        for rid in connector_metadata.spilled:       # before the step is planned and run
-            if rid in rt.reqs:
-                rt.spill(rid)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         # full_decode_graphs: plan a single-token step now that its requests are bound, before

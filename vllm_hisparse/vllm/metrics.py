@@ -129,7 +129,7 @@ class WorkerReport:
         self.gauges: dict[str, int] | None = None
 
     def now(self, wait: bool = False) -> dict[str, int]:
-        hits, misses = self.counters.read(wait)
+        hits, misses = self.counters.read(wait)[:2]      # [2]: block-table pages (stats file)
         st = self.rt.stats
         return {"hits": hits, "lookups": hits + misses, "miss_bytes": misses * self.page_bytes,
                 "sparse_rows": st["decode_rows"], "dense_rows": st["dense_decode_rows"]}

@@ -7,10 +7,13 @@ keeps blocks ``[0, S)`` as the hot slots plus the newest page, so the scheduler 
 free. The worker must never read a freed block; it uses the same rule to know which ones.
 
 With ``resident_first`` a request keeps every block after its prompt (*resident*) until the free
-blocks fall below the reserve R at a ``remove_skipped_blocks`` call; then resident requests are
-*spilled* (``core.residency.spill_order``), one way, down to the same floor, and their ids go to a
-``SpillLedger`` that the scheduler-side connector ships to the worker in the step's metadata
-(docs/vllm-integration.md, "Residency states").
+blocks fall below the reserve R at a ``remove_skipped_blocks`` call (or below what a waiting
+request needs, when the connector asks before admitting it: ``SpillLedger.make_room``); then the
+manager takes just the missing blocks, from the request with the most surplus first
+(``core.residency.spill_order``), oldest pages first: the request keeps a window of its ``keep``
+newest complete pages beyond the floor (*partial*; keep 0 = the floor), keep only shrinks. Each
+new keep goes to a ``SpillLedger`` that the scheduler-side connector ships to the worker in the
+step's metadata (docs/vllm-integration.md, "Residency states").
 """
 from __future__ import annotations
 
@@ -53,16 +56,25 @@ class HiSparseSpec(FullAttentionSpec):
 @dataclass
 class SpillLedger:
     """The link between the manager and the scheduler-side connector of one block pool
-    (resident_first): the connector sets ``reserve`` (bind_gpu_block_pool), the manager appends
-    the requests it spills to ``spilled``, the connector takes them into the step's metadata."""
+    (resident_first): the connector sets ``reserve`` (bind_gpu_block_pool) and asks for room
+    before it admits a request (``make_room``); the manager records each request's new ``keep``
+    in ``spilled``, which the connector takes into the step's metadata."""
     reserve: int | None = None        # free blocks to keep; None (no connector bound): spill at once
-    spilled: list[str] = field(default_factory=list)
+    spilled: dict[str, int] = field(default_factory=dict)     # req -> keep, this step's shrinks
     bound: bool = False               # a HiSparseManager uses it (one per pool: one sparse group;
                                       # a flag, not the manager, which holds the pool: weak key)
+    _manager: "weakref.ref | None" = None
 
-    def take(self) -> list[str]:
-        out, self.spilled = self.spilled, []
+    def take(self) -> dict[str, int]:
+        out, self.spilled = self.spilled, {}
         return out
+
+    def make_room(self, blocks: int) -> None:
+        """Spill until ``blocks`` blocks are free, or nothing is left to spill (no manager: a
+        no-op)."""
+        m = self._manager() if self._manager is not None else None
+        if m is not None:
+            m.spill_until(blocks)
 
 
 _LEDGERS: "weakref.WeakKeyDictionary[object, SpillLedger]" = weakref.WeakKeyDictionary()
@@ -81,60 +93,73 @@ class HiSparseManager(FullAttentionManager):
         super().__init__(kv_cache_spec, **kwargs)
         self.hs_cfg = kv_cache_spec.cfg
         self._ledger = None
-        self._resident: dict[str, tuple[int, int]] = {}    # req -> (processed tokens, prompt)
-        self._spilled: set[str] = set()
+        self._seen: dict[str, tuple[int, int]] = {}     # req -> (processed tokens, prompt)
+        self._keep: dict[str, int] = {}                 # spilled req -> keep (residency.freed_pages)
         if self.hs_cfg.resident_first and self.hs_cfg.host_tier:
             self._ledger = ledger_of(self.block_pool)
             if self._ledger.bound:
                 raise ValueError("hisparse: resident_first=true needs all hisparse layers in one "
                                  "KV cache group; use resident_first=false for this model")
             self._ledger.bound = True
+            self._ledger._manager = weakref.ref(self)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
         if num_prompt_tokens is None:
             return
-        if self._ledger is not None and request_id not in self._spilled:
-            self._resident[request_id] = (processed_computed_tokens, num_prompt_tokens)
-            self._spill_under_pressure()
-            if request_id not in self._spilled:
-                return                                # resident: keeps every block
-        self._free_beyond_floor(request_id, processed_computed_tokens, num_prompt_tokens)
+        if self._ledger is None:                      # the floor right after the prompt
+            self._free(request_id, processed_computed_tokens, num_prompt_tokens, 0)
+            return
+        self._seen[request_id] = (processed_computed_tokens, num_prompt_tokens)
+        # its own window slides first (what it gives back anyway), then the reserve is checked
+        self._free(request_id, processed_computed_tokens, num_prompt_tokens,
+                   self._keep.get(request_id))
+        self.spill_until(self._ledger.reserve)
 
-    def _free_beyond_floor(self, request_id: str, processed: int, num_prompt: int) -> None:
-        lo, hi = freed_pages(self.hs_cfg, processed, num_prompt)
+    def _free(self, request_id: str, processed: int, num_prompt: int, keep: int | None) -> None:
+        lo, hi = freed_pages(self.hs_cfg, processed, num_prompt, keep)
         if hi > lo:
-            # Walks [lo, hi) backwards and stops at the first block freed by an earlier step.
+            # Walks [lo, hi) backwards and stops at the first block freed by an earlier call: the
+            # freed pages are always one range [S, hi) that only grows.
             self._remove_blocks_in_range(request_id, lo, hi)
 
     def surplus(self, request_id: str) -> int:
-        """Blocks a resident request holds beyond its floor (what spilling it gives back): all of
-        [lo, hi), none of which was freed while it was resident (O(1): called per request under
-        pressure)."""
-        lo, hi = freed_pages(self.hs_cfg, *self._resident[request_id])
-        return max(0, min(hi, len(self.req_to_blocks.get(request_id, ()))) - lo)
+        """Complete pages beyond the floor the request holds (what it can give back): none
+        before its prompt is processed and its context reached min_context; then its kept
+        window, all of it while resident (O(1): called per request under pressure)."""
+        processed, prompt = self._seen[request_id]
+        S = self.hs_cfg.num_slots
+        if freed_pages(self.hs_cfg, processed, prompt, 0)[1] <= S:
+            return 0
+        held = min(processed // self.hs_cfg.page_size, len(self.req_to_blocks.get(request_id, ())))
+        return max(0, held - freed_pages(self.hs_cfg, processed, prompt,
+                                         self._keep.get(request_id))[1])
 
-    def _spill_under_pressure(self) -> None:
-        """Spill resident requests, most surplus first, until the pool's free blocks reach the
-        reserve (all of them with surplus when no reserve is set). One at a time: a block shared
-        through the prefix cache does not come free with one request's spill."""
-        reserve = self._ledger.reserve
+    def spill_until(self, reserve: int | None) -> None:
+        """Take blocks from requests with surplus, most surplus first, oldest pages first, until
+        the pool's free blocks reach ``reserve`` (None: every surplus at once). Only the
+        shortfall is taken, then the free blocks are re-counted: a block shared through the prefix
+        cache does not come free with one request's pages."""
         while True:
             free = self.block_pool.get_num_free_blocks()
             if reserve is not None and free >= reserve:
                 return
+            sur = {r: self.surplus(r) for r in self._seen}
             want = reserve if reserve is not None else free + self.block_pool.num_gpu_blocks
-            order = spill_order({r: self.surplus(r) for r in self._resident}, free, want)
+            order = spill_order(sur, free, want)
             if not order:
                 return
             rid = order[0]
-            self._spilled.add(rid)
-            self._ledger.spilled.append(rid)
-            self._free_beyond_floor(rid, *self._resident.pop(rid))
+            keep = 0 if reserve is None else max(0, sur[rid] - (reserve - free))
+            self._keep[rid] = keep
+            self._ledger.spilled[rid] = keep
+            self._free(rid, *self._seen[rid], keep)
 
     def pop_blocks_for_free(self, request_id: str):         # free() and vLLM's batched frees
-        # A preempted request restarts resident here; the worker keeps it spilled (it then reads
-        # its hot slots while the blocks are still held: never a block given back).
-        self._resident.pop(request_id, None)
-        self._spilled.discard(request_id)
+        # A preempted request gives every block back and restarts resident, here and on the
+        # worker (SparseRuntime.add on its resumption); a spill recorded for it this step is void.
+        self._seen.pop(request_id, None)
+        self._keep.pop(request_id, None)
+        if self._ledger is not None:
+            self._ledger.spilled.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
