@@ -33,7 +33,8 @@ void launch(const hisparse::SelectArgs& a, int64_t N, size_t smem, cudaStream_t 
 }  // namespace
 
 // scores (N, U) f32; seq, num_full, hot, rows (N,) int64; block_table (N, W) int32; slot_unit,
-// policy state (M, S) int32; unit_slot (M, units) int32; counts (2,) int64; sel, locs (N, k) int32.
+// policy state (M, S) int32; unit_slot (M, units) int32; counts (3,) int64; sel, locs (N, k) int32.
+// hot[r]: pages [0, hot[r]) of row r through its hot slots, the rest through its block table.
 // has_hot false: every row resolves through its block table (slot_unit / unit_slot / pol / hot /
 // rows / counts are not read). policy 0 = lru, 1 = crf (shift, hit: crf's constants).
 void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const torch::Tensor& num_full,
@@ -62,6 +63,7 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
     check(unit_slot, "unit_slot", torch::kInt32, 2, dev);
     check(pol, "pol", torch::kInt32, 2, dev);
     check(counts, "counts", torch::kInt64, 1, dev);
+    TORCH_CHECK(counts.size(0) >= 3, "select_resolve: counts must hold (hits, misses, block-table pages)");
     S = slot_unit.size(1);
     TORCH_CHECK(pol.size(1) == S && pol.size(0) == slot_unit.size(0), "select_resolve: pol must be (M, S)");
     TORCH_CHECK(S < (1 << 16) && k <= S, "select_resolve: need k <= S < 65536, got k=", k, " S=", S);

@@ -19,13 +19,14 @@ struct SelectArgs {
   const float* scores;      // (N, >= U) row stride s_sc
   const int64_t* seq;       // (N,) > 0: a live sparse row
   const int64_t* num_full;  // (N,) complete pages of the row (the selectable ones)
-  const int64_t* hot;       // (N,) != 0: RESOLVE through the hot slots (nullptr: no hot rows)
+  const int64_t* hot;       // (N,) pages [0, hot) RESOLVE through the hot slots, [hot, n) through
+                            // the block table (0: a resident row; nullptr: every row resident)
   const int64_t* rows;      // (N,) the row's state row
   const int32_t* bt;        // (N, W) row stride s_bt: slot s of row r is block bt[r, s]
   int32_t* su;              // (M, S) slot -> unit, -1 empty
   int32_t* us;              // (M, max units) unit -> slot, -1 not resident
   int32_t* pol;             // (M, S) lru: order (slot at recency p, MRU first); crf: value per slot
-  unsigned long long* counts;  // (2,) hits, misses (added)
+  unsigned long long* counts;  // (3,) hits, misses, pages through the block table (added)
   int32_t* sel;             // (N, K) selected pages ascending, -1 after them
   int32_t* locs;            // (N, K) blocks; a miss is marked -2 - block for the IO launch
   int64_t s_sc, s_bt, s_su, s_us, s_pol;
@@ -58,7 +59,10 @@ inline size_t select_smem_bytes(int K, int S) { return sizeof(int32_t) * (2 * (s
 
 template <int T>
 struct SelectShared {
-  typename cub::BlockScan<uint32_t, T>::TempStorage scan;
+  union {
+    typename cub::BlockScan<uint32_t, T>::TempStorage scan;
+    typename cub::BlockScan<unsigned long long, T>::TempStorage scan64;
+  };
   int32_t hist[256];
   uint32_t pick[3];          // the chosen bin, entries above it, entries in it
   uint32_t total;
@@ -70,6 +74,17 @@ __device__ __forceinline__ uint32_t block_excl(SelectShared<T>& sh, uint32_t v, 
   uint32_t out, agg;
   cub::BlockScan<uint32_t, T>(sh.scan).ExclusiveSum(v, out, agg);
   __syncthreads();  // the temp storage is reused by the next scan
+  *total = agg;
+  return out;
+}
+
+// The same over three counts packed in 21 bits each.
+template <int T>
+__device__ __forceinline__ unsigned long long block_excl3(SelectShared<T>& sh, unsigned long long v,
+                                                          unsigned long long* total) {
+  unsigned long long out, agg;
+  cub::BlockScan<unsigned long long, T>(sh.scan64).ExclusiveSum(v, out, agg);
+  __syncthreads();
   *total = agg;
   return out;
 }
@@ -94,7 +109,8 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     for (int j = tid; j < K; j += T) sel[j] = locs[j] = -1;
     return;
   }
-  const bool hot = a.hot != nullptr && a.hot[r] != 0;
+  const int64_t hot_end = a.hot != nullptr ? a.hot[r] : 0;  // pages below it: the hot slots'
+  const bool hot = hot_end != 0;
   const int64_t row = a.rows[r];
   if (hot) {  // the row's state, read before the top-k so its latency hides behind it
     for (int s = tid; s < S; s += T) {
@@ -179,31 +195,42 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   __syncthreads();
   for (int j = tid; j < K; j += T) sel[j] = j < nk ? s_sel[j] : -1;
   const int32_t* bt = a.bt + r * a.s_bt;
-  if (!hot) {  // every page on the GPU: through the block table
+  if (a.hot == nullptr) {  // every page on the GPU: through the block table
     for (int j = tid; j < K; j += T) locs[j] = j < nk ? bt[s_sel[j]] : -1;
     return;
   }
-  // ---- RESOLVE: entries j (selection order) in contiguous chunks, like the pages above
+  for (int j = nk + tid; j < K; j += T) locs[j] = -1;
+  // ---- RESOLVE: entries j (selection order) in contiguous chunks, like the pages above; pages
+  // >= hot_end through the block table, the others through the hot slots
   int32_t* su = a.su + row * a.s_su;
   int32_t* us = a.us + row * a.s_us;
   int32_t* pol = a.pol + row * a.s_pol;
   const int kc = (nk + T - 1) / T;
   const int jlo = tid * kc, jhi = min(nk, jlo + kc);
-  uint32_t nh = 0, nm = 0;
-  for (int j = jlo; j < jhi; ++j) {  // locs holds the entry's slot before this step until publish
-    const int32_t cur = us[s_sel[j]];
+  unsigned long long cnt = 0;  // hits | misses << 21 | block-table pages << 42
+  for (int j = jlo; j < jhi; ++j) {  // locs holds a hot entry's slot before this step until publish
+    const int32_t u = s_sel[j];
+    if (u >= hot_end) {
+      locs[j] = bt[u];
+      cnt += 1ull << 42;
+      continue;
+    }
+    const int32_t cur = us[u];
     locs[j] = cur;
     if (cur >= 0) s_flag[cur] = 1;
-    nh += cur >= 0;
-    nm += cur < 0;
+    cnt += cur >= 0 ? 1ull : 1ull << 21;
   }
-  uint32_t tot;
-  const uint32_t rk = block_excl<T>(sh, nh | (nm << 16), &tot);
-  const uint32_t H = tot & 0xFFFF, M = tot >> 16;
+  unsigned long long tot3;
+  const unsigned long long rk3 = block_excl3<T>(sh, cnt, &tot3);
+  constexpr unsigned long long kF = (1ull << 21) - 1;
+  const uint32_t H = tot3 & kF, M = (tot3 >> 21) & kF;
   if (tid == 0) {
     atomicAdd(a.counts, (unsigned long long)H);
     atomicAdd(a.counts + 1, (unsigned long long)M);
+    atomicAdd(a.counts + 2, tot3 >> 42);
   }
+  if (H + M == 0) return;  // nothing through the slots: the row's state is left alone
+  uint32_t tot;
   __syncthreads();
   if (M > 0) {  // victims, in the policy's eviction order: empty slots before unhit occupied ones
     const int sc_ = (S + T - 1) / T;
@@ -254,9 +281,10 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   }
   __syncthreads();
   // publish: hits keep their slot, the i-th miss takes the i-th victim
-  uint32_t hr = rk & 0xFFFF, mr = rk >> 16;
+  uint32_t hr = rk3 & kF, mr = (rk3 >> 21) & kF;
   for (int j = jlo; j < jhi; ++j) {
     const int32_t u = s_sel[j];
+    if (u >= hot_end) continue;
     const int32_t cur = locs[j];
     int32_t slot;
     if (cur >= 0) {
@@ -273,7 +301,6 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     const int32_t phys = bt[slot];
     locs[j] = cur >= 0 ? phys : -2 - phys;
   }
-  for (int j = nk + tid; j < K; j += T) locs[j] = -1;
   if (a.policy == 0) {  // the rest of the order: slots neither hit nor victim, in their old order
     const int sc_ = (S + T - 1) / T;
     const int slo = tid * sc_, shi = min(S, slo + sc_);
