@@ -9,6 +9,8 @@ mkdir -p "$out"
 if [ -z "${NO_VLLM:-}" ] && [ ! -d /tmp/site/vllm ]; then
   bash .gpu-bundle/install-vllm-bundle.sh install > "$out/install.log" 2>&1 || { tail -30 "$out/install.log"; exit 1; }
 fi
+# wheels that came in pieces (scripts/wheel_pieces.sh: ray's is over one call's 64 MiB)
+if [ -f /tmp/wheel-stage/PIECES.sha256 ]; then mkdir -p .whl && bash scripts/wheel_pieces.sh join .whl; fi
 if ls .whl/*.whl > /dev/null 2>&1; then pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; fi
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 PYTHONUNBUFFERED=1
 # A carried build (vllm_hisparse/_C*.so, same torch) is used when it imports; else build here.

@@ -6,9 +6,12 @@
 #                                       # checks HISPARSE_STATS_FILE reached both Ray workers
 #   bash scripts/gpu_tp.sh OUT refuse   # host_pool_gib far above the host's RAM at TP=2: refused
 #                                       # at startup, one line naming host_pool_gib
-# Ray is not in the vLLM bundle: carry its wheel in .whl/ (`pip download ray==<version> --no-deps
-# -d .whl` on a machine with a registry; scripts/gpu_setup.sh installs .whl/*.whl with --no-deps, so
-# ray's own requirements must already be in the bundle or carried as well).
+# Ray is not in the vLLM bundle and its wheel (79 MB) is over one call's 64 MiB: here
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl ray==2.60.0 (+ any of its requirements the box lacks)
+#   bash scripts/wheel_pieces.sh split .whl      # ray -> .whl/ray-*.whl.part0, .part1
+# then one call per piece, carrying it and .whl/PIECES.sha256: `bash scripts/wheel_pieces.sh stage`;
+# scripts/gpu_setup.sh joins the staged pieces and installs .whl/*.whl (--no-deps).
 # Writes OUT/tp-<mode>/ (the runs' JSON and logs) and OUT/tp-<mode>.txt (the summary).
 set -uo pipefail
 out=$1; mode=$2
