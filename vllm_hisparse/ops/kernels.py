@@ -41,6 +41,11 @@ if _ext is not None:
                           host_page_table, device_locs, io_chunk_bytes=64):
         return None
 
+    @torch.library.register_fake("hisparse::select_resolve")
+    def _select_resolve_fake(scores, seq, num_full, hot, rows, block_table, slot_unit, unit_slot,
+                             pol, counts, sel, locs, k, has_hot, policy, shift, hit, threads):
+        return None          # writes its outputs in place (ops/decode_ops.select_resolve)
+
 
 def resolve_lru(selection: torch.Tensor, slot_unit: torch.Tensor, unit_slot: torch.Tensor,
                 lru_order: torch.Tensor, slot_map: torch.Tensor, buffer: torch.Tensor,
