@@ -1,9 +1,10 @@
-"""The decode batch's fused ops: Triton on CUDA tensors, the plain-torch references otherwise.
+"""The decode batch's fused ops on CUDA tensors, the plain-torch references otherwise.
 
-``decode_write`` (the new token into the cache, a second pool and the Quest bounds: one launch)
-and ``select_resolve`` (top-k pages + RESOLVE with the miss copies: one launch), contracts in
-``reference.decode_write`` / ``reference.select_resolve``. Both are allocation-free on CUDA (the
-caller passes every output and workspace), so they can sit in a conditional CUDA-graph body.
+``decode_write`` (the new token into the cache, a second pool and the Quest bounds: one Triton
+launch) and ``select_resolve`` (top-k pages + RESOLVE: one launch of the CUDA kernel, or of the
+Triton one; then one launch of the miss copies), contracts in ``reference.decode_write`` /
+``reference.select_resolve``. Both are allocation-free on CUDA when the caller passes every output
+and workspace (the decode body does), so they can be recorded into a CUDA graph.
 """
 from __future__ import annotations
 
@@ -58,7 +59,9 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    state=None, host_pt: torch.Tensor | None = None,
                    host: torch.Tensor | None = None, kv: torch.Tensor | None = None,
                    counts: torch.Tensor | None = None) -> None:
-    """reference.select_resolve (shapes there); one Triton launch on CUDA. work: the (scratch,
+    """reference.select_resolve (shapes there); on CUDA the select kernel SELECT_IMPL names (CUDA:
+    csrc/select_resolve.cu, or Triton: ops/triton_select.py; the same bits) and then the launch of
+    the miss copies. work: the Triton select's (scratch,
     victims) int32 workspaces of workspace_shapes(N, k, S) (CUDA only; allocated here when None,
     which a captured graph must not do: the decode body passes its own)."""
     if not scores.is_cuda:
