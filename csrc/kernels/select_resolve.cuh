@@ -65,7 +65,6 @@ struct SelectShared {
   };
   int32_t hist[256];
   uint32_t pick[3];          // the chosen bin, entries above it, entries in it
-  uint32_t total;
 };
 
 // Exclusive scan of one value per thread; *total = the block's sum (after the call, all threads).
@@ -231,10 +230,10 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   }
   if (H + M == 0) return;  // nothing through the slots: the row's state is left alone
   uint32_t tot;
+  const int sc_ = (S + T - 1) / T;  // slots (or recency positions) [slo, shi) are this thread's
+  const int slo = tid * sc_, shi = min(S, slo + sc_);
   __syncthreads();
   if (M > 0) {  // victims, in the policy's eviction order: empty slots before unhit occupied ones
-    const int sc_ = (S + T - 1) / T;
-    const int slo = tid * sc_, shi = min(S, slo + sc_);
     if (a.policy == 0) {  // LRU: from the LRU end of the order
       uint32_t ne = 0, no = 0;
       for (int p = slo; p < shi; ++p) {
@@ -262,13 +261,11 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
         }
       }
     } else {  // crf: ascending ((value + 1) << 16 | slot), hit slots never
+      auto key = [&](int t) { return s_flag[t] == 1 ? 0x7FFFFFFF : ((s_pol[t] + 1) << 16) | t; };
       for (int s = slo; s < shi; ++s) {
-        const int32_t key = s_flag[s] == 1 ? 0x7FFFFFFF : ((s_pol[s] + 1) << 16) | s;
-        uint32_t rank = 0;
-        for (int t = 0; t < S; ++t) {
-          const int32_t kt = s_flag[t] == 1 ? 0x7FFFFFFF : ((s_pol[t] + 1) << 16) | t;
-          rank += kt < key;
-        }
+        const int32_t ks = key(s);
+        uint32_t rank = 0;  // its place in the eviction order (keys distinct but the hits')
+        for (int t = 0; t < S; ++t) rank += key(t) < ks;
         if (rank < M && s_flag[s] != 1) {
           const int32_t old = s_su[s];
           if (old >= 0) us[old] = -1;
@@ -302,8 +299,6 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     locs[j] = cur >= 0 ? phys : -2 - phys;
   }
   if (a.policy == 0) {  // the rest of the order: slots neither hit nor victim, in their old order
-    const int sc_ = (S + T - 1) / T;
-    const int slo = tid * sc_, shi = min(S, slo + sc_);
     uint32_t ns = 0;
     for (int p = slo; p < shi; ++p) ns += s_flag[s_pol[p]] == 0;
     uint32_t b = block_excl<T>(sh, ns, &tot);
