@@ -63,10 +63,6 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
     scores = torch.empty(N, ix.U, dtype=torch.float32, device=dev)
     sel = torch.empty(N, K, dtype=torch.int32, device=dev)
     locs = torch.empty_like(sel)
-    work = ()
-    if q.is_cuda:
-        work = tuple(torch.empty(s, dtype=torch.int32, device=dev)
-                     for s in decode_ops.workspace_shapes(N, K, rt.S))
     hs = rt.hot[layer]
 
     def sparse():
@@ -74,7 +70,7 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
         hot = {} if hs is None else dict(
             hot=f("hot"), rows=f("row"), state=hs,
             host_pt=rt.host_pt.table, host=host, kv=kv, counts=rt._hit_miss)
-        decode_ops.select_resolve(scores, f("sp_seq"), f("full"), K, bt, sel, locs, work, **hot)
+        decode_ops.select_resolve(scores, f("sp_seq"), f("full"), K, bt, sel, locs, **hot)
         if rt.trace is not None:
             rt.trace.decode(layer, db, sel)
 

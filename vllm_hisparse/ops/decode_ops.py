@@ -61,9 +61,9 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    counts: torch.Tensor | None = None) -> None:
     """reference.select_resolve (shapes there); on CUDA the select kernel SELECT_IMPL names (CUDA:
     csrc/select_resolve.cu, or Triton: ops/triton_select.py; the same bits) and then the launch of
-    the miss copies. work: the Triton select's (scratch,
-    victims) int32 workspaces of workspace_shapes(N, k, S) (CUDA only; allocated here when None,
-    which a captured graph must not do: the decode body passes its own)."""
+    the miss copies. work: the Triton select's (scratch, victims) int32 workspaces of
+    workspace_shapes(N, k, S); allocated here when None (and only when the Triton select runs),
+    from the graph's pool while a CUDA graph is being captured, like the body's other buffers."""
     if not scores.is_cuda:
         reference.select_resolve(scores, seq, num_full, k, block_table, sel, locs, hot, rows,
                                  state, host_pt, host, kv, counts)
