@@ -11,6 +11,9 @@ import torch
 
 from vllm_hisparse.slots import HotBufferState, fetch_misses, resolve
 
+# resolve_given's (scratch, victims) workspaces are select_resolve's: one shape rule
+from .decode_ops import workspace_shapes  # noqa: F401  (re-exported)
+
 
 def resolve_given_reference(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
                             locs: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor,
@@ -38,13 +41,6 @@ def resolve_given_reference(sel: torch.Tensor, seq: torch.Tensor, block_table: t
     fetch_misses(kv, slot_map, loc, miss, sh, lambda i, u: host[host_pt[r[i], u].long()])
     phys = torch.gather(slot_map, 1, loc.clamp(min=0))
     locs[h] = torch.where(loc >= 0, phys, -1).to(locs.dtype)
-
-
-def workspace_shapes(N: int, K: int, S: int) -> tuple[tuple, tuple]:
-    """Shapes of resolve_given's (scratch, victims) int32 workspaces (CUDA only)."""
-    from .triton_select import select_widths
-    KB, SB = select_widths(K, S)
-    return (N, SB), (N, KB)
 
 
 def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
