@@ -25,6 +25,7 @@ from .triton_online_softmax import online_softmax_step, partials, store_partials
 SPLITS = 32           # splits per row at most (the grid's third dimension)
 MIN_SPLIT = 128       # keys per split at least (a multiple of both inner-step sizes, 64 and 32)
 BLOCK_N = 64          # keys per inner step
+WARPS, STAGES = 4, 2  # the split kernel's launch (bench.dense_tune sweeps these and the three above)
 
 
 @triton.jit
@@ -156,7 +157,8 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         PAGE=P, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NS=SPLITS,
-        MIN=MIN_SPLIT, BLOCK=BLOCK_N if D <= 128 else 32, HAS_BT_ROWS=has_rows, num_warps=4, num_stages=2)
+        MIN=MIN_SPLIT, BLOCK=BLOCK_N if D <= 128 else 32, HAS_BT_ROWS=has_rows, num_warps=WARPS,
+        num_stages=STAGES)
     _ordered_combine_kernel[(R, Hq)](po, pml, seq_k, out, ns, out.stride(0), out.stride(1), HQ=Hq,
                                      D=D, NS=SPLITS, MIN=MIN_SPLIT, SKIP_EMPTY=work is not None)
     return out
