@@ -4,12 +4,17 @@ for uniform decode steps, PIECEWISE for the others).
 
     python scripts/gpu_exactness.py run resident OUT_DIR     # one engine per call (fits 10 min)
     python scripts/gpu_exactness.py run hisparse OUT_DIR
-    python scripts/gpu_exactness.py compare OUT_DIR          # identical tokens + logprobs?
+    python scripts/gpu_exactness.py run elastic OUT_DIR      # hisparse + resident_first (issue 15)
+    python scripts/gpu_exactness.py compare OUT_DIR [MODE..] # identical tokens + logprobs to
+                                                             # resident? (default: hisparse)
     HISPARSE_EXTRA='{"dense_pool_gib": 4}' python scripts/gpu_exactness.py ...
                                                              # merged into both modes' config
     EXACT_PROMPTS=6000,20000,12000,9000 ...                  # other prompt lengths (tokens)
     EXACT_PROMPTS=1200,5000 EXACT_MAX_TOKENS=1500 ...        # a short prompt turning sparse at
                                                              # min_context (2 x B = 2048) mid-decode
+    EXACT_KV_GIB=6 EXACT_UTIL=0.15 ...                       # a fixed KV cache, no profiling: engines
+                                                             # side by side on one GPU (elastic with
+                                                             # less KV than its prompts: spills)
     HISPARSE_TP=2 [HISPARSE_EXECUTOR=ray] python scripts/gpu_exactness.py ...
                                                              # tensor parallel (scripts/gpu_tp.sh)
 
@@ -35,6 +40,8 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  max_position_embeddings=MAX_LEN, rope_theta=500000.0, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, torch_dtype="bfloat16")
+MODES = {"resident": {"host_tier": False}, "hisparse": {"host_tier": True},
+         "elastic": {"host_tier": True, "resident_first": True}}
 CAPACITY = re.compile(r"(Available KV cache memory.*|GPU KV cache size.*|Maximum concurrency.*|"
                       r"cudagraph_mode.*?[,}]|Capturing CUDA graphs.*)")
 
@@ -54,14 +61,19 @@ def run(mode: str, out: str) -> int:
     prompts = os.path.join(out, "prompts.json")
     with open(prompts, "w") as f:
         json.dump([[rng.randrange(1000, 120000) for _ in range(n)] for n in PROMPT_LENS], f)
-    cfg = dict(CFG, **json.loads(os.environ.get("HISPARSE_EXTRA", "{}")), host_tier=(mode == "hisparse"))
+    if mode not in MODES:
+        raise SystemExit(f"mode: one of {', '.join(MODES)}, got {mode!r}")
+    cfg = dict(CFG, **json.loads(os.environ.get("HISPARSE_EXTRA", "{}")), **MODES[mode])
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "hisparse_generate.py"), "--model",
            model_dir(), "--config", json.dumps(cfg), "--prompts", prompts, "--max-tokens", str(MAX_TOKENS),
            "--dtype", "bfloat16", "--load-format", "dummy", "--skip-tokenizer", "--cuda-graphs",
            "--max-model-len", str(MAX_LEN), "--max-num-seqs", "32",
-           "--max-num-batched-tokens", "2048", "--gpu-memory-utilization", "0.9",
+           "--max-num-batched-tokens", "2048",
+           "--gpu-memory-utilization", os.environ.get("EXACT_UTIL", "0.9"),
            "--out", os.path.join(out, f"{mode}.json"),
            "--tensor-parallel-size", os.environ.get("HISPARSE_TP", "1")]
+    if os.environ.get("EXACT_KV_GIB"):
+        cmd += ["--kv-cache-gib", os.environ["EXACT_KV_GIB"]]
     if os.environ.get("HISPARSE_EXECUTOR"):
         cmd += ["--distributed-executor-backend", os.environ["HISPARSE_EXECUTOR"]]
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0")
@@ -77,21 +89,23 @@ def run(mode: str, out: str) -> int:
     return rc
 
 
-def compare(out: str) -> int:
+def compare(out: str, modes=("hisparse",)) -> int:
     a = json.load(open(os.path.join(out, "resident.json")))
-    b = json.load(open(os.path.join(out, "hisparse.json")))
     ok = True
-    for i, (r, h) in enumerate(zip(a["batches"][0], b["batches"][0])):
-        same_t = r["tokens"] == h["tokens"]
-        same_l = r["logprobs"] == h["logprobs"]
-        ok &= same_t and same_l
-        print(f"request {i} ({PROMPT_LENS[i]} tokens): tokens identical {same_t}, "
-              f"logprobs identical {same_l}")
-    print("hisparse stats:", json.dumps(b["stats"]), "peak decode blocks", b["peak_decode_blocks"],
-          "vs resident", a["peak_decode_blocks"])
-    for rank, s in enumerate(b.get("rank_stats", [])[1:], 1):
-        print(f"hisparse rank {rank} stats:", json.dumps(s))
-    print("elapsed s: resident", round(a["elapsed_s"], 1), "hisparse", round(b["elapsed_s"], 1))
+    for mode in modes:
+        b = json.load(open(os.path.join(out, f"{mode}.json")))
+        for i, (r, h) in enumerate(zip(a["batches"][0], b["batches"][0])):
+            same_t = r["tokens"] == h["tokens"]
+            same_l = r["logprobs"] == h["logprobs"]
+            ok &= same_t and same_l
+            print(f"{mode} request {i} ({r['prompt_len']} tokens): tokens identical {same_t}, "
+                  f"logprobs identical {same_l}")
+        print(f"{mode} stats:", json.dumps(b["stats"]), "peak decode blocks",
+              b["peak_decode_blocks"], "vs resident", a["peak_decode_blocks"],
+              "preemptions", b.get("preemptions"), "vs resident", a.get("preemptions"))
+        for rank, s in enumerate(b.get("rank_stats", [])[1:], 1):
+            print(f"{mode} rank {rank} stats:", json.dumps(s))
+        print(f"elapsed s: resident {a['elapsed_s']:.1f} {mode} {b['elapsed_s']:.1f}")
     print("EXACT" if ok else "MISMATCH")
     return 0 if ok else 1
 
@@ -99,4 +113,4 @@ def compare(out: str) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         sys.exit(run(sys.argv[2], sys.argv[3]))
-    sys.exit(compare(sys.argv[2]))
+    sys.exit(compare(sys.argv[2], tuple(sys.argv[3:]) or ("hisparse",)))

@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="override the number of KV blocks (small: forces preemption)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV cache size (vLLM's kv_cache_memory_bytes: no memory profiling, so "
+                        "several engines can start side by side on one GPU)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="no --enforce-eager: vLLM's piecewise CUDA graphs around attention")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -94,6 +97,7 @@ def main(argv=None) -> int:
               load_format=a.load_format, skip_tokenizer_init=a.skip_tokenizer,
               gpu_memory_utilization=a.gpu_memory_utilization, num_gpu_blocks_override=a.num_blocks,
               tensor_parallel_size=a.tensor_parallel_size,
+              **({"kv_cache_memory_bytes": int(a.kv_cache_gib * 2**30)} if a.kv_cache_gib else {}),
               distributed_executor_backend=a.distributed_executor_backend,
               **({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}
                  if a.cuda_graphs else {}))
