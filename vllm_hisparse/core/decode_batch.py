@@ -41,14 +41,11 @@ _KIND_OF = {"has_sparse": "sp_seq", "has_dense": "dn_seq", "has_dl": "dl_seq",
 class DecodeBatch:
     """The buffers of one batch size N (fixed addresses: a FULL graph of size N reads them)."""
 
-    def __init__(self, N: int, device, kv_heads: int = 1):
+    def __init__(self, N: int, device):
         self.N = N
         F = len(FIELDS)
         self.meta = torch.zeros(F * N, dtype=torch.int64, device=device)
         self.newest = torch.full((N,), -1, dtype=torch.int32, device=device)
-        # the decode attention's arrival counters (ops/triton_decode_attention.counters: zeros
-        # between calls; made here, outside any graph capture)
-        self.attn_cnt = torch.zeros(N * kv_heads, dtype=torch.int32, device=device)
         self._f = {name: self.meta[i * N:(i + 1) * N] for i, name in enumerate(FIELDS)}
         self.flags = dict.fromkeys(KINDS, False)
         self.steps: list = []                         # core.step_plan.ReqStep of rows 0..n-1

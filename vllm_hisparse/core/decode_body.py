@@ -9,8 +9,7 @@ Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind re
    (``Indexer.score``) -> ``select_resolve`` (top-k units, RESOLVE, then the miss copies from the
    host pool);
 3. ``decode_attention``: sparse rows over their selected pages and newest page, dense rows with the
-   batch-invariant split-KV dense decode over the paged cache — one launch (the last program of a
-   row's KV head combines its splits).
+   batch-invariant split-KV dense decode over the paged cache — one split and one combine launch.
 
 Dense layer: the new token into its block (and the dense pool, or the host pool); dense decode of
 the rows whose keys are on the GPU over the cache, of sparse rows over the dense pool; sparse rows
@@ -76,13 +75,12 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
             rt.trace.decode(layer, db, sel)
 
     db.run_kinds(("has_sparse",), [sparse])
-    if rt.split_dense or not q.is_cuda:          # both row kinds: one launch
+    if rt.split_dense or not q.is_cuda:          # both row kinds: one split + one combine launch
         aw = ()
         if q.is_cuda:
             from vllm_hisparse.ops.triton_decode_attention import partials_numel
             aw = tuple(torch.empty(n, dtype=torch.float32, device=dev)
                        for n in partials_numel(N, q.shape[1], kv.shape[3], K, P, q.shape[2]))
-            aw += (db.attn_cnt,)
         kernels.decode_attention(q, kv, bt, locs, sel, f("sp_seq"), db.newest, f("dn_seq"), scale,
                                  out, aw)
         return

@@ -104,13 +104,14 @@ def _combine_kernel(PO, PML, OUT, SEQ, n_splits, s_or, s_oh, HQ: tl.constexpr, D
     if SKIP_EMPTY:                      # its out row is left as it is
         live = tl.load(SEQ + r) > 0
     if live:
-        _combine(PO, PML, OUT, n_splits, n_splits, s_or, s_oh, r, tl.program_id(1), HQ, D, SP)
+        _combine(PO, PML, OUT, n_splits, n_splits, s_or, s_oh, r, HQ, D, SP)
 
 
 @triton.jit
-def _combine(PO, PML, OUT, n_splits, stride, s_or, s_oh, r, h, HQ: tl.constexpr, D: tl.constexpr,
+def _combine(PO, PML, OUT, n_splits, stride, s_or, s_oh, r, HQ: tl.constexpr, D: tl.constexpr,
              SP: tl.constexpr):
-    """Row r, query head h: the first n_splits partials of the (r, h) run of ``stride``."""
+    """Row r, head program_id(1): the first n_splits partials of the (r, head) run of ``stride``."""
+    h = tl.program_id(1)
     os_ = tl.arange(0, SP)
     od = tl.arange(0, D)
     smask = os_ < n_splits

@@ -1,17 +1,14 @@
-"""The attention of a decode batch's sparse layer in one launch (Triton): sparse rows over their
+"""The attention of a decode batch's sparse layer in two launches (Triton): sparse rows over their
 selected pages plus their newest page (ops/triton_attention.py's split and combine), dense rows
 over their whole paged context (ops/triton_dense_decode.py's split and ordered combine), each
-program doing what its row's kind needs, and the last program of each (row, KV head) to finish
-combining that row's splits for the head's query group — instead of four launches, two of them
-inert for every row of the other kind (each launch and the gap after it cost ~1.5-3 us at one row
-on the H200), then two (a split and a combine launch).
+program doing what its row's kind needs — instead of four launches, two of them inert for every
+row of the other kind (each launch and the gap after it cost ~1.5-3 us at one row on the H200).
 
-A row's programs run exactly the code of its kind's own kernels with the same split layout, the
-partial results only sit at a wider stride, and the combine reads them in the same fixed order,
-so every row gets the bits ``triton_attention.sparse_decode_attention_newest`` /
-``triton_dense_decode.dense_decode_attention`` give it (tests/test_decode_attention.py checks that,
-bit for bit). The plain-torch twin is ``kernels.decode_attention``'s CPU path (the two
-references)."""
+A row's programs run exactly the code of its kind's own kernels with the same split layout, and
+the partial results only sit at a wider stride, so every row gets the bits
+``triton_attention.sparse_decode_attention_newest`` / ``triton_dense_decode.dense_decode_attention``
+give it (tests/test_decode_attention.py checks that, bit for bit). The plain-torch twin is
+``kernels.decode_attention``'s CPU path (the two references)."""
 from __future__ import annotations
 
 import torch
@@ -23,12 +20,12 @@ from . import triton_dense_decode as td
 
 
 @triton.jit(do_not_specialize=["split_tokens", "n_sp", "ns"])
-def _mixed_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML, CNT, OUT,
-                  scale, n_sel, n_tok, split_tokens, n_sp, ns,
-                  s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_br, s_or, s_oh,
-                  UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                  D: tl.constexpr, BLOCK: tl.constexpr, DBLOCK: tl.constexpr,
-                  NSD: tl.constexpr, MIN: tl.constexpr, SP: tl.constexpr):
+def _mixed_split_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML,
+                        scale, n_sel, n_tok, split_tokens, n_sp, ns,
+                        s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_br,
+                        UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                        D: tl.constexpr, BLOCK: tl.constexpr, DBLOCK: tl.constexpr,
+                        NSD: tl.constexpr, MIN: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -37,9 +34,6 @@ def _mixed_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML, CNT, 
             ta._split(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, SP_SEQ, PO, PML, scale, n_sel, n_tok,
                       split_tokens, ns, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur,
                       s_kn, s_ku, s_kc, s_kh, r, UNIT, HKV, G, GP, D, BLOCK, True, True)
-            if _last_arrival(CNT + r * HKV + h, n_sp):
-                for g in tl.static_range(G):
-                    ta._combine(PO, PML, OUT, n_sp, ns, s_or, s_oh, r, h * G + g, HKV * G, D, SP)
     else:
         seq = tl.load(DN_SEQ + r)
         split_n = td._split_len(seq, NSD, MIN)
@@ -48,23 +42,19 @@ def _mixed_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML, CNT, 
             td._split(Q, KV, KV + s_kc, BT + r * s_br, PO, PML, scale, ns, r, h, sp, start, seq,
                       split_n, s_qr, s_qh, s_kn, s_ku, s_kh, s_kn, s_ku, s_kh,
                       UNIT, HKV, G, GP, D, DBLOCK)
-            if _last_arrival(CNT + r * HKV + h, tl.minimum((seq + split_n - 1) // split_n, ns)):
-                for g in tl.static_range(G):
-                    td._combine(PO, PML, OUT, ns, s_or, s_oh, r, h * G + g, seq, HKV * G, D,
-                                split_n)
 
 
-@triton.jit
-def _last_arrival(cnt, n):
-    """Whether this program is the last of the n that write one (row, KV head)'s partials: every
-    thread's stores are done (barrier), then one acq_rel atomic publishes them and, in the last
-    program, makes the others' visible. The last one sets the counter back to 0 for the next
-    launch (a CUDA graph replays this with the same counters)."""
-    tl.debug_barrier()
-    last = tl.atomic_add(cnt, 1, sem="acq_rel") == n - 1
-    if last:
-        tl.store(cnt, 0)
-    return last
+@triton.jit(do_not_specialize=["n_sp", "ns"])
+def _mixed_combine_kernel(PO, PML, SP_SEQ, DN_SEQ, OUT, n_sp, ns, s_or, s_oh, HQ: tl.constexpr,
+                          D: tl.constexpr, SP: tl.constexpr, NSD: tl.constexpr,
+                          MIN: tl.constexpr):
+    r = tl.program_id(0)
+    if tl.load(SP_SEQ + r) > 0:
+        ta._combine(PO, PML, OUT, n_sp, ns, s_or, s_oh, r, HQ, D, SP)
+    else:
+        seq = tl.load(DN_SEQ + r)
+        if seq > 0:
+            td._combine(PO, PML, OUT, ns, s_or, s_oh, r, seq, HQ, D, td._split_len(seq, NSD, MIN))
 
 
 def layout(R: int, Hkv: int, k: int, unit: int) -> tuple[int, int, int]:
@@ -79,12 +69,6 @@ def partials_numel(R: int, Hq: int, Hkv: int, k: int, unit: int, D: int) -> tupl
     return R * Hq * ns * D, R * Hq * ns * 2
 
 
-def counters(rows: int, Hkv: int, device) -> torch.Tensor:
-    """The arrival counters of calls of up to ``rows`` rows: zeros, and zeros again after every
-    call (keep one buffer per device and pass it to every call: graphs replay it)."""
-    return torch.zeros(rows * Hkv, dtype=torch.int32, device=device)
-
-
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
                      locs: torch.Tensor, units: torch.Tensor, sp_seq: torch.Tensor,
                      newest: torch.Tensor, dn_seq: torch.Tensor, scale: float, out: torch.Tensor,
@@ -92,10 +76,8 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
     """Rows with sp_seq > 0: sparse_decode_attention_newest(q, kv, locs, units, sp_seq, newest);
     rows with dn_seq > 0: dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, dn_seq);
     other rows' out left as they are. kv (N, 2, P, Hkv, D); block_table (R, W) int32 (W * P >=
-    max dn_seq); locs/units (R, k) int32; sp_seq/dn_seq (R,) int; newest (R,) int; work (po, pml,
-    cnt): partials of at least ``partials_numel`` elements and ``counters`` for >= R rows. One
-    launch: the last program of each (row, KV head) to finish its split combines the splits, in
-    the order the combine kernels above use. No allocation, no host sync: capturable."""
+    max dn_seq); locs/units (R, k) int32; sp_seq/dn_seq (R,) int; newest (R,) int; work (po, pml)
+    of at least ``partials_numel`` elements. No allocation, no host sync: capturable."""
     R, Hq, D = q.shape
     unit, Hkv = kv.shape[2], kv.shape[3]
     k = locs.shape[1]
@@ -105,16 +87,18 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
     if R == 0:
         return out
     n_sp, split, ns = layout(R, Hkv, k, unit)
-    po, pml, cnt = work
+    po, pml = work
     assert po.numel() >= R * Hq * ns * D and pml.numel() >= R * Hq * ns * 2, "work too small"
-    assert cnt.dtype == torch.int32 and cnt.numel() >= R * Hkv, "counters too small"
     G = Hq // Hkv
-    _mixed_kernel[(R, Hkv, ns)](
-        q, kv, locs, units, sp_seq, newest, dn_seq, block_table, po, pml, cnt, out,
+    _mixed_split_kernel[(R, Hkv, ns)](
+        q, kv, locs, units, sp_seq, newest, dn_seq, block_table, po, pml,
         float(scale), k * unit, k * unit + unit, split, n_sp, ns,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        locs.stride(0), units.stride(0), block_table.stride(0), out.stride(0), out.stride(1),
+        locs.stride(0), units.stride(0), block_table.stride(0),
         UNIT=unit, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK=ta.BLOCK_N if D <= 128 else 32, DBLOCK=td.BLOCK_N if D <= 128 else 32,
-        NSD=td.SPLITS, MIN=td.MIN_SPLIT, SP=ta.MAX_SPLITS, num_warps=4, num_stages=2)
+        NSD=td.SPLITS, MIN=td.MIN_SPLIT, num_warps=4, num_stages=2)
+    _mixed_combine_kernel[(R, Hq)](po, pml, sp_seq, dn_seq, out, n_sp, ns, out.stride(0),
+                                   out.stride(1), HQ=Hq, D=D, SP=ta.MAX_SPLITS, NSD=td.SPLITS,
+                                   MIN=td.MIN_SPLIT)
     return out

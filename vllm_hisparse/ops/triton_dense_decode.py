@@ -102,14 +102,13 @@ def _ordered_combine_kernel(PO, PML, SEQ, OUT, n_splits, s_or, s_oh, HQ: tl.cons
     if SKIP_EMPTY:                          # a row with no keys is not this call's: out untouched
         live = seq > 0
     if live:
-        _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, tl.program_id(1), seq, HQ, D,
-                 _split_len(seq, NS, MIN))
+        _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, seq, HQ, D, _split_len(seq, NS, MIN))
 
 
 @triton.jit
-def _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, h, seq, HQ: tl.constexpr, D: tl.constexpr,
+def _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, seq, HQ: tl.constexpr, D: tl.constexpr,
              split_n):
-    """Row r, query head h: its live splits' partials, one after the other."""
+    h = tl.program_id(1)
     od = tl.arange(0, D)
     live = tl.minimum((seq + split_n - 1) // split_n, n_splits)
     base = ((r * HQ + h) * n_splits).to(tl.int64)
