@@ -93,3 +93,38 @@ def test_replayed_graphs_equal_eager_and_resident(dense_layers, dense_pool_gib):
         assert not torch.isnan(a).any(), f"step/layer {i}: NaN in the replay"
         assert torch.equal(a, b), f"step/layer {i}: replay differs from eager"
         assert torch.equal(a, c), f"step/layer {i}: hisparse differs from resident"
+
+
+def run_stock(cls, decode_fn):
+    """An engine where no request can be sparse (max_model_len 640 < min_context): every layer
+    through decode_fn when it is given (decode_body.stock_layer), else the usual decode body."""
+    cfg = HiSparseConfig(top_k=48, device_buffer_size=64, page_size=16, dense_layers=(0,),
+                         min_context=1000, host_pool_gib=0.05)
+    d = cls(cfg, rows=4, device="cuda", dtype=torch.bfloat16, dims=(8, 2, 64), shape=(16, 3, 40))
+    if decode_fn is not None:
+        d.rt.use_decode_fn(decode_fn)
+    prompts = {"a": 300, "b": 130, "c": 60}
+    for rid, n in prompts.items():
+        d.add(rid, n)
+    d.step({"a": 256, "b": 130, "c": 60})
+    d.step({"a": 44, "b": 1, "c": 1})
+    for i in range(24):                      # 3 rows, then 2 (padded batches with junk rows)
+        d.step({rid: 1 for rid in prompts if not (rid == "c" and i >= 12)})
+    return d.outs
+
+
+def test_stock_decode_replays_equal_eager_and_match_the_split_kernel():
+    """FlashAttention with its own split-KV (vLLM's, as stock decodes) recorded into the graphs:
+    replay == eager bit for bit (the keys bound is the table's width in both), and within bf16
+    rounding of the batch-invariant split-KV kernel the body runs otherwise."""
+    flash_dense = pytest.importorskip("vllm_hisparse.vllm.flash_dense")
+    fn = flash_dense.make_decode_fn(torch.bfloat16, 64)
+    g = run_stock(GraphDriver, fn)
+    e = run_stock(lambda *a, **k: Driver(*a, full=True, **k), fn)
+    split = run_stock(GraphDriver, None)
+    assert len(g) == len(e) == len(split)
+    for i, (a, b, c) in enumerate(zip(g, e, split)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN in the replay"
+        assert torch.equal(a, b), f"step/layer {i}: replay differs from eager"
+        torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2,
+                                   msg=f"step/layer {i}")

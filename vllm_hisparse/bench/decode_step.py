@@ -36,13 +36,19 @@ class Setup:
     def __init__(self, args, rows: int, ctx: int):
         dev = torch.device("cuda")
         self.rows, self.ctx, self.L = rows, ctx, args.layers
-        cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=P,
-                             dense_layers=(), host_pool_gib=1, host_tier=not args.resident)
-        self.S = cfg.num_slots
         max_len = ctx + args.steps * 3 + 64
+        # --stock-decode: an engine where no request can be sparse (min_context past max_len),
+        # every layer through FlashAttention with its own split-KV (decode_body.stock_layer)
+        cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=P,
+                             dense_layers=(), host_pool_gib=1, host_tier=not args.resident,
+                             min_context=max_len + 1 if args.stock_decode else None)
+        self.S = cfg.num_slots
         self.U = -(-max_len // P)
         self.rt = SparseRuntime(cfg, self.L, HKV, D, torch.bfloat16, dev, rows, max_len,
                                 host_pages=rows * self.U if not args.resident else None)
+        if args.stock_decode:
+            from vllm_hisparse.vllm.flash_dense import make_decode_fn
+            self.rt.use_decode_fn(make_decode_fn(torch.bfloat16, D))
         g = torch.Generator(device=dev).manual_seed(0)
         if self.rt.pool is not None:
             tile = torch.randn(4096, HKV, D, device=dev, generator=g).to(torch.bfloat16).cpu()
@@ -227,11 +233,18 @@ def main(argv=None) -> int:
                     help="A/B: override ops/decode_ops.SELECT_IMPL (the select kernel)")
     ap.add_argument("--select-threads", type=int, default=None,
                     help="tuning: override ops/decode_ops.SELECT_THREADS (CUDA select's CTA)")
+    ap.add_argument("--miss-io", choices=("fused", "launch"), default=None,
+                    help="A/B: override ops/decode_ops.MISS_IO (the CUDA select's miss copies)")
+    ap.add_argument("--stock-decode", action="store_true",
+                    help="no request can be sparse: every layer through FlashAttention as stock "
+                         "(needs vLLM; decode_body.stock_layer)")
     ap.add_argument("--out", default="out/decode_step")
     args = ap.parse_args(argv)
     from vllm_hisparse.ops import decode_ops, triton_quest, triton_select
     if args.select_impl is not None:
         decode_ops.SELECT_IMPL = args.select_impl
+    if args.miss_io is not None:
+        decode_ops.MISS_IO = args.miss_io
     if args.select_threads is not None:
         decode_ops.SELECT_THREADS = args.select_threads
     if args.select_warps is not None:
@@ -250,7 +263,8 @@ def main(argv=None) -> int:
             row = {"context": ctx, "rows": R, "mode": "eager" if args.eager else "graph",
                    "resident": args.resident, "q_noise": args.q_noise,
                    "select_impl": decode_ops.SELECT_IMPL,
-                   "select_threads": decode_ops.SELECT_THREADS,
+                   "select_threads": decode_ops.SELECT_THREADS, "miss_io": decode_ops.MISS_IO,
+                   "stock_decode": args.stock_decode,
                    "select_warps": args.select_warps, "radix_bits": args.radix_bits,
                    "quest_tile_elems": args.quest_tile_elems,
                    "sparse_rows": sum(s.rt.reqs[i].sparse for i in s.ids), **measure(s, args.steps)}

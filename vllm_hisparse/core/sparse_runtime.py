@@ -9,9 +9,8 @@ The rows with one query token of a step form its decode batch (core/decode_batch
 run core/decode_body.py; a uniform decode step is planned by ``plan_full`` for vLLM's FULL CUDA
 graph of its padded size and its layers run ``full_layer`` (recorded once, then replayed).
 
-With ``cfg.trace_dir`` set, every sparse layer's selection of every decode row is appended to a
-per-request trace (core/decode_trace.py, as ``sim/record.py`` writes Quest traces). It copies the
-selection to the host once per layer: a measurement mode, not a serving mode.
+With ``cfg.trace_dir`` set, every sparse layer's selection of every decode row goes to a per-request
+trace (core/decode_trace.py; one host copy per layer: a measurement mode, not a serving mode).
 """
 from __future__ import annotations
 
@@ -101,6 +100,10 @@ class SparseRuntime:
         # Paged causal attention for prefill / dense rows: paged_dense_reference's signature. The
         # vLLM adapter plugs FlashAttention in on the GPU; the default is the plain-torch twin.
         self.dense_fn = sl.paged_dense_reference
+        # No request can ever be sparse (core/gpu_pools.py): decode_fn may then take every layer
+        # (use_decode_fn; the GPU adapter plugs in FlashAttention as stock vLLM decodes).
+        self.sparse_possible = gpu_pools.sparse_possible(cfg, max_model_len)
+        self.decode_fn = None
         self.reqs: dict[str, Req] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.trace = (DecodeTrace(trace_writer, cfg, self.ix, num_layers, self.dense_layers,
@@ -274,9 +277,21 @@ class SparseRuntime:
         int32: row i = decode-batch row i): recorded by vLLM's FULL graph capture and replayed, or
         run eagerly when vLLM replays no graph for the step."""
         t0 = time.perf_counter()
-        body = decode_body.dense_layer if layer in self.dense_layers else decode_body.sparse_layer
-        body(self, layer, self._batch(N), q, k, v, kv, block_table, scale, out)
+        self._body(layer)(self, layer, self._batch(N), q, k, v, kv, block_table, scale, out)
         self._host_s["full_layers"] += time.perf_counter() - t0
+
+    def _body(self, layer: int):                  # the decode body of a layer
+        if self.decode_fn is not None:
+            return decode_body.stock_layer
+        return decode_body.dense_layer if layer in self.dense_layers else decode_body.sparse_layer
+
+    def use_decode_fn(self, fn) -> None:
+        """Decode every row of every layer through ``fn`` (paged_dense_reference's signature;
+        decode_body.stock_layer). Only for an engine where no request can be sparse."""
+        if fn is not None and self.sparse_possible:
+            raise ValueError("hisparse runtime: decode_fn is for engines where no request can be "
+                             f"sparse (max_model_len < min_context={self.cfg.min_context_tokens})")
+        self.decode_fn = fn
 
     def _fill_batch(self, dec: list[ReqStep], pages: dict, N: int) -> DecodeBatch:
         """Decode batch N holding the one-token rows ``dec`` (the rest padding), their trace
@@ -365,7 +380,7 @@ class SparseRuntime:
         if db is None:
             return
         n, tok = db.n, plan.db_tok
-        body = decode_body.dense_layer if layer in self.dense_layers else decode_body.sparse_layer
+        body = self._body(layer)
         if tok is None and out.dtype == q.dtype:        # the decode rows are the first tokens
             body(self, layer, db, q[:n], k[:n], v[:n], kv, plan.db_bt, scale, out[:n])
             return

@@ -6,6 +6,10 @@ of ``core.sparse_layer.paged_dense_reference`` (the CPU twin).
 and page size, never on which other requests share the batch or on which call attends it (hisparse
 mode reads a dense layer's freed pages from a scratch copy) — what keeps hisparse == resident bit
 for bit.
+
+``make_decode_fn`` is the other choice, for an engine where no request can be sparse
+(``SparseRuntime.use_decode_fn``): FlashAttention picking its own split-KV, as stock vLLM decodes.
+Rows are then never attended apart from their batch in one mode and not the other.
 """
 from __future__ import annotations
 
@@ -14,6 +18,11 @@ import torch
 from .compat import init_logger
 
 logger = init_logger(__name__)
+
+
+def _usable(dtype: torch.dtype, head_size: int) -> bool:
+    return (torch.cuda.is_available() and dtype in (torch.float16, torch.bfloat16)
+            and head_size % 8 == 0 and head_size <= 256)
 
 
 def make_dense_fn(dtype: torch.dtype, head_size: int):
@@ -38,3 +47,21 @@ def make_dense_fn(dtype: torch.dtype, head_size: int):
 
     logger.info("hisparse: dense/prefill attention through FlashAttention %s", version)
     return dense_fn
+
+
+def make_decode_fn(dtype: torch.dtype, head_size: int):
+    """FlashAttention over the paged cache with its own split-KV choice (num_splits=0), the
+    signature of make_dense_fn's function; None where FlashAttention cannot run."""
+    if not _usable(dtype, head_size):
+        return None
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+
+    version = get_flash_attn_version()
+
+    def decode_fn(q, k_cache, v_cache, block_table, cu_q, seq_k, max_q, max_k, scale, out):
+        flash_attn_varlen_func(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q,
+                               max_seqlen_q=max_q, seqused_k=seq_k, max_seqlen_k=max_k,
+                               softmax_scale=scale, causal=True, block_table=block_table,
+                               fa_version=version, num_splits=0)
+
+    return decode_fn
