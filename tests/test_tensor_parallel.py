@@ -117,6 +117,42 @@ def test_vllm_config_at_tp2_refuses_an_oversized_pool(monkeypatch):
 
 
 @pytest.mark.vllm
+def test_the_engine_cores_second_config_check_passes_its_own_pinned_pool(monkeypatch):
+    """vLLM's engine core runs VllmConfig.__post_init__ (so our platform check) again after its
+    workers pinned the pools, on the config it got pickled from the front end; the RAM still
+    available then no longer holds the pool (on the H200 an 84 GiB pool on 125.8 GiB refused
+    itself there). The room is checked once per engine: the second run passes; a new config on
+    the same short memory is refused."""
+    import pickle
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_hisparse.vllm.plugin import register
+    from vllm_hisparse.vllm.setup_check import RAY_PREFIXES
+
+    register()
+    mem = dict(MEM)
+    monkeypatch.setattr(host_pool, "host_memory", lambda: dict(mem))
+    monkeypatch.setenv(RAY_PREFIXES, "")
+    model = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_model.py")],
+                           check=True, capture_output=True, text=True).stdout.split()[-1]
+
+    def config():
+        return EngineArgs(model=model, attention_backend="hisparse", dtype="float32",
+                          max_model_len=256,
+                          additional_config={"hisparse": {"top_k": 48, "device_buffer_size": 64,
+                                                          "host_pool_gib": 84}}
+                          ).create_engine_config()
+
+    vc = config()                                 # the front end: 84 of 120 GiB available
+    mem["available"] -= 84 * GIB                  # the workers pinned it
+    core = pickle.loads(pickle.dumps(vc))         # what the engine core process gets
+    core.__post_init__()                          # EngineCore._perform_handshakes' last line
+    with pytest.raises(ValueError, match=r"host_pool_gib=84 needs 84\.00 GiB"):
+        config()
+
+
+@pytest.mark.vllm
 def test_hisparse_env_reaches_ray_workers(monkeypatch):
     """vLLM's Ray executor copies the variables get_env_vars_to_copy names (vllm/ray/ray_env.py,
     its own function, called here as the executor calls it); after the startup check it names

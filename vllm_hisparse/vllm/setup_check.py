@@ -113,20 +113,34 @@ def warn_never_sparse(cfg: HiSparseConfig, max_model_len: int) -> None:
                    max_model_len, cfg.min_context_tokens, unset, pool)
 
 
+HOST_CHECKED = "hisparse_host_room_checked"     # additional_config key: check_host_memory ran
+
+
 def check_host_memory(cfg, vllm_config) -> None:
     """Before any worker allocates: the host pools of every rank on this host (each tensor-parallel
     rank pins host_pool_gib / TP; each local data-parallel engine has its own) must fit this host's
     available RAM and container limit; refused in one line naming host_pool_gib and a value that
-    fits (core/host_pool.check_host_room)."""
+    fits (core/host_pool.check_host_room).
+
+    Once per engine: vLLM's engine core runs the platform's config check again after its workers
+    have built the model and pinned the pools (``EngineCore._perform_handshakes`` ends with
+    ``vllm_config.__post_init__()``), when the available RAM no longer counts them; checked there
+    again, a pool bigger than half the host refused itself (H200, 2026-12-01: host_pool_gib=84
+    on 125.8 GiB). The mark travels with the config to the engine core's process."""
     from vllm_hisparse.core import capacity
     from vllm_hisparse.core.host_pool import check_host_room
 
+    extra = vllm_config.additional_config
+    if isinstance(extra, dict) and extra.get(HOST_CHECKED):
+        return
     pc = vllm_config.parallel_config
     tp = pc.tensor_parallel_size
     local = getattr(pc, "local_world_size", pc.world_size) * max(1, pc.data_parallel_size_local)
     cuda = getattr(getattr(vllm_config, "device_config", None), "device_type", None) == "cuda"
     check_host_room(cfg.host_pool_gib, capacity.host_pool_rank_bytes(cfg.host_pool_bytes, tp),
                     tp, local, pinned=cuda)
+    if isinstance(extra, dict):
+        extra[HOST_CHECKED] = True
 
 
 RAY_PREFIXES = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
