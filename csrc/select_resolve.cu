@@ -1,7 +1,6 @@
 // Torch launcher of SELECT + RESOLVE (kernels/select_resolve.cuh): checks every input, picks the
 // current stream, one launch. No host synchronisation and no allocation: capturable in a CUDA graph.
-// The miss copies: in the same launch (io: the CTA of a row copies its misses after the plan), or a
-// second launch after it (ops/triton_select.py's IO kernel, as with the Triton select).
+// The miss copies stay a second launch (ops/triton_select.py's IO kernel), as with the Triton select.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/all.h>
@@ -38,16 +37,11 @@ void launch(const hisparse::SelectArgs& a, int64_t N, size_t smem, cudaStream_t 
 // hot[r]: pages [0, hot[r]) of row r through its hot slots, the rest through its block table.
 // has_hot false: every row resolves through its block table (slot_unit / unit_slot / pol / hot /
 // rows / counts are not read). policy 0 = lru, 1 = crf (shift, hit: crf's constants).
-// io (with has_hot): copy the misses here, from host (the host pool's pages of the layer, a CUDA
-// alias of pinned memory; host_pt (M, units) int32 its page of each row's unit) into kv (the cache
-// blocks, one page each, the host's layout), and write the block in locs; else mark a miss
-// -2 - block for the IO launch (host_pt / host / kv are not read).
 void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const torch::Tensor& num_full,
                     const torch::Tensor& hot, const torch::Tensor& rows, const torch::Tensor& block_table,
                     torch::Tensor& slot_unit, torch::Tensor& unit_slot, torch::Tensor& pol, torch::Tensor& counts,
                     torch::Tensor& sel, torch::Tensor& locs, int64_t k, bool has_hot, int64_t policy,
-                    int64_t shift, int64_t hit, int64_t threads, const torch::Tensor& host_pt,
-                    const torch::Tensor& host, torch::Tensor& kv, bool io) {
+                    int64_t shift, int64_t hit, int64_t threads) {
   const auto dev = scores.device();
   check(scores, "scores", torch::kFloat32, 2, dev);
   const int64_t N = scores.size(0), U = scores.size(1);
@@ -74,20 +68,6 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
     TORCH_CHECK(pol.size(1) == S && pol.size(0) == slot_unit.size(0), "select_resolve: pol must be (M, S)");
     TORCH_CHECK(S < (1 << 16) && k <= S, "select_resolve: need k <= S < 65536, got k=", k, " S=", S);
   }
-  int64_t row16 = 0;
-  if (has_hot && io) {
-    check(host_pt, "host_pt", torch::kInt32, 2, dev);
-    TORCH_CHECK(host.is_cuda() && kv.is_cuda() && kv.device() == dev && host.is_contiguous() && kv.is_contiguous(),
-                "select_resolve: host (a CUDA alias) and kv must be contiguous CUDA tensors");
-    TORCH_CHECK(host.scalar_type() == kv.scalar_type() && host.dim() == kv.dim() && host.dim() >= 2 &&
-                    host[0].numel() == kv[0].numel(),
-                "select_resolve: host pages and kv blocks must have one layout");
-    const int64_t page = kv[0].numel() * kv.element_size();
-    TORCH_CHECK(page % 16 == 0 && reinterpret_cast<uintptr_t>(host.data_ptr()) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(kv.data_ptr()) % 16 == 0,
-                "select_resolve: pages of a multiple of 16 bytes, 16-byte aligned (got ", page, " B)");
-    row16 = page / 16;
-  }
   if (N == 0 || k == 0) return;
   hisparse::SelectArgs a{};
   a.scores = scores.data_ptr<float>();
@@ -108,14 +88,6 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
     a.s_su = slot_unit.stride(0);
     a.s_us = unit_slot.stride(0);
     a.s_pol = pol.stride(0);
-  }
-  if (row16 > 0) {
-    a.io = true;
-    a.hpt = host_pt.data_ptr<int32_t>();
-    a.s_hpt = host_pt.stride(0);
-    a.host = reinterpret_cast<const uint4*>(host.data_ptr());
-    a.kv = reinterpret_cast<uint4*>(kv.data_ptr());
-    a.row16 = row16;
   }
   a.K = (int)k;
   a.S = (int)S;

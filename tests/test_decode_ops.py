@@ -290,15 +290,12 @@ CUDA_SELECT_CASES = [(2, 4, 1, 16, 20000, 1100, 1300), (3, 4, 1, 16, 3000, 200, 
 
 @pytest.mark.cuda
 @pytest.mark.ext
-@pytest.mark.parametrize("impl", ["triton", "cuda", "cuda-launch"])
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("case", SELECT_CASES + [(4, 16, 8, 128, 2048, 127, 256)])
 def test_gpu_select_resolve(case, policy, impl, monkeypatch):
-    """On the GPU the kernel reads the host pool as pinned CPU memory, through its UVA alias. The
-    CUDA select copies the misses in its own launch (cuda) or leaves them to the IO launch
-    (cuda-launch): the same bytes in kv either way."""
-    monkeypatch.setattr(decode_ops, "SELECT_IMPL", impl.split("-")[0])
-    monkeypatch.setattr(decode_ops, "MISS_IO", "launch" if impl.endswith("launch") else "fused")
+    """On the GPU the kernel reads the host pool as pinned CPU memory, through its UVA alias."""
+    monkeypatch.setattr(decode_ops, "SELECT_IMPL", impl)
     a = compare_select(case, torch.Generator().manual_seed(70 + sum(case)), "cuda",
                        decode_ops.select_resolve, pinned_host=True, policy=policy)
     assert int(a["counts"][1]) > 0

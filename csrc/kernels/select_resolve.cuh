@@ -2,9 +2,7 @@
 // passes with shared-memory histograms, then (hot rows) the hit/victim/miss plan of the row's hot
 // slots under the served policy (0 = lru, 1 = crf), written in place. The contract, decision for
 // decision, is ops/triton_select.py's (and so reference.select_resolve / slots.engine.resolve):
-// the same pages, slots, state and counts, bit for bit. With io set the CTA then copies its row's
-// misses from the host pool itself (no IO launch after it: at one row that launch cost 2.9 us of a
-// 35.5 us layer even with nothing to copy). Raw pointers only (no torch headers).
+// the same pages, slots, state and counts, bit for bit. Raw pointers only (no torch headers).
 //
 // Why a CUDA kernel beside the Triton one: the select is latency, not bytes (a 32K row reads 8 KB of
 // scores), and Triton spends its ~20 us of one row on ~30 block-wide reductions each going through
@@ -30,15 +28,9 @@ struct SelectArgs {
   int32_t* pol;             // (M, S) lru: order (slot at recency p, MRU first); crf: value per slot
   unsigned long long* counts;  // (3,) hits, misses, pages through the block table (added)
   int32_t* sel;             // (N, K) selected pages ascending, -1 after them
-  int32_t* locs;            // (N, K) blocks; without io a miss is marked -2 - block for the IO launch
-  // io: the CTA copies its row's misses itself, after the plan (the row's host page of unit u is
-  // hpt[row, u]; a page is row16 16-byte words in host and kv alike); else the IO launch does
-  const int32_t* hpt;       // (M, max units) row stride s_hpt
-  const uint4* host;        // the host pool's pages of this layer (a UVA alias of pinned memory)
-  uint4* kv;                // the layer's cache blocks
-  int64_t s_sc, s_bt, s_su, s_us, s_pol, s_hpt, row16;
+  int32_t* locs;            // (N, K) blocks; a miss is marked -2 - block for the IO launch
+  int64_t s_sc, s_bt, s_su, s_us, s_pol;
   int K, S, policy, shift, hit;
-  bool io;
 };
 
 __device__ __forceinline__ uint32_t order_key(float x) {
@@ -62,39 +54,8 @@ __device__ __forceinline__ void each_key(bool in_regs, const uint32_t (&kr)[kKey
   }
 }
 
-// The shared-memory layout of one CTA: sel[K], vic[K], flag[S], su[S], pol[S], mu[K] (int32; mu:
-// the unit of each miss rank, for the in-kernel copies).
-inline size_t select_smem_bytes(int K, int S) { return sizeof(int32_t) * (3 * (size_t)K + 3 * (size_t)S); }
-
-constexpr int kCopyRegs = 8;  // 16-byte loads a thread keeps in flight while copying misses
-
-// Copy the row's M missed pages from the host pool into their victims' blocks: page m is unit
-// mu[m] (host page hpt[u]) into block bt[vic[m]]. Every thread issues kCopyRegs loads before its
-// stores, so a CTA keeps T * kCopyRegs * 16 bytes of PCIe reads in flight (64 KiB at 512 threads).
-template <int T>
-__device__ __forceinline__ void copy_misses(const SelectArgs& a, const int32_t* hpt, const int32_t* bt,
-                                            const int32_t* mu, const int32_t* vic, uint32_t M) {
-  const int64_t R = a.row16, total = (int64_t)M * R;
-  for (int64_t base = threadIdx.x; base < total; base += (int64_t)T * kCopyRegs) {
-    uint4 v[kCopyRegs];
-#pragma unroll
-    for (int q = 0; q < kCopyRegs; ++q) {
-      const int64_t i = base + (int64_t)q * T;
-      if (i < total) {
-        const int64_t m = i / R;
-        v[q] = a.host[(int64_t)hpt[mu[m]] * R + (i - m * R)];
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < kCopyRegs; ++q) {
-      const int64_t i = base + (int64_t)q * T;
-      if (i < total) {
-        const int64_t m = i / R;
-        a.kv[(int64_t)bt[vic[m]] * R + (i - m * R)] = v[q];
-      }
-    }
-  }
-}
+// The shared-memory layout of one CTA: sel[K], vic[K], flag[S], su[S], pol[S] (int32).
+inline size_t select_smem_bytes(int K, int S) { return sizeof(int32_t) * (2 * (size_t)K + 3 * (size_t)S); }
 
 template <int T>
 struct SelectShared {
@@ -138,7 +99,6 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   int32_t* s_flag = dyn + 2 * K;
   int32_t* s_su = dyn + 2 * K + S;
   int32_t* s_pol = dyn + 2 * K + 2 * S;
-  int32_t* s_mu = dyn + 2 * K + 3 * S;
   const int64_t r = blockIdx.x;
   if (a.seq[r] <= 0) return;
   const int n = (int)a.num_full[r];
@@ -330,14 +290,13 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
       ++hr;
     } else {
       slot = s_vic[mr];
-      s_mu[mr] = u;
       su[slot] = u;
       us[u] = slot;
       if (a.policy == 0) pol[H + M - 1 - mr] = slot;
       ++mr;
     }
     const int32_t phys = bt[slot];
-    locs[j] = cur >= 0 || a.io ? phys : -2 - phys;
+    locs[j] = cur >= 0 ? phys : -2 - phys;
   }
   if (a.policy == 0) {  // the rest of the order: slots neither hit nor victim, in their old order
     uint32_t ns = 0;
@@ -351,10 +310,6 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
       const int32_t dec = v - (v >> a.shift);
       pol[s] = s_flag[s] == 1 ? dec + a.hit : s_flag[s] == 2 ? a.hit / 2 : (v >= 0 ? dec : v);
     }
-  }
-  if (a.io && M > 0) {
-    __syncthreads();  // every miss's unit in s_mu
-    copy_misses<T>(a, a.hpt + row * a.s_hpt, bt, s_mu, s_vic, M);
   }
 }
 

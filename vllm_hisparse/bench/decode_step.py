@@ -233,8 +233,6 @@ def main(argv=None) -> int:
                     help="A/B: override ops/decode_ops.SELECT_IMPL (the select kernel)")
     ap.add_argument("--select-threads", type=int, default=None,
                     help="tuning: override ops/decode_ops.SELECT_THREADS (CUDA select's CTA)")
-    ap.add_argument("--miss-io", choices=("fused", "launch"), default=None,
-                    help="A/B: override ops/decode_ops.MISS_IO (the CUDA select's miss copies)")
     ap.add_argument("--stock-decode", action="store_true",
                     help="no request can be sparse: every layer through FlashAttention as stock "
                          "(needs vLLM; decode_body.stock_layer)")
@@ -243,8 +241,6 @@ def main(argv=None) -> int:
     from vllm_hisparse.ops import decode_ops, triton_quest, triton_select
     if args.select_impl is not None:
         decode_ops.SELECT_IMPL = args.select_impl
-    if args.miss_io is not None:
-        decode_ops.MISS_IO = args.miss_io
     if args.select_threads is not None:
         decode_ops.SELECT_THREADS = args.select_threads
     if args.select_warps is not None:
@@ -263,7 +259,7 @@ def main(argv=None) -> int:
             row = {"context": ctx, "rows": R, "mode": "eager" if args.eager else "graph",
                    "resident": args.resident, "q_noise": args.q_noise,
                    "select_impl": decode_ops.SELECT_IMPL,
-                   "select_threads": decode_ops.SELECT_THREADS, "miss_io": decode_ops.MISS_IO,
+                   "select_threads": decode_ops.SELECT_THREADS,
                    "stock_decode": args.stock_decode,
                    "select_warps": args.select_warps, "radix_bits": args.radix_bits,
                    "quest_tile_elems": args.quest_tile_elems,

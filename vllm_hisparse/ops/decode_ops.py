@@ -2,9 +2,8 @@
 
 ``decode_write`` (the new token into the cache, a second pool and the Quest bounds: one Triton
 launch) and ``select_resolve`` (top-k pages + RESOLVE: one launch of the CUDA kernel, or of the
-Triton one, then one launch of the miss copies), contracts in ``reference.decode_write`` /
-``reference.select_resolve``; the CUDA select copies the misses in the same launch, MISS_IO).
-Both are allocation-free on CUDA when the caller passes every output
+Triton one; then one launch of the miss copies), contracts in ``reference.decode_write`` /
+``reference.select_resolve``. Both are allocation-free on CUDA when the caller passes every output
 and workspace (the decode body does), so they can be recorded into a CUDA graph.
 """
 from __future__ import annotations
@@ -22,10 +21,6 @@ from . import kernels, reference
 # HISPARSE_SELECT_IMPL).
 SELECT_IMPL = os.environ.get("HISPARSE_SELECT_IMPL", "cuda")
 SELECT_THREADS = 512     # threads of the CUDA select's CTA (256, 512 or 1024)
-# Where the CUDA select's misses are copied: "fused" (by the row's CTA, after the plan: no second
-# launch) or "launch" (triton_select's IO launch after it, as the Triton select always does; env
-# HISPARSE_MISS_IO, bench.decode_step --miss-io). Same bytes either way.
-MISS_IO = os.environ.get("HISPARSE_MISS_IO", "fused")
 
 
 def _device_alias(t: torch.Tensor | None, dev: torch.device) -> torch.Tensor | None:
@@ -95,27 +90,21 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
 
 def _select_resolve_cuda(scores, seq, num_full, k, block_table, sel, locs, hot, rows, state,
                          host_pt, host, kv, counts) -> None:
-    """The CUDA select + RESOLVE (one CTA per row) with its miss copies (MISS_IO: in the same
-    launch, or triton_select's IO launch after it). Rows' int fields int64, as the decode batch
-    holds them."""
+    """The CUDA select + RESOLVE (one CTA per row), then the miss copies (triton_select's IO
+    launch). Rows' int fields int64, as the decode batch holds them."""
     from . import triton_select
     if hot is None:
         torch.ops.hisparse.select_resolve(scores, seq, num_full, seq, seq, block_table, sel, sel,
-                                          sel, seq, sel, locs, k, False, 0, 0, 0, SELECT_THREADS,
-                                          sel, sel, sel, False)
+                                          sel, seq, sel, locs, k, False, 0, 0, 0, SELECT_THREADS)
         return
-    if MISS_IO not in ("fused", "launch"):
-        raise ValueError(f"HISPARSE_MISS_IO={MISS_IO!r}: use fused or launch")
-    fused = MISS_IO == "fused"
-    host = _device_alias(host, scores.device)
     su, us, pol = state.kernel_state()
     consts = state.policy.kernel_constants
     torch.ops.hisparse.select_resolve(scores, seq, num_full, hot, rows, block_table, su, us, pol,
                                       counts, sel, locs, k, True, state.policy.kernel,
                                       consts.get("SHIFT", 0), consts.get("HIT", 0),
-                                      SELECT_THREADS, host_pt, host, kv, fused)
-    if not fused:
-        triton_select.miss_io(locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k)
+                                      SELECT_THREADS)
+    triton_select.miss_io(locs, sel, seq, num_full, hot, rows, host_pt,
+                          _device_alias(host, scores.device), kv, k)
 
 
 def workspace_shapes(N: int, k: int, S: int) -> tuple[tuple, tuple]:
