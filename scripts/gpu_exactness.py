@@ -63,7 +63,10 @@ def run(mode: str, out: str) -> int:
         json.dump([[rng.randrange(1000, 120000) for _ in range(n)] for n in PROMPT_LENS], f)
     if mode not in MODES:
         raise SystemExit(f"mode: one of {', '.join(MODES)}, got {mode!r}")
-    cfg = dict(CFG, **json.loads(os.environ.get("HISPARSE_EXTRA", "{}")), **MODES[mode])
+    # one Quest row per prompt (the default, max_num_seqs rows of 32K, is more than a small
+    # EXACT_UTIL allows: the startup check refuses it)
+    cfg = {**CFG, "quest_rows": len(PROMPT_LENS), **json.loads(os.environ.get("HISPARSE_EXTRA", "{}")),
+           **MODES[mode]}
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "hisparse_generate.py"), "--model",
            model_dir(), "--config", json.dumps(cfg), "--prompts", prompts, "--max-tokens", str(MAX_TOKENS),
            "--dtype", "bfloat16", "--load-format", "dummy", "--skip-tokenizer", "--cuda-graphs",

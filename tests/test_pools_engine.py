@@ -82,6 +82,7 @@ def probe(model: str, backend: str, mml: int, num_blocks: int, prompt: int, out:
                 break
             llm.llm_engine.step()
         res["quest_rows"] = rt.ix.rows
+        res["host_pages"] = rt.pool.num_pages if rt.pool is not None else None
         res["stats"] = rt.stats_dict()
     with open(out, "w") as f:
         json.dump(res, f)
@@ -119,6 +120,7 @@ def test_short_server_runs_as_many_requests_as_stock(model, tmp_path):
     hs = run(tmp_path, model, "hisparse", mml, hs_blocks)
     # ... which is what the engine reserved
     assert (hs["quest_bytes"], hs["dense_pool_bytes"], hs["quest_rows"]) == (scratch, 0, 0)
+    assert hs["host_pages"] == 0                   # and no host pool: nothing would use it
     assert hs["stats"]["decode_rows"] == 0 and hs["stats"]["finished"] == N_REQ   # none sparse
     # vLLM admits a request while its prompt's blocks fit (60 tokens: 4 blocks): 33 // 4 at once,
     # some preempted as they grow; hisparse's dense requests are scheduled the same way
@@ -136,6 +138,8 @@ def test_long_server_keeps_its_pools(model, tmp_path):
     res = run(tmp_path, model, "hisparse", mml, 200, prompt=200)      # sparse from the start
     rows, pages = CFG["quest_rows"], cdiv(mml, PAGE)
     assert res["quest_rows"] == rows
+    assert res["host_pages"] == int(CFG["host_pool_gib"] * (1 << 30)) // (
+        (LAYERS - 1) * 2 * PAGE * HKV * D * ELT)    # the sparse layers' pages (dense ones: pool)
     assert res["quest_bytes"] == 2 * (LAYERS - 1) * (rows + 1) * pages * HKV * D * ELT
     pool_pages = min(int(CFG["dense_pool_gib"] * (1 << 30)) // (2 * PAGE * HKV * D * ELT),
                      rows * pages)

@@ -61,7 +61,11 @@ def _page_bytes(cfg, model_config, parallel_config) -> int:
 
 def host_pages_capacity(cfg, model_config, parallel_config) -> int:
     """Pages of each rank's host pool: host_pool_gib is the engine's total, each tensor-parallel
-    rank allocates its share (its own KV heads of every page); scheduler and workers agree."""
+    rank allocates its share (its own KV heads of every page); scheduler and workers agree. 0
+    where no request can be sparse (max_model_len < min_context): nothing would ever use it."""
+    mml = getattr(model_config, "max_model_len", None)
+    if mml is not None and not gpu_pools.sparse_possible(cfg, mml):
+        return 0
     share = capacity.host_pool_rank_bytes(cfg.host_pool_bytes, parallel_config.tensor_parallel_size)
     layers = len(cfg.host_pool_layers(model_config.get_num_layers(parallel_config)))
     return share // (_page_bytes(cfg, model_config, parallel_config) * layers)

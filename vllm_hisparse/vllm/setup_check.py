@@ -6,6 +6,8 @@ from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.config import HiSparseConfigError as Refused   # a ValueError; the CLI prints its
                                                                   # line alone (cli_check.py)
 
+from vllm_hisparse.core import gpu_pools
+
 from . import graph_mode
 from .compat import KVTransferConfig, hisparse_config_of, init_logger
 
@@ -66,8 +68,7 @@ def prepare_config(vllm_config) -> None:
     if cc.enable_prefix_caching:
         logger.warning("hisparse: prefix caching is switched off (not compatible yet)")
         cc.enable_prefix_caching = False
-    if cfg.host_tier and mc is not None:
-        from vllm_hisparse.core import gpu_pools
+    if cfg.host_tier and mc is not None and gpu_pools.sparse_possible(cfg, mc.max_model_len):
         from vllm_hisparse.core.host_pool import HostKVPool
 
         tp = pc.tensor_parallel_size
@@ -77,8 +78,7 @@ def prepare_config(vllm_config) -> None:
         cfg.check_host_pool(mc.max_model_len, pb // cfg.page_size * tp,
                             len(cfg.host_pool_layers(mc.get_num_layers(pc))))
         check_host_memory(cfg, vllm_config)
-        if gpu_pools.sparse_possible(cfg, mc.max_model_len):
-            cfg.check_dense_pool(mc.max_model_len, pb // cfg.page_size)
+        cfg.check_dense_pool(mc.max_model_len, pb // cfg.page_size)
         if cfg.dense_layers and not cfg.uses_dense_pool:
             logger.warning("hisparse: dense_layers=%s without dense_pool_gib: those layers read the "
                            "given-back pages of long requests from the host pool every decode step "
@@ -98,19 +98,18 @@ def prepare_config(vllm_config) -> None:
 
 def warn_never_sparse(cfg: HiSparseConfig, max_model_len: int) -> None:
     """A request runs sparse once its context reaches min_context (core/residency.py): with a
-    max_model_len below it no request ever does (core/gpu_pools.py then reserves no GPU pool;
-    the host pool is still pinned)."""
+    max_model_len below it no request ever does (core/gpu_pools.py then reserves no GPU pool, the
+    connector pins no host pool, and every layer decodes through FlashAttention as stock)."""
     if max_model_len >= cfg.min_context_tokens:
         return
     unset = "" if cfg.min_context is not None else " (unset: 2 x device_buffer_size)"
-    pool = (f" and the {cfg.host_pool_gib:g} GiB host pool is reserved for nothing"
-            if cfg.host_tier else "")
     logger.warning("hisparse: max_model_len=%d is below min_context=%d%s: every request stays "
-                   "dense and fully resident, no decode step is sparse%s (no Quest row or dense "
-                   "pool is reserved on the GPU); set min_context below "
+                   "dense and fully resident, no decode step is sparse (no Quest row or dense "
+                   "pool is reserved on the GPU, no host pool is pinned: the engine runs as "
+                   "stock vLLM); set min_context below "
                    "max_model_len (0 = every request sparse), or serve without "
                    "--attention-backend hisparse",
-                   max_model_len, cfg.min_context_tokens, unset, pool)
+                   max_model_len, cfg.min_context_tokens, unset)
 
 
 HOST_CHECKED = "hisparse_host_room_checked"     # additional_config key: check_host_memory ran

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One GPU session's measurements of issues 14-16, in calls that each fit the 10-minute limit (the
+# bundle staged first: four calls of `bash .gpu-bundle/install-vllm-bundle.sh stage`, back to back;
+# `kernels` needs no vLLM and can run beside part 0). The box returns at most 8 files: each part
+# appends its result lines to OUT/summary.txt as they come (a call stopped at its limit still
+# returns what finished) and tars its logs and CSVs into OUT/PART.tgz at the end.
+#   NO_VLLM=1 bash scripts/gpu_session.sh OUT kernels  # build; the decode path's GPU tests; the
+#                                                      # decode-step bench at 32K (~4 min)
+#   bash scripts/gpu_session.sh OUT exact    # exactness engines side by side on one GPU: the
+#       serving config (top_k 2048, B 4096, min_context 0, 4 prompts of 6K-20K) as resident /
+#       hisparse / elastic (a KV cache smaller than the prompts: spills mid-run), and short
+#       prompts turning sparse mid-decode (issue 16); the stock-decode GPU test; 4K bench (~4 min)
+#   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at each backend's capacity:
+#       stock, elastic (BACKENDS=... for others; ~2 min stock, ~4 min per hisparse backend)
+#   bash scripts/gpu_session.sh OUT small    # 4K / 512 at 1 and 64 requests, stock vs hisparse;
+#       32K / 256 at 1 request, stock vs elastic vs hisparse (~8 min)
+set -uo pipefail
+top=$1; part=$2
+out=/tmp/gs/$part                                      # logs, CSVs: tarred into top at the end
+mkdir -p "$top" "$out"
+source scripts/gpu_setup.sh "$out" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
+set +e
+exec > >(tee -a "$top/summary.txt") 2>&1              # every line below also in summary.txt
+t0=$(date +%s)
+since() { echo "$1 at $(( $(date +%s) - t0 )) s"; }
+trap 'tar czf "$top/$part.tgz" -C /tmp/gs "$part"' EXIT
+case "$part" in
+  kernels)
+    for f in tests/test_decode_ops.py tests/test_decode_body_gpu.py tests/test_decode_attention.py \
+             tests/test_dense_decode.py; do
+      timeout 200 python3 -X faulthandler -m pytest -q -m cuda -p no:cacheprovider "$f" \
+        > "$out/pytest-$(basename $f .py).txt" 2>&1
+      echo "== $f rc=$?: $(tail -1 $out/pytest-$(basename $f .py).txt)"
+    done
+    grep -hE "FAILED|Error|assert " "$out"/pytest-*.txt | head -20
+    for q in 0 0.3; do
+      timeout 90 python3 -m vllm_hisparse.bench.decode_step --context 32768 --rows 1,8,32 \
+        --layers 2 --steps 10 --q-noise $q --out "$out/ds-32k-q$q" 2>&1 | grep -E "^\{|Error" | cut -c1-300
+    done
+    since "kernels done" ;;
+  exact)
+    ex=$out/exact; mkdir -p $ex/A $ex/B
+    A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0}'
+    runA() { HISPARSE_EXTRA="$A" EXACT_PROMPTS=6000,20000,12000,9000 EXACT_UTIL=0.12 EXACT_KV_GIB=$2 \
+               python3 scripts/gpu_exactness.py run $1 $ex/A > $ex/A/$1.out 2>&1; }
+    runB() { HISPARSE_EXTRA='{"dense_pool_gib": 1}' EXACT_PROMPTS=1200,5000 EXACT_MAX_TOKENS=1500 \
+               EXACT_UTIL=0.12 EXACT_KV_GIB=2 python3 scripts/gpu_exactness.py run $1 $ex/B > $ex/B/$1.out 2>&1; }
+    runA resident 7 & sleep 4; runA hisparse 4 & sleep 4; runA elastic 5 & sleep 4
+    runB resident & sleep 4; runB hisparse &
+    sleep 15
+    timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_decode_body_gpu.py -k stock \
+      > "$out/pytest-stock.txt" 2>&1; echo "stock-decode test rc=$?: $(tail -1 $out/pytest-stock.txt)"
+    wait; since "engines done"
+    for s in A B; do grep -h "== \|rc=" $ex/$s/*.out; grep -h "Error" $ex/$s/*.log | tail -3; done
+    python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic 2>&1 | tee "$out/exact-A.txt"
+    EXACT_PROMPTS=1200,5000 python3 scripts/gpu_exactness.py compare $ex/B hisparse 2>&1 | tee "$out/exact-B.txt"
+    rm -f $ex/*/prompts.json
+    for m in "" "--stock-decode"; do
+      timeout 80 python3 -m vllm_hisparse.bench.decode_step --context 4096 --rows 1,8,32,64 --layers 2 \
+        --steps 10 --q-noise 0 $m --out "$out/ds-4k$m" 2>&1 | grep -E "^\{|Error" | cut -c1-300
+    done
+    since "exact done" ;;
+  cap)
+    SERVING_LIMIT=${LIMIT:-560} bash scripts/gpu_serving.sh "$out/cap" --input-len 32768 --output-len 2048 \
+      --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} --concurrency cap \
+      --max-num-seqs 24 ;;
+  small)
+    SERVING_LIMIT=${LIMIT4:-240} bash scripts/gpu_serving.sh "$out/4k" --input-len 4096 --output-len 512 \
+      --rounds 1 --gpu-memory-utilization 0.3 --backends stock,hisparse --concurrency 1,64
+    SERVING_LIMIT=${LIMIT32:-330} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
+      --rounds 1 --gpu-memory-utilization 0.3 --backends stock,elastic,hisparse --concurrency 1 \
+      --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' ;;
+  *) echo "part: kernels, exact, cap or small" >&2; exit 2 ;;
+esac
