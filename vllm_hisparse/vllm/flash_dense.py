@@ -21,47 +21,43 @@ logger = init_logger(__name__)
 
 
 def _usable(dtype: torch.dtype, head_size: int) -> bool:
-    return (torch.cuda.is_available() and dtype in (torch.float16, torch.bfloat16)
-            and head_size % 8 == 0 and head_size <= 256)
+    return dtype in (torch.float16, torch.bfloat16) and head_size % 8 == 0 and head_size <= 256
 
 
-def make_dense_fn(dtype: torch.dtype, head_size: int):
-    """The FlashAttention dense function, or None (with the reason logged once) where it cannot
-    run: no CUDA, fp32 models, head sizes FlashAttention lacks."""
-    if not torch.cuda.is_available():
-        return None
-    if dtype not in (torch.float16, torch.bfloat16) or head_size % 8 or head_size > 256:
-        logger.warning("hisparse: dense/prefill attention runs in plain torch (dtype %s, head size "
-                       "%d: FlashAttention needs fp16/bf16 and head size <= 256, multiple of 8); "
-                       "expect slow prefill", dtype, head_size)
-        return None
+def _flash(num_splits: int):
+    """vLLM's paged FlashAttention as paged_dense_reference's signature, with num_splits fixed."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
     version = get_flash_attn_version()
 
-    def dense_fn(q, k_cache, v_cache, block_table, cu_q, seq_k, max_q, max_k, scale, out):
+    def fn(q, k_cache, v_cache, block_table, cu_q, seq_k, max_q, max_k, scale, out):
         flash_attn_varlen_func(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q,
                                max_seqlen_q=max_q, seqused_k=seq_k, max_seqlen_k=max_k,
                                softmax_scale=scale, causal=True, block_table=block_table,
-                               fa_version=version, num_splits=1)
+                               fa_version=version, num_splits=num_splits)
 
-    logger.info("hisparse: dense/prefill attention through FlashAttention %s", version)
-    return dense_fn
+    fn.version = version
+    return fn
+
+
+def make_dense_fn(dtype: torch.dtype, head_size: int):
+    """The FlashAttention dense function (num_splits=1), or None (with the reason logged once) where
+    it cannot run: no CUDA, fp32 models, head sizes FlashAttention lacks."""
+    if not torch.cuda.is_available():
+        return None
+    if not _usable(dtype, head_size):
+        logger.warning("hisparse: dense/prefill attention runs in plain torch (dtype %s, head size "
+                       "%d: FlashAttention needs fp16/bf16 and head size <= 256, multiple of 8); "
+                       "expect slow prefill", dtype, head_size)
+        return None
+    fn = _flash(1)
+    logger.info("hisparse: dense/prefill attention through FlashAttention %s", fn.version)
+    return fn
 
 
 def make_decode_fn(dtype: torch.dtype, head_size: int):
     """FlashAttention over the paged cache with its own split-KV choice (num_splits=0), the
     signature of make_dense_fn's function; None where FlashAttention cannot run."""
-    if not _usable(dtype, head_size):
+    if not torch.cuda.is_available() or not _usable(dtype, head_size):
         return None
-    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
-
-    version = get_flash_attn_version()
-
-    def decode_fn(q, k_cache, v_cache, block_table, cu_q, seq_k, max_q, max_k, scale, out):
-        flash_attn_varlen_func(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q,
-                               max_seqlen_q=max_q, seqused_k=seq_k, max_seqlen_k=max_k,
-                               softmax_scale=scale, causal=True, block_table=block_table,
-                               fa_version=version, num_splits=0)
-
-    return decode_fn
+    return _flash(0)
