@@ -9,21 +9,24 @@
 #   bash scripts/gpu_session.sh OUT exact    # exactness engines side by side on one GPU: the
 #       serving config (top_k 2048, B 4096, min_context 0, 4 prompts of 6K-20K) as resident /
 #       hisparse / elastic (a KV cache smaller than the prompts: spills mid-run), and short
-#       prompts turning sparse mid-decode (issue 16); the stock-decode GPU test; 4K bench (~4 min)
+#       prompts turning sparse mid-decode (issue 16); then a never-sparse engine (the stock decode
+#       path) vs resident; the stock-decode GPU test; 4K bench (~7 min)
 #   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at each backend's capacity:
 #       stock, elastic (BACKENDS=... for others; ~2 min stock, ~4 min per hisparse backend)
-#   bash scripts/gpu_session.sh OUT small    # 4K / 512 at 1 and 64 requests, stock vs hisparse;
-#       32K / 256 at 1 request, stock vs elastic vs hisparse (~8 min)
+#   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
+#   bash scripts/gpu_session.sh OUT 32k1     # 32K / 256 at 1 request, stock vs elastic vs hisparse (~7 min)
 set -uo pipefail
 top=$1; part=$2
 out=/tmp/gs/$part                                      # logs, CSVs: tarred into top at the end
 mkdir -p "$top" "$out"
-source scripts/gpu_setup.sh "$out" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
-set +e
 exec > >(tee -a "$top/summary.txt") 2>&1              # every line below also in summary.txt
+trap 'tar czf "$top/$part.tgz" -C /tmp/gs "$part"' EXIT   # setup.log too, if setup exits
+source scripts/gpu_setup.sh "$out" > "$out/setup.log" 2>&1
+set +e
+python3 -c "from vllm_hisparse.ops import kernels as k; assert k.available(), k.import_error()" \
+  || { tail -20 "$out/setup.log"; exit 1; }
 t0=$(date +%s)
 since() { echo "$1 at $(( $(date +%s) - t0 )) s"; }
-trap 'tar czf "$top/$part.tgz" -C /tmp/gs "$part"' EXIT
 case "$part" in
   kernels)
     for f in tests/test_decode_ops.py tests/test_decode_body_gpu.py tests/test_decode_attention.py \
@@ -50,10 +53,19 @@ case "$part" in
     sleep 15
     timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_decode_body_gpu.py -k stock \
       > "$out/pytest-stock.txt" 2>&1; echo "stock-decode test rc=$?: $(tail -1 $out/pytest-stock.txt)"
-    wait; since "engines done"
-    for s in A B; do grep -h "== \|rc=" $ex/$s/*.out; grep -h "Error" $ex/$s/*.log | tail -3; done
-    python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic 2>&1 | tee "$out/exact-A.txt"
-    EXACT_PROMPTS=1200,5000 python3 scripts/gpu_exactness.py compare $ex/B hisparse 2>&1 | tee "$out/exact-B.txt"
+    wait; since "engines A, B done"
+    # C: an engine where no request can be sparse (min_context past max_model_len 32768), default
+    # dense layers without a dense pool: the stock decode path, FULL graphs in both modes
+    mkdir -p $ex/C
+    runC() { HISPARSE_EXTRA='{"min_context": 65536}' EXACT_UTIL=0.12 EXACT_KV_GIB=3 \
+               python3 scripts/gpu_exactness.py run $1 $ex/C > $ex/C/$1.out 2>&1; }
+    runC resident & sleep 4; runC hisparse &
+    wait; since "engines C done"
+    for s in A B C; do grep -h "== \|rc=\|cudagraph_mode" $ex/$s/*.out | cut -c1-200; \
+      grep -h "Error" $ex/$s/*.log | tail -3; done
+    python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic
+    EXACT_PROMPTS=1200,5000 python3 scripts/gpu_exactness.py compare $ex/B hisparse
+    python3 scripts/gpu_exactness.py compare $ex/C hisparse
     rm -f $ex/*/prompts.json
     for m in "" "--stock-decode"; do
       timeout 80 python3 -m vllm_hisparse.bench.decode_step --context 4096 --rows 1,8,32,64 --layers 2 \
@@ -64,11 +76,12 @@ case "$part" in
     SERVING_LIMIT=${LIMIT:-560} bash scripts/gpu_serving.sh "$out/cap" --input-len 32768 --output-len 2048 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} --concurrency cap \
       --max-num-seqs 24 ;;
-  small)
-    SERVING_LIMIT=${LIMIT4:-240} bash scripts/gpu_serving.sh "$out/4k" --input-len 4096 --output-len 512 \
-      --rounds 1 --gpu-memory-utilization 0.3 --backends stock,hisparse --concurrency 1,64
-    SERVING_LIMIT=${LIMIT32:-330} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
+  4k)
+    SERVING_LIMIT=${LIMIT:-480} bash scripts/gpu_serving.sh "$out/4k" --input-len 4096 --output-len 512 \
+      --rounds 1 --gpu-memory-utilization 0.3 --backends stock,hisparse --concurrency 1,64 ;;
+  32k1)
+    SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends stock,elastic,hisparse --concurrency 1 \
       --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' ;;
-  *) echo "part: kernels, exact, cap or small" >&2; exit 2 ;;
+  *) echo "part: kernels, exact, cap, 4k or 32k1" >&2; exit 2 ;;
 esac

@@ -232,3 +232,28 @@ def test_max_num_seqs_becomes_a_capture_size(sizes, max_size, n, want):
                          scheduler_config=SimpleNamespace(max_num_seqs=n))
     capture_full_batch(vc)
     assert vc.compilation_config.cudagraph_capture_sizes == want
+
+
+@pytest.mark.parametrize("max_model_len, dtype, blocked", [
+    (100, "bfloat16", False),   # no request can be sparse, FlashAttention runs: stock decode
+    (1024, "bfloat16", True),   # sparse requests: dense layers would read the host pool
+    (100, "float32", True),     # no FlashAttention for fp32: the decode body's rules hold
+])
+def test_an_engine_that_cannot_be_sparse_keeps_full_graphs(max_model_len, dtype, blocked):
+    """Default dense layers without a dense pool block FULL graphs only where a request can be
+    sparse; an engine where none can (max_model_len < min_context 128) decodes every layer through
+    FlashAttention (decode_body.stock_layer) and replays FULL graphs in hisparse mode as in
+    resident mode."""
+    import torch
+
+    from vllm_hisparse.vllm import graph_mode
+
+    cfg = fake_config(model_config__max_model_len=max_model_len,
+                      model_config__dtype=getattr(torch, dtype),
+                      model_config__get_head_size=lambda: 128,
+                      parallel_config__data_parallel_size=1, parallel_config__use_ubatching=False)
+    cfg.additional_config = {"hisparse": dict(HS["hisparse"], dense_layers=[0, 1])}
+    why = graph_mode.blocker(cfg)
+    assert (why is not None) is blocked
+    if blocked and dtype == "bfloat16":
+        assert "dense_pool_gib" in why

@@ -158,13 +158,15 @@ def compute(args) -> dict:
     row = cap.indexer_row_bytes("quest", m, mml, P, args.dense_layers)
     h_bpr = cap.hisparse_blocks(args.context, P, S, sparse)
     host_layers = len(cfg.host_pool_layers(m.num_layers))     # the sparse ones with a dense pool
+    possible = gpu_pools.sparse_possible(cfg, mml)
+    if not possible:                   # no host pool is pinned: nothing would ever use it
+        host = 0
     host_pages = cap.host_pool_pages(host, m, P, host_layers)
     h_pages = cap.hisparse_host_pages(args.context, P, sparse)
     n_host = host_pages // h_pages if h_pages else None
     # the GPU pools (core/gpu_pools.py): none when no request can turn sparse; else the dense pool
     # (cfg.uses_dense_pool) is dense_pool_gib, at most what the Quest rows' requests can fill; a
     # sparse request takes as many pages there (its dense layers) as in the host pool
-    possible = gpu_pools.sparse_possible(cfg, mml)
     page_bytes = m.token_bytes_per_layer * P           # one page of one layer
 
     def dense_pool(rows: int) -> tuple[int, int | None, int | None]:
@@ -260,9 +262,10 @@ def run(args) -> int:
              f"{_gib(h['dense_pool_bytes_per_request'])} per request)" if h["dense_pool_bytes"] else
              "dense layers read given-back pages from the host (no --dense-pool-gib)")
     print(f"hisparse keeps S+1 = {args.buffer // args.page_size + 1} blocks per request in all layers; "
-          f"{dense}; the host pool holds "
+          f"{dense}; " + (f"the host pool holds "
           f"{'the sparse layers' if h['dense_pool_bytes'] else 'every layer'} "
-          f"({h['host_pool_pages']} pages)")
+          f"({h['host_pool_pages']} pages)" if r["min_context"] <= mml else
+          "no host pool is pinned (no request can turn sparse)"))
     if h["sparse"] and args.prompt is not None and args.prompt < args.context:
         print(f"a {args.prompt}-token prompt with {args.context - args.prompt} output tokens "
               f"holds up to {h['peak_blocks_per_request']} blocks (before it turns sparse at "

@@ -83,9 +83,13 @@ class SparseRuntime:
                                             gpu_pools.quest_rows(cfg, max_rows, max_model_len),
                                             max_model_len, num_kv_heads, head_dim, dtype,
                                             self.device, state=indexer_state)
+        # no request can ever be sparse (core/gpu_pools.py): no hot slots, as in resident mode;
+        # decode_fn may then take every layer (use_decode_fn; the GPU adapter plugs in FlashAttention)
+        self.sparse_possible = gpu_pools.sparse_possible(cfg, max_model_len)
+        self.decode_fn = None
         self.hot = [HotBufferState.create(max_rows + 1, self.S, self.U, cfg.policy, self.device)
-                    if cfg.host_tier and i not in self.dense_layers else None
-                    for i in range(num_layers)]
+                    if cfg.host_tier and self.sparse_possible and i not in self.dense_layers
+                    else None for i in range(num_layers)]
         self.host_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)  # host page of each
         # Dense layers of sparse requests: every page in a GPU pool of their own (cfg.dense_pool_gib),
         # attended with the pool's page table; without it they read given-back pages from the host.
@@ -100,10 +104,6 @@ class SparseRuntime:
         # Paged causal attention for prefill / dense rows: paged_dense_reference's signature. The
         # vLLM adapter plugs FlashAttention in on the GPU; the default is the plain-torch twin.
         self.dense_fn = sl.paged_dense_reference
-        # No request can ever be sparse (core/gpu_pools.py): decode_fn may then take every layer
-        # (use_decode_fn; the GPU adapter plugs in FlashAttention as stock vLLM decodes).
-        self.sparse_possible = gpu_pools.sparse_possible(cfg, max_model_len)
-        self.decode_fn = None
         self.reqs: dict[str, Req] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.trace = (DecodeTrace(trace_writer, cfg, self.ix, num_layers, self.dense_layers,

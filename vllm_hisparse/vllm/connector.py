@@ -128,8 +128,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                 worker_state.runtime.use_decode_fn(dec)
                 if dec is not None:
                     logger.info("hisparse: no request can be sparse (max_model_len=%d < "
-                                "min_context=%d): decode through FlashAttention as stock vLLM",
-                                mc.max_model_len, self.cfg.min_context_tokens)
+                                "min_context=%d): decode through FlashAttention with its own "
+                                "split-KV, like stock vLLM", mc.max_model_len,
+                                self.cfg.min_context_tokens)
             rank = get_tensor_model_parallel_rank()
             self._stats_path = os.environ.get(STATS_ENV)
             if self._stats_path and rank > 0:         # one file per rank: rank 0 keeps the name

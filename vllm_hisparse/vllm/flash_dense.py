@@ -8,7 +8,9 @@ mode reads a dense layer's freed pages from a scratch copy) — what keeps hispa
 for bit.
 
 ``make_decode_fn`` is the other choice, for an engine where no request can be sparse
-(``SparseRuntime.use_decode_fn``): FlashAttention picking its own split-KV, as stock vLLM decodes.
+(``SparseRuntime.use_decode_fn``): FlashAttention picking its own split-KV, like stock vLLM's
+decode (whose FULL graphs also pass FA3 scheduler metadata and a split cap; here FlashAttention's
+heuristic sees the block table's width as the keys bound).
 Rows are then never attended apart from their batch in one mode and not the other.
 """
 from __future__ import annotations
@@ -20,7 +22,8 @@ from .compat import init_logger
 logger = init_logger(__name__)
 
 
-def _usable(dtype: torch.dtype, head_size: int) -> bool:
+def usable(dtype: torch.dtype, head_size: int) -> bool:
+    """FlashAttention runs this dtype and head size (given a CUDA device)."""
     return dtype in (torch.float16, torch.bfloat16) and head_size % 8 == 0 and head_size <= 256
 
 
@@ -45,7 +48,7 @@ def make_dense_fn(dtype: torch.dtype, head_size: int):
     it cannot run: no CUDA, fp32 models, head sizes FlashAttention lacks."""
     if not torch.cuda.is_available():
         return None
-    if not _usable(dtype, head_size):
+    if not usable(dtype, head_size):
         logger.warning("hisparse: dense/prefill attention runs in plain torch (dtype %s, head size "
                        "%d: FlashAttention needs fp16/bf16 and head size <= 256, multiple of 8); "
                        "expect slow prefill", dtype, head_size)
@@ -58,6 +61,6 @@ def make_dense_fn(dtype: torch.dtype, head_size: int):
 def make_decode_fn(dtype: torch.dtype, head_size: int):
     """FlashAttention over the paged cache with its own split-KV choice (num_splits=0), the
     signature of make_dense_fn's function; None where FlashAttention cannot run."""
-    if not torch.cuda.is_available() or not _usable(dtype, head_size):
+    if not torch.cuda.is_available() or not usable(dtype, head_size):
         return None
     return _flash(0)

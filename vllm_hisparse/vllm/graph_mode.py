@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from vllm_hisparse.core import gpu_pools
 from vllm_hisparse.ops.kernels import DENSE_DECODE_HEAD_SIZES
 
+from . import flash_dense
 from .compat import hisparse_config_of
 
 
@@ -14,11 +16,16 @@ def blocker(vllm_config) -> str | None:
     """Why FULL decode graphs cannot run with this config and model (None: they can; the CPU has
     no CUDA graphs, which is no reason to refuse: the body then runs eagerly, as CI tests it)."""
     cfg = hisparse_config_of(vllm_config)
-    why = cfg.full_graphs_blocker()
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    # no request can be sparse: every layer decodes through FlashAttention (decode_body.stock_layer,
+    # where it can run), so nothing of the sparse body (host reads, the split-KV kernel) matters
+    stock = (mc is not None and not gpu_pools.sparse_possible(cfg, mc.max_model_len)
+             and flash_dense.usable(mc.dtype, mc.get_head_size()))
+    why = None if stock else cfg.full_graphs_blocker()
     if why:
         return why
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    if mc is not None and torch.cuda.is_available() and mc.get_head_size() not in DENSE_DECODE_HEAD_SIZES:
+    if (mc is not None and not stock and torch.cuda.is_available()
+            and mc.get_head_size() not in DENSE_DECODE_HEAD_SIZES):
         return (f"the graphs attend dense rows with the split-KV decode kernel, which has head "
                 f"sizes {DENSE_DECODE_HEAD_SIZES}, not {mc.get_head_size()}; set "
                 f"full_decode_graphs false")
