@@ -31,7 +31,7 @@ from vllm_hisparse.sim.recorder_hook import TraceWriter
 
 from . import metrics, worker_state
 from .spec import ledger_of
-from .flash_dense import make_decode_fn, make_dense_fn
+from .flash_dense import make_decode_fn, make_dense_fn, stock_decode
 from .compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -123,14 +123,14 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             fa = make_dense_fn(mc.dtype, mc.get_head_size())
             if fa is not None:
                 worker_state.runtime.dense_fn = fa
-            if not worker_state.runtime.sparse_possible:
-                dec = make_decode_fn(mc.dtype, mc.get_head_size())
+            dec = (make_decode_fn(mc.dtype, mc.get_head_size()) if stock_decode(self.cfg, mc)
+                   else None)
+            if dec is not None:
                 worker_state.runtime.use_decode_fn(dec)
-                if dec is not None:
-                    logger.info("hisparse: no request can be sparse (max_model_len=%d < "
-                                "min_context=%d): decode through FlashAttention with its own "
-                                "split-KV, like stock vLLM", mc.max_model_len,
-                                self.cfg.min_context_tokens)
+                logger.info("hisparse: no request can be sparse (max_model_len=%d < "
+                            "min_context=%d): decode through FlashAttention with its own "
+                            "split-KV, like stock vLLM", mc.max_model_len,
+                            self.cfg.min_context_tokens)
             rank = get_tensor_model_parallel_rank()
             self._stats_path = os.environ.get(STATS_ENV)
             if self._stats_path and rank > 0:         # one file per rank: rank 0 keeps the name

@@ -58,6 +58,16 @@ def make_dense_fn(dtype: torch.dtype, head_size: int):
     return fn
 
 
+def stock_decode(cfg, model_config) -> bool:
+    """This engine decodes every layer through make_decode_fn's FlashAttention
+    (decode_body.stock_layer): no request can be sparse and FlashAttention runs the model's dtype
+    and head size. The connector plugs it in, graph_mode lets its FULL graphs run: one rule."""
+    from vllm_hisparse.core import gpu_pools
+
+    return (not gpu_pools.sparse_possible(cfg, model_config.max_model_len)
+            and usable(model_config.dtype, model_config.get_head_size()))
+
+
 def make_decode_fn(dtype: torch.dtype, head_size: int):
     """FlashAttention over the paged cache with its own split-KV choice (num_splits=0), the
     signature of make_dense_fn's function; None where FlashAttention cannot run."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.core import gpu_pools
 from vllm_hisparse.ops.kernels import DENSE_DECODE_HEAD_SIZES
 
 from . import flash_dense
@@ -19,8 +18,7 @@ def blocker(vllm_config) -> str | None:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     # no request can be sparse: every layer decodes through FlashAttention (decode_body.stock_layer,
     # where it can run), so nothing of the sparse body (host reads, the split-KV kernel) matters
-    stock = (mc is not None and not gpu_pools.sparse_possible(cfg, mc.max_model_len)
-             and flash_dense.usable(mc.dtype, mc.get_head_size()))
+    stock = mc is not None and flash_dense.stock_decode(cfg, mc)
     why = None if stock else cfg.full_graphs_blocker()
     if why:
         return why
