@@ -114,7 +114,7 @@ def run_stock(cls, decode_fn):
 
 
 def test_stock_decode_replays_equal_eager_and_match_the_split_kernel():
-    """FlashAttention with its own split-KV (vLLM's, as stock decodes) recorded into the graphs:
+    """FlashAttention with its own split-KV (like stock vLLM's decode) recorded into the graphs:
     replay == eager bit for bit (the keys bound is the table's width in both), and within bf16
     rounding of the batch-invariant split-KV kernel the body runs otherwise."""
     flash_dense = pytest.importorskip("vllm_hisparse.vllm.flash_dense")

@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--select-threads", type=int, default=None,
                     help="tuning: override ops/decode_ops.SELECT_THREADS (CUDA select's CTA)")
     ap.add_argument("--stock-decode", action="store_true",
-                    help="no request can be sparse: every layer through FlashAttention as stock "
+                    help="no request can be sparse: every layer through FlashAttention, like stock "
                          "(needs vLLM; decode_body.stock_layer)")
     ap.add_argument("--out", default="out/decode_step")
     args = ap.parse_args(argv)

@@ -17,8 +17,8 @@ whose pages left the GPU without a dense pool read them back from the host (eage
 
 An engine where no request can ever be sparse (``max_model_len < min_context``) with the runtime's
 ``decode_fn`` set (vLLM's FlashAttention with its own split-KV choice, the GPU adapter) runs
-``stock_layer`` for every layer instead: the new token into its block, then that one call — what
-stock vLLM's graph does. There is nothing to keep batch-invariant there: hisparse and resident mode
+``stock_layer`` for every layer instead: the new token into its block, then that one call, like
+stock vLLM's graph. There is nothing to keep batch-invariant there: hisparse and resident mode
 hold every row in the same cache and batch, so both make the same call.
 
 Each kernel's result for a row depends only on that row, so a row gets the same bits whatever the

@@ -99,7 +99,7 @@ def prepare_config(vllm_config) -> None:
 def warn_never_sparse(cfg: HiSparseConfig, max_model_len: int) -> None:
     """A request runs sparse once its context reaches min_context (core/residency.py): with a
     max_model_len below it no request ever does (core/gpu_pools.py then reserves no GPU pool, the
-    connector pins no host pool, and every layer decodes through FlashAttention as stock)."""
+    connector pins no host pool, and every layer decodes through FlashAttention, like stock)."""
     if max_model_len >= cfg.min_context_tokens:
         return
     unset = "" if cfg.min_context is not None else " (unset: 2 x device_buffer_size)"
