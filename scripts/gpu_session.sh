@@ -5,14 +5,15 @@
 # appends its result lines to OUT/summary.txt as they come (a call stopped at its limit still
 # returns what finished) and tars its logs and CSVs into OUT/PART.tgz at the end.
 #   NO_VLLM=1 bash scripts/gpu_session.sh OUT kernels  # build; the decode path's GPU tests; the
-#                                                      # decode-step bench at 32K (~4 min)
+#                                                      # decode-step bench at 32K, hisparse and
+#                                                      # resident (RESOLVE's share) (~5 min)
 #   bash scripts/gpu_session.sh OUT exact    # exactness engines side by side on one GPU: the
 #       serving config (top_k 2048, B 4096, min_context 0, 4 prompts of 6K-20K) as resident /
 #       hisparse / elastic (a KV cache smaller than the prompts: spills mid-run), and short
 #       prompts turning sparse mid-decode (issue 16); then a never-sparse engine (the stock decode
 #       path) vs resident; the stock-decode GPU test; 4K bench (~7 min)
-#   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at each backend's capacity:
-#       stock, elastic (BACKENDS=... for others; ~2 min stock, ~4 min per hisparse backend)
+#   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at 1 request and at each backend's
+#       capacity: stock, elastic (BACKENDS=... for others; ~2.5 min stock, ~5 min per hisparse backend)
 #   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
 #   bash scripts/gpu_session.sh OUT 32k1     # 32K / 256 at 1 request, stock vs elastic vs hisparse (~7 min)
 set -uo pipefail
@@ -29,16 +30,19 @@ t0=$(date +%s)
 since() { echo "$1 at $(( $(date +%s) - t0 )) s"; }
 case "$part" in
   kernels)
-    for f in tests/test_decode_ops.py tests/test_decode_body_gpu.py tests/test_decode_attention.py \
-             tests/test_dense_decode.py; do
+    for f in tests/test_write_score.py tests/test_decode_attention.py tests/test_decode_ops.py \
+             tests/test_decode_body_gpu.py tests/test_dense_decode.py; do
       timeout 200 python3 -X faulthandler -m pytest -q -m cuda -p no:cacheprovider "$f" \
         > "$out/pytest-$(basename $f .py).txt" 2>&1
       echo "== $f rc=$?: $(tail -1 $out/pytest-$(basename $f .py).txt)"
     done
     grep -hE "FAILED|Error|assert " "$out"/pytest-*.txt | head -20
-    for q in 0 0.3; do
-      timeout 90 python3 -m vllm_hisparse.bench.decode_step --context 32768 --rows 1,8,32 \
-        --layers 2 --steps 10 --q-noise $q --out "$out/ds-32k-q$q" 2>&1 | grep -E "^\{|Error" | cut -c1-300
+    # 0% misses (the goal's 30 us), RESOLVE's share (the select with hot slots vs without: the
+    # resident run), ~6% misses
+    for a in "0 1,8,32,64" "0 1,8,32,64 --resident" "0.3 1,32"; do
+      set -- $a
+      timeout 120 python3 -m vllm_hisparse.bench.decode_step --context 32768 --rows $2 --layers 2 \
+        --steps 10 --q-noise $1 $3 --out "$out/ds-32k-q$1$3" 2>&1 | grep -E "^\{|Error" | cut -c1-300
     done
     since "kernels done" ;;
   exact)
@@ -74,7 +78,7 @@ case "$part" in
     since "exact done" ;;
   cap)
     SERVING_LIMIT=${LIMIT:-560} bash scripts/gpu_serving.sh "$out/cap" --input-len 32768 --output-len 2048 \
-      --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} --concurrency cap \
+      --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} --concurrency 1,cap \
       --max-num-seqs 24 ;;
   4k)
     SERVING_LIMIT=${LIMIT:-480} bash scripts/gpu_serving.sh "$out/4k" --input-len 4096 --output-len 512 \

@@ -55,6 +55,21 @@ def test_decode_write_compiles():
     assert seen == {"_decode_write_kernel"}
 
 
+def test_write_score_compiles():
+    from test_write_score import inputs
+
+    from vllm_hisparse.ops import triton_write_score
+    kv, bt, seq, k, v, dst, dst_page, kmin, kmax, q_page, q, rows, full, out = inputs(
+        8, 16, 8, 128, 64, 4, torch.Generator().manual_seed(5), dt=BF)
+    newest = torch.zeros(8, dtype=torch.int32)
+    with compile_only() as seen:
+        triton_write_score.write_score(kv, k, v, bt, seq, newest, dst, dst_page, kmin, kmax,
+                                       q_page, q, rows, full, out)
+        triton_write_score.write_score(kv, k, v, bt, seq, newest, None, None, kmin, kmax,
+                                       q_page, q, rows, full, out)
+    assert seen == {"_write_score_kernel"}
+
+
 @pytest.mark.parametrize("live_only", [False, True])
 def test_quest_scores_compile(live_only):
     from vllm_hisparse.ops import triton_quest

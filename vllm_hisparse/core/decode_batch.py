@@ -58,12 +58,15 @@ class DecodeBatch:
     def field(self, name: str) -> torch.Tensor:
         return self._f[name]
 
+    def holds(self, kind: str) -> bool:
+        """Whether the batch holds rows of ``kind`` (KINDS); always while a CUDA graph is being
+        captured (the graph serves every batch of its size)."""
+        return self.flags[kind] or (self.meta.is_cuda and torch.cuda.is_current_stream_capturing())
+
     def run_kinds(self, names: tuple, fns: list) -> None:
-        """fns[i]() if the batch holds rows of kind names[i]; all of them while a CUDA graph is
-        being captured (the graph serves every batch of its size)."""
-        capturing = self.meta.is_cuda and torch.cuda.is_current_stream_capturing()
+        """fns[i]() if the batch ``holds`` rows of kind names[i]."""
         for name, fn in zip(names, fns):
-            if capturing or self.flags[name]:
+            if self.holds(name):
                 fn()
 
     @property

@@ -3,11 +3,11 @@
 
 Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind return at once):
 
-1. ``decode_write``: the new token into its block, through to the host pool, into the indexer's
-   state (``Indexer.decode_write_kwargs``: fused into the same launch);
-2. if the batch has sparse rows (a graph records it always): the indexer's unit scores
-   (``Indexer.score``) -> ``select_resolve`` (top-k units, RESOLVE, then the miss copies from the
-   host pool);
+1. the new token into its block, through to the host pool, into the indexer's state, and, if
+   the batch has sparse rows (a graph records it always), the indexer's unit scores
+   (``Indexer.write_and_score``: one launch for Quest on CUDA; ``decode_write`` alone otherwise);
+2. if the batch has sparse rows: ``select_resolve`` (top-k units, RESOLVE, then the miss copies
+   from the host pool);
 3. ``decode_attention``: sparse rows over their selected pages and newest page, dense rows with the
    batch-invariant split-KV dense decode over the paged cache — one split and one combine launch.
 
@@ -63,16 +63,18 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
     N, dev = q.shape[0], q.device
     host = rt.host_layer(layer)
     ix = rt.ix
-    decode_ops.decode_write(kv, k, v, bt, f("seq"), db.newest, host, f("host_page"),
-                            **ix.decode_write_kwargs(layer, f("i_unit")))
+    write = (kv, k, v, bt, f("seq"), db.newest, host, f("host_page"))
     K, P = rt.k_sel, rt.P
     scores = torch.empty(N, ix.U, dtype=torch.float32, device=dev)
+    if db.holds("has_sparse"):
+        ix.write_and_score(layer, write, f("i_unit"), q, f("irow"), f("full"), scores)
+    else:
+        decode_ops.decode_write(*write, **ix.decode_write_kwargs(layer, f("i_unit")))
     sel = torch.empty(N, K, dtype=torch.int32, device=dev)
     locs = torch.empty_like(sel)
     hs = rt.hot[layer]
 
     def sparse():
-        ix.score(layer, q, f("irow"), f("full"), scores)
         hot = {} if hs is None else dict(
             hot=f("hot"), rows=f("row"), state=hs,
             host_pt=rt.host_pt.table, host=host, kv=kv, counts=rt._hit_miss)

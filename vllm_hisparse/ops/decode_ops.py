@@ -1,10 +1,12 @@
 """The decode batch's fused ops on CUDA tensors, the plain-torch references otherwise.
 
 ``decode_write`` (the new token into the cache, a second pool and the Quest bounds: one Triton
-launch) and ``select_resolve`` (top-k pages + RESOLVE: one launch of the CUDA kernel, or of the
-Triton one; then one launch of the miss copies), contracts in ``reference.decode_write`` /
-``reference.select_resolve``. Both are allocation-free on CUDA when the caller passes every output
-and workspace (the decode body does), so they can be recorded into a CUDA graph.
+launch), ``decode_write_score`` (that and the Quest page scores in one launch) and
+``select_resolve`` (top-k pages + RESOLVE: one launch of the CUDA kernel, or of the Triton one;
+then one launch of the miss copies), contracts in ``reference.decode_write``,
+``reference.quest_scores`` and ``reference.select_resolve``. All are allocation-free on CUDA
+when the caller passes every output and workspace (the decode body does), so they can be recorded
+into a CUDA graph.
 """
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ def _device_alias(t: torch.Tensor | None, dev: torch.device) -> torch.Tensor | N
     return torch.ops.hisparse.uva_view(t)
 
 
+def _check_write(kv, k, v, kmin, kmax) -> None:
+    assert kv.is_contiguous() and k.stride(2) == 1 and v.stride(2) == 1
+    assert k.shape[1] == 1 or k.stride(1) == k.shape[2], "k's (Hkv, D) block must be contiguous"
+    if kmin is not None:
+        assert kmin.stride(0) == kmin.shape[1] * kmin.stride(1) and kmin.stride() == kmax.stride()
+
+
 def decode_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                  seq: torch.Tensor, newest: torch.Tensor, dst: torch.Tensor | None = None,
                  dst_page: torch.Tensor | None = None, kmin: torch.Tensor | None = None,
@@ -44,12 +53,34 @@ def decode_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table
                                q_page)
         return
     from . import triton_decode_write
-    assert kv.is_contiguous() and k.stride(2) == 1 and v.stride(2) == 1
-    assert k.shape[1] == 1 or k.stride(1) == k.shape[2], "k's (Hkv, D) block must be contiguous"
-    if kmin is not None:
-        assert kmin.stride(0) == kmin.shape[1] * kmin.stride(1) and kmin.stride() == kmax.stride()
+    _check_write(kv, k, v, kmin, kmax)
     triton_decode_write.decode_write(kv, k, v, block_table, seq, newest,
                                      _device_alias(dst, kv.device), dst_page, kmin, kmax, q_page)
+
+
+def decode_write_score(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       block_table: torch.Tensor, seq: torch.Tensor, newest: torch.Tensor,
+                       dst: torch.Tensor | None, dst_page: torch.Tensor | None,
+                       kmin: torch.Tensor, kmax: torch.Tensor, q_page: torch.Tensor,
+                       q: torch.Tensor, rows: torch.Tensor, num_units: torch.Tensor,
+                       out: torch.Tensor) -> None:
+    """decode_write(kv, ..., kmin, kmax, q_page) and then Quest's page scores
+    quest_scores_rows(q, kmin, kmax, rows, num_units, out, live_only=True), in one Triton launch
+    on CUDA (ops/triton_write_score.py). num_units[r]: row r's complete pages, at most the page of
+    its new token ((seq - 1) // page: the scores never read the page the write folds into)."""
+    from .quest import check, quest_scores_rows
+    check(q, kmin, kmax, rows, num_units, out)
+    if not k.is_cuda:
+        reference.decode_write(kv, k, v, block_table, seq, newest, dst, dst_page, kmin, kmax,
+                               q_page)
+        quest_scores_rows(q, kmin, kmax, rows, num_units, out, live_only=True)
+        return
+    from . import triton_write_score
+    _check_write(kv, k, v, kmin, kmax)
+    assert rows.is_contiguous() and num_units.is_contiguous()
+    triton_write_score.write_score(kv, k, v, block_table, seq, newest,
+                                   _device_alias(dst, kv.device), dst_page, kmin, kmax, q_page,
+                                   q, rows, num_units, out)
 
 
 def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tensor, k: int,

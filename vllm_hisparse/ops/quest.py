@@ -44,6 +44,22 @@ def _check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
 
 
+def check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
+          num_units: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Raise ValueError unless quest_scores_rows can take these (on CUDA: the kernel's strides)."""
+    _check(q, kmin, kmax, rows, num_units, out)
+    if not q.is_cuda:
+        return
+    for name, t in (("q", q), ("kmin", kmin), ("out", out)):
+        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim on CUDA; got strides {t.stride()}")
+    if kmax.stride() != kmin.stride():
+        raise ValueError(f"kmax must have kmin's strides on CUDA; got {kmax.stride()} vs {kmin.stride()}")
+    if kmin.shape[2] > 1 and kmin.stride(2) != q.shape[2]:
+        raise ValueError(f"kmin's (Hkv, D) block of a page must be contiguous on CUDA; got "
+                         f"strides {kmin.stride()}")
+
+
 def quest_scores_rows(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
                       num_units: torch.Tensor, out: torch.Tensor | None = None,
                       live_only: bool = False) -> torch.Tensor:
@@ -63,17 +79,9 @@ def quest_scores_rows(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, r
     on the other rows in the batch); equal to the reference up to fp32 summation order provided
     kmin <= kmax on live pages (see ops/triton_quest.py). CPU: exactly the reference.
     """
-    _check(q, kmin, kmax, rows, num_units, out)
+    check(q, kmin, kmax, rows, num_units, out)
     if q.is_cuda:
         from . import triton_quest
-        for name, t in (("q", q), ("kmin", kmin), ("out", out)):
-            if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
-                raise ValueError(f"{name} must have a contiguous last dim on CUDA; got strides {t.stride()}")
-        if kmax.stride() != kmin.stride():
-            raise ValueError(f"kmax must have kmin's strides on CUDA; got {kmax.stride()} vs {kmin.stride()}")
-        if kmin.shape[2] > 1 and kmin.stride(2) != q.shape[2]:
-            raise ValueError(f"kmin's (Hkv, D) block of a page must be contiguous on CUDA; got "
-                             f"strides {kmin.stride()}")
         if out is None:
             out = torch.empty(q.shape[0], kmin.shape[1], dtype=torch.float32, device=q.device)
         return triton_quest.quest_scores_rows(q, kmin, kmax, rows.contiguous(), num_units.contiguous(), out,

@@ -22,7 +22,18 @@ def _decode_write_kernel(K, V, KV, BT, SEQ, DPAGE, QPAGE, DST, QMIN, QMAX, NEWES
                          s_qp, s_qh,
                          PAGE: tl.constexpr, HKV: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
                          DP: tl.constexpr, HAS_DST: tl.constexpr, HAS_Q: tl.constexpr):
-    r = tl.program_id(0)
+    _write_row(tl.program_id(0), K, V, KV, BT, SEQ, DPAGE, QPAGE, DST, QMIN, QMAX, NEWEST,
+               s_kt, s_kh, s_vt, s_vh, s_bt, s_cb, s_cc, s_cp, s_ch, s_db, s_dc, s_dp, s_dh,
+               s_qp, s_qh, PAGE, HKV, HB, D, DP, HAS_DST, HAS_Q)
+
+
+@triton.jit
+def _write_row(r, K, V, KV, BT, SEQ, DPAGE, QPAGE, DST, QMIN, QMAX, NEWEST,
+               s_kt, s_kh, s_vt, s_vh, s_bt, s_cb, s_cc, s_cp, s_ch, s_db, s_dc, s_dp, s_dh,
+               s_qp, s_qh, PAGE: tl.constexpr, HKV: tl.constexpr, HB: tl.constexpr,
+               D: tl.constexpr, DP: tl.constexpr, HAS_DST: tl.constexpr, HAS_Q: tl.constexpr):
+    """Row r's new token (the whole of _decode_write_kernel's program r; also run by one program
+    per row of ops/triton_write_score.py's fused launch)."""
     seq = tl.load(SEQ + r)
     if seq > 0:
         pos = seq - 1
@@ -69,17 +80,24 @@ def decode_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table
     N = k.shape[0]
     if N == 0:
         return
+    args, consts = write_args(kv, k, v, block_table, seq, newest, dst, dst_page, kmin, kmax,
+                              q_page)
+    _decode_write_kernel[(N,)](*args, **consts, num_warps=2)
+
+
+def write_args(kv, k, v, block_table, seq, newest, dst, dst_page, kmin, kmax, q_page):
+    """(arguments, constexprs) of ``_write_row`` after its row: decode_write's inputs as tensors
+    and strides (absent pools replaced by inert stand-ins)."""
     P, Hkv, D = kv.shape[2], kv.shape[3], kv.shape[4]
     has_dst, has_q = dst is not None, kmin is not None
     d = dst if has_dst else kv
     qm, qx = (kmin, kmax) if has_q else (kv, kv)
-    _decode_write_kernel[(N,)](
-        k, v, kv, block_table, seq, dst_page if has_dst else seq, q_page if has_q else seq,
-        d, qm, qx, newest,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
-        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        d.stride(0), d.stride(1), d.stride(2), d.stride(3),
-        qm.stride(1) if has_q else 0, qm.stride(2) if has_q else 0,
-        PAGE=P, HKV=Hkv, HB=triton.next_power_of_2(Hkv), D=D,
-        DP=triton.next_power_of_2(D), HAS_DST=has_dst, HAS_Q=has_q,
-        num_warps=2)
+    args = (k, v, kv, block_table, seq, dst_page if has_dst else seq, q_page if has_q else seq,
+            d, qm, qx, newest,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
+            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+            d.stride(0), d.stride(1), d.stride(2), d.stride(3),
+            qm.stride(1) if has_q else 0, qm.stride(2) if has_q else 0)
+    consts = dict(PAGE=P, HKV=Hkv, HB=triton.next_power_of_2(Hkv), D=D,
+                  DP=triton.next_power_of_2(D), HAS_DST=has_dst, HAS_Q=has_q)
+    return args, consts

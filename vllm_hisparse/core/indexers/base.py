@@ -16,12 +16,15 @@ New tokens reach the indexer on two paths, both without host syncs on the device
   keys in with them;
 - one token per decode row: ``decode_unit`` gives a row's value of the decode batch field
   ``i_unit`` and ``decode_write_kwargs`` the state the fused decode write updates
-  (ops/decode_ops.decode_write), so the new token costs no extra launch.
+  (ops/decode_ops.decode_write), so the new token costs no extra launch; in a sparse layer
+  ``write_and_score`` runs that write and the scores, in one launch where the indexer can.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from vllm_hisparse.ops import decode_ops
 
 
 class Indexer:
@@ -104,3 +107,12 @@ class Indexer:
         """out (R, U) fp32: the score of every unit of row rows[r] for query q[r]; units at or
         past num_units[r] are ignored by the selection (any value)."""
         raise NotImplementedError
+
+    def write_and_score(self, layer: int, write: tuple, i_unit: torch.Tensor, q: torch.Tensor,
+                        rows: torch.Tensor, num_units: torch.Tensor, out: torch.Tensor) -> None:
+        """A sparse layer's decode write (write: ops/decode_ops.decode_write's kv, k, v,
+        block_table, seq, newest, dst, dst_page; this indexer's state through
+        ``decode_write_kwargs``) and then ``score``. num_units never reaches the unit the write
+        folds a token into, so an indexer may run both in one launch (Quest does on CUDA)."""
+        decode_ops.decode_write(*write, **self.decode_write_kwargs(layer, i_unit))
+        self.score(layer, q, rows, num_units, out)

@@ -3,7 +3,8 @@
 State, per sparse layer: ``kmin``/``kmax`` (rows + 1, U, Hkv, D) in the model dtype, the min and
 max key of every page (``page_size`` tokens) of every KV head, one row per sparse request admitted
 at once + the scratch row. A page's score is the upper bound of q.k (ops/quest.py); new keys fold
-in with ops/quest_update.py (prefill, a request turning sparse) or inside the fused decode write.
+in with ops/quest_update.py (prefill, a request turning sparse) or inside the fused decode write,
+which in a sparse layer also scores the pages (ops/decode_ops.decode_write_score: one launch).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 
 from vllm_hisparse.core.indexers.base import Indexer
+from vllm_hisparse.ops import decode_ops
 from vllm_hisparse.ops.quest import quest_scores_rows
 from vllm_hisparse.ops.quest_update import quest_update_pages
 
@@ -81,3 +83,7 @@ class QuestIndexer(Indexer):
     def score(self, layer, q, rows, num_units, out):
         quest_scores_rows(q, self.kmin[layer], self.kmax[layer], rows, num_units, out,
                           live_only=True)
+
+    def write_and_score(self, layer, write, i_unit, q, rows, num_units, out):
+        decode_ops.decode_write_score(*write, self.kmin[layer], self.kmax[layer], i_unit, q, rows,
+                                      num_units, out)
