@@ -50,11 +50,12 @@ def _mixed_combine_kernel(PO, PML, SP_SEQ, DN_SEQ, OUT, n_sp, ns, s_or, s_oh, HQ
                           MIN: tl.constexpr):
     r = tl.program_id(0)
     if tl.load(SP_SEQ + r) > 0:
-        ta._combine(PO, PML, OUT, n_sp, ns, s_or, s_oh, r, HQ, D, SP)
+        ta._combine(PO, PML, OUT, n_sp, ns, s_or, s_oh, r, tl.program_id(1), HQ, D, SP, "")
     else:
         seq = tl.load(DN_SEQ + r)
         if seq > 0:
-            td._combine(PO, PML, OUT, ns, s_or, s_oh, r, seq, HQ, D, td._split_len(seq, NSD, MIN))
+            td._combine(PO, PML, OUT, ns, s_or, s_oh, r, tl.program_id(1), seq, HQ, D,
+                        td._split_len(seq, NSD, MIN), "")
 
 
 def layout(R: int, Hkv: int, k: int, unit: int) -> tuple[int, int, int]:
