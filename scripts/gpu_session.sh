@@ -37,12 +37,12 @@ case "$part" in
       echo "== $f rc=$?: $(tail -1 $out/pytest-$(basename $f .py).txt)"
     done
     grep -hE "FAILED|Error|assert " "$out"/pytest-*.txt | head -20
-    # 0% misses (the goal's 30 us), RESOLVE's share (the select with hot slots vs without: the
-    # resident run), ~6% misses
-    for a in "0 1,8,32,64" "0 1,8,32,64 --resident" "0.3 1,32"; do
+    # 32K at 0% misses (the goal's 30 us), RESOLVE's share (the select with hot slots vs without:
+    # the resident run), ~6% misses; 4K dense rows (the split-KV decode's combine in the launch)
+    for a in "32768 0 1,8,32,64" "32768 0 1,8,32,64 --resident" "32768 0.3 1,32" "4096 0 1,32"; do
       set -- $a
-      timeout 120 python3 -m vllm_hisparse.bench.decode_step --context 32768 --rows $2 --layers 2 \
-        --steps 10 --q-noise $1 $3 --out "$out/ds-32k-q$1$3" 2>&1 | grep -E "^\{|Error" | cut -c1-300
+      timeout 120 python3 -m vllm_hisparse.bench.decode_step --context $1 --rows $3 --layers 2 \
+        --steps 10 --q-noise $2 $4 --out "$out/ds-$1-q$2$4" 2>&1 | grep -E "^\{|Error" | cut -c1-300
     done
     since "kernels done" ;;
   exact)
