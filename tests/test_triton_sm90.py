@@ -4,8 +4,6 @@ bf16): compiled by Triton's NVIDIA backend on the CPU (tests/triton_sm90.py), no
 kernels compute is tested against the references in the interpreter and on the GPU."""
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -119,31 +117,12 @@ def test_dense_decode_compiles(rows):
     assert seen == {"_dense_split_kernel", "_ordered_combine_kernel"}
 
 
-def _load_layouts(ttgir: str, shape: str) -> set:
-    """The layouts (resolved) of a TTGIR's fp32 loads of that shape ("64x128", "128")."""
-    alias = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
-    return {alias[a] for a in re.findall(rf"tt.load .*: tensor<{shape}x!tt.ptr<f32>, (#\w+)>",
-                                         ttgir)}
-
-
-@pytest.mark.parametrize("D", [64, 128])
-def test_decode_attention_compiles_with_the_combines_layouts(D):
-    """One launch, whose combine reads the partials in the layouts the standalone combine kernels
-    read them in (the layout fixes a reduction's order, so the bits): Triton gives a load the
-    widest vector of the same-shaped loads its values meet, and the split's (64, D) bf16 tiles
-    would make the sparse combine's (64, D) fp32 tile another one (tests/test_decode_attention.py
-    checks the bits on the GPU)."""
-    from test_decode_attention import fused, mixed_batch, separate
-    t = mixed_batch(4, 32, 8, D, 16, 128, 4096, BF, torch.Generator().manual_seed(6))
-    asm = {}
-    with compile_only(asm=asm) as seen:
+def test_decode_attention_compiles():
+    from test_decode_attention import fused, mixed_batch
+    t = mixed_batch(4, 32, 8, 128, 16, 128, 4096, BF, torch.Generator().manual_seed(6))
+    with compile_only() as seen:
         fused(*t, 0.1)
-        separate(*t, 0.1)
-    assert "_decode_attention_kernel" in seen and "_mixed_combine_kernel" not in seen
-    fused_ir = asm["_decode_attention_kernel"]["ttgir"]
-    for kernel, shape in (("_combine_kernel", f"64x{D}"), ("_ordered_combine_kernel", f"{D}")):
-        want = _load_layouts(asm[kernel]["ttgir"], shape)
-        assert want and _load_layouts(fused_ir, shape) == want, kernel
+    assert seen == {"_mixed_split_kernel", "_mixed_combine_kernel"}
 
 
 def test_resolve_given_compiles():

@@ -1,7 +1,6 @@
 """Run a test module's Triton kernels on the CPU through Triton's interpreter: in a subprocess,
 because TRITON_INTERPRET must be set before triton is imported. The module defines
-``run_interpreter_cases()`` (or the function named by ``fn``), which raises on a mismatch and
-prints "interpreter ok" at the end."""
+``run_interpreter_cases()``, which raises on a mismatch and prints "interpreter ok" at the end."""
 from __future__ import annotations
 
 import os
@@ -9,8 +8,9 @@ import subprocess
 import sys
 
 
-def run_cases(module: str, fn: str = "run_interpreter_cases") -> None:
-    code = f"import sys; sys.path.insert(0, sys.argv[1]); import {module} as t; t.{fn}()"
+def run_cases(module: str) -> None:
+    code = (f"import sys; sys.path.insert(0, sys.argv[1]); import {module} as t; "
+            "t.run_interpreter_cases()")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__))],
                        env=env, capture_output=True, text=True, timeout=600)

@@ -21,9 +21,8 @@ def ptxas_available(arch: int = 90) -> bool:
 
 
 @contextlib.contextmanager
-def compile_only(arch: int = 90, asm: dict | None = None):
-    """Yields the set of kernel names compiled inside the block; with ``asm``, each kernel's
-    compiled stages (``kernel.asm``: "ttgir", "ptx", ..) go into it by name too."""
+def compile_only(arch: int = 90):
+    """Yields the set of kernel names compiled inside the block."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver, jit
 
@@ -47,8 +46,6 @@ def compile_only(arch: int = 90, asm: dict | None = None):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         assert kernel is not None and kernel.asm.get("cubin"), f"{self.__name__}: no cubin"
         seen.add(self.__name__)
-        if asm is not None:
-            asm[self.__name__] = kernel.asm
         return kernel
 
     prev = driver._active

@@ -41,7 +41,7 @@ _KIND_OF = {"has_sparse": "sp_seq", "has_dense": "dn_seq", "has_dl": "dl_seq",
 class DecodeBatch:
     """The buffers of one batch size N (fixed addresses: a FULL graph of size N reads them)."""
 
-    def __init__(self, N: int, device, kv_heads: int):
+    def __init__(self, N: int, device):
         self.N = N
         F = len(FIELDS)
         self.meta = torch.zeros(F * N, dtype=torch.int64, device=device)
@@ -50,9 +50,6 @@ class DecodeBatch:
         # FlashAttention's seqused_k and cu_seqlens_q, int32
         self.seq32 = torch.zeros(N, dtype=torch.int32, device=device)
         self.cu = torch.arange(N + 1, dtype=torch.int32, device=device)
-        # the sparse layers' decode_attention combine counters, one per (row, KV head): zeros,
-        # and each call leaves them zeros (a graph-pool tensor would not start at zero)
-        self.attn_counters = torch.zeros(N * kv_heads, dtype=torch.int32, device=device)
         self._f = {name: self.meta[i * N:(i + 1) * N] for i, name in enumerate(FIELDS)}
         self.flags = dict.fromkeys(KINDS, False)
         self.steps: list = []                         # core.step_plan.ReqStep of rows 0..n-1

@@ -88,9 +88,8 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
         aw = ()
         if q.is_cuda:
             from vllm_hisparse.ops.triton_decode_attention import partials_numel
-            aw = (*(torch.empty(n, dtype=torch.float32, device=dev)
-                    for n in partials_numel(N, q.shape[1], kv.shape[3], K, P, q.shape[2])),
-                  db.attn_counters)
+            aw = tuple(torch.empty(n, dtype=torch.float32, device=dev)
+                       for n in partials_numel(N, q.shape[1], kv.shape[3], K, P, q.shape[2]))
         kernels.decode_attention(q, kv, bt, locs, sel, f("sp_seq"), db.newest, f("dn_seq"), scale,
                                  out, aw)
         return

@@ -311,7 +311,7 @@ class SparseRuntime:
     def _batch(self, N: int) -> DecodeBatch:
         db = self._batches.get(N)
         if db is None:
-            db = self._batches[N] = DecodeBatch(N, self.device, self.num_kv_heads)
+            db = self._batches[N] = DecodeBatch(N, self.device)
         return db
 
     def _req_steps(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int],

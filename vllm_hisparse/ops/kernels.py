@@ -122,8 +122,8 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
     """A decode batch's sparse-layer attention: rows with sp_seq > 0 as
     ``sparse_decode_attention_newest(q, kv, locs, units, sp_seq, newest)``, rows with dn_seq > 0
     as ``dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, dn_seq)``, the others' out
-    rows left as they are. CUDA: both kinds in one launch (ops/triton_decode_attention.py; work =
-    its (po, pml, counters)); CPU: those two functions' references."""
+    rows left as they are. CUDA: both kinds in one split and one combine launch
+    (ops/triton_decode_attention.py; work = its partials); CPU: those two functions' references."""
     if q.is_cuda:
         from . import triton_decode_attention
         return triton_decode_attention.decode_attention(q, kv, block_table, locs, units, sp_seq,

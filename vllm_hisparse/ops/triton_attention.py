@@ -104,28 +104,25 @@ def _combine_kernel(PO, PML, OUT, SEQ, n_splits, s_or, s_oh, HQ: tl.constexpr, D
     if SKIP_EMPTY:                      # its out row is left as it is
         live = tl.load(SEQ + r) > 0
     if live:
-        _combine(PO, PML, OUT, n_splits, n_splits, s_or, s_oh, r, tl.program_id(1), HQ, D, SP,
-                 "")
+        _combine(PO, PML, OUT, n_splits, n_splits, s_or, s_oh, r, HQ, D, SP)
 
 
 @triton.jit
-def _combine(PO, PML, OUT, n_splits, stride, s_or, s_oh, r, h, HQ: tl.constexpr, D: tl.constexpr,
-             SP: tl.constexpr, CACHE: tl.constexpr):
-    """Row r, query head h: the first n_splits partials of the (r, h) run of ``stride``, read with
-    load cache modifier CACHE ("": the default; ".cg": past L1, for partials other programs of the
-    same launch stored)."""
+def _combine(PO, PML, OUT, n_splits, stride, s_or, s_oh, r, HQ: tl.constexpr, D: tl.constexpr,
+             SP: tl.constexpr):
+    """Row r, head program_id(1): the first n_splits partials of the (r, head) run of ``stride``."""
+    h = tl.program_id(1)
     os_ = tl.arange(0, SP)
     od = tl.arange(0, D)
     smask = os_ < n_splits
     base = (r * HQ + h) * stride
-    m = tl.load(PML + (base + os_) * 2, mask=smask, other=float("-inf"), cache_modifier=CACHE)
-    l = tl.load(PML + (base + os_) * 2 + 1, mask=smask, other=0.0, cache_modifier=CACHE)
+    m = tl.load(PML + (base + os_) * 2, mask=smask, other=float("-inf"))
+    l = tl.load(PML + (base + os_) * 2 + 1, mask=smask, other=0.0)
     mx = tl.max(m, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp(m - mx)
     den = tl.sum(w * l, 0)
-    o = tl.load(PO + (base + os_)[:, None] * D + od[None, :], mask=smask[:, None], other=0.0,
-                cache_modifier=CACHE)
+    o = tl.load(PO + (base + os_)[:, None] * D + od[None, :], mask=smask[:, None], other=0.0)
     num = tl.sum(o * w[:, None], 0)
     res = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(OUT + r * s_or + h * s_oh + od, res.to(OUT.dtype.element_ty))

@@ -102,28 +102,26 @@ def _ordered_combine_kernel(PO, PML, SEQ, OUT, n_splits, s_or, s_oh, HQ: tl.cons
     if SKIP_EMPTY:                          # a row with no keys is not this call's: out untouched
         live = seq > 0
     if live:
-        _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, tl.program_id(1), seq, HQ, D,
-                 _split_len(seq, NS, MIN), "")
+        _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, seq, HQ, D, _split_len(seq, NS, MIN))
 
 
 @triton.jit
-def _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, h, seq, HQ: tl.constexpr, D: tl.constexpr,
-             split_n, CACHE: tl.constexpr):
-    """Row r, query head h: its live splits' partials one after the other, read with load cache
-    modifier CACHE (as triton_attention._combine)."""
+def _combine(PO, PML, OUT, n_splits, s_or, s_oh, r, seq, HQ: tl.constexpr, D: tl.constexpr,
+             split_n):
+    h = tl.program_id(1)
     od = tl.arange(0, D)
     live = tl.minimum((seq + split_n - 1) // split_n, n_splits)
     base = ((r * HQ + h) * n_splits).to(tl.int64)
     mx = tl.full([], float("-inf"), tl.float32)
     for s in range(0, live):
-        mx = tl.maximum(mx, tl.load(PML + (base + s) * 2, cache_modifier=CACHE))
+        mx = tl.maximum(mx, tl.load(PML + (base + s) * 2))
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     den = tl.zeros([], tl.float32)
     num = tl.zeros([D], tl.float32)
     for s in range(0, live):                # one split after the other: a fixed order
-        w = tl.exp(tl.load(PML + (base + s) * 2, cache_modifier=CACHE) - mx)
-        den += w * tl.load(PML + (base + s) * 2 + 1, cache_modifier=CACHE)
-        num += w * tl.load(PO + (base + s) * D + od, cache_modifier=CACHE)
+        w = tl.exp(tl.load(PML + (base + s) * 2) - mx)
+        den += w * tl.load(PML + (base + s) * 2 + 1)
+        num += w * tl.load(PO + (base + s) * D + od)
     res = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(OUT + r * s_or + h * s_oh + od, res.to(OUT.dtype.element_ty))
 
