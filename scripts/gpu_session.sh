@@ -10,8 +10,10 @@
 #   bash scripts/gpu_session.sh OUT exact    # exactness engines side by side on one GPU: the
 #       serving config (top_k 2048, B 4096, min_context 0, 4 prompts of 6K-20K) as resident /
 #       hisparse / elastic (a KV cache smaller than the prompts: spills mid-run), and short
-#       prompts turning sparse mid-decode (issue 16); then a never-sparse engine (the stock decode
-#       path) vs resident; the stock-decode GPU test; 4K bench (~7 min)
+#       prompts turning sparse mid-decode (issue 16); five engines at once did not finish in
+#       560 s on 2026-12-02 (EXACT_LIMIT=S stops each engine; give the call S + 60)
+#   bash scripts/gpu_session.sh OUT exact2   # a never-sparse engine (the stock decode path) vs
+#       resident; the stock-decode GPU test; 4K decode-step bench (~5 min)
 #   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at 1 request and at each backend's
 #       capacity: stock, elastic (BACKENDS=... for others; ~2.5 min stock, ~5 min per hisparse backend)
 #   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
@@ -42,40 +44,54 @@ case "$part" in
     for a in "32768 0 1,8,32,64" "32768 0 1,8,32,64 --resident" "32768 0.3 1,32" "4096 0 1,32"; do
       set -- $a
       timeout 120 python3 -m vllm_hisparse.bench.decode_step --context $1 --rows $3 --layers 2 \
-        --steps 10 --q-noise $2 $4 --out "$out/ds-$1-q$2$4" 2>&1 | grep -E "^\{|Error" | cut -c1-300
+        --steps 10 --q-noise $2 ${4:-} --out "$out/ds-$1-q$2${4:-}" 2>&1 | grep -E "^\{|Error" | cut -c1-300
     done
     since "kernels done" ;;
   exact)
+    # A: the serving config as resident / hisparse / elastic (a KV cache smaller than the prompts:
+    # spills mid-run); B: short prompts turning sparse mid-decode (issue 16). Every engine stops at
+    # EXACT_LIMIT s; each minute the engines' last log lines go to the summary (a call stopped at
+    # its limit says how far each got), each pair is compared as soon as it is done.
     ex=$out/exact; mkdir -p $ex/A $ex/B
+    lim=${EXACT_LIMIT:-420}
     A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0}'
     runA() { HISPARSE_EXTRA="$A" EXACT_PROMPTS=6000,20000,12000,9000 EXACT_UTIL=0.12 EXACT_KV_GIB=$2 \
-               python3 scripts/gpu_exactness.py run $1 $ex/A > $ex/A/$1.out 2>&1; }
+               timeout $lim python3 scripts/gpu_exactness.py run $1 $ex/A > $ex/A/$1.out 2>&1; }
     runB() { HISPARSE_EXTRA='{"dense_pool_gib": 1}' EXACT_PROMPTS=1200,5000 EXACT_MAX_TOKENS=1500 \
-               EXACT_UTIL=0.12 EXACT_KV_GIB=2 python3 scripts/gpu_exactness.py run $1 $ex/B > $ex/B/$1.out 2>&1; }
-    runA resident 7 & sleep 4; runA hisparse 4 & sleep 4; runA elastic 5 & sleep 4
-    runB resident & sleep 4; runB hisparse &
+               EXACT_UTIL=0.12 EXACT_KV_GIB=2 timeout $lim python3 scripts/gpu_exactness.py run $1 $ex/B \
+               > $ex/B/$1.out 2>&1; }
+    ( while sleep 60; do for f in $ex/*/*.log; do echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
+    mon=$!
+    runA resident 7 & a1=$!; sleep 4; runA hisparse 4 & a2=$!; sleep 4; runA elastic 5 & a3=$!; sleep 4
+    runB resident & b1=$!; sleep 4; runB hisparse & b2=$!
+    wait $a1 $a2 $a3; since "engines A done"
+    grep -h "== \|rc=\|cudagraph_mode" $ex/A/*.out | cut -c1-200; grep -h "Error" $ex/A/*.log | tail -3
+    python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic
+    wait $b1 $b2; since "engines B done"; kill $mon
+    grep -h "== \|rc=\|cudagraph_mode" $ex/B/*.out | cut -c1-200; grep -h "Error" $ex/B/*.log | tail -3
+    EXACT_PROMPTS=1200,5000 python3 scripts/gpu_exactness.py compare $ex/B hisparse
+    rm -f $ex/*/prompts.json
+    since "exact done" ;;
+  exact2)
+    # C: an engine where no request can be sparse (min_context past max_model_len 32768), default
+    # dense layers without a dense pool: the stock decode path, FULL graphs in both modes; the
+    # stock-decode GPU test; the 4K decode step
+    ex=$out/exact; mkdir -p $ex/C
+    runC() { HISPARSE_EXTRA='{"min_context": 65536}' EXACT_UTIL=0.12 EXACT_KV_GIB=3 \
+               timeout ${EXACT_LIMIT:-420} python3 scripts/gpu_exactness.py run $1 $ex/C > $ex/C/$1.out 2>&1; }
+    runC resident & sleep 4; runC hisparse &
     sleep 15
     timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_decode_body_gpu.py -k stock \
       > "$out/pytest-stock.txt" 2>&1; echo "stock-decode test rc=$?: $(tail -1 $out/pytest-stock.txt)"
-    wait; since "engines A, B done"
-    # C: an engine where no request can be sparse (min_context past max_model_len 32768), default
-    # dense layers without a dense pool: the stock decode path, FULL graphs in both modes
-    mkdir -p $ex/C
-    runC() { HISPARSE_EXTRA='{"min_context": 65536}' EXACT_UTIL=0.12 EXACT_KV_GIB=3 \
-               python3 scripts/gpu_exactness.py run $1 $ex/C > $ex/C/$1.out 2>&1; }
-    runC resident & sleep 4; runC hisparse &
     wait; since "engines C done"
-    for s in A B C; do grep -h "== \|rc=\|cudagraph_mode" $ex/$s/*.out | cut -c1-200; \
-      grep -h "Error" $ex/$s/*.log | tail -3; done
-    python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic
-    EXACT_PROMPTS=1200,5000 python3 scripts/gpu_exactness.py compare $ex/B hisparse
+    grep -h "== \|rc=\|cudagraph_mode" $ex/C/*.out | cut -c1-200; grep -h "Error" $ex/C/*.log | tail -3
     python3 scripts/gpu_exactness.py compare $ex/C hisparse
     rm -f $ex/*/prompts.json
     for m in "" "--stock-decode"; do
       timeout 80 python3 -m vllm_hisparse.bench.decode_step --context 4096 --rows 1,8,32,64 --layers 2 \
         --steps 10 --q-noise 0 $m --out "$out/ds-4k$m" 2>&1 | grep -E "^\{|Error" | cut -c1-300
     done
-    since "exact done" ;;
+    since "exact2 done" ;;
   cap)
     SERVING_LIMIT=${LIMIT:-560} bash scripts/gpu_serving.sh "$out/cap" --input-len 32768 --output-len 2048 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} --concurrency 1,cap \
@@ -87,5 +103,5 @@ case "$part" in
     SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends stock,elastic,hisparse --concurrency 1 \
       --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' ;;
-  *) echo "part: kernels, exact, cap, 4k or 32k1" >&2; exit 2 ;;
+  *) echo "part: kernels, exact, exact2, cap, 4k or 32k1" >&2; exit 2 ;;
 esac
