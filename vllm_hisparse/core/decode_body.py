@@ -9,8 +9,7 @@ Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind re
 2. if the batch has sparse rows: ``select_resolve`` (top-k units, RESOLVE, then the miss copies
    from the host pool);
 3. ``decode_attention``: sparse rows over their selected pages and newest page, dense rows with the
-   batch-invariant split-KV dense decode over the paged cache — one launch (its last program per
-   row and KV head combines the splits).
+   batch-invariant split-KV dense decode over the paged cache — one split and one combine launch.
 
 Dense layer: the new token into its block (and the dense pool, or the host pool); dense decode of
 the rows whose keys are on the GPU over the cache, of sparse rows over the dense pool; sparse rows
@@ -84,7 +83,7 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
             rt.trace.decode(layer, db, sel)
 
     db.run_kinds(("has_sparse",), [sparse])
-    if rt.split_dense or not q.is_cuda:          # both row kinds: one launch
+    if rt.split_dense or not q.is_cuda:          # both row kinds: one split + one combine launch
         aw = ()
         if q.is_cuda:
             from vllm_hisparse.ops.triton_decode_attention import partials_numel
