@@ -10,8 +10,8 @@
 #   bash scripts/gpu_session.sh OUT exact    # exactness engines side by side on one GPU: the
 #       serving config (top_k 2048, B 4096, min_context 0, 4 prompts of 6K-20K) as resident /
 #       hisparse / elastic (a KV cache smaller than the prompts: spills mid-run), and short
-#       prompts turning sparse mid-decode (issue 16); five engines at once did not finish in
-#       560 s on 2026-12-02 (EXACT_LIMIT=S stops each engine; give the call S + 60)
+#       prompts turning sparse mid-decode (issue 16); EXACT_LIMIT=S stops each engine (default
+#       420; give the call S + 90)
 #   bash scripts/gpu_session.sh OUT exact2   # a never-sparse engine (the stock decode path) vs
 #       resident; the stock-decode GPU test; 4K decode-step bench (~5 min)
 #   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at 1 request and at each backend's
@@ -23,7 +23,9 @@ top=$1; part=$2
 out=/tmp/gs/$part                                      # logs, CSVs: tarred into top at the end
 mkdir -p "$top" "$out"
 exec > >(tee -a "$top/summary.txt") 2>&1              # every line below also in summary.txt
-trap 'tar czf "$top/$part.tgz" -C /tmp/gs "$part"' EXIT   # setup.log too, if setup exits
+mon=
+trap '[ -n "$mon" ] && kill $mon; tar czf "$top/$part.tgz" -C /tmp/gs "$part"' EXIT   # setup.log too
+# (a bare `wait` would also wait for the tee above: wait on the pids started here)
 source scripts/gpu_setup.sh "$out" > "$out/setup.log" 2>&1
 set +e
 python3 -c "from vllm_hisparse.ops import kernels as k; assert k.available(), k.import_error()" \
@@ -56,18 +58,21 @@ case "$part" in
     lim=${EXACT_LIMIT:-420}
     A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0}'
     runA() { HISPARSE_EXTRA="$A" EXACT_PROMPTS=6000,20000,12000,9000 EXACT_UTIL=0.12 EXACT_KV_GIB=$2 \
-               timeout $lim python3 scripts/gpu_exactness.py run $1 $ex/A > $ex/A/$1.out 2>&1; }
+               timeout -k 30 $lim python3 scripts/gpu_exactness.py run $1 $ex/A > $ex/A/$1.out 2>&1
+             echo "== A $1 exit $? (124: stopped at EXACT_LIMIT)"; }
     runB() { HISPARSE_EXTRA='{"dense_pool_gib": 1}' EXACT_PROMPTS=1200,5000 EXACT_MAX_TOKENS=1500 \
-               EXACT_UTIL=0.12 EXACT_KV_GIB=2 timeout $lim python3 scripts/gpu_exactness.py run $1 $ex/B \
-               > $ex/B/$1.out 2>&1; }
-    ( while sleep 60; do for f in $ex/*/*.log; do echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
+               EXACT_UTIL=0.12 EXACT_KV_GIB=2 timeout -k 30 $lim python3 scripts/gpu_exactness.py run $1 \
+               $ex/B > $ex/B/$1.out 2>&1
+             echo "== B $1 exit $? (124: stopped at EXACT_LIMIT)"; }
+    ( while sleep 60 > /dev/null 2>&1; do for f in $ex/*/*.log; do
+        echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
     mon=$!
     runA resident 7 & a1=$!; sleep 4; runA hisparse 4 & a2=$!; sleep 4; runA elastic 5 & a3=$!; sleep 4
     runB resident & b1=$!; sleep 4; runB hisparse & b2=$!
     wait $a1 $a2 $a3; since "engines A done"
     grep -h "== \|rc=\|cudagraph_mode" $ex/A/*.out | cut -c1-200; grep -h "Error" $ex/A/*.log | tail -3
     python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic
-    wait $b1 $b2; since "engines B done"; kill $mon
+    wait $b1 $b2; since "engines B done"
     grep -h "== \|rc=\|cudagraph_mode" $ex/B/*.out | cut -c1-200; grep -h "Error" $ex/B/*.log | tail -3
     EXACT_PROMPTS=1200,5000 python3 scripts/gpu_exactness.py compare $ex/B hisparse
     rm -f $ex/*/prompts.json
@@ -78,12 +83,14 @@ case "$part" in
     # stock-decode GPU test; the 4K decode step
     ex=$out/exact; mkdir -p $ex/C
     runC() { HISPARSE_EXTRA='{"min_context": 65536}' EXACT_UTIL=0.12 EXACT_KV_GIB=3 \
-               timeout ${EXACT_LIMIT:-420} python3 scripts/gpu_exactness.py run $1 $ex/C > $ex/C/$1.out 2>&1; }
-    runC resident & sleep 4; runC hisparse &
+               timeout -k 30 ${EXACT_LIMIT:-420} python3 scripts/gpu_exactness.py run $1 $ex/C \
+               > $ex/C/$1.out 2>&1
+             echo "== C $1 exit $? (124: stopped at EXACT_LIMIT)"; }
+    runC resident & c1=$!; sleep 4; runC hisparse & c2=$!
     sleep 15
     timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_decode_body_gpu.py -k stock \
       > "$out/pytest-stock.txt" 2>&1; echo "stock-decode test rc=$?: $(tail -1 $out/pytest-stock.txt)"
-    wait; since "engines C done"
+    wait $c1 $c2; since "engines C done"
     grep -h "== \|rc=\|cudagraph_mode" $ex/C/*.out | cut -c1-200; grep -h "Error" $ex/C/*.log | tail -3
     python3 scripts/gpu_exactness.py compare $ex/C hisparse
     rm -f $ex/*/prompts.json

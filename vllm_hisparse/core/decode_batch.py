@@ -109,6 +109,10 @@ def fill(rt, db: DecodeBatch, steps: list, host_pages: dict) -> None:
                 F["dl_seq"][i] = seq
         else:
             F["dn_seq"][i] = F["dl_seq"][i] = seq
+    ir = F["irow"][F["sp_seq"] > 0]
+    if len(np.unique(ir)) != len(ir):   # the fused write + scores launch relies on it
+        raise RuntimeError(f"hisparse: two sparse rows of one decode batch share an indexer row "
+                           f"({sorted(ir.tolist())}); every sparse request must own its row")
     on = [bool(F[_KIND_OF[c]].any()) for c in KINDS]
     rt.h2d(m.reshape(-1), out=db.meta)
     if rt.decode_fn is not None:

@@ -5,7 +5,8 @@ Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind re
 
 1. the new token into its block, through to the host pool, into the indexer's state, and, if
    the batch has sparse rows (a graph records it always), the indexer's unit scores
-   (``Indexer.write_and_score``: one launch for Quest on CUDA; ``decode_write`` alone otherwise);
+   (``Indexer.write_and_score``: one launch for Quest on CUDA); ``decode_write`` alone in an
+   eager batch without sparse rows;
 2. if the batch has sparse rows: ``select_resolve`` (top-k units, RESOLVE, then the miss copies
    from the host pool);
 3. ``decode_attention``: sparse rows over their selected pages and newest page, dense rows with the

@@ -67,17 +67,22 @@ def decode_write_score(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """decode_write(kv, ..., kmin, kmax, q_page) and then Quest's page scores
     quest_scores_rows(q, kmin, kmax, rows, num_units, out, live_only=True), in one Triton launch
     on CUDA (ops/triton_write_score.py). num_units[r]: row r's complete pages, at most the page of
-    its new token ((seq - 1) // page: the scores never read the page the write folds into)."""
+    its new token ((seq - 1) // page: the scores never read the page the write folds into). Two
+    rows whose tokens fold into Quest rows must not share one (rows[r] differ where q_page >= 0,
+    as the decode batch gives them): one row's scores would race another's write."""
     from .quest import check, quest_scores_rows
-    check(q, kmin, kmax, rows, num_units, out)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} rows but k has {k.shape[0]}: one query per new token")
     if not k.is_cuda:
         reference.decode_write(kv, k, v, block_table, seq, newest, dst, dst_page, kmin, kmax,
                                q_page)
         quest_scores_rows(q, kmin, kmax, rows, num_units, out, live_only=True)
         return
+    check(q, kmin, kmax, rows, num_units, out)
+    if not (rows.is_contiguous() and num_units.is_contiguous()):
+        raise ValueError("rows and num_units must be contiguous on CUDA (decode batch fields are)")
     from . import triton_write_score
     _check_write(kv, k, v, kmin, kmax)
-    assert rows.is_contiguous() and num_units.is_contiguous()
     triton_write_score.write_score(kv, k, v, block_table, seq, newest,
                                    _device_alias(dst, kv.device), dst_page, kmin, kmax, q_page,
                                    q, rows, num_units, out)

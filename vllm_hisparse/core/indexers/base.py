@@ -113,6 +113,7 @@ class Indexer:
         """A sparse layer's decode write (write: ops/decode_ops.decode_write's kv, k, v,
         block_table, seq, newest, dst, dst_page; this indexer's state through
         ``decode_write_kwargs``) and then ``score``. num_units never reaches the unit the write
-        folds a token into, so an indexer may run both in one launch (Quest does on CUDA)."""
+        folds a token into, and no two rows that write share an indexer row, so an indexer may run
+        both in one launch (Quest does on CUDA)."""
         decode_ops.decode_write(*write, **self.decode_write_kwargs(layer, i_unit))
         self.score(layer, q, rows, num_units, out)
