@@ -32,6 +32,14 @@ python3 -c "from vllm_hisparse.ops import kernels as k; assert k.available(), k.
   || { tail -20 "$out/setup.log"; exit 1; }
 t0=$(date +%s)
 since() { echo "$1 at $(( $(date +%s) - t0 )) s"; }
+# engine PAIR MODE VAR=VALUE...: one exactness engine (scripts/gpu_exactness.py) of pair PAIR in
+# $ex/PAIR with those settings, stopped at EXACT_LIMIT s; its exit code in the summary
+engine() {
+  local pair=$1 mode=$2; shift 2
+  env EXACT_UTIL=0.12 "$@" timeout -k 30 ${EXACT_LIMIT:-420} python3 scripts/gpu_exactness.py run \
+    $mode $ex/$pair > $ex/$pair/$mode.out 2>&1
+  echo "== $pair $mode exit $? (124: stopped at EXACT_LIMIT)"
+}
 case "$part" in
   kernels)
     for f in tests/test_write_score.py tests/test_decode_attention.py tests/test_decode_ops.py \
@@ -55,15 +63,10 @@ case "$part" in
     # EXACT_LIMIT s; each minute the engines' last log lines go to the summary (a call stopped at
     # its limit says how far each got), each pair is compared as soon as it is done.
     ex=$out/exact; mkdir -p $ex/A $ex/B
-    lim=${EXACT_LIMIT:-420}
     A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0}'
-    runA() { HISPARSE_EXTRA="$A" EXACT_PROMPTS=6000,20000,12000,9000 EXACT_UTIL=0.12 EXACT_KV_GIB=$2 \
-               timeout -k 30 $lim python3 scripts/gpu_exactness.py run $1 $ex/A > $ex/A/$1.out 2>&1
-             echo "== A $1 exit $? (124: stopped at EXACT_LIMIT)"; }
-    runB() { HISPARSE_EXTRA='{"dense_pool_gib": 1}' EXACT_PROMPTS=1200,5000 EXACT_MAX_TOKENS=1500 \
-               EXACT_UTIL=0.12 EXACT_KV_GIB=2 timeout -k 30 $lim python3 scripts/gpu_exactness.py run $1 \
-               $ex/B > $ex/B/$1.out 2>&1
-             echo "== B $1 exit $? (124: stopped at EXACT_LIMIT)"; }
+    runA() { engine A $1 HISPARSE_EXTRA="$A" EXACT_PROMPTS=6000,20000,12000,9000 EXACT_KV_GIB=$2; }
+    runB() { engine B $1 HISPARSE_EXTRA='{"dense_pool_gib": 1}' EXACT_PROMPTS=1200,5000 \
+               EXACT_MAX_TOKENS=1500 EXACT_KV_GIB=2; }
     ( while sleep 60 > /dev/null 2>&1; do for f in $ex/*/*.log; do
         echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
     mon=$!
@@ -82,10 +85,7 @@ case "$part" in
     # dense layers without a dense pool: the stock decode path, FULL graphs in both modes; the
     # stock-decode GPU test; the 4K decode step
     ex=$out/exact; mkdir -p $ex/C
-    runC() { HISPARSE_EXTRA='{"min_context": 65536}' EXACT_UTIL=0.12 EXACT_KV_GIB=3 \
-               timeout -k 30 ${EXACT_LIMIT:-420} python3 scripts/gpu_exactness.py run $1 $ex/C \
-               > $ex/C/$1.out 2>&1
-             echo "== C $1 exit $? (124: stopped at EXACT_LIMIT)"; }
+    runC() { engine C $1 HISPARSE_EXTRA='{"min_context": 65536}' EXACT_KV_GIB=3; }
     runC resident & c1=$!; sleep 4; runC hisparse & c2=$!
     sleep 15
     timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_decode_body_gpu.py -k stock \

@@ -15,8 +15,9 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INTS = (torch.int32, torch.int64)
 
 
-def _check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
-           num_units: torch.Tensor, out: torch.Tensor | None) -> None:
+def check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
+          num_units: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Raise ValueError unless quest_scores_rows can take these (on CUDA: the kernel's strides)."""
     if q.dim() != 3:
         raise ValueError(f"q must be (R, Hq, D); got shape {tuple(q.shape)}")
     R, Hq, D = q.shape
@@ -42,12 +43,6 @@ def _check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.
                             or out.device != q.device):
         raise ValueError(f"out must be ({R}, {kmin.shape[1]}) float32 on {q.device}; got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
-
-
-def check(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, rows: torch.Tensor,
-          num_units: torch.Tensor, out: torch.Tensor | None) -> None:
-    """Raise ValueError unless quest_scores_rows can take these (on CUDA: the kernel's strides)."""
-    _check(q, kmin, kmax, rows, num_units, out)
     if not q.is_cuda:
         return
     for name, t in (("q", q), ("kmin", kmin), ("out", out)):
