@@ -17,7 +17,8 @@
 #   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at 1 request and at each backend's
 #       capacity: stock, elastic (BACKENDS=... for others; ~2.5 min stock, ~5 min per hisparse backend)
 #   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
-#   bash scripts/gpu_session.sh OUT 32k1     # 32K / 256 at 1 request, stock vs elastic vs hisparse (~7 min)
+#   bash scripts/gpu_session.sh OUT 32k1     # 32K / 256 at 1 request, stock vs elastic vs hisparse (~7 min;
+#                                            # BACKENDS=stock,elastic for two)
 set -uo pipefail
 top=$1; part=$2
 out=/tmp/gs/$part                                      # logs, CSVs: tarred into top at the end
@@ -51,10 +52,15 @@ case "$part" in
     grep -hE "FAILED|Error|assert " "$out"/pytest-*.txt | head -20
     # 32K at 0% misses (the goal's 30 us), RESOLVE's share (the select with hot slots vs without:
     # the resident run), ~6% misses; 4K dense rows (the split-KV decode's combine in the launch)
-    for a in "32768 0 1,8,32,64" "32768 0 1,8,32,64 --resident" "32768 0.3 1,32" "4096 0 1,32"; do
+    # the misses copied in select_resolve's own launch (HISPARSE_FETCH_IN_ATTENTION=0: "-io")
+    # against the default, read by the attention's split launch
+    for a in "32768 0 1,8,32,64" "32768 0 1,8,32,64 --resident" "32768 0.3 1,8,32" "4096 0 1,32" \
+             "32768 0 1,8,32 -io" "32768 0.3 1,8,32 -io"; do
       set -- $a
-      timeout 120 python3 -m vllm_hisparse.bench.decode_step --context $1 --rows $3 --layers 2 \
-        --steps 10 --q-noise $2 ${4:-} --out "$out/ds-$1-q$2${4:-}" 2>&1 | grep -E "^\{|Error" | cut -c1-300
+      fa=1; opt=${4:-}; [ "$opt" = -io ] && { fa=0; opt=; }
+      HISPARSE_FETCH_IN_ATTENTION=$fa timeout 120 python3 -m vllm_hisparse.bench.decode_step \
+        --context $1 --rows $3 --layers 2 --steps 10 --q-noise $2 $opt \
+        --out "$out/ds-$1-q$2${4:-}" 2>&1 | grep -E "^\{|Error" | cut -c1-300
     done
     since "kernels done" ;;
   exact)
@@ -108,7 +114,7 @@ case "$part" in
       --rounds 1 --gpu-memory-utilization 0.3 --backends stock,hisparse --concurrency 1,64 ;;
   32k1)
     SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
-      --rounds 1 --gpu-memory-utilization 0.3 --backends stock,elastic,hisparse --concurrency 1 \
+      --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic,hisparse} --concurrency 1 \
       --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' ;;
   *) echo "part: kernels, exact, exact2, cap, 4k or 32k1" >&2; exit 2 ;;
 esac

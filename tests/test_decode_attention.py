@@ -96,12 +96,74 @@ def test_cpu_dispatch_is_the_two_references():
     assert torch.equal(got, want)
 
 
+def with_misses(t, gen, frac=0.3):
+    """A copy of mixed_batch's tensors where about frac of the sparse rows' selected pages missed:
+    their locs entry marked -2 - block, the block poisoned with NaN, its true bytes in a host pool
+    page (a permutation: host_pt[rows[r], units[r, j]]); dense rows' locs get marks as well, which
+    must be ignored (their pages hold other bytes). Returns (tensors, (rows, host_pt, host))."""
+    q, kv, bt, locs, units, sp_seq, newest, dn_seq, out = t
+    R, k = locs.shape
+    U = int(units.max()) + 1
+    M = R + 2
+    rows = torch.randperm(M, generator=gen)[:R]
+    host_pt = torch.full((M, U), -1, dtype=torch.int32)
+    npages = R * U + 3
+    for i in range(R):
+        host_pt[rows[i]] = torch.randperm(npages, generator=gen)[:U].int()
+    host = torch.randn(npages, *kv.shape[1:], generator=gen).to(kv.dtype)
+    kv, locs = kv.clone().cpu(), locs.clone().cpu()
+    sp = (sp_seq.cpu() > 0)[:, None]
+    hit = locs >= 0
+    pick = (torch.rand(R, k, generator=gen) < frac) & hit
+    for r, j in zip(*torch.nonzero(pick & sp, as_tuple=True)):
+        b = int(locs[r, j])
+        host[int(host_pt[rows[r], units[r, j]])] = kv[b]
+        kv[b] = float("nan")
+    locs = torch.where(pick, -2 - locs, locs)         # dense rows' marks: not theirs to follow
+    dev = q.device
+    return ((q, kv.to(dev), bt, locs.to(dev), units, sp_seq, newest, dn_seq, out),
+            (rows.to(dev), host_pt.to(dev), host))
+
+
+def check_misses(case, dt, gen, dev, triton_path=True, pinned=False):
+    """Misses read by the split launch from the host pool (and stored into their blocks): the
+    same bits as with every page resident, and the blocks end up holding the pages' bytes."""
+    t = mixed_batch(*case, dt, gen, dev)
+    scale = case[3] ** -0.5
+    if triton_path:
+        want = fused(*t[:-1], t[-1].clone(), scale)
+    else:
+        want = kernels.decode_attention(*t[:-1], scale, t[-1].clone(), ())
+    m, (rows, host_pt, host) = with_misses(t, gen)
+    assert bool((m[3] <= -2).any()), "no miss in the case"
+    host = host.pin_memory() if pinned else host.to(dev)
+    kv = m[1]
+    if not triton_path:                              # the dispatcher's CPU path
+        got = kernels.decode_attention(*m[:-1], scale, m[-1].clone(), (), (rows, host_pt, host))
+    else:
+        from vllm_hisparse.ops import triton_decode_attention as tda
+        R, Hq, D = t[0].shape
+        work = tuple(torch.empty(n, dtype=torch.float32, device=dev)
+                     for n in tda.partials_numel(R, Hq, kv.shape[3], t[3].shape[1], kv.shape[2], D))
+        alias = kernels.device_alias(host, kv.device) if pinned else host
+        got = tda.decode_attention(*m[:-1], scale, m[-1].clone(), work, (rows, host_pt, alias))
+    assert torch.equal(got, want), f"{case} {dt}: misses read from the host change the output"
+    assert torch.equal(kv, t[1]), f"{case} {dt}: the missed blocks do not hold their pages"
+
+
 def run_interpreter_cases():
     """Called in a subprocess with TRITON_INTERPRET=1 (it must be set before triton is imported)."""
     for i, case in enumerate(CASES):
         for dt in (torch.float16, torch.float32):
             check_case(case, dt, torch.Generator().manual_seed(20 + i), "cpu")
+            check_misses(case, dt, torch.Generator().manual_seed(30 + i), "cpu")
     print("interpreter ok")
+
+
+def test_cpu_dispatch_fetches_marked_misses():
+    for i, case in enumerate(CASES):
+        check_misses(case, torch.float32, torch.Generator().manual_seed(10 + i), "cpu",
+                     triton_path=False)
 
 
 def test_fused_equals_the_two_kernels_in_interpreter():
@@ -113,3 +175,11 @@ def test_fused_equals_the_two_kernels_in_interpreter():
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
 def test_gpu_fused_equals_the_two_kernels(case, dt):
     check_case(case, dt, torch.Generator().manual_seed(sum(case)), "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.ext
+@pytest.mark.parametrize("case", CASES + GPU_CASES)
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_gpu_misses_read_from_the_pinned_pool(case, dt):
+    check_misses(case, dt, torch.Generator().manual_seed(5 + sum(case)), "cuda", pinned=True)

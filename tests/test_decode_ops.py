@@ -142,11 +142,13 @@ def random_scores(N, U, gen, dev):
     return (torch.randn(N, U, generator=gen) * 4).round().div(4).to(dev)   # many ties
 
 
-def run_select(fn, t, scores, k, work=None):
+def run_select(fn, t, scores, k, work=None, fetch=True):
     N = scores.shape[0]
     sel = torch.full((N, k), -7, dtype=torch.int32, device=scores.device)
     locs = torch.full_like(sel, -7)
     kw = {} if work is None else {"work": work}
+    if not fetch:
+        kw["fetch"] = False
     fn(scores, t["seq"], t["full"], k, t["bt"], sel, locs, hot=t["hot"], rows=t["rows"],
        state=t["state"], host_pt=t["host_pt"], host=t["host"], kv=t["kv"], counts=t["counts"],
        **kw)
@@ -216,7 +218,31 @@ def test_select_resolve_reference_properties(case, policy):
     assert int(t["counts"][1]) > 0 and (N < 3 or on_bt > 0)
 
 
-def compare_select(case, gen, dev, fn_triton, pinned_host=False, policy="lru"):
+def test_unfetched_select_then_fetch_marked_equals_the_fetching_select():
+    """select_resolve(fetch=False) leaves its misses marked -2 - block and kv untouched;
+    reference.fetch_marked then copies them: the locs and bytes of select_resolve(fetch=True)."""
+    case = SELECT_CASES[0]
+    N, P, Hkv, D, U, k, S = case
+    gen = torch.Generator().manual_seed(7)
+    a = select_inputs(*case, gen)
+    b = {n: (clone_state(v) if n == "state" else v.clone()) for n, v in a.items()}
+    marked = 0
+    for step in range(STEPS):
+        scores = random_scores(N, U, gen, "cpu")
+        want = run_select(reference.select_resolve, a, scores, k)
+        kv_before = b["kv"].clone()
+        sel, locs = run_select(reference.select_resolve, b, scores, k, fetch=False)
+        assert torch.equal(b["kv"].nan_to_num(-9.0), kv_before.nan_to_num(-9.0)), "kv written"
+        marked += int((locs[b["seq"] > 0] <= -2).sum())       # padding rows keep their -7
+        got = reference.fetch_marked(b["kv"], locs, sel, b["seq"], b["rows"], b["host_pt"],
+                                     b["host"])
+        assert torch.equal(sel, want[0]) and torch.equal(got, want[1]), f"step {step}"
+        assert torch.equal(a["kv"].nan_to_num(-9.0), b["kv"].nan_to_num(-9.0)), f"step {step}"
+        assert torch.equal(a["state"].slot_unit, b["state"].slot_unit)
+    assert marked == int(a["counts"][1]) > 0, "every miss marked once"
+
+
+def compare_select(case, gen, dev, fn_triton, pinned_host=False, policy="lru", fetch=True):
     """Triton vs reference over STEPS steps of one episode: everything bit for bit, the policy's
     replacement state included (pinned_host: the kernel's host pool is a pinned CPU copy of the
     reference's)."""
@@ -234,8 +260,8 @@ def compare_select(case, gen, dev, fn_triton, pinned_host=False, policy="lru"):
             advance(b)
         if step % 3 != 2:   # every third step repeats the last scores: all hits where k <= S
             scores = random_scores(N, U, gen, dev)
-        want = run_select(reference.select_resolve, a, scores, k)
-        got = run_select(fn_triton, b, scores, k, work)
+        want = run_select(reference.select_resolve, a, scores, k, fetch=fetch)
+        got = run_select(fn_triton, b, scores, k, work, fetch=fetch)
         for name, x, y in (("sel", want[0], got[0]), ("locs", want[1], got[1]),
                            ("slot_unit", a["state"].slot_unit, b["state"].slot_unit),
                            ("unit_slot", a["state"].unit_slot, b["state"].unit_slot),
@@ -267,7 +293,8 @@ def run_interpreter_cases():
     for policy in POLICIES:
         for i, case in enumerate(SELECT_CASES):
             triton_select.RADIX_BITS = (8, 11)[i % 2]     # both top-k radix widths
-            compare_select(case, torch.Generator().manual_seed(50 + i), "cpu", tri, policy=policy)
+            compare_select(case, torch.Generator().manual_seed(50 + i), "cpu", tri, policy=policy,
+                           fetch=i % 2 == 0)
     print("interpreter ok")
 
 
@@ -290,14 +317,16 @@ CUDA_SELECT_CASES = [(2, 4, 1, 16, 20000, 1100, 1300), (3, 4, 1, 16, 3000, 200, 
 
 @pytest.mark.cuda
 @pytest.mark.ext
+@pytest.mark.parametrize("fetch", [True, False])
 @pytest.mark.parametrize("impl", ["triton", "cuda"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("case", SELECT_CASES + [(4, 16, 8, 128, 2048, 127, 256)])
-def test_gpu_select_resolve(case, policy, impl, monkeypatch):
-    """On the GPU the kernel reads the host pool as pinned CPU memory, through its UVA alias."""
+def test_gpu_select_resolve(case, policy, impl, fetch, monkeypatch):
+    """On the GPU the kernel reads the host pool as pinned CPU memory, through its UVA alias
+    (fetch False: no copies, the misses marked as the reference marks them)."""
     monkeypatch.setattr(decode_ops, "SELECT_IMPL", impl)
     a = compare_select(case, torch.Generator().manual_seed(70 + sum(case)), "cuda",
-                       decode_ops.select_resolve, pinned_host=True, policy=policy)
+                       decode_ops.select_resolve, pinned_host=True, policy=policy, fetch=fetch)
     assert int(a["counts"][1]) > 0
 
 

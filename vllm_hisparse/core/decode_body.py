@@ -7,10 +7,13 @@ Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind re
    the batch has sparse rows (a graph records it always), the indexer's unit scores
    (``Indexer.write_and_score``: one launch for Quest on CUDA); ``decode_write`` alone in an
    eager batch without sparse rows;
-2. if the batch has sparse rows: ``select_resolve`` (top-k units, RESOLVE, then the miss copies
-   from the host pool);
-3. ``decode_attention``: sparse rows over their selected pages and newest page, dense rows with the
-   batch-invariant split-KV dense decode over the paged cache — one split and one combine launch.
+2. if the batch has sparse rows: ``select_resolve`` (top-k units, RESOLVE; the misses left
+   marked);
+3. ``decode_attention``: sparse rows over their selected pages and newest page — a missed page's
+   tokens read from the pinned host pool and stored into its block on the way — dense rows with
+   the batch-invariant split-KV dense decode over the paged cache — one split and one combine
+   launch. (``HISPARSE_FETCH_IN_ATTENTION=0``, and the eager path with FlashAttention for dense
+   rows: select_resolve copies the misses in its own launch first.)
 
 Dense layer: the new token into its block (and the dense pool, or the host pool); dense decode of
 the rows whose keys are on the GPU over the cache, of sparse rows over the dense pool; sparse rows
@@ -74,24 +77,29 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
     sel = torch.empty(N, K, dtype=torch.int32, device=dev)
     locs = torch.empty_like(sel)
     hs = rt.hot[layer]
+    mixed = rt.split_dense or not q.is_cuda          # both row kinds: one split + one combine launch
+    # the misses' pages: read (and stored into their blocks) by the attention's split launch, or
+    # copied by select_resolve's own launch before it
+    in_attention = hs is not None and mixed and decode_ops.FETCH_IN_ATTENTION
 
     def sparse():
         hot = {} if hs is None else dict(
-            hot=f("hot"), rows=f("row"), state=hs,
-            host_pt=rt.host_pt.table, host=host, kv=kv, counts=rt._hit_miss)
+            hot=f("hot"), rows=f("row"), state=hs, host_pt=rt.host_pt.table, host=host, kv=kv,
+            counts=rt._hit_miss, fetch=not in_attention)
         decode_ops.select_resolve(scores, f("sp_seq"), f("full"), K, bt, sel, locs, **hot)
         if rt.trace is not None:
             rt.trace.decode(layer, db, sel)
 
     db.run_kinds(("has_sparse",), [sparse])
-    if rt.split_dense or not q.is_cuda:          # both row kinds: one split + one combine launch
+    if mixed:
         aw = ()
         if q.is_cuda:
             from vllm_hisparse.ops.triton_decode_attention import partials_numel
             aw = tuple(torch.empty(n, dtype=torch.float32, device=dev)
                        for n in partials_numel(N, q.shape[1], kv.shape[3], K, P, q.shape[2]))
+        miss = (f("row"), rt.host_pt.table, host) if in_attention else None
         kernels.decode_attention(q, kv, bt, locs, sel, f("sp_seq"), db.newest, f("dn_seq"), scale,
-                                 out, aw)
+                                 out, aw, miss)
         return
     # split_dense off (FlashAttention for dense rows; eager only, no FULL graphs then)
     dense = _dense(rt, q, kv, bt, f("dn_seq"), scale, out, _max_k(db, q, bt, P), ())

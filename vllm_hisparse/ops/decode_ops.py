@@ -23,16 +23,12 @@ from . import kernels, reference
 # HISPARSE_SELECT_IMPL).
 SELECT_IMPL = os.environ.get("HISPARSE_SELECT_IMPL", "cuda")
 SELECT_THREADS = 512     # threads of the CUDA select's CTA (256, 512 or 1024)
-
-
-def _device_alias(t: torch.Tensor | None, dev: torch.device) -> torch.Tensor | None:
-    """A pinned CPU pool as a CUDA tensor over the same memory (UVA), for the Triton kernels."""
-    if t is None or t.device == dev:
-        return t
-    if not kernels.available():
-        raise RuntimeError(f"hisparse: reading the pinned host pool from a Triton kernel needs the "
-                           f"compiled extension (vllm_hisparse._C): {kernels.import_error()}")
-    return torch.ops.hisparse.uva_view(t)
+# Where the decode body's misses are copied in: "1" (default) in the attention's split launch,
+# which reads a miss page's tokens from the pinned pool and stores them into its block (one launch
+# fewer, the copies beside the hits' attention); "0" in select_resolve's miss-copy launch before
+# it. The same bits either way (tests/test_decode_attention.py, tests/test_decode_body_gpu.py);
+# the knob is for A/B runs (env HISPARSE_FETCH_IN_ATTENTION).
+FETCH_IN_ATTENTION = os.environ.get("HISPARSE_FETCH_IN_ATTENTION", "1") != "0"
 
 
 def _check_write(kv, k, v, kmin, kmax) -> None:
@@ -55,7 +51,7 @@ def decode_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table
     from . import triton_decode_write
     _check_write(kv, k, v, kmin, kmax)
     triton_decode_write.decode_write(kv, k, v, block_table, seq, newest,
-                                     _device_alias(dst, kv.device), dst_page, kmin, kmax, q_page)
+                                     kernels.device_alias(dst, kv.device), dst_page, kmin, kmax, q_page)
 
 
 def decode_write_score(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -84,7 +80,7 @@ def decode_write_score(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     from . import triton_write_score
     _check_write(kv, k, v, kmin, kmax)
     triton_write_score.write_score(kv, k, v, block_table, seq, newest,
-                                   _device_alias(dst, kv.device), dst_page, kmin, kmax, q_page,
+                                   kernels.device_alias(dst, kv.device), dst_page, kmin, kmax, q_page,
                                    q, rows, num_units, out)
 
 
@@ -94,15 +90,16 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    hot: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                    state=None, host_pt: torch.Tensor | None = None,
                    host: torch.Tensor | None = None, kv: torch.Tensor | None = None,
-                   counts: torch.Tensor | None = None) -> None:
+                   counts: torch.Tensor | None = None, fetch: bool = True) -> None:
     """reference.select_resolve (shapes there); on CUDA the select kernel SELECT_IMPL names (CUDA:
-    csrc/select_resolve.cu, or Triton: ops/triton_select.py; the same bits) and then the launch of
-    the miss copies. work: the Triton select's (scratch, victims) int32 workspaces of
+    csrc/select_resolve.cu, or Triton: ops/triton_select.py; the same bits) and then, with fetch,
+    the launch of the miss copies (fetch False: the misses stay marked ``-2 - block`` for the
+    attention to read, ``kernels.decode_attention(..., miss=...)``). work: the Triton select's (scratch, victims) int32 workspaces of
     workspace_shapes(N, k, S); allocated here when None (and only when the Triton select runs),
     from the graph's pool while a CUDA graph is being captured, like the body's other buffers."""
     if not scores.is_cuda:
         reference.select_resolve(scores, seq, num_full, k, block_table, sel, locs, hot, rows,
-                                 state, host_pt, host, kv, counts)
+                                 state, host_pt, host, kv, counts, fetch)
         return
     from . import triton_select
     if hot is not None:
@@ -113,21 +110,21 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
         raise ValueError(f"HISPARSE_SELECT_IMPL={SELECT_IMPL!r}: use cuda or triton")
     if SELECT_IMPL == "cuda" and kernels.available():
         _select_resolve_cuda(scores, seq, num_full, k, block_table, sel, locs, hot, rows, state,
-                             host_pt, host, kv, counts)
+                             host_pt, host, kv, counts, fetch)
         return
     if work is None:
         S = state.kernel_state()[0].shape[1] if hot is not None else 1
         work = tuple(torch.empty(s, dtype=torch.int32, device=scores.device)
                      for s in workspace_shapes(scores.shape[0], k, S))
     triton_select.select_resolve(scores, seq, num_full, k, block_table, sel, locs, *work, hot,
-                                 rows, state, host_pt, _device_alias(host, scores.device), kv,
-                                 counts)
+                                 rows, state, host_pt, kernels.device_alias(host, scores.device),
+                                 kv, counts, fetch)
 
 
 def _select_resolve_cuda(scores, seq, num_full, k, block_table, sel, locs, hot, rows, state,
-                         host_pt, host, kv, counts) -> None:
-    """The CUDA select + RESOLVE (one CTA per row), then the miss copies (triton_select's IO
-    launch). Rows' int fields int64, as the decode batch holds them."""
+                         host_pt, host, kv, counts, fetch) -> None:
+    """The CUDA select + RESOLVE (one CTA per row), then, with fetch, the miss copies
+    (triton_select's IO launch). Rows' int fields int64, as the decode batch holds them."""
     from . import triton_select
     if hot is None:
         torch.ops.hisparse.select_resolve(scores, seq, num_full, seq, seq, block_table, sel, sel,
@@ -139,8 +136,9 @@ def _select_resolve_cuda(scores, seq, num_full, k, block_table, sel, locs, hot, 
                                       counts, sel, locs, k, True, state.policy.kernel,
                                       consts.get("SHIFT", 0), consts.get("HIT", 0),
                                       SELECT_THREADS)
-    triton_select.miss_io(locs, sel, seq, num_full, hot, rows, host_pt,
-                          _device_alias(host, scores.device), kv, k)
+    if fetch:
+        triton_select.miss_io(locs, sel, seq, num_full, hot, rows, host_pt,
+                              kernels.device_alias(host, scores.device), kv, k)
 
 
 def workspace_shapes(N: int, k: int, S: int) -> tuple[tuple, tuple]:

@@ -26,6 +26,16 @@ def use_cuda(t: torch.Tensor) -> bool:
     return t.is_cuda and _ext is not None
 
 
+def device_alias(t: torch.Tensor | None, dev: torch.device) -> torch.Tensor | None:
+    """A pinned CPU pool as a CUDA tensor over the same memory (UVA), for the Triton kernels."""
+    if t is None or t.device == dev:
+        return t
+    if not available():
+        raise RuntimeError(f"hisparse: reading the pinned host pool from a Triton kernel needs the "
+                           f"compiled extension (vllm_hisparse._C): {import_error()}")
+    return torch.ops.hisparse.uva_view(t)
+
+
 def add_one(x: torch.Tensor) -> torch.Tensor:
     """Pipeline probe: x + 1 through the extension (CUDA) or torch (CPU)."""
     if use_cuda(x):
@@ -118,16 +128,26 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
                      locs: torch.Tensor, units: torch.Tensor, sp_seq: torch.Tensor,
                      newest: torch.Tensor, dn_seq: torch.Tensor, scale: float, out: torch.Tensor,
-                     work: tuple) -> torch.Tensor:
+                     work: tuple, miss: tuple | None = None) -> torch.Tensor:
     """A decode batch's sparse-layer attention: rows with sp_seq > 0 as
     ``sparse_decode_attention_newest(q, kv, locs, units, sp_seq, newest)``, rows with dn_seq > 0
     as ``dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, dn_seq)``, the others' out
     rows left as they are. CUDA: both kinds in one split and one combine launch
-    (ops/triton_decode_attention.py; work = its partials); CPU: those two functions' references."""
+    (ops/triton_decode_attention.py; work = its partials); CPU: those two functions' references.
+
+    miss (rows, host_pt, host): the sparse rows' locs may hold misses that
+    ``select_resolve(fetch=False)`` marked ``-2 - block``: each such page is
+    host[host_pt[rows[r], units[r, j]]] and lands in kv[block] as well (``reference.fetch_marked``
+    and then the attention; on CUDA the split launch reads those pages' tokens from the pinned
+    pool itself and writes them into their blocks). locs is left as it is."""
     if q.is_cuda:
         from . import triton_decode_attention
+        if miss is not None:
+            miss = (*miss[:2], device_alias(miss[2], q.device))
         return triton_decode_attention.decode_attention(q, kv, block_table, locs, units, sp_seq,
-                                                        newest, dn_seq, scale, out, work)
+                                                        newest, dn_seq, scale, out, work, miss)
+    if miss is not None:
+        locs = reference.fetch_marked(kv, locs, units, sp_seq, *miss)
     sparse_decode_attention_newest(q, kv, locs, units, sp_seq, newest, scale, out, work=())
     return dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, dn_seq, scale, out,
                                   work=())

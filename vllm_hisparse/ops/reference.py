@@ -284,7 +284,7 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    hot: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                    state: HotBufferState | None = None, host_pt: torch.Tensor | None = None,
                    host: torch.Tensor | None = None, kv: torch.Tensor | None = None,
-                   counts: torch.Tensor | None = None) -> None:
+                   counts: torch.Tensor | None = None, fetch: bool = True) -> None:
     """Each live row's top pages and their physical blocks, in place (the plain-torch twin of
     ops/triton_select.py, composed from topk_index, topk_pages and the slot engine's resolve).
 
@@ -296,7 +296,9 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     the slots): ``state`` (slots.HotBufferState of M rows, any served policy) read and written at
     runtime rows rows (N,) int64, slot s = block_table[r, s]; misses come from
     host[host_pt[rows[r], page]] into kv (both (*, 2, P, Hkv, D)); counts (3,) int64 += [hits,
-    misses, pages taken through the block table] of the live rows."""
+    misses, pages taken through the block table] of the live rows. fetch False: the misses are
+    not copied and their locs entries are marked ``-2 - block`` (``fetch_marked`` copies them, the
+    fused attention reads them from the host itself)."""
     N, U = scores.shape
     live = seq > 0
     if N == 0 or k == 0 or not bool(live.any()):
@@ -319,6 +321,23 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     valid = ph >= 0
     counts[:2] += torch.stack([(valid & ~miss).sum(), miss.sum()])
     slot_map = block_table[h, :S].long()
-    fetch_misses(kv, slot_map, loc, miss, ph, lambda i, u: host[host_pt[r[i], u].long()])
     phys = torch.gather(slot_map, 1, loc.clamp(min=0))
+    if fetch:
+        fetch_misses(kv, slot_map, loc, miss, ph, lambda i, u: host[host_pt[r[i], u].long()])
+    else:
+        phys = torch.where(miss, -2 - phys, phys)
     locs[h] = torch.where(loc >= 0, phys, blocks[h]).to(locs.dtype)
+
+
+def fetch_marked(kv: torch.Tensor, locs: torch.Tensor, units: torch.Tensor, seq: torch.Tensor,
+                 rows: torch.Tensor, host_pt: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """The misses select_resolve(fetch=False) left marked: each entry ``-2 - block`` of a row with
+    seq > 0 gets its page host[host_pt[rows[r], units[r, j]]] copied into kv[block]. Returns locs
+    with the marks replaced by their blocks (a new tensor; locs is left as it is)."""
+    marked = (seq > 0)[:, None] & (locs <= -2)
+    r, j = torch.nonzero(marked, as_tuple=True)
+    out = torch.where(marked, -2 - locs, locs)
+    if len(r):
+        pages = host_pt[rows[r].long().to(host_pt.device), units[r, j].long().to(host_pt.device)]
+        kv[out[r, j].long()] = host[pages.long()].to(kv.device, kv.dtype)
+    return out

@@ -39,7 +39,7 @@ def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
     if live:
         _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, split_tokens,
                n_splits, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
-               r, UNIT, HKV, G, GP, D, BLOCK, HAS_EXTRA, EXTRA_IN_KV)
+               r, UNIT, HKV, G, GP, D, BLOCK, HAS_EXTRA, EXTRA_IN_KV, KV, LOCS, SEQ, 0, False)
 
 
 @triton.jit
@@ -47,7 +47,11 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
            n_splits, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
            r, UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
            D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr,
-           EXTRA_IN_KV: tl.constexpr):
+           EXTRA_IN_KV: tl.constexpr, HOST, HPT, ROWS, s_hpt, FETCH: tl.constexpr):
+    """FETCH: a locs entry -2 - block is a miss: its tokens (this program's KV head) come from the
+    host pool's page HPT[ROWS[r], unit] (HOST: the pool's CUDA alias, kv's layout) and are stored
+    into the block too, so the page is resident for the next step (each (token, KV head) of the
+    selection is read by exactly one program, so each byte of the page is written once)."""
     h = tl.program_id(1)
     sp = tl.program_id(2)
     og = tl.arange(0, GP)
@@ -79,10 +83,27 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
         off = t - j * UNIT
         loc = tl.load(LOCS + r * s_lr + j, mask=is_sel, other=-1)
         u = tl.load(UNITS + r * s_ur + j, mask=is_sel, other=0)
+        if FETCH:
+            miss = is_sel & (loc <= -2)
+            loc = tl.where(miss, -2 - loc, loc)
         valid = is_sel & (loc >= 0) & (u * UNIT + off < seq)
         kp = KV + loc.to(tl.int64) * s_kn + off * s_ku + h * s_kh
-        kt = tl.load(kp[:, None] + od[None, :], mask=valid[:, None], other=0.0)
-        vt = tl.load(kp[:, None] + s_kc + od[None, :], mask=valid[:, None], other=0.0)
+        if FETCH:
+            here = valid & ~miss
+            kt = tl.load(kp[:, None] + od[None, :], mask=here[:, None], other=0.0)
+            vt = tl.load(kp[:, None] + s_kc + od[None, :], mask=here[:, None], other=0.0)
+            if tl.max(miss.to(tl.int32), 0) > 0:
+                hp = tl.load(HPT + tl.load(ROWS + r).to(tl.int64) * s_hpt + u, mask=miss, other=0)
+                src = HOST + hp.to(tl.int64) * s_kn + off * s_ku + h * s_kh
+                kh = tl.load(src[:, None] + od[None, :], mask=miss[:, None], other=0.0)
+                vh = tl.load(src[:, None] + s_kc + od[None, :], mask=miss[:, None], other=0.0)
+                tl.store(kp[:, None] + od[None, :], kh, mask=miss[:, None])
+                tl.store(kp[:, None] + s_kc + od[None, :], vh, mask=miss[:, None])
+                kt = tl.where(miss[:, None], kh, kt)
+                vt = tl.where(miss[:, None], vh, vt)
+        else:
+            kt = tl.load(kp[:, None] + od[None, :], mask=valid[:, None], other=0.0)
+            vt = tl.load(kp[:, None] + s_kc + od[None, :], mask=valid[:, None], other=0.0)
         if HAS_EXTRA:
             e = t - n_sel
             is_ext = live & (e >= 0) & (e < elen)

@@ -20,12 +20,12 @@ from . import triton_dense_decode as td
 
 
 @triton.jit(do_not_specialize=["split_tokens", "n_sp", "ns"])
-def _mixed_split_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML,
+def _mixed_split_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML, HOST, HPT, ROWS,
                         scale, n_sel, n_tok, split_tokens, n_sp, ns,
-                        s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_br,
+                        s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_br, s_hpt,
                         UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                         D: tl.constexpr, BLOCK: tl.constexpr, DBLOCK: tl.constexpr,
-                        NSD: tl.constexpr, MIN: tl.constexpr):
+                        NSD: tl.constexpr, MIN: tl.constexpr, FETCH: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -33,7 +33,8 @@ def _mixed_split_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML,
         if sp < n_sp:
             ta._split(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, SP_SEQ, PO, PML, scale, n_sel, n_tok,
                       split_tokens, ns, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur,
-                      s_kn, s_ku, s_kc, s_kh, r, UNIT, HKV, G, GP, D, BLOCK, True, True)
+                      s_kn, s_ku, s_kc, s_kh, r, UNIT, HKV, G, GP, D, BLOCK, True, True,
+                      HOST, HPT, ROWS, s_hpt, FETCH)
     else:
         seq = tl.load(DN_SEQ + r)
         split_n = td._split_len(seq, NSD, MIN)
@@ -72,12 +73,15 @@ def partials_numel(R: int, Hq: int, Hkv: int, k: int, unit: int, D: int) -> tupl
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
                      locs: torch.Tensor, units: torch.Tensor, sp_seq: torch.Tensor,
                      newest: torch.Tensor, dn_seq: torch.Tensor, scale: float, out: torch.Tensor,
-                     work: tuple) -> torch.Tensor:
+                     work: tuple, miss: tuple | None = None) -> torch.Tensor:
     """Rows with sp_seq > 0: sparse_decode_attention_newest(q, kv, locs, units, sp_seq, newest);
     rows with dn_seq > 0: dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, dn_seq);
     other rows' out left as they are. kv (N, 2, P, Hkv, D); block_table (R, W) int32 (W * P >=
     max dn_seq); locs/units (R, k) int32; sp_seq/dn_seq (R,) int; newest (R,) int; work (po, pml)
-    of at least ``partials_numel`` elements. No allocation, no host sync: capturable."""
+    of at least ``partials_numel`` elements. miss (rows (R,) int, host_pt (M, U) int32, host):
+    locs entries -2 - block are pages read from host[host_pt[rows[r], units[r, j]]] (host on the
+    GPU: the pinned pool's CUDA alias, kv's page layout) and written into kv[block] on the way
+    (kernels.decode_attention). No allocation, no host sync: capturable."""
     R, Hq, D = q.shape
     unit, Hkv = kv.shape[2], kv.shape[3]
     k = locs.shape[1]
@@ -90,14 +94,21 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
     po, pml = work
     assert po.numel() >= R * Hq * ns * D and pml.numel() >= R * Hq * ns * 2, "work too small"
     G = Hq // Hkv
+    if miss is None:
+        rows, host_pt, host = sp_seq, locs, kv               # not read (FETCH off)
+    else:
+        rows, host_pt, host = miss
+        assert host.device == kv.device and host.dtype == kv.dtype and host.is_contiguous()
+        assert kv.is_contiguous() and host.shape[1:] == kv.shape[1:], "host pages: kv's layout"
+        assert host_pt.dtype == torch.int32 and host_pt.stride(1) == 1
     _mixed_split_kernel[(R, Hkv, ns)](
-        q, kv, locs, units, sp_seq, newest, dn_seq, block_table, po, pml,
+        q, kv, locs, units, sp_seq, newest, dn_seq, block_table, po, pml, host, host_pt, rows,
         float(scale), k * unit, k * unit + unit, split, n_sp, ns,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        locs.stride(0), units.stride(0), block_table.stride(0),
+        locs.stride(0), units.stride(0), block_table.stride(0), host_pt.stride(0),
         UNIT=unit, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK=ta.BLOCK_N if D <= 128 else 32, DBLOCK=td.BLOCK_N if D <= 128 else 32,
-        NSD=td.SPLITS, MIN=td.MIN_SPLIT, num_warps=4, num_stages=2)
+        NSD=td.SPLITS, MIN=td.MIN_SPLIT, FETCH=miss is not None, num_warps=4, num_stages=2)
     _mixed_combine_kernel[(R, Hq)](po, pml, sp_seq, dn_seq, out, n_sp, ns, out.stride(0),
                                    out.stride(1), HQ=Hq, D=D, SP=ta.MAX_SPLITS, NSD=td.SPLITS,
                                    MIN=td.MIN_SPLIT)

@@ -270,9 +270,10 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    scratch: torch.Tensor, victims: torch.Tensor, hot: torch.Tensor | None = None,
                    rows: torch.Tensor | None = None, state=None,
                    host_pt: torch.Tensor | None = None, host: torch.Tensor | None = None,
-                   kv: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
+                   kv: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                   fetch: bool = True) -> None:
     """Launch on checked inputs (ops/decode_ops.py); also runs under TRITON_INTERPRET=1. Shapes as
-    reference.select_resolve; scratch (N, SB) / victims (N, KB) int32 workspaces with SB, KB the
+    reference.select_resolve (fetch False: no miss copies, the misses left marked); scratch (N, SB) / victims (N, KB) int32 workspaces with SB, KB the
     powers of two >= S, k (select_widths); host on the device (the pool's CUDA alias); state a
     slots.HotBufferState whose policy has a kernel branch (POLICY = its ``kernel`` id)."""
     N, U = scores.shape
@@ -297,7 +298,7 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
         locs, k, S, scores.stride(0), block_table.stride(0), su.stride(0), us.stride(0),
         pol.stride(0), UB=max(16, triton.next_power_of_2(U)), KB=KB, SB=SB, HAS_HOT=has_hot,
         BITS=RADIX_BITS, num_warps=SELECT_WARPS, **consts)
-    if has_hot:
+    if has_hot and fetch:
         miss_io(locs, sel, seq, num_full, hot, rows, host_pt, host, kv, k)
 
 
