@@ -43,8 +43,9 @@ engine() {
 }
 case "$part" in
   kernels)
-    for f in tests/test_write_score.py tests/test_decode_attention.py tests/test_decode_ops.py \
-             tests/test_decode_body_gpu.py tests/test_dense_decode.py; do
+    # KTESTS / KBENCH: other test files / bench cases (a shorter call)
+    for f in ${KTESTS:-tests/test_write_score.py tests/test_decode_attention.py \
+             tests/test_decode_ops.py tests/test_decode_body_gpu.py tests/test_dense_decode.py}; do
       timeout 200 python3 -X faulthandler -m pytest -q -m cuda -p no:cacheprovider "$f" \
         > "$out/pytest-$(basename $f .py).txt" 2>&1
       echo "== $f rc=$?: $(tail -1 $out/pytest-$(basename $f .py).txt)"
@@ -54,8 +55,9 @@ case "$part" in
     # the resident run), ~6% misses; 4K dense rows (the split-KV decode's combine in the launch)
     # the misses copied in select_resolve's own launch (HISPARSE_FETCH_IN_ATTENTION=0: "-io")
     # against the default, read by the attention's split launch
-    for a in "32768 0 1,8,32,64" "32768 0 1,8,32,64 --resident" "32768 0.3 1,8,32" "4096 0 1,32" \
-             "32768 0 1,8,32 -io" "32768 0.3 1,8,32 -io"; do
+    cases=${KBENCH:-"32768 0 1,8,32,64;32768 0 1,8,32,64 --resident;32768 0.3 1,8,32;4096 0 1,32;32768 0 1,8,32 -io;32768 0.3 1,8,32 -io"}
+    IFS=';' read -ra cases <<< "$cases"
+    for a in "${cases[@]}"; do
       set -- $a
       fa=1; opt=${4:-}; [ "$opt" = -io ] && { fa=0; opt=; }
       HISPARSE_FETCH_IN_ATTENTION=$fa timeout 120 python3 -m vllm_hisparse.bench.decode_step \

@@ -106,10 +106,8 @@ def with_misses(t, gen, frac=0.3):
     U = int(units.max()) + 1
     M = R + 2
     rows = torch.randperm(M, generator=gen)[:R]
-    host_pt = torch.full((M, U), -1, dtype=torch.int32)
-    npages = R * U + 3
-    for i in range(R):
-        host_pt[rows[i]] = torch.randperm(npages, generator=gen)[:U].int()
+    npages = M * U + 3
+    host_pt = torch.randperm(npages, generator=gen)[:M * U].view(M, U).int()   # no page shared
     host = torch.randn(npages, *kv.shape[1:], generator=gen).to(kv.dtype)
     kv, locs = kv.clone().cpu(), locs.clone().cpu()
     sp = (sp_seq.cpu() > 0)[:, None]

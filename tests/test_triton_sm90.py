@@ -118,10 +118,17 @@ def test_dense_decode_compiles(rows):
 
 
 def test_decode_attention_compiles():
-    from test_decode_attention import fused, mixed_batch
-    t = mixed_batch(4, 32, 8, 128, 16, 128, 4096, BF, torch.Generator().manual_seed(6))
+    """Both variants of the split launch: every page resident, and misses read from the host."""
+    from test_decode_attention import fused, mixed_batch, with_misses
+    from vllm_hisparse.ops import triton_decode_attention as tda
+    gen = torch.Generator().manual_seed(6)
+    t = mixed_batch(4, 32, 8, 128, 16, 128, 4096, BF, gen)
+    m, miss = with_misses(t, gen)
+    work = tuple(torch.empty(n, dtype=torch.float32)
+                 for n in tda.partials_numel(4, 32, 8, 128, 16, 128))
     with compile_only() as seen:
         fused(*t, 0.1)
+        tda.decode_attention(*m[:-1], 0.1, m[-1], work, miss)
     assert seen == {"_mixed_split_kernel", "_mixed_combine_kernel"}
 
 

@@ -59,6 +59,8 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
     gmask = og < G
     q = tl.load(Q + r * s_qr + (h * G + og)[:, None] * s_qh + od[None, :], mask=gmask[:, None], other=0.0)
     seq = tl.load(SEQ + r)
+    ebase = KV
+    elen = 0
     if HAS_EXTRA:
         if EXTRA_IN_KV:
             # EXTRA holds the newest block of each row (-1: none); its first (seq-1) % UNIT + 1
@@ -70,11 +72,46 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
         else:
             elen = tl.load(ELEN + r)
             ebase = EXTRA + r * s_er
+    start = sp * split_tokens
+    end = tl.minimum(start + split_tokens, n_tok)
+    if FETCH:
+        # does this split hold a miss? (one load of its pages' locs) — the split's loop without
+        # the miss branch when not: that branch costs the hits' loop its software pipelining
+        j_hi = tl.minimum((end - 1) // UNIT + 1, n_sel // UNIT)
+        nm = tl.zeros([64], dtype=tl.int32)
+        for j0 in range(start // UNIT, j_hi, 64):
+            jj = j0 + tl.arange(0, 64)
+            nm += (tl.load(LOCS + r * s_lr + jj, mask=jj < j_hi, other=0) <= -2).to(tl.int32)
+        if tl.sum(nm, 0) > 0:
+            m_i, l_i, acc = _tokens(
+                q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn,
+                s_kc, s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP,
+                D, BLOCK, HAS_EXTRA, True)
+        else:
+            m_i, l_i, acc = _tokens(
+                q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn,
+                s_kc, s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP,
+                D, BLOCK, HAS_EXTRA, False)
+    else:
+        m_i, l_i, acc = _tokens(
+            q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn,
+            s_kc, s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP,
+            D, BLOCK, HAS_EXTRA, False)
+    hq = h * G + og
+    store_partials(PO, PML, (r * (HKV * G) + hq) * n_splits + sp, acc, m_i, l_i, gmask, od, D)
+
+
+@triton.jit
+def _tokens(q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn, s_kc,
+            s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT: tl.constexpr,
+            GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr,
+            FETCH: tl.constexpr):
+    """The online softmax of the query group q over tokens [start, end) of row r, KV head h (the
+    selected pages', then the extra rows at ebase, elen of them); FETCH: misses read from HOST
+    (``_split``). Returns (max, sum, weighted values)."""
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    start = sp * split_tokens
-    end = tl.minimum(start + split_tokens, n_tok)
     for t0 in range(start, end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         live = t < end
@@ -113,8 +150,7 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
                           tl.load(ep[:, None] + s_ec + od[None, :], mask=is_ext[:, None], other=0.0), vt)
             valid = valid | is_ext
         m_i, l_i, acc = online_softmax_step(q, kt, vt, valid, scale, m_i, l_i, acc)
-    hq = h * G + og
-    store_partials(PO, PML, (r * (HKV * G) + hq) * n_splits + sp, acc, m_i, l_i, gmask, od, D)
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["n_splits"])
