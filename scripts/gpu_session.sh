@@ -78,7 +78,7 @@ case "$part" in
     ( while sleep 60 > /dev/null 2>&1; do for f in $ex/*/*.log; do
         echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
     mon=$!
-    runA resident 7 & a1=$!; sleep 4; runA hisparse 4 & a2=$!; sleep 4; runA elastic 5 & a3=$!; sleep 4
+    runA resident 7 & a1=$!; sleep 4; runA hisparse 5 & a2=$!; sleep 4; runA elastic 5 & a3=$!; sleep 4
     runB resident & b1=$!; sleep 4; runB hisparse & b2=$!
     wait $a1 $a2 $a3; since "engines A done"
     grep -h "== \|rc=\|cudagraph_mode" $ex/A/*.out | cut -c1-200; grep -h "Error" $ex/A/*.log | tail -3

@@ -76,6 +76,18 @@ def test_quest_budget_is_half_of_what_vllm_may_use():
     assert cap.reservation_budget_bytes(10 * GIB, H200["total"], 0.9) == 0    # others hold the rest
 
 
+def test_quest_budget_of_an_engine_sharing_the_gpu():
+    """Engines side by side on one GPU (the exactness runs: 0.12 each): another engine's memory
+    is not this one's to count; this one may take its share less what it holds, within the free."""
+    total, free, used = H200["total"], 100 * GIB, 2 * GIB
+    own = int(0.12 * total) - used
+    assert cap.reservation_budget_bytes(free, total, 0.12, used) == int(own * 0.5)
+    assert cap.reservation_budget_bytes(free, total, 0.12) == 0         # counted as this one's
+    assert cap.reservation_budget_bytes(own // 2, total, 0.12, used) == int(own // 2 * 0.5)
+    alone = H200["total"] - H200["free"]              # one engine: what it holds is total - free
+    assert cap.reservation_budget_bytes(H200["free"], total, 0.9, alone) == int(62.5 * GIB)
+
+
 def test_quest_reservation_names_flags_and_largest_fit():
     budget = cap.reservation_budget_bytes(H200["free"], H200["total"], 0.9)
     assert ROW == 240 * MIB
@@ -111,6 +123,7 @@ def test_ensure_indexer_state_fails_before_allocating(worker_state, monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: H200["total"] - H200["free"])
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated before the check"))
     with pytest.raises(ValueError, match=r"max_num_seqs=1024 .* 240\.23 GiB .*quest_rows to 265 "):
         worker_state.ensure_indexer_state(HiSparseConfig(), 32, 1024, 32768, 8, 128, torch.bfloat16,
@@ -151,6 +164,7 @@ def test_quest_rows_sizes_the_reservation(worker_state, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: H200["total"] - H200["free"])
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: pytest.fail("allocated before the check"))
     with pytest.raises(ValueError, match=r"quest_rows=300 .*quest_rows to 265 "):
         worker_state.ensure_indexer_state(HiSparseConfig(quest_rows=300), 32, 1024, 32768, 8, 128,
@@ -169,6 +183,7 @@ def test_dense_pool_too_large_is_refused(worker_state, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (H200["free"], H200["total"]))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: H200["total"] - H200["free"])
     monkeypatch.setattr(torch, "empty", lambda *a, **k: pytest.fail("allocated before the check"))
     with pytest.raises(ValueError, match=r"dense_pool_gib=100 is more than the 62\.50 GiB allowed"):
         # 256 rows of 128K tokens could fill 256 GiB: the pool stays 100 GiB (core/gpu_pools.py)

@@ -157,14 +157,20 @@ RESERVATION_SHARE = 0.5   # guess: one reservation (indexer state, dense pool) m
 
 
 def reservation_budget_bytes(free_bytes: int, total_bytes: int,
-                             gpu_memory_utilization: float | None = None) -> int:
+                             gpu_memory_utilization: float | None = None,
+                             used_bytes: int | None = None) -> int:
     """Most bytes one startup reservation (the indexer state, the dense pool) may take while the
-    model is built: ``RESERVATION_SHARE`` of the GPU memory vLLM may still use, i.e. the free
-    memory less the ``(1 - gpu_memory_utilization) x total`` that vLLM leaves to others (as if this
-    process used all of ``total - free``)."""
+    model is built: ``RESERVATION_SHARE`` of the GPU memory vLLM may still use. That is this
+    engine's ``gpu_memory_utilization x total`` less the ``used_bytes`` it already holds, at most
+    the free memory (other processes' memory, e.g. engines sharing the GPU, is not this engine's
+    to count); without ``used_bytes``, the free memory less the ``(1 - gpu_memory_utilization) x
+    total`` that vLLM leaves to others (as if this process used all of ``total - free``)."""
     room = free_bytes
     if gpu_memory_utilization is not None:
-        room = min(room, free_bytes - int((1 - gpu_memory_utilization) * total_bytes))
+        if used_bytes is None:
+            room = min(room, free_bytes - int((1 - gpu_memory_utilization) * total_bytes))
+        else:
+            room = min(room, int(gpu_memory_utilization * total_bytes) - used_bytes)
     return int(max(room, 0) * RESERVATION_SHARE)
 
 

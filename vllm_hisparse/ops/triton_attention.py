@@ -74,29 +74,10 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
             ebase = EXTRA + r * s_er
     start = sp * split_tokens
     end = tl.minimum(start + split_tokens, n_tok)
-    if FETCH:
-        # does this split hold a miss? (one load of its pages' locs) — the split's loop without
-        # the miss branch when not: that branch costs the hits' loop its software pipelining
-        j_hi = tl.minimum((end - 1) // UNIT + 1, n_sel // UNIT)
-        nm = tl.zeros([64], dtype=tl.int32)
-        for j0 in range(start // UNIT, j_hi, 64):
-            jj = j0 + tl.arange(0, 64)
-            nm += (tl.load(LOCS + r * s_lr + jj, mask=jj < j_hi, other=0) <= -2).to(tl.int32)
-        if tl.sum(nm, 0) > 0:
-            m_i, l_i, acc = _tokens(
-                q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn,
-                s_kc, s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP,
-                D, BLOCK, HAS_EXTRA, True)
-        else:
-            m_i, l_i, acc = _tokens(
-                q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn,
-                s_kc, s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP,
-                D, BLOCK, HAS_EXTRA, False)
-    else:
-        m_i, l_i, acc = _tokens(
-            q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn,
-            s_kc, s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP,
-            D, BLOCK, HAS_EXTRA, False)
+    m_i, l_i, acc = _tokens(
+        q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn, s_kc,
+        s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP, D, BLOCK,
+        HAS_EXTRA, FETCH)
     hq = h * G + og
     store_partials(PO, PML, (r * (HKV * G) + hq) * n_splits + sp, acc, m_i, l_i, gmask, od, D)
 
@@ -112,6 +93,9 @@ def _tokens(q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, s
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
+    prow = 0
+    if FETCH:
+        prow = tl.load(ROWS + r).to(tl.int64)
     for t0 in range(start, end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         live = t < end
@@ -120,27 +104,27 @@ def _tokens(q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, s
         off = t - j * UNIT
         loc = tl.load(LOCS + r * s_lr + j, mask=is_sel, other=-1)
         u = tl.load(UNITS + r * s_ur + j, mask=is_sel, other=0)
-        if FETCH:
-            miss = is_sel & (loc <= -2)
-            loc = tl.where(miss, -2 - loc, loc)
-        valid = is_sel & (loc >= 0) & (u * UNIT + off < seq)
         kp = KV + loc.to(tl.int64) * s_kn + off * s_ku + h * s_kh
         if FETCH:
-            here = valid & ~miss
-            kt = tl.load(kp[:, None] + od[None, :], mask=here[:, None], other=0.0)
-            vt = tl.load(kp[:, None] + s_kc + od[None, :], mask=here[:, None], other=0.0)
-            if tl.max(miss.to(tl.int32), 0) > 0:
-                hp = tl.load(HPT + tl.load(ROWS + r).to(tl.int64) * s_hpt + u, mask=miss, other=0)
-                src = HOST + hp.to(tl.int64) * s_kn + off * s_ku + h * s_kh
-                kh = tl.load(src[:, None] + od[None, :], mask=miss[:, None], other=0.0)
-                vh = tl.load(src[:, None] + s_kc + od[None, :], mask=miss[:, None], other=0.0)
-                tl.store(kp[:, None] + od[None, :], kh, mask=miss[:, None])
-                tl.store(kp[:, None] + s_kc + od[None, :], vh, mask=miss[:, None])
-                kt = tl.where(miss[:, None], kh, kt)
-                vt = tl.where(miss[:, None], vh, vt)
+            # a miss's tokens come from its host page and go into its block on the way; the row
+            # pointers are chosen per token, so the tile is one load either way (no branch: a
+            # branch here held both tiles at once and cost the loop its registers)
+            miss = is_sel & (loc <= -2)
+            blk = -2 - loc
+            kb = KV + blk.to(tl.int64) * s_kn + off * s_ku + h * s_kh
+            hp = tl.load(HPT + prow * s_hpt + u, mask=miss, other=0)
+            src = HOST + hp.to(tl.int64) * s_kn + off * s_ku + h * s_kh
+            kp = tl.where(miss, src, kp)
+            valid = is_sel & ((loc >= 0) | miss) & (u * UNIT + off < seq)
+            ld = valid | miss                        # a miss's whole page (complete: all valid)
         else:
-            kt = tl.load(kp[:, None] + od[None, :], mask=valid[:, None], other=0.0)
-            vt = tl.load(kp[:, None] + s_kc + od[None, :], mask=valid[:, None], other=0.0)
+            valid = is_sel & (loc >= 0) & (u * UNIT + off < seq)
+            ld = valid
+        kt = tl.load(kp[:, None] + od[None, :], mask=ld[:, None], other=0.0)
+        vt = tl.load(kp[:, None] + s_kc + od[None, :], mask=ld[:, None], other=0.0)
+        if FETCH:
+            tl.store(kb[:, None] + od[None, :], kt, mask=miss[:, None])
+            tl.store(kb[:, None] + s_kc + od[None, :], vt, mask=miss[:, None])
         if HAS_EXTRA:
             e = t - n_sel
             is_ext = live & (e >= 0) & (e < elen)

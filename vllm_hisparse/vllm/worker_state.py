@@ -45,7 +45,8 @@ def ensure_indexer_state(cfg, num_layers: int, rows: int, max_model_len: int, nu
     row_bytes = capacity.indexer_row_bytes(cfg.indexer, model, max_model_len, cfg.page_size, dense)
     if dev != "cpu":
         free, total = torch.cuda.mem_get_info(dev)
-        budget = capacity.reservation_budget_bytes(free, total, gpu_memory_utilization)
+        budget = capacity.reservation_budget_bytes(free, total, gpu_memory_utilization,
+                                                   torch.cuda.memory_reserved(dev))
         capacity.check_indexer_reservation(rows, row_bytes, budget, max_model_len, cfg.page_size,
                                            set_by, ix.state_name)
     logger.info("hisparse: %s reserve %.2f GiB on %s (%s=%d + 1 scratch row x %.1f MiB: %d pages "
@@ -133,7 +134,8 @@ def ensure_dense_pool(cfg, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     if dev != "cpu":
         free, total = torch.cuda.mem_get_info(dev)
-        budget = capacity.reservation_budget_bytes(free, total, gpu_memory_utilization)
+        budget = capacity.reservation_budget_bytes(free, total, gpu_memory_utilization,
+                                                   torch.cuda.memory_reserved(dev))
         if nbytes > budget:
             raise ValueError(
                 f"hisparse: dense_pool_gib={cfg.dense_pool_gib} is more than the "
