@@ -60,7 +60,7 @@ case "$part" in
     for a in "${cases[@]}"; do
       set -- $a
       fa=1; opt=${4:-}; [ "$opt" = -io ] && { fa=0; opt=; }
-      HISPARSE_FETCH_IN_ATTENTION=$fa timeout 120 python3 -m vllm_hisparse.bench.decode_step \
+      timeout 120 python3 -m vllm_hisparse.bench.decode_step --fetch-in-attention $fa \
         --context $1 --rows $3 --layers 2 --steps 10 --q-noise $2 $opt \
         --out "$out/ds-$1-q$2${4:-}" 2>&1 | grep -E "^\{|Error" | cut -c1-300
     done

@@ -233,6 +233,9 @@ def main(argv=None) -> int:
                     help="A/B: override ops/decode_ops.SELECT_IMPL (the select kernel)")
     ap.add_argument("--select-threads", type=int, default=None,
                     help="tuning: override ops/decode_ops.SELECT_THREADS (CUDA select's CTA)")
+    ap.add_argument("--fetch-in-attention", type=int, choices=(0, 1), default=None,
+                    help="A/B: override ops/decode_ops.FETCH_IN_ATTENTION (1: the attention's "
+                         "split launch reads the misses; 0: a miss-copy launch before it)")
     ap.add_argument("--stock-decode", action="store_true",
                     help="no request can be sparse: every layer through FlashAttention, like stock "
                          "(needs vLLM; decode_body.stock_layer)")
@@ -243,6 +246,8 @@ def main(argv=None) -> int:
         decode_ops.SELECT_IMPL = args.select_impl
     if args.select_threads is not None:
         decode_ops.SELECT_THREADS = args.select_threads
+    if args.fetch_in_attention is not None:
+        decode_ops.FETCH_IN_ATTENTION = bool(args.fetch_in_attention)
     if args.select_warps is not None:
         triton_select.SELECT_WARPS = args.select_warps
     if args.radix_bits is not None:
@@ -260,6 +265,7 @@ def main(argv=None) -> int:
                    "resident": args.resident, "q_noise": args.q_noise,
                    "select_impl": decode_ops.SELECT_IMPL,
                    "select_threads": decode_ops.SELECT_THREADS,
+                   "fetch_in_attention": decode_ops.FETCH_IN_ATTENTION,
                    "stock_decode": args.stock_decode,
                    "select_warps": args.select_warps, "radix_bits": args.radix_bits,
                    "quest_tile_elems": args.quest_tile_elems,
