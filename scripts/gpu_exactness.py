@@ -12,6 +12,9 @@ for uniform decode steps, PIECEWISE for the others).
     EXACT_PROMPTS=6000,20000,12000,9000 ...                  # other prompt lengths (tokens)
     EXACT_PROMPTS=1200,5000 EXACT_MAX_TOKENS=1500 ...        # a short prompt turning sparse at
                                                              # min_context (2 x B = 2048) mid-decode
+    EXACT_MAX_LEN=8192 ...                                   # max_model_len (default 32768; the
+                                                             # KV cache must hold one such prompt:
+                                                             # 4 GiB at 32K, 1 GiB at 8K)
     EXACT_KV_GIB=6 EXACT_UTIL=0.15 ...                       # a fixed KV cache, no profiling: engines
                                                              # side by side on one GPU (elastic with
                                                              # less KV than its prompts: spills)
@@ -35,7 +38,7 @@ CFG = {"top_k": 512, "device_buffer_size": 1024, "page_size": 16, "dense_layers"
        "host_pool_gib": 16}
 PROMPT_LENS = tuple(int(x) for x in os.environ.get("EXACT_PROMPTS", "5000,2100,3500,1200").split(","))
 MAX_TOKENS = int(os.environ.get("EXACT_MAX_TOKENS", "64"))
-MAX_LEN = 32768
+MAX_LEN = int(os.environ.get("EXACT_MAX_LEN", "32768"))   # a KV cache holds one such prompt
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  max_position_embeddings=MAX_LEN, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -97,6 +100,10 @@ def compare(out: str, modes=("hisparse",)) -> int:
     ok = True
     for mode in modes:
         b = json.load(open(os.path.join(out, f"{mode}.json")))
+        if not a["batches"][0] or len(a["batches"][0]) != len(b["batches"][0]):
+            print(f"{mode}: {len(b['batches'][0])} requests vs resident's "
+                  f"{len(a['batches'][0])}: nothing to compare")
+            ok = False
         for i, (r, h) in enumerate(zip(a["batches"][0], b["batches"][0])):
             same_t = r["tokens"] == h["tokens"]
             same_l = r["logprobs"] == h["logprobs"]

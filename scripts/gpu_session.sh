@@ -74,7 +74,7 @@ case "$part" in
     A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0}'
     runA() { engine A $1 HISPARSE_EXTRA="$A" EXACT_PROMPTS=6000,20000,12000,9000 EXACT_KV_GIB=$2; }
     runB() { engine B $1 HISPARSE_EXTRA='{"dense_pool_gib": 1}' EXACT_PROMPTS=1200,5000 \
-               EXACT_MAX_TOKENS=1500 EXACT_KV_GIB=2; }
+               EXACT_MAX_TOKENS=1500 EXACT_KV_GIB=2 EXACT_MAX_LEN=8192; }
     ( while sleep 60 > /dev/null 2>&1; do for f in $ex/*/*.log; do
         echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
     mon=$!
@@ -85,7 +85,7 @@ case "$part" in
     python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic
     wait $b1 $b2; since "engines B done"
     grep -h "== \|rc=\|cudagraph_mode" $ex/B/*.out | cut -c1-200; grep -h "Error" $ex/B/*.log | tail -3
-    EXACT_PROMPTS=1200,5000 python3 scripts/gpu_exactness.py compare $ex/B hisparse
+    EXACT_PROMPTS=1200,5000 EXACT_MAX_LEN=8192 python3 scripts/gpu_exactness.py compare $ex/B hisparse
     rm -f $ex/*/prompts.json
     since "exact done" ;;
   exact2)
@@ -93,14 +93,14 @@ case "$part" in
     # dense layers without a dense pool: the stock decode path, FULL graphs in both modes; the
     # stock-decode GPU test; the 4K decode step
     ex=$out/exact; mkdir -p $ex/C
-    runC() { engine C $1 HISPARSE_EXTRA='{"min_context": 65536}' EXACT_KV_GIB=3; }
+    runC() { engine C $1 HISPARSE_EXTRA='{"min_context": 65536}' EXACT_KV_GIB=3 EXACT_MAX_LEN=8192; }
     runC resident & c1=$!; sleep 4; runC hisparse & c2=$!
     sleep 15
     timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_decode_body_gpu.py -k stock \
       > "$out/pytest-stock.txt" 2>&1; echo "stock-decode test rc=$?: $(tail -1 $out/pytest-stock.txt)"
     wait $c1 $c2; since "engines C done"
     grep -h "== \|rc=\|cudagraph_mode" $ex/C/*.out | cut -c1-200; grep -h "Error" $ex/C/*.log | tail -3
-    python3 scripts/gpu_exactness.py compare $ex/C hisparse
+    EXACT_MAX_LEN=8192 python3 scripts/gpu_exactness.py compare $ex/C hisparse
     rm -f $ex/*/prompts.json
     for m in "" "--stock-decode"; do
       timeout 80 python3 -m vllm_hisparse.bench.decode_step --context 4096 --rows 1,8,32,64 --layers 2 \
