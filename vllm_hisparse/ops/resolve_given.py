@@ -53,8 +53,7 @@ def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tenso
         resolve_given_reference(sel, seq, block_table, locs, hot, rows, state, host_pt, host, kv,
                                 counts)
         return
-    from . import triton_resolve_given
-    from .decode_ops import _device_alias
+    from . import kernels, triton_resolve_given
     if host.dtype != kv.dtype or host[0].numel() != kv[0].numel() or not kv.is_contiguous():
         raise ValueError(f"host rows and kv rows must have one shape and dtype; got "
                          f"{tuple(host.shape)} {host.dtype} vs {tuple(kv.shape)} {kv.dtype}")
@@ -62,4 +61,4 @@ def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tenso
         work = tuple(torch.empty(s, dtype=torch.int32, device=sel.device)
                      for s in workspace_shapes(sel.shape[0], sel.shape[1], state[0].shape[1]))
     triton_resolve_given.resolve_given(sel, seq, block_table, locs, *work, hot, rows, state,
-                                       host_pt, _device_alias(host, sel.device), kv, counts)
+                                       host_pt, kernels.device_alias(host, sel.device), kv, counts)
