@@ -1,0 +1,125 @@
+"""One step of the DSA path, planned once (docs/dsa.md section 5) and run per layer: which pool
+and host rows each of the step's tokens writes (section 3) and how each query token's top-k
+positions become pool rows (section 4).
+
+``LatentStep.plan`` reads the admission (who holds which region / row set) on the host, once per
+step, and leaves index tensors on the pool's device; ``write`` and ``convert`` are the per-layer
+work the vLLM adapter's ``do_kv_cache_update`` and ``forward_mqa`` forward to, with no host work.
+A token is one of:
+
+- a **region** token: its request holds a region (prefill in hisparse mode; every token in
+  resident mode): written to ``region_base + pos`` (and to the host in hisparse mode), reads
+  ``region_base + topk``;
+- a **decode** token of a sparse request (hisparse, prompt complete): written to the host only,
+  reads its row set's hot slots through RESOLVE (one such token per request per step);
+- **padding** (request key None): writes nothing, reads nothing (-1).
+
+Which process: the worker (the connector's plan of the step, then every sparse layer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_hisparse.core.latent_admission import LatentAdmission
+from vllm_hisparse.ops.latent_index import pool_indices
+from vllm_hisparse.ops.latent_write import write_latent
+
+
+@dataclass
+class LatentStep:
+    """Index tensors of one step (on the pool's device), T tokens, D decode tokens:
+    host_row, pool_row, region_base (T,) int64 (-1 = none); dec_tok, dec_rows, dec_seq (D,) int64;
+    dec_slots (D, B) int32."""
+    adm: LatentAdmission
+    host_row: torch.Tensor
+    pool_row: torch.Tensor
+    region_base: torch.Tensor
+    dec_tok: torch.Tensor
+    dec_rows: torch.Tensor
+    dec_seq: torch.Tensor
+    dec_slots: torch.Tensor
+
+    @classmethod
+    def plan(cls, adm: LatentAdmission, keys: list, req_of_token, positions) -> "LatentStep":
+        """keys: the step's request keys (None = a padding request); req_of_token: (T,) int index
+        into keys of each token (vLLM's req_id_per_token), -1 = padding; positions: (T,) int each
+        token's position in its request."""
+        pool = adm.pool
+        req = np.asarray(req_of_token, dtype=np.int64).reshape(-1)
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if req.shape != pos.shape:
+            raise ValueError(f"req_of_token {req.shape} and positions {pos.shape} must have one "
+                             f"entry per token")
+        if len(req) and (req.max() >= len(keys) or req.min() < -1):
+            raise ValueError(f"req_of_token must index keys (0..{len(keys) - 1}) or be -1")
+        T = len(req)
+        rset = np.full(T, -1, dtype=np.int64)
+        rbase = np.full(T, -1, dtype=np.int64)
+        dec: list[int] = []
+        seen: set = set()
+        for i, key in enumerate(keys):
+            if key is None:
+                continue
+            toks = np.nonzero(req == i)[0]
+            if len(toks) == 0:
+                continue
+            g = adm.grant(key)
+            if pos[toks].min() < 0 or pos[toks].max() >= g.tokens:
+                raise ValueError(f"request {key!r}: positions must lie in [0, {g.tokens}) "
+                                 f"(prompt + max_tokens admitted); got {pos[toks].min()}.."
+                                 f"{pos[toks].max()}")
+            rset[toks] = g.row_set
+            if g.in_region:
+                rbase[toks] = pool.region_base(g.region)
+            else:
+                if len(toks) != 1 or key in seen:
+                    raise ValueError(f"request {key!r} has {len(toks)} decode tokens this step; "
+                                     f"a sparse request decodes one token a step (no spec decode)")
+                seen.add(key)
+                dec.append(int(toks[0]))
+        dev = pool.device
+        pos_t = torch.from_numpy(pos).to(dev)
+        rset_t, rbase_t = torch.from_numpy(rset).to(dev), torch.from_numpy(rbase).to(dev)
+        if adm.resident:
+            host_row = torch.full((T,), -1, dtype=torch.int64, device=dev)
+        else:
+            table = pool.host_rows.table
+            host_row = torch.where(rset_t >= 0, table[rset_t.clamp(min=0), pos_t.clamp(min=0)]
+                                   .long(), -1)
+        pool_row = torch.where(rbase_t >= 0, rbase_t + pos_t, -1)
+        dec_t = torch.tensor(dec, dtype=torch.int64, device=dev)
+        dec_rows = rset_t[dec_t]
+        return cls(adm, host_row, pool_row, rbase_t, dec_t, dec_rows, pos_t[dec_t] + 1,
+                   pool.slot_rows(dec_rows) if len(dec) else
+                   torch.empty(0, pool.B, dtype=torch.int32, device=dev))
+
+    # ---- per layer ------------------------------------------------------------------------------
+    def _host(self, layer: int) -> torch.Tensor | None:
+        return None if self.adm.resident else self.adm.host.data[layer]
+
+    def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """The step's new latent rows of ``layer`` (kv_c (T, L), k_pe (T, Rd), token order of
+        the plan): host pool and regions (ops/latent_write.write_latent)."""
+        write_latent(kv_c, k_pe, self._host(layer), self.host_row,
+                     self.adm.pool.rows[layer], self.pool_row)
+
+    def convert(self, layer: int, topk: torch.Tensor, out: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out (T, K) int32 pool rows, -1 = none; valid (T,) int32 counts) of ``layer`` for the
+        step's topk (T, K) int32 logical positions (ops/latent_index.pool_indices); RESOLVE's
+        hits and misses are added to the pool's counts."""
+        pool = self.adm.pool
+        T, K = topk.shape
+        out = torch.empty(T, K, dtype=torch.int32, device=topk.device) if out is None else out
+        valid = torch.empty(T, dtype=torch.int32, device=topk.device) if valid is None else valid
+        host = self._host(layer)
+        pool_indices(topk, self.region_base, pool.max_model_len, self.dec_tok, self.dec_rows,
+                     self.dec_slots, self.dec_seq,
+                     pool.states[layer].kernel_state() if pool.states else None,
+                     None if host is None else pool.host_rows.table,
+                     None if host is None else host.view(host.shape[0], -1),
+                     pool.rows[layer], pool.counts, out, valid)
+        return out, valid

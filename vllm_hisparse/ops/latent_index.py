@@ -1,0 +1,61 @@
+"""The DSA read path's index conversion (docs/dsa.md section 4): what replaces vLLM 0.26's
+``triton_convert_req_index_to_global_index`` in ``forward_mqa``. Each query token's top-k logical
+positions become latent-pool rows, in the selection's order (FA3 sums in that order):
+
+- tokens of requests holding a region (prefill; resident mode): ``region_base + pos``, -1 kept,
+  ``pos >= region_len`` -> -1 (stock's out-of-range rule, its block table being max_model_len
+  long);
+- decode tokens of sparse requests: RESOLVE of the given selection (``ops/resolve_given.py``:
+  hits through the row set's token -> slot table, misses take LRU victims and are copied from the
+  host pool), -1 kept;
+- padding tokens (no region, not decoding): all -1.
+
+Plain torch around resolve_given (which has its Triton kernel on CUDA); the index arrays come
+planned once per step (core/latent_step.py), so nothing here reads the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from .resolve_given import resolve_given
+
+
+def pool_indices(topk: torch.Tensor, region_base: torch.Tensor, region_len: int,
+                 dec_tok: torch.Tensor, dec_rows: torch.Tensor, dec_slots: torch.Tensor,
+                 dec_seq: torch.Tensor, state: tuple | None, host_rows: torch.Tensor | None,
+                 host: torch.Tensor | None, kv: torch.Tensor, counts: torch.Tensor,
+                 out: torch.Tensor, valid: torch.Tensor) -> None:
+    """out (T, K) int32: the pool row of each selected position; valid (T,) int32: how many of a
+    token's out entries are >= 0 (stock's valid counts, FA3's seqused_k).
+
+    topk: (T, K) int32 logical positions, valid first, -1 after (vLLM's topk_indices_buffer);
+    region_base: (T,) int64 first pool row of the token's region, -1 = none (decode and padding
+    tokens); region_len: rows of a region (max_model_len); dec_tok: (D,) int64 the decode tokens
+    of sparse requests (at most one per request), with dec_rows (D,) int64 their row sets,
+    dec_slots (D, B) int32 the pool rows of those row sets' hot slots and dec_seq (D,) int64 their
+    context lengths (position + 1); state: one layer's RESOLVE state (slot_unit (N, B),
+    unit_slot (N, max_model_len), lru (N, B)) int32, read and written at dec_rows; host_rows:
+    (N, max_model_len) int32 host row of each token of each row set; host: (P, W) the layer's
+    host pool as rows; kv: (M, W) the layer's latent pool; counts: (2,) int64, += [hits, misses].
+    state, host_rows and host may be None when D == 0 (resident mode)."""
+    T, K = topk.shape
+    if topk.dtype != torch.int32 or out.shape != (T, K) or region_base.shape != (T,):
+        raise ValueError(f"topk must be (T, K) int32 with out ({T}, {K}) and region_base ({T},); "
+                         f"got {topk.dtype} {tuple(out.shape)} {tuple(region_base.shape)}")
+    D = dec_tok.shape[0]
+    if dec_rows.shape != (D,) or dec_seq.shape != (D,) or dec_slots.shape[0] != D:
+        raise ValueError(f"dec_rows {tuple(dec_rows.shape)}, dec_seq {tuple(dec_seq.shape)} and "
+                         f"dec_slots {tuple(dec_slots.shape)} must have one row per decode token "
+                         f"({D})")
+    pos = topk.long()
+    base = region_base.long()[:, None]
+    ok = (base >= 0) & (pos >= 0) & (pos < region_len)
+    out.copy_(torch.where(ok, base + pos, -1).to(out.dtype))
+    if D:
+        sel = topk[dec_tok]
+        sel = torch.where(sel < region_len, sel, -1)      # out of range -> -1, as stock
+        locs = torch.full_like(sel, -1)
+        resolve_given(sel, dec_seq, dec_slots, locs, torch.ones_like(dec_seq), dec_rows, state,
+                      host_rows, host, kv, counts)
+        out[dec_tok] = locs.to(out.dtype)
+    valid.copy_((out >= 0).sum(1).to(valid.dtype))
