@@ -2,9 +2,10 @@
 layer through to the host pool and, for tokens whose request holds a region (in prefill, or
 resident mode), into the latent pool at ``region_base + position``.
 
-The host half goes through ``ops/write_through.py`` (on CUDA its kernel of UVA stores, the host
-page's K and V halves being the row's two halves); the region half is a plain-torch scatter, the
-reference a fused kernel is to match (same arguments, -1 = no-op, destinations distinct).
+Both go through ``ops/write_through.py``, a row being one "token" of K and V halves of 288 values
+(the host page's layout; the pool viewed as (M, 2, 1, 1, 288)): on CUDA its kernel, UVA stores into
+the pinned pool and plain stores into the GPU pool, -1 = no-op, no host sync (two launches and one
+concatenation a layer: a fused kernel could take kv_c and k_pe as they come).
 """
 from __future__ import annotations
 
@@ -35,14 +36,17 @@ def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, host: torch.Tensor | No
                          f"{pool.dtype}; cast them first")
     if T == 0:
         return
-    row = torch.cat([kv_c, k_pe], 1)
+    if W % 2:
+        raise ValueError(f"latent rows of {W} values cannot be split into a host page's K and V "
+                         f"halves; rows must have an even width (576)")
+    half = W // 2
+    row = torch.cat([kv_c, k_pe], 1)              # the halves straddle kv_c | k_pe: one copy
+    k, v = row[:, None, :half], row[:, None, half:]
+    tok = torch.arange(T, device=row.device)
+    off = torch.zeros_like(host_row)
     if host is not None:
         if host[0].numel() != W or host.shape[1:3] != (2, 1):
-            raise ValueError(f"host layer {tuple(host.shape)} must be (pages, 2, 1, 1, {W // 2}): "
+            raise ValueError(f"host layer {tuple(host.shape)} must be (pages, 2, 1, 1, {half}): "
                              f"one latent row a page")
-        half = W // 2
-        tok = torch.arange(T, device=row.device)
-        write_through(host, row[:, None, :half], row[:, None, half:], tok, host_row,
-                      torch.zeros_like(host_row))
-    keep = pool_row >= 0
-    pool[pool_row[keep]] = row[keep]
+        write_through(host, k, v, tok, host_row, off)
+    write_through(pool.view(pool.shape[0], 2, 1, 1, half), k, v, tok, pool_row, off)
