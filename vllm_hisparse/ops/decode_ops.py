@@ -3,8 +3,8 @@
 ``decode_write`` (the new token into the cache, a second pool and the Quest bounds: one Triton
 launch), ``decode_write_score`` (that and the Quest page scores in one launch) and
 ``select_resolve`` (top-k pages + RESOLVE: one launch of the CUDA kernel, or of the Triton one;
-then, unless the attention reads the misses itself, one launch of the miss copies), contracts in ``reference.decode_write``,
-``reference.quest_scores`` and ``reference.select_resolve``. All are allocation-free on CUDA
+then, unless the attention reads the misses itself, one launch of the miss copies), contracts in
+``reference.decode_write``, ``reference.quest_scores`` and ``reference.select_resolve``. All are allocation-free on CUDA
 when the caller passes every output and workspace (the decode body does), so they can be recorded
 into a CUDA graph.
 """
@@ -51,7 +51,8 @@ def decode_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table
     from . import triton_decode_write
     _check_write(kv, k, v, kmin, kmax)
     triton_decode_write.decode_write(kv, k, v, block_table, seq, newest,
-                                     kernels.device_alias(dst, kv.device), dst_page, kmin, kmax, q_page)
+                                     kernels.device_alias(dst, kv.device), dst_page, kmin, kmax,
+                                     q_page)
 
 
 def decode_write_score(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -80,8 +81,8 @@ def decode_write_score(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     from . import triton_write_score
     _check_write(kv, k, v, kmin, kmax)
     triton_write_score.write_score(kv, k, v, block_table, seq, newest,
-                                   kernels.device_alias(dst, kv.device), dst_page, kmin, kmax, q_page,
-                                   q, rows, num_units, out)
+                                   kernels.device_alias(dst, kv.device), dst_page, kmin, kmax,
+                                   q_page, q, rows, num_units, out)
 
 
 def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tensor, k: int,
@@ -94,9 +95,10 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     """reference.select_resolve (shapes there); on CUDA the select kernel SELECT_IMPL names (CUDA:
     csrc/select_resolve.cu, or Triton: ops/triton_select.py; the same bits) and then, with fetch,
     the launch of the miss copies (fetch False: the misses stay marked ``-2 - block`` for the
-    attention to read, ``kernels.decode_attention(..., miss=...)``). work: the Triton select's (scratch, victims) int32 workspaces of
-    workspace_shapes(N, k, S); allocated here when None (and only when the Triton select runs),
-    from the graph's pool while a CUDA graph is being captured, like the body's other buffers."""
+    attention to read, ``kernels.decode_attention(..., miss=...)``). work: the Triton select's
+    (scratch, victims) int32 workspaces of workspace_shapes(N, k, S); allocated here when None
+    (and only when the Triton select runs), from the graph's pool while a CUDA graph is being
+    captured, like the body's other buffers."""
     if not scores.is_cuda:
         reference.select_resolve(scores, seq, num_full, k, block_table, sel, locs, hot, rows,
                                  state, host_pt, host, kv, counts, fetch)

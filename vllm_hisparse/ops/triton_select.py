@@ -273,8 +273,9 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    kv: torch.Tensor | None = None, counts: torch.Tensor | None = None,
                    fetch: bool = True) -> None:
     """Launch on checked inputs (ops/decode_ops.py); also runs under TRITON_INTERPRET=1. Shapes as
-    reference.select_resolve (fetch False: no miss copies, the misses left marked); scratch (N, SB) / victims (N, KB) int32 workspaces with SB, KB the
-    powers of two >= S, k (select_widths); host on the device (the pool's CUDA alias); state a
+    reference.select_resolve (fetch False: no miss copies, the misses left marked); scratch
+    (N, SB) / victims (N, KB) int32 workspaces with SB, KB the powers of two >= S, k
+    (select_widths); host on the device (the pool's CUDA alias); state a
     slots.HotBufferState whose policy has a kernel branch (POLICY = its ``kernel`` id)."""
     N, U = scores.shape
     if N == 0 or k == 0:
