@@ -5,6 +5,7 @@ for uniform decode steps, PIECEWISE for the others).
     python scripts/gpu_exactness.py run resident OUT_DIR     # one engine per call (fits 10 min)
     python scripts/gpu_exactness.py run hisparse OUT_DIR
     python scripts/gpu_exactness.py run elastic OUT_DIR      # hisparse + resident_first (issue 15)
+    python scripts/gpu_exactness.py run crf OUT_DIR          # hisparse with the crf policy
     python scripts/gpu_exactness.py compare OUT_DIR [MODE..] # identical tokens + logprobs to
                                                              # resident? (default: hisparse)
     HISPARSE_EXTRA='{"dense_pool_gib": 4}' python scripts/gpu_exactness.py ...
@@ -44,7 +45,8 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  max_position_embeddings=MAX_LEN, rope_theta=500000.0, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, torch_dtype="bfloat16")
 MODES = {"resident": {"host_tier": False}, "hisparse": {"host_tier": True},
-         "elastic": {"host_tier": True, "resident_first": True}}
+         "elastic": {"host_tier": True, "resident_first": True},
+         "crf": {"host_tier": True, "policy": "crf"}}
 CAPACITY = re.compile(r"(Available KV cache memory.*|GPU KV cache size.*|Maximum concurrency.*|"
                       r"cudagraph_mode.*?[,}]|Capturing CUDA graphs.*)")
 

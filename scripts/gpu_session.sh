@@ -9,7 +9,7 @@
 #                                                      # resident (RESOLVE's share) (~5 min)
 #   bash scripts/gpu_session.sh OUT exact    # exactness engines side by side on one GPU: the
 #       serving config (top_k 2048, B 4096, min_context 0, 4 prompts of 6K-20K) as resident /
-#       hisparse / elastic (a KV cache smaller than the prompts: spills mid-run), and short
+#       hisparse / elastic / crf (a KV cache smaller than the prompts: spills mid-run), and short
 #       prompts turning sparse mid-decode (issue 16); EXACT_LIMIT=S stops each engine (default
 #       420; give the call S + 90)
 #   bash scripts/gpu_session.sh OUT exact2   # a never-sparse engine (the stock decode path) vs
@@ -80,9 +80,12 @@ case "$part" in
     mon=$!
     runA resident 7 & a1=$!; sleep 4; runA hisparse 5 & a2=$!; sleep 4; runA elastic 5 & a3=$!; sleep 4
     runB resident & b1=$!; sleep 4; runB hisparse & b2=$!
-    wait $a1 $a2 $a3; since "engines A done"
+    # crf (issue 15: the served policy, same prompts as hisparse's lru) in the GPU memory the
+    # resident engine gives back
+    wait $a1; since "A resident done"; runA crf 5 & a4=$!
+    wait $a2 $a3 $a4; since "engines A done"
     grep -h "== \|rc=\|cudagraph_mode" $ex/A/*.out | cut -c1-200; grep -h "Error" $ex/A/*.log | tail -3
-    python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic
+    python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic crf
     wait $b1 $b2; since "engines B done"
     grep -h "== \|rc=\|cudagraph_mode" $ex/B/*.out | cut -c1-200; grep -h "Error" $ex/B/*.log | tail -3
     EXACT_PROMPTS=1200,5000 EXACT_MAX_LEN=8192 python3 scripts/gpu_exactness.py compare $ex/B hisparse
