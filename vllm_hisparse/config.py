@@ -52,6 +52,9 @@ class HiSparseConfig:
         is 2 x cdiv(max_model_len, page_size) x Hkv x D per sparse layer. 0 = --max-num-seqs. Set it
         when vLLM's max_num_seqs x max_model_len would not fit (requests beyond it wait). None are
         reserved when max_model_len < min_context (no request can turn sparse: core/gpu_pools.py).
+    prefill_slots: indexer "dsa" only: full-length latent regions on the GPU, i.e. prompts in
+        prefill at once (a prompt's chunks select top-k anywhere in it; docs/dsa.md section 2);
+        requests beyond it wait. Each is max_model_len x 1152 B per layer.
     prefetch: overlap miss IO with the previous layer when layers share a selection.
     resident_first: a sparse request keeps every GPU block after its prompt (RESOLVE through the
         block table, no misses) until the KV pool needs blocks; then it gives back just the
@@ -93,6 +96,7 @@ class HiSparseConfig:
     dense_pool_gib: float = 0.0
     min_context: Optional[int] = None
     quest_rows: int = 0
+    prefill_slots: int = 1
     prefetch: bool = False
     resident_first: bool = False
     host_tier: bool = True
@@ -125,6 +129,9 @@ class HiSparseConfig:
             _fail("io_chunk_bytes", c, "use a power of two from 16 to 256 (64 is a good start)")
         if any(x < 0 for x in self.dense_layers) or len(set(self.dense_layers)) != len(self.dense_layers):
             _fail("dense_layers", list(self.dense_layers), "list distinct layer indices >= 0, e.g. [0, 1]")
+        if self.prefill_slots < 1:
+            _fail("prefill_slots", self.prefill_slots, "use 1 (the default) or more prompts in "
+                  "prefill at once")
         if self.quest_rows < 0:
             _fail("quest_rows", self.quest_rows, "use 0 (= --max-num-seqs) or a positive row count")
         if self.min_context is not None and self.min_context < 0:
@@ -297,7 +304,7 @@ _TYPES = {
     "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
-    "min_context": (int, type(None)), "quest_rows": int, "prefetch": bool, "resident_first": bool,
+    "min_context": (int, type(None)), "quest_rows": int, "prefill_slots": int, "prefetch": bool, "resident_first": bool,
     "host_tier": bool,
     "full_decode_graphs": (bool, type(None)),
     "split_dense_decode": (bool, type(None)),

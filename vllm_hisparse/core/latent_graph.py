@@ -1,0 +1,148 @@
+"""The DSA step plan in fixed-address buffers (docs/dsa.md section 5): what the vLLM adapter's
+``do_kv_cache_update`` and ``forward_mqa`` read, so that vLLM's FULL decode CUDA graphs, recorded
+once per batch size, replay every later step with that step's plan.
+
+``core/latent_step.LatentStep.plan`` decides a step on the host (which pool and host rows each token
+writes, which tokens are decode tokens of sparse requests); ``LatentGraphStep.load`` copies it into
+buffers allocated once, sized for the largest step (``max_tokens`` = vLLM's max_num_batched_tokens,
+``max_decodes`` = max_num_seqs: at most one decode token per request), and ``clear`` makes every
+entry a no-op (what a dummy run or a graph capture sees). The per-layer work has fixed shapes:
+
+- ``write``: ``ops/latent_write.write_latent`` over the call's T tokens (-1 rows write nothing);
+- ``convert``: region rows ``region_base + pos`` for all T tokens, then RESOLVE of all
+  ``max_decodes`` decode entries (padding entries have ``dec_seq`` 0: RESOLVE skips them) and one
+  ``index_copy_`` of their rows into the output, padding entries into a spare last row ``T_max``.
+  Same rows, same order as ``LatentStep.convert`` (tests/test_dsa_graph.py checks it bit for bit).
+
+Which process: the worker (the connector's ``start_load_kv`` loads the plan; every sparse layer
+runs write/convert).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_hisparse.core.latent_admission import LatentAdmission
+from vllm_hisparse.core.latent_step import LatentStep
+from vllm_hisparse.ops.latent_write import write_latent
+from vllm_hisparse.ops.resolve_given import resolve_given, workspace_shapes
+
+
+def batch_tokens(query_start_loc, seq_lens) -> tuple[np.ndarray, np.ndarray]:
+    """(req_of_token, positions), each (T,) int64, of a vLLM batch: row i's query tokens
+    ``query_start_loc[i]:query_start_loc[i+1]`` are the last ones of its ``seq_lens[i]`` tokens.
+    query_start_loc: (B+1,) int; seq_lens: (B,) int (this step's tokens included)."""
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    n = np.diff(qsl)
+    if len(seq) != len(n) or (n < 0).any() or (seq < n).any():
+        raise ValueError(f"query_start_loc {qsl.tolist()} and seq_lens {seq.tolist()} must give "
+                         f"each row at most seq_len query tokens")
+    req = np.repeat(np.arange(len(n), dtype=np.int64), n)
+    start = np.repeat(qsl[:-1], n)
+    pos = np.repeat(seq - n, n) + np.arange(int(qsl[-1] - qsl[0]), dtype=np.int64) - (start - qsl[0])
+    return req, pos
+
+
+class LatentGraphStep:
+    def __init__(self, adm: LatentAdmission, max_tokens: int, max_decodes: int, top_k: int):
+        """adm: the worker's admission (its pool and host pool); max_tokens: the most tokens of a
+        step (max_num_batched_tokens); max_decodes: the most decode tokens of a step (max_num_seqs;
+        none in resident mode); top_k: the indexer's K (index_topk)."""
+        pool = adm.pool
+        dev, i64 = pool.device, torch.int64
+        self.adm, self.T, self.K = adm, max_tokens, top_k
+        self.D = 0 if adm.resident else max_decodes
+        self.host_row = torch.full((max_tokens,), -1, dtype=i64, device=dev)
+        self.pool_row = torch.full((max_tokens,), -1, dtype=i64, device=dev)
+        self.region_base = torch.full((max_tokens,), -1, dtype=i64, device=dev)
+        D = self.D
+        self.dec_gather = torch.zeros(D, dtype=i64, device=dev)               # topk row to read
+        self.dec_scatter = torch.full((D,), max_tokens, dtype=i64, device=dev)  # out row to write
+        self.dec_rows = torch.zeros(D, dtype=i64, device=dev)
+        self.dec_seq = torch.zeros(D, dtype=i64, device=dev)                  # 0 = padding
+        self.dec_slots = (pool.slot_rows(self.dec_rows) if D else
+                          torch.empty(0, pool.B, dtype=torch.int32, device=dev))
+        self.hot = torch.ones(D, dtype=i64, device=dev)
+        self.locs = torch.full((D, top_k), -1, dtype=torch.int32, device=dev)
+        self.out = torch.full((max_tokens + 1, top_k), -1, dtype=torch.int32, device=dev)
+        self.valid = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        self.work = None
+        self._host = [None] * pool.num_layers       # per layer: (pages, 2, 1, 1, half), (pages, W)
+        if not adm.resident:
+            if dev.type == "cuda":
+                from vllm_hisparse.ops import kernels
+
+                self.work = tuple(torch.empty(s, dtype=torch.int32, device=dev)
+                                  for s in workspace_shapes(D, top_k, pool.B))
+            for layer in range(pool.num_layers):
+                h = adm.host.data[layer]
+                rows = h.view(h.shape[0], -1)
+                if dev.type == "cuda":
+                    rows = kernels.device_alias(rows, dev)       # the pinned pool seen over UVA
+                self._host[layer] = (h, rows)
+
+    # ---- per step (host) ------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Every entry a no-op: writes nothing, reads nothing (-1 rows)."""
+        self.host_row.fill_(-1)
+        self.pool_row.fill_(-1)
+        self.region_base.fill_(-1)
+        if self.D:
+            self.dec_seq.zero_()
+            self.dec_gather.zero_()
+            self.dec_scatter.fill_(self.T)
+
+    def load(self, step: LatentStep) -> None:
+        """Copy a planned step into the buffers (the rest cleared)."""
+        n, d = step.host_row.shape[0], step.dec_tok.shape[0]
+        if n > self.T or d > self.D:
+            raise ValueError(f"a step of {n} tokens / {d} decode tokens exceeds the buffers' "
+                             f"{self.T} / {self.D} (max_num_batched_tokens / max_num_seqs)")
+        self.clear()
+        self.host_row[:n].copy_(step.host_row)
+        self.pool_row[:n].copy_(step.pool_row)
+        self.region_base[:n].copy_(step.region_base)
+        if d:
+            self.dec_gather[:d].copy_(step.dec_tok)
+            self.dec_scatter[:d].copy_(step.dec_tok)
+            self.dec_rows[:d].copy_(step.dec_rows)
+            self.dec_seq[:d].copy_(step.dec_seq)
+            self.dec_slots[:d].copy_(step.dec_slots)
+
+    # ---- per layer (device, fixed shapes) ---------------------------------------------------------
+    def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """The call's T new latent rows (kv_c (T, L), k_pe (T, Rd); T may include vLLM's padding)
+        into the host pool and the regions, as planned."""
+        T = kv_c.shape[0]
+        if T > self.T:
+            raise ValueError(f"{T} tokens exceed the plan's {self.T} (max_num_batched_tokens)")
+        host = self._host[layer][0] if self._host[layer] is not None else None
+        write_latent(kv_c, k_pe, host, self.host_row[:T], self.adm.pool.rows[layer],
+                     self.pool_row[:T])
+
+    def convert(self, layer: int, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out (T, K) int32 pool rows, -1 = none; valid (T,) int32 counts) of ``layer`` for topk
+        (T, K) int32 logical positions (vLLM's topk_indices_buffer[:T]); views of fixed buffers."""
+        T, K = topk.shape
+        if T > self.T or K != self.K or topk.dtype != torch.int32:
+            raise ValueError(f"topk {tuple(topk.shape)} {topk.dtype} must be (<= {self.T}, "
+                             f"{self.K}) int32")
+        pool = self.adm.pool
+        out, valid = self.out[:T], self.valid[:T]
+        if T == 0:
+            return out, valid
+        pos = topk.long()
+        base = self.region_base[:T, None]
+        ok = (base >= 0) & (pos >= 0) & (pos < pool.max_model_len)
+        out.copy_(torch.where(ok, base + pos, -1))
+        if self.D:
+            sel = topk.index_select(0, self.dec_gather.clamp(max=T - 1))
+            sel = torch.where(sel < pool.max_model_len, sel, -1)
+            self.locs.fill_(-1)
+            resolve_given(sel, self.dec_seq, self.dec_slots, self.locs, self.hot, self.dec_rows,
+                          pool.states[layer].kernel_state(), pool.host_rows.table,
+                          self._host[layer][1], pool.rows[layer], pool.counts, self.work)
+            self.out.index_copy_(0, self.dec_scatter, self.locs)
+        valid.copy_((out >= 0).sum(1))
+        return out, valid
