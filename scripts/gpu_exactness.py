@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import random
 import re
 import subprocess
@@ -42,7 +43,7 @@ MAX_TOKENS = int(os.environ.get("EXACT_MAX_TOKENS", "64"))
 MAX_LEN = int(os.environ.get("EXACT_MAX_LEN", "32768"))   # a KV cache holds one such prompt
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 max_position_embeddings=MAX_LEN, rope_theta=500000.0, rms_norm_eps=1e-5,
+                 max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, torch_dtype="bfloat16")
 MODES = {"resident": {"host_tier": False}, "hisparse": {"host_tier": True},
          "elastic": {"host_tier": True, "resident_first": True},
@@ -56,7 +57,12 @@ def model_dir() -> str:
     if not os.path.exists(os.path.join(d, "config.json")):
         from transformers import LlamaConfig
 
-        LlamaConfig(**LLAMA3_8B).save_pretrained(d)
+        tmp = f"{d}.tmp{os.getpid()}"   # engines start side by side: write once, rename
+        LlamaConfig(**LLAMA3_8B).save_pretrained(tmp)
+        try:
+            os.rename(tmp, d)
+        except OSError:                 # another engine's rename won: same config
+            shutil.rmtree(tmp, ignore_errors=True)
     return d
 
 
