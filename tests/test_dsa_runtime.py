@@ -1,0 +1,99 @@
+"""The scheduler's ledger (core/latent_ledger.py) against the worker's admission
+(core/latent_admission.py) it drives through LatentRuntime.apply: the same decision for every
+request over a scripted and a random sequence, and every event the ledger logs succeeds on the
+worker; nothing held at the end."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_hisparse.core.latent_ledger import LatentLedger
+from vllm_hisparse.core.latent_runtime import LatentRuntime, host_pages_for
+from vllm_hisparse.ops.sparse_mla import LATENT_ROW
+
+MML, B, K = 64, 16, 8
+
+
+def pair(resident: bool, row_sets=2, regions=1, pages=150):
+    rt = LatentRuntime(2, MML, B, row_sets, regions if not resident else row_sets,
+                       0 if resident else pages, 32, 4, K, LATENT_ROW, torch.bfloat16, "cpu",
+                       pin=False)
+    led = LatentLedger(row_sets, regions if not resident else row_sets, pages, MML, resident)
+    return rt, led
+
+
+def same_decision(rt, led, key, p, m):
+    a = led.refusal(key, p, m)
+    b = rt.adm.refusal(key, p, m)
+    assert (a is None) == (b is None), (key, a, b)
+    return a is None
+
+
+def test_scripted_admission_waits_and_gives_back():
+    rt, led = pair(False, row_sets=3, regions=1, pages=130)
+    assert led.admit("a", 40, 20)
+    assert led.refusal("b", 40, 20) == "no free prefill region (all 1 in use)"
+    rt.apply(led.take_events())
+    assert same_decision(rt, led, "b", 40, 20) is False
+    led.prompt_done("a")                       # the region back; a keeps its row set
+    rt.apply(led.take_events())
+    assert rt.adm.grant("a").region == -1 and rt.adm.grant("a").row_set == 0
+    assert led.admit("b", 40, 20)
+    led.prompt_done("b")
+    rt.apply(led.take_events())
+    assert led.refusal("c", 10, 5) == "host pool: 15 pages needed, 10 free of 130"
+    assert same_decision(rt, led, "c", 10, 5) is False
+    led.release("a")
+    rt.apply(led.take_events())
+    assert same_decision(rt, led, "c", 10, 5) and led.admit("c", 10, 5)
+    assert rt.adm.grant("b").row_set == 1
+    rt.apply(led.take_events())
+    assert rt.adm.grant("c").row_set == 0      # a's, reset (test_dsa_core checks the reset)
+    for key in ("b", "c", "c"):                # twice: a no-op, no event
+        led.release(key)
+    rt.apply(led.take_events())
+    assert rt.adm.leaks() == [] and led.free_pages == 130 and led.free_sets == 3
+
+
+@pytest.mark.parametrize("resident", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_sequences_agree(resident, seed):
+    rng = random.Random(seed)
+    rt, led = pair(resident, row_sets=3, regions=2, pages=200)
+    live: list = []
+    for step in range(300):
+        op = rng.random()
+        if op < 0.45:
+            key = f"r{step}"
+            p = rng.randrange(1, MML)
+            m = rng.randrange(0, MML - p + 1)
+            rt.apply(led.take_events())        # the worker catches up (a step boundary)
+            if same_decision(rt, led, key, p, m):
+                led.admit(key, p, m)
+                live.append(key)
+        elif op < 0.7 and live:
+            led.prompt_done(rng.choice(live))
+        elif live:
+            key = live.pop(rng.randrange(len(live)))
+            led.release(key)
+    for key in live:
+        led.release(key)
+    rt.apply(led.take_events())
+    assert rt.adm.leaks() == [] and led.free_regions == led.regions
+    assert led.free_pages == (0 if resident else led.host_pages)
+
+
+def test_worker_refusing_what_the_scheduler_admitted_is_loud():
+    rt, led = pair(False, row_sets=2, regions=1, pages=150)
+    big = LatentLedger(2, 2, 150, MML, False)   # a scheduler that counts two regions
+    assert big.admit("a", 10, 10) and big.admit("b", 10, 10)
+    with pytest.raises(RuntimeError, match="cannot admit 'b' that the scheduler admitted: no free"):
+        rt.apply(big.take_events())
+
+
+def test_host_pages_for_counts_rows_of_every_layer():
+    assert host_pages_for(61 * 1152 * 1000 + 5, 61, 1152) == 1000
+    with pytest.raises(ValueError, match="regions >= 1"):
+        LatentLedger(1, 0, 10, MML, False)

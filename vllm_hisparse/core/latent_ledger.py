@@ -1,0 +1,89 @@
+"""The scheduler's side of the latent pool's admission (docs/dsa.md section 6): counts only, no
+tensors, and the log of what it decided for the worker to replay.
+
+``core/latent_admission.LatentAdmission`` holds the pool itself (row sets, regions, host pages) on
+the worker; the scheduler process must decide admission without the pool, so this ledger keeps the
+same counts under the same rules (a row set, a region and host pages for prompt + max_tokens, all or
+nothing; the region back at ``prompt_done``; everything back at ``release``; resident mode: a region
+for life, nothing else) and appends each decision to ``events``. The worker applies the events in
+order to its ``LatentAdmission`` (``LatentRuntime.apply``): with the same counts in the same order
+every admission the ledger grants succeeds there too (tests/test_dsa_runtime.py drives both).
+
+Events: ``("admit", key, prompt_len, max_tokens)``, ``("prompt_done", key)``, ``("release", key)``.
+Which process: the scheduler (the connector's scheduler role).
+"""
+from __future__ import annotations
+
+
+class LatentLedger:
+    def __init__(self, row_sets: int, regions: int, host_pages: int, max_model_len: int,
+                 resident: bool):
+        """row_sets / regions / host_pages: what the worker's pool holds (resident: row_sets and
+        host_pages unused); max_model_len: the most positions a request may take."""
+        if regions < 1 or (not resident and (row_sets < 1 or host_pages < 1)):
+            raise ValueError(f"LatentLedger needs regions >= 1 (got {regions}) and, with a host "
+                             f"pool, row_sets >= 1 and host_pages >= 1 (got {row_sets}, "
+                             f"{host_pages}); raise prefill_slots / quest_rows / host_pool_gib")
+        self.resident, self.max_model_len = resident, max_model_len
+        self.free_sets = 0 if resident else row_sets
+        self.free_regions, self.free_pages = regions, 0 if resident else host_pages
+        self.row_sets, self.regions, self.host_pages = row_sets, regions, host_pages
+        self.held: dict[object, list] = {}      # key -> [row set?, region?, pages]
+        self.events: list[tuple] = []
+
+    def refusal(self, key, prompt_len: int, max_tokens: int) -> str | None:
+        """Why ``key`` cannot be admitted now (one line), or None (LatentAdmission.refusal's rules;
+        positions past max_model_len are an error there, clipped by the caller)."""
+        total = prompt_len + max_tokens
+        if prompt_len < 1 or max_tokens < 0 or total > self.max_model_len:
+            raise ValueError(f"prompt_len={prompt_len} + max_tokens={max_tokens} must be in "
+                             f"[1, max_model_len={self.max_model_len}]; clip max_tokens")
+        if key in self.held:
+            raise ValueError(f"request {key!r} is admitted already; release it first")
+        if not self.resident and self.free_sets == 0:
+            return f"no free latent row set (all {self.row_sets} in use)"
+        if self.free_regions == 0:
+            what = "full-length" if self.resident else "prefill"
+            return f"no free {what} region (all {self.regions} in use)"
+        if not self.resident and total > self.free_pages:
+            return (f"host pool: {total} pages needed, {self.free_pages} free of "
+                    f"{self.host_pages}")
+        return None
+
+    def admit(self, key, prompt_len: int, max_tokens: int) -> bool:
+        if self.refusal(key, prompt_len, max_tokens) is not None:
+            return False
+        pages = 0 if self.resident else prompt_len + max_tokens
+        self.free_regions -= 1
+        if not self.resident:
+            self.free_sets -= 1
+            self.free_pages -= pages
+        self.held[key] = [not self.resident, True, pages]
+        self.events.append(("admit", key, prompt_len, max_tokens))
+        return True
+
+    def in_region(self, key) -> bool:
+        return key in self.held and self.held[key][1]
+
+    def prompt_done(self, key) -> None:
+        """The prompt of ``key`` is complete: its prefill region goes back (not in resident mode)."""
+        h = self.held.get(key)
+        if h is None or self.resident or not h[1]:
+            return
+        h[1] = False
+        self.free_regions += 1
+        self.events.append(("prompt_done", key))
+
+    def release(self, key) -> None:
+        """Finished, aborted or preempted: all back (a no-op for a key holding nothing)."""
+        h = self.held.pop(key, None)
+        if h is None:
+            return
+        self.free_sets += h[0]
+        self.free_regions += h[1]
+        self.free_pages += h[2]
+        self.events.append(("release", key))
+
+    def take_events(self) -> list[tuple]:
+        out, self.events = self.events, []
+        return out

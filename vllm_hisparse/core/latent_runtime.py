@@ -1,0 +1,105 @@
+"""The worker's DSA runtime (docs/dsa.md sections 2-7): the latent pool, the host pool, the
+admission that the scheduler's ledger drives (``core/latent_ledger.py`` events) and the step plan
+in fixed-address buffers (``core/latent_graph.py``), behind the three calls the vLLM adapter makes:
+
+- per step (the KV connector, host): ``apply(events)`` then ``plan(keys, query_start_loc,
+  seq_lens)`` (or ``clear()`` for a batch of no live request);
+- per layer (the attention impl, device, no host work): ``write(layer, kv_c, k_pe)`` from
+  ``do_kv_cache_update`` and ``convert(layer, topk)`` from ``forward_mqa``, whose pool rows and
+  valid counts go to FA3 with ``kv = pool.rows[layer]``.
+
+hisparse mode: ``host_pages > 0``; resident mode (the exactness reference, section 7):
+``host_pages = 0``, every request in a full-length region for its life.
+Which process: the worker. vLLM-free (tests/test_dsa_runtime.py drives it with vLLM's batch
+shapes on the CPU).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_hisparse.core.host_pool import HostKVPool
+from vllm_hisparse.core.latent_admission import LatentAdmission
+from vllm_hisparse.core.latent_graph import LatentGraphStep, batch_tokens
+from vllm_hisparse.core.latent_pool import LatentPool
+from vllm_hisparse.core.latent_step import LatentStep
+
+
+def host_pages_for(host_pool_bytes: int, num_layers: int, row_bytes: int) -> int:
+    """Latent rows (one token of every layer) the host pool holds: what the scheduler's ledger
+    counts and the worker's pool allocates."""
+    return host_pool_bytes // (row_bytes * num_layers)
+
+
+class LatentRuntime:
+    def __init__(self, num_layers: int, max_model_len: int, buffer: int, row_sets: int,
+                 regions: int, host_pages: int, max_tokens: int, max_decodes: int, top_k: int,
+                 row: int = 576, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                 pin: bool | None = None):
+        """num_layers: sparse MLA layers; buffer: B hot slots a row set; row_sets: N sparse
+        requests at once; regions: prefill_slots (hisparse) or N (resident); host_pages: latent
+        rows of the host pool (0 = resident mode); max_tokens / max_decodes: a step's most tokens
+        (max_num_batched_tokens) / decode tokens (max_num_seqs); top_k: the indexer's K; row:
+        kv_lora_rank + qk_rope_head_dim; pin: pin the host pool (None: when CUDA is up)."""
+        self.resident = host_pages == 0
+        self.pool = LatentPool(num_layers, max_model_len, buffer, 0 if self.resident else row_sets,
+                               regions, row, dtype, device)
+        self.host = None if self.resident else HostKVPool(num_layers, host_pages, 1, 1, row // 2,
+                                                          dtype, pin=pin)
+        self.adm = LatentAdmission(self.pool, self.host)
+        self.graph = LatentGraphStep(self.adm, max_tokens, max_decodes, top_k)
+        self.steps = 0
+
+    # ---- per step (host) ------------------------------------------------------------------------
+    def apply(self, events) -> None:
+        """Replay the scheduler's decisions in order (LatentLedger events)."""
+        for ev in events:
+            kind, key = ev[0], ev[1]
+            if kind == "admit":
+                if self.adm.admit(key, ev[2], ev[3]) is None:
+                    raise RuntimeError(f"hisparse: the worker's latent pool cannot admit {key!r} "
+                                       f"that the scheduler admitted: "
+                                       f"{self.adm.refusal(key, ev[2], ev[3])}")
+            elif kind == "prompt_done":
+                self.adm.prompt_done(key)
+            elif kind == "release":
+                self.adm.release(key)
+            else:
+                raise ValueError(f"unknown latent event {ev!r}")
+
+    def plan(self, keys: list, query_start_loc, seq_lens) -> None:
+        """Load the step's plan. keys: (B,) each batch row's request key, None = a padding row (no
+        query tokens); query_start_loc: (B+1,) int; seq_lens: (B,) int (this step's tokens
+        included): vLLM's CommonAttentionMetadata, host copies."""
+        req, pos = batch_tokens(query_start_loc, seq_lens)
+        self.graph.load(LatentStep.plan(self.adm, keys, req, pos))
+        self.steps += 1
+
+    def clear(self) -> None:
+        """This batch belongs to no live request (a dummy run, a graph capture): a no-op plan."""
+        self.graph.clear()
+
+    # ---- per layer (device) ---------------------------------------------------------------------
+    def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """do_kv_cache_update: kv_c (T, L), k_pe (T, Rd) or (T, 1, Rd) (vLLM's), T >= the plan's
+        tokens (vLLM's padding after them writes nothing)."""
+        if k_pe.dim() == 3:
+            k_pe = k_pe.squeeze(1)
+        self.graph.write(layer, kv_c, k_pe)
+
+    def convert(self, layer: int, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_mqa's index conversion: (rows (T, K) int32 of pool.rows[layer], -1 = none;
+        valid (T,) int32) for vLLM's topk_indices_buffer[:T] (T, K) int32."""
+        return self.graph.convert(layer, topk)
+
+    # ---- reporting ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Hits and misses of RESOLVE (all layers, all steps; a device read: call it off the hot
+        path), requests held, and the bytes of the GPU and host pools."""
+        hits, misses = (int(x) for x in self.pool.counts.tolist())
+        host = self.host
+        return {"hits": hits, "misses": misses, "steps": self.steps,
+                "live_requests": len(self.adm.grants), "gpu_pool_bytes": self.pool.nbytes,
+                "host_pool_bytes": 0 if host is None else host.data.numel()
+                * host.data.element_size(),
+                "host_pages_used": 0 if host is None else host.used_pages,
+                "resident": self.resident}
