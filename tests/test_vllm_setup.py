@@ -60,7 +60,6 @@ def test_prepare_config_sets_block_size_connector_and_disables_prefix_caching():
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"model_config__use_mla": True}, "MLA"),
     ({"model_config__is_encoder_decoder": True}, "encoder-decoder"),
     ({"parallel_config__pipeline_parallel_size": 2}, "pipeline"),
 ])
@@ -75,7 +74,7 @@ def test_unsupported_setups_fail_with_what_is_supported(over, words):
 @pytest.mark.parametrize("field, value, words", [
     ("policy", "fifo", "policy='fifo' is available in the simulator"),
     ("prefetch", True, "prefetch=True is not implemented"),
-    ("indexer", "dsa", "indexer='dsa' is not wired"),
+    ("indexer", "dsa", "indexer='dsa' needs an MLA model with a DSA indexer"),
     ("io_chunk_bytes", 512, "io_chunk_bytes=512"),
 ])
 def test_config_the_runtime_does_not_serve_is_refused(field, value, words):

@@ -55,6 +55,11 @@ class HiSparseConfig:
     prefill_slots: indexer "dsa" only: full-length latent regions on the GPU, i.e. prompts in
         prefill at once (a prompt's chunks select top-k anywhere in it; docs/dsa.md section 2);
         requests beyond it wait. Each is max_model_len x 1152 B per layer.
+    mla_num_splits: indexer "dsa" only: FA3's num_splits for the sparse-MLA attention call. 0
+        (default) = FA3's own heuristic, what stock FLASH_ATTN_MLA_SPARSE passes: bit-equal to stock
+        (and hisparse to resident) when the runs schedule the same batches; 1 = no split, each row
+        independent of its batch (hisparse == resident also when admission schedules differently),
+        no longer stock's bits (docs/dsa.md, "Exactness").
     prefetch: overlap miss IO with the previous layer when layers share a selection.
     resident_first: a sparse request keeps every GPU block after its prompt (RESOLVE through the
         block table, no misses) until the KV pool needs blocks; then it gives back just the
@@ -97,6 +102,7 @@ class HiSparseConfig:
     min_context: Optional[int] = None
     quest_rows: int = 0
     prefill_slots: int = 1
+    mla_num_splits: int = 0
     prefetch: bool = False
     resident_first: bool = False
     host_tier: bool = True
@@ -132,6 +138,9 @@ class HiSparseConfig:
         if self.prefill_slots < 1:
             _fail("prefill_slots", self.prefill_slots, "use 1 (the default) or more prompts in "
                   "prefill at once")
+        if self.mla_num_splits < 0:
+            _fail("mla_num_splits", self.mla_num_splits, "use 0 (FA3's heuristic, as stock) or 1 "
+                  "(no split: batch-invariant)")
         if self.quest_rows < 0:
             _fail("quest_rows", self.quest_rows, "use 0 (= --max-num-seqs) or a positive row count")
         if self.min_context is not None and self.min_context < 0:
@@ -304,7 +313,8 @@ _TYPES = {
     "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
     "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
     "dense_pool_gib": (int, float),
-    "min_context": (int, type(None)), "quest_rows": int, "prefill_slots": int, "prefetch": bool, "resident_first": bool,
+    "min_context": (int, type(None)), "quest_rows": int, "prefill_slots": int,
+    "mla_num_splits": int, "prefetch": bool, "resident_first": bool,
     "host_tier": bool,
     "full_decode_graphs": (bool, type(None)),
     "split_dense_decode": (bool, type(None)),

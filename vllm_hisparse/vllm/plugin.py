@@ -11,6 +11,10 @@ wraps that vLLM 0.26 has no extension point for):
   * a wrap of the platform's ``check_and_update_config`` (validates the setup, block_size ==
     page_size, prefix caching off, our KV connector on);
   * on CPU, a wrap of ``CpuPlatform.get_attn_backend_cls`` (it otherwise always picks CPU_ATTN);
+  * on CUDA, a wrap of the platform's ``get_attn_backend_cls``: CUSTOM on an MLA layer with a
+    sparse indexer (DeepSeek-V3.2 style) is the MLA backend (``route``), anything else the GQA one;
+  * a wrap of ``MLAAttention.get_kv_cache_spec`` (hisparse MLA layers get a stub latent spec,
+    docs/dsa.md section 1);
   * ``--hisparse-config FILE.json`` on vLLM's command line (cli_flag.py), and one-line errors
     with exit code 2 for bad hisparse input there (cli_check.py).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 
 BACKEND_PATH = "vllm_hisparse.vllm.backend.HiSparseBackend"
+MLA_BACKEND_PATH = "vllm_hisparse.vllm.mla_backend.HiSparseMLASparseBackend"
 CONNECTOR = ("HiSparseConnector", "vllm_hisparse.vllm.connector")
 _done = False
 
@@ -41,6 +46,7 @@ def register() -> None:
     if CONNECTOR[0] not in c.KVConnectorFactory._registry:     # registering twice raises
         c.KVConnectorFactory.register_connector(CONNECTOR[0], CONNECTOR[1], CONNECTOR[0])
     _wrap_get_kv_cache_spec(c)
+    _wrap_mla_kv_cache_spec()
     _wrap_platform(c)
     _wrap_cli()
 
@@ -76,6 +82,13 @@ def selected(vllm_config) -> bool:
     return be == c.AttentionBackendEnum.CUSTOM and c.AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
 
 
+def route(use_mla: bool, use_sparse: bool) -> str:
+    """The hisparse backend class path for a layer that selected CUSTOM: an MLA layer with a sparse
+    indexer goes to the MLA backend (docs/dsa.md); every other layer to the GQA backend, whose
+    ``validate_configuration`` refuses MLA without an indexer in one line."""
+    return MLA_BACKEND_PATH if use_mla and use_sparse else BACKEND_PATH
+
+
 def _is_ours(backend_cls) -> bool:
     return getattr(backend_cls, "is_hisparse", False)
 
@@ -100,6 +113,27 @@ def _wrap_get_kv_cache_spec(c) -> None:
 
     get_kv_cache_spec._hisparse = True
     c.Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _wrap_mla_kv_cache_spec() -> None:
+    """hisparse MLA layers keep their latent in the plugin's pool: vLLM's blocks get a stub
+    (``mla_spec.stub_spec``), so its KV budget holds the indexer K and 16 B per token per layer."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    orig = MLAAttention.get_kv_cache_spec
+    if getattr(orig, "_hisparse", False):
+        return
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = orig(self, vllm_config)
+        if spec is None or not _is_ours(getattr(self, "attn_backend", None)):
+            return spec
+        from .mla_spec import stub_spec
+
+        return stub_spec(spec)
+
+    get_kv_cache_spec._hisparse = True
+    MLAAttention.get_kv_cache_spec = get_kv_cache_spec
 
 
 def _wrap_platform(c) -> None:
@@ -134,3 +168,32 @@ def _wrap_platform(c) -> None:
             return orig_sel(cls, selected_backend, attn_selector_config, num_heads)
 
         plat.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    elif getattr(plat, "device_name", None) == "cuda":
+        _wrap_cuda_selection(c, plat)
+
+
+def _wrap_cuda_selection(c, plat) -> None:
+    """CUSTOM is one enum member with one class path (the GQA backend); an MLA layer with a sparse
+    indexer that selects it gets the MLA backend instead (``route``), validated as vLLM validates
+    a selected backend."""
+    orig_sel = plat.get_attn_backend_cls.__func__
+    if getattr(orig_sel, "_hisparse", False):
+        return
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if (selected_backend == c.AttentionBackendEnum.CUSTOM
+                and c.AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH):
+            path = route(attn_selector_config.use_mla, attn_selector_config.use_sparse)
+            if path == MLA_BACKEND_PATH:
+                from .mla_backend import HiSparseMLASparseBackend
+
+                why = HiSparseMLASparseBackend.validate_configuration(
+                    device_capability=cls.get_device_capability(),
+                    **attn_selector_config._asdict())
+                if why:
+                    raise ValueError("hisparse cannot run this MLA model: " + "; ".join(why))
+                return path
+        return orig_sel(cls, selected_backend, attn_selector_config, num_heads)
+
+    get_attn_backend_cls._hisparse = True
+    plat.get_attn_backend_cls = classmethod(get_attn_backend_cls)

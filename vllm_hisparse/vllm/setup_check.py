@@ -13,16 +13,13 @@ from .compat import KVTransferConfig, hisparse_config_of, init_logger
 
 logger = init_logger(__name__)
 SUPPORTED = ("hisparse supports decoder-only GQA/MHA models (Llama, Qwen, Mistral style) with "
-             "tensor parallelism only")
+             "tensor parallelism only, and MLA models with a DSA indexer (DeepSeek-V3.2 style) on "
+             "one GPU")
 
 
 def check_served(cfg: HiSparseConfig) -> None:
     """Refuse settings the serving runtime does not implement (needs no model: the command line
     runs it before vLLM builds anything, cli_check.py)."""
-    if cfg.indexer != "quest":
-        raise Refused(f"hisparse: indexer={cfg.indexer!r} is not wired into vLLM yet (its CPU "
-                      f"references are in core/indexers/dsa, the GPU design in docs/dsa.md); use "
-                      f"\"quest\"")
     from vllm_hisparse.slots import served
     if cfg.policy not in served():
         raise Refused(f"hisparse: policy={cfg.policy!r} is available in the simulator (hisparse "
@@ -37,9 +34,21 @@ def prepare_config(vllm_config) -> None:
     cfg = hisparse_config_of(vllm_config)          # validated: errors name field, value and fix
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     check_served(cfg)
+    if mc is not None and getattr(mc, "use_mla", False):
+        # DeepSeek-V3.2 style: the latent pool behind vLLM's sparse-MLA backend (docs/dsa.md)
+        from .mla_setup import prepare_mla
+
+        prepare_mla(cfg, vllm_config, logger)
+        if cfg.host_tier:
+            check_host_memory(cfg, vllm_config)
+        copy_env_to_ray_workers()
+        logger.info("hisparse: %s", cfg.to_dict())
+        return
+    if cfg.indexer != "quest":
+        raise Refused(f"hisparse: indexer={cfg.indexer!r} needs an MLA model with a DSA indexer "
+                      f"(DeepSeek-V3.2 style, docs/dsa.md); this model is not MLA: use "
+                      f"\"quest\"")
     if mc is not None:
-        if getattr(mc, "use_mla", False):
-            raise Refused(f"hisparse: MLA models are not supported; {SUPPORTED}")
         if getattr(mc, "is_encoder_decoder", False):
             raise Refused(f"hisparse: encoder-decoder models are not supported; {SUPPORTED}")
         cfg.check_layers(mc.get_num_layers(pc))

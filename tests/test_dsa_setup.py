@@ -1,0 +1,152 @@
+"""Startup of a hisparse run on an MLA model with a DSA indexer (vllm/mla_setup.py through
+setup_check.prepare_config) and the backend routing (plugin.route, the CUDA platform's wrapped
+selection), without an engine: what is changed, what is refused (one line naming the setting and
+the fix), and which class a CUSTOM layer gets."""
+from __future__ import annotations
+
+import sys
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+DSA = {"indexer": "dsa", "top_k": 64, "device_buffer_size": 128, "dense_layers": [],
+       "host_pool_gib": 0.01}
+
+
+def mla_config(hs=None, **over):
+    hf = SimpleNamespace(index_topk=64, kv_lora_rank=512, qk_rope_head_dim=64)
+    mc = SimpleNamespace(use_mla=True, is_encoder_decoder=False, max_model_len=1024,
+                         dtype=torch.bfloat16, hf_config=hf, get_num_layers=lambda pc: 4)
+    cfg = SimpleNamespace(
+        additional_config={"hisparse": dict(DSA, **(hs or {}))}, model_config=mc,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1,
+                                        decode_context_parallel_size=1, world_size=1,
+                                        local_world_size=1, data_parallel_size_local=1),
+        cache_config=SimpleNamespace(block_size=None, user_specified_block_size=False,
+                                     enable_prefix_caching=True, cache_dtype="auto"),
+        attention_config=SimpleNamespace(sparse_mla_force_mqa=False),
+        device_config=SimpleNamespace(device_type="cuda"), speculative_config=None,
+        use_v2_model_runner=False, kv_transfer_config=None)
+    for k, v in over.items():
+        obj, attr = k.split("__")
+        setattr(getattr(cfg, obj) if obj != "cfg" else cfg, attr, v)
+    return cfg
+
+
+@pytest.mark.parametrize("host_tier", [True, False])
+def test_prepare_config_sets_what_the_dsa_path_needs(host_tier):
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = mla_config({"host_tier": host_tier})
+    prepare_config(cfg)
+    assert cfg.cache_config.block_size == 64 and cfg.cache_config.user_specified_block_size
+    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.attention_config.sparse_mla_force_mqa is True
+    ktc = cfg.kv_transfer_config
+    assert (ktc.kv_connector, ktc.kv_connector_module_path, ktc.kv_role) == (
+        "HiSparseMLAConnector", "vllm_hisparse.vllm.mla_connector", "kv_both")
+
+
+REFUSED = [
+    ({"device_config__device_type": "cpu"}, None, "indexer='dsa' runs on CUDA only"),
+    ({}, {"indexer": "quest", "top_k": 64, "device_buffer_size": 128}, 'set "indexer": "dsa"'),
+    ({}, {"dense_layers": [0, 1]}, 'dense_layers=[0, 1] must be []'),
+    ({}, {"top_k": 32, "device_buffer_size": 32}, "device_buffer_size=32 must be >= the model's "
+                                                  "index_topk=64"),
+    ({"cache_config__cache_dtype": "fp8_ds_mla"}, None, "kv_cache_dtype='fp8_ds_mla'"),
+    ({"cache_config__user_specified_block_size": True, "cache_config__block_size": 16}, None,
+     "--block-size 16 must be 64"),
+    ({"cfg__speculative_config": object()}, None, "speculative decoding"),
+    ({"parallel_config__tensor_parallel_size": 2}, None, "tensor_parallel_size=2"),
+    ({"model_config__hf_config": SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64)}, None,
+     "no DSA indexer"),
+    ({}, {"host_pool_gib": 0.001}, "host_pool_gib=0.001 cannot hold one request of "
+                                   "max_model_len=1024"),
+    ({}, {"resident_first": True}, "resident_first=True are Quest"),
+    ({}, {"policy": "crf"}, "policy='crf' are Quest"),
+    ({"cfg__use_v2_model_runner": True}, None, "VLLM_USE_V2_MODEL_RUNNER=0"),
+    ({"cfg__kv_transfer_config": SimpleNamespace(kv_connector="LMCacheConnectorV1")}, None,
+     "brings its own KV connector"),
+]
+
+
+@pytest.mark.parametrize("over, hs, words", REFUSED)
+def test_what_the_dsa_path_does_not_run_is_refused_in_one_line(over, hs, words):
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = mla_config(**over)
+    if hs is not None:
+        cfg.additional_config = {"hisparse": dict(DSA, **hs)}
+    with pytest.raises(ValueError) as e:
+        prepare_config(cfg)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_indexer_dsa_on_a_gqa_model_is_refused():
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = mla_config(model_config__use_mla=False)
+    with pytest.raises(ValueError, match="needs an MLA model with a DSA indexer.*use \"quest\""):
+        prepare_config(cfg)
+
+
+def test_route_sends_sparse_mla_to_the_mla_backend_only():
+    from vllm_hisparse.vllm.plugin import BACKEND_PATH, MLA_BACKEND_PATH, route
+
+    assert route(use_mla=True, use_sparse=True) == MLA_BACKEND_PATH
+    for mla, sparse in ((True, False), (False, False), (False, True)):
+        assert route(mla, sparse) == BACKEND_PATH        # the GQA backend validates (refuses MLA)
+
+
+def _selector_config(**kw):
+    from collections import namedtuple
+
+    fields = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=64,
+                  use_mla=True, has_sink=False, use_sparse=True, use_mm_prefix=False,
+                  use_per_head_quant_scales=False, attn_type="decoder")
+    fields.update(kw)
+    return namedtuple("Cfg", fields)(**fields)
+
+
+@pytest.mark.parametrize("why", [[], ["compute capability not supported"]])
+def test_cuda_selection_wrap_routes_custom_by_layer_kind(monkeypatch, why):
+    """The wrap on a stand-in CUDA platform: CUSTOM + sparse MLA -> the MLA class path after the
+    MLA backend's own validation (a stand-in module: the real one needs CUDA's flash attention);
+    CUSTOM on a GQA layer and other backends -> the platform's own selection."""
+    from vllm_hisparse.vllm import compat as c
+    from vllm_hisparse.vllm import plugin
+
+    plugin.register()
+    seen = []
+
+    class FakeCuda:
+        device_name = "cuda"
+
+        @classmethod
+        def get_attn_backend_cls(cls, selected, cfg, num_heads=None):
+            seen.append(selected)
+            return "stock.path"
+
+        @classmethod
+        def get_device_capability(cls):
+            return (9, 0)
+
+    fake = ModuleType("vllm_hisparse.vllm.mla_backend")
+    fake.HiSparseMLASparseBackend = SimpleNamespace(
+        validate_configuration=lambda device_capability, **kw: list(why))
+    monkeypatch.setitem(sys.modules, "vllm_hisparse.vllm.mla_backend", fake)
+    plugin._wrap_cuda_selection(c, FakeCuda)
+    custom = c.AttentionBackendEnum.CUSTOM
+    if why:
+        with pytest.raises(ValueError, match="cannot run this MLA model: compute capability"):
+            FakeCuda.get_attn_backend_cls(custom, _selector_config())
+    else:
+        assert FakeCuda.get_attn_backend_cls(custom, _selector_config()) == plugin.MLA_BACKEND_PATH
+    assert FakeCuda.get_attn_backend_cls(custom, _selector_config(use_mla=False,
+                                                                  use_sparse=False)) == "stock.path"
+    other = c.AttentionBackendEnum.FLASH_ATTN_MLA_SPARSE
+    assert FakeCuda.get_attn_backend_cls(other, _selector_config()) == "stock.path"
+    assert seen == [custom, other]
