@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # noqa: E402
 from vllm.logger import init_logger as _vllm_init_logger  # noqa: E402
 from vllm.model_executor.layers.attention.attention import Attention  # noqa: E402
+from vllm.model_executor.layers.attention.mla_attention import MLAAttention  # noqa: E402
 from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
 from vllm.v1.attention.backend import (  # noqa: E402
     AttentionBackend,
@@ -48,7 +49,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 __all__ = [
     "VERSION", "VllmConfig", "get_current_vllm_config", "CUDAGraphMode", "KVTransferConfig", "KVConnectorFactory", "KVConnectorBase_V1", "KVConnectorMetadata",
     "KVConnectorRole", "SupportsHMA", "KVConnectorStats", "KVConnectorPromMetrics",
-    "create_metric_per_engine", "get_tensor_model_parallel_rank", "init_logger", "Attention", "extract_layer_index",
+    "create_metric_per_engine", "get_tensor_model_parallel_rank", "init_logger", "Attention", "MLAAttention", "extract_layer_index",
     "AttentionBackend", "AttentionCGSupport", "AttentionImpl", "AttentionMetadataBuilder",
     "AttentionType", "CommonAttentionMetadata", "MultipleOf", "AttentionBackendEnum",
     "register_backend", "FullAttentionManager", "FullAttentionSpec", "KVCacheSpecRegistry",

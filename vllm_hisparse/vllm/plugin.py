@@ -46,7 +46,7 @@ def register() -> None:
     if CONNECTOR[0] not in c.KVConnectorFactory._registry:     # registering twice raises
         c.KVConnectorFactory.register_connector(CONNECTOR[0], CONNECTOR[1], CONNECTOR[0])
     _wrap_get_kv_cache_spec(c)
-    _wrap_mla_kv_cache_spec()
+    _wrap_mla_kv_cache_spec(c)
     _wrap_platform(c)
     _wrap_cli()
 
@@ -115,11 +115,10 @@ def _wrap_get_kv_cache_spec(c) -> None:
     c.Attention.get_kv_cache_spec = get_kv_cache_spec
 
 
-def _wrap_mla_kv_cache_spec() -> None:
+def _wrap_mla_kv_cache_spec(c) -> None:
     """hisparse MLA layers keep their latent in the plugin's pool: vLLM's blocks get a stub
     (``mla_spec.stub_spec``), so its KV budget holds the indexer K and 16 B per token per layer."""
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
+    MLAAttention = c.MLAAttention
     orig = MLAAttention.get_kv_cache_spec
     if getattr(orig, "_hisparse", False):
         return

@@ -1,0 +1,219 @@
+"""The DSA adapter's CPU-runnable parts against vLLM 0.26's interfaces, without an engine (the CPU
+platform has no MLA backend): the connector (vllm/mla_connector.py) in both roles driven by a
+scripted vLLM scheduler (chunked prefill under a token budget, FULL-graph padding rows and tokens,
+a preemption, requests waiting for a region), the worker state the MLA impl uses
+(vllm/dsa_state.py: ``ensure_runtime``, ``note_batch``, the write and conversion the impl forwards
+to), attention by ops/sparse_mla.py where the impl calls FA3.
+
+Every attention output (prefill and decode, every layer) must be bit-identical to the same
+attention over the ground-truth rows gathered by the selection (a different computation: no pool,
+no conversion), in hisparse and in resident mode; the pool's size is what dsa_state computes;
+nothing is held at the end."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_hisparse.ops.sparse_mla import KV_LORA_RANK, LATENT_ROW, sparse_mla_decode
+
+pytestmark = pytest.mark.vllm
+
+BF = torch.bfloat16
+LAYERS, MML, K, B, H = 2, 160, 16, 24, 2
+SCALE = 192 ** -0.5
+BUDGET, SEQS = 32, 4
+DSA = {"indexer": "dsa", "top_k": K, "device_buffer_size": B, "dense_layers": [],
+       "host_pool_gib": 0.002, "quest_rows": 3}
+PROMPTS = [70, 25, 100, 40, 130]
+MAX_TOKENS = [10, 30, 6, 12, 8]
+PREEMPT = ("r1", 5)           # preempt r1 after its 5th output token
+
+
+def vconfig(extra: dict):
+    hf = SimpleNamespace(index_topk=K, kv_lora_rank=KV_LORA_RANK,
+                         qk_rope_head_dim=LATENT_ROW - KV_LORA_RANK)
+    mc = SimpleNamespace(max_model_len=MML, hf_config=hf, dtype=BF,
+                         get_num_layers=lambda pc: LAYERS)
+    return SimpleNamespace(
+        additional_config={"hisparse": {**DSA, **extra}}, model_config=mc,
+        parallel_config=SimpleNamespace(),
+        scheduler_config=SimpleNamespace(max_num_seqs=SEQS, max_num_batched_tokens=BUDGET),
+        cache_config=SimpleNamespace(gpu_memory_utilization=0.9),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=0),
+        kv_transfer_config=SimpleNamespace(kv_connector="HiSparseMLAConnector"))
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(hash(key) % (1 << 31))
+
+
+def latent(rid: str, layer: int) -> torch.Tensor:
+    """Ground truth: every latent row of a request's positions (MML, 576) bf16."""
+    return torch.randn(MML, LATENT_ROW, generator=_gen("lat", rid, layer)).to(BF)
+
+
+def selection(rid: str, pos: int, layer: int) -> torch.Tensor:
+    """The indexer's choice for a token: up to K positions <= pos, any order, -1 after."""
+    sel = torch.full((K,), -1, dtype=torch.int32)
+    m = min(K, pos + 1)
+    sel[:m] = torch.randperm(pos + 1, generator=_gen("sel", rid, pos, layer))[:m].int()
+    return sel
+
+
+class Req(SimpleNamespace):
+    pass
+
+
+def run_engine(extra: dict):
+    from vllm_hisparse.vllm import dsa_state, worker_state
+    from vllm_hisparse.vllm.compat import KVConnectorRole
+    from vllm_hisparse.vllm.mla_connector import HiSparseMLAConnector
+
+    dsa_state.runtime, dsa_state.pending = None, None
+    worker_state._block_to_req.clear()
+    worker_state._req_to_block.clear()
+    vc = vconfig(extra)
+    rt = dsa_state.ensure_runtime(vc, LATENT_ROW, K, BF)
+    s = dsa_state.sizes(vc, 2 * LATENT_ROW)
+    assert rt.pool.nbytes == dsa_state.pool_bytes(s, MML, B, 2 * LATENT_ROW)
+    sched = HiSparseMLAConnector(vc, KVConnectorRole.SCHEDULER)
+    work = HiSparseMLAConnector(vc, KVConnectorRole.WORKER)
+    lat = {(f"r{i}", l): latent(f"r{i}", l) for i in range(len(PROMPTS)) for l in range(LAYERS)}
+    reqs = [Req(request_id=f"r{i}", num_prompt_tokens=p, max_tokens=m, num_tokens=p, computed=0,
+                outputs=0, block=None, resumed=False, seen=False)
+            for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS))]
+    waiting, running, outs, blocks = list(reqs), [], {}, iter(range(1, 10 ** 6))
+    max_prefill = max_live = 0
+    preempted = False
+    for step in range(400):
+        budget, sched_n = BUDGET, {}
+        for r in running:
+            sched_n[r.request_id] = n = min(r.num_tokens - r.computed, budget)
+            budget -= n
+        while waiting and len(running) < SEQS and budget > 0:
+            r = waiting[0]
+            got, _ = sched.get_num_new_matched_tokens(r, r.computed)
+            if got is None:
+                break
+            waiting.pop(0)
+            running.append(r)
+            r.resumed, r.block = r.seen, next(blocks)
+            sched_n[r.request_id] = n = min(r.num_tokens - r.computed, budget)
+            budget -= n
+        running = [r for r in running if sched_n.get(r.request_id, 0) > 0] + \
+            [r for r in running if sched_n.get(r.request_id, 0) == 0]
+        batch = [r for r in running if sched_n.get(r.request_id, 0) > 0]
+        new = [r for r in batch if not r.seen]
+        cached = [r for r in batch if r.seen]
+        so = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=([r.block],),
+                                                num_computed_tokens=r.computed) for r in new],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[r.request_id for r in cached],
+                resumed_req_ids={r.request_id for r in cached if r.resumed},
+                new_block_ids=[([r.block],) if r.resumed else None for r in cached],
+                num_computed_tokens=[r.computed for r in cached]),
+            num_scheduled_tokens=sched_n)
+        md = sched.build_connector_meta(so)
+        for r in batch:
+            r.seen, r.resumed = True, False
+        # the worker: vLLM's batch plus one padding row and two padding tokens (a FULL graph's)
+        qsl, seq, first = [0], [], []
+        for r in batch:
+            qsl.append(qsl[-1] + sched_n[r.request_id])
+            seq.append(r.computed + sched_n[r.request_id])
+            first.append(r.block)
+        qsl.append(qsl[-1])
+        seq.append(0)
+        first.append(-1)
+        dsa_state.note_batch(qsl, seq, first)
+        work.bind_connector_metadata(md)
+        work.start_load_kv(None)
+        max_prefill = max(max_prefill, sum(g.in_region for g in rt.adm.grants.values()))
+        max_live = max(max_live, len(rt.adm.grants))
+        toks = [(r.request_id, p) for r in batch
+                for p in range(r.computed, r.computed + sched_n[r.request_id])]
+        T = len(toks)
+        pad = min(2, BUDGET - T)                # vLLM pads up to a capture size <= the budget
+        for layer in range(LAYERS):
+            rows = [lat[rid, layer][p] for rid, p in toks] + [torch.ones(LATENT_ROW, dtype=BF)] * pad
+            rows = torch.stack(rows)
+            rt.write(layer, rows[:, :KV_LORA_RANK], rows[:, None, KV_LORA_RANK:])
+            topk = torch.stack([selection(rid, p, layer) for rid, p in toks]
+                               + [torch.arange(K, dtype=torch.int32)] * pad)
+            idx, valid = rt.convert(layer, topk)
+            assert (idx[T:] == -1).all() and (valid[T:] == 0).all()
+            q = torch.stack([torch.randn(H, LATENT_ROW, generator=_gen("q", rid, p, layer))
+                             for rid, p in toks]).to(BF)
+            got = sparse_mla_decode(q[:T, :, :KV_LORA_RANK], q[:T, :, KV_LORA_RANK:],
+                                    rt.pool.rows[layer], idx[:T], SCALE)
+            for t, (rid, p) in enumerate(toks):
+                sel = topk[t]
+                truth = lat[rid, layer][sel.long().clamp(min=0)]
+                want = sparse_mla_decode(q[t:t + 1, :, :KV_LORA_RANK], q[t:t + 1, :, KV_LORA_RANK:],
+                                         truth, torch.where(sel >= 0, torch.arange(K), -1)[None],
+                                         SCALE)
+                assert torch.equal(got[t:t + 1], want), (extra, rid, p, layer)
+                assert int(valid[t]) == int((sel >= 0).sum())
+                outs.setdefault((rid, p, layer), []).append(got[t])
+        finished = set()
+        for r in batch:
+            r.computed += sched_n[r.request_id]
+            if r.computed == r.num_tokens:
+                r.outputs += 1
+                if r.outputs == r.max_tokens:
+                    finished.add(r.request_id)
+                    sched.request_finished(r, ([r.block],))
+                else:
+                    r.num_tokens += 1
+        running = [r for r in running if r.request_id not in finished]
+        work.get_finished(finished)
+        victim = next((r for r in running if (r.request_id, r.outputs) == PREEMPT), None)
+        if victim is not None and not preempted:        # vLLM's recompute preemption
+            preempted = True
+            running.remove(victim)
+            victim.computed = 0
+            waiting.insert(0, victim)
+        if not waiting and not running:
+            break
+    empty = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                            scheduled_cached_reqs=SimpleNamespace(
+                                req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                num_computed_tokens=[]))
+    dsa_state.note_batch([0], [], [])
+    work.bind_connector_metadata(sched.build_connector_meta(empty))    # the last releases
+    work.start_load_kv(None)
+    assert preempted and all(r.outputs == r.max_tokens for r in reqs)
+    return rt, outs, max_prefill, max_live
+
+
+def test_connector_and_impl_path_hisparse_and_resident_equal_the_ground_truth():
+    hs, hs_out, hs_prefill, hs_live = run_engine({})
+    st = hs.stats()
+    assert st["misses"] > 0 and st["hits"] > 0 and not st["resident"]
+    assert hs_prefill == 1 and hs_live <= DSA["quest_rows"]       # prefill_slots, row sets bind
+    assert hs.adm.leaks() == []
+    rs, rs_out, _, _ = run_engine({"host_tier": False})
+    assert rs.stats()["misses"] == 0 and rs.adm.leaks() == []
+    assert hs_out.keys() == rs_out.keys()
+    for key, vals in hs_out.items():
+        assert len(vals) == len(rs_out[key]) and all(torch.equal(a, b)
+                                                     for a, b in zip(vals, rs_out[key])), key
+    assert any(len(v) > 1 for v in hs_out.values())               # the preempted recompute
+
+
+def test_stub_spec_keeps_the_group_and_shrinks_the_page():
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+    from vllm_hisparse.vllm.mla_spec import stub_spec
+
+    latent = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=LATENT_ROW, dtype=BF,
+                              cache_dtype_str="auto")
+    index = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8)
+    stub = stub_spec(latent)
+    assert type(stub) is MLAAttentionSpec and stub.head_size == 8
+    assert stub.page_size_bytes == 64 * 16 and latent.page_size_bytes == 64 * 1152
+    assert UniformTypeKVCacheSpecs.is_uniform_type({"a": stub, "i": index})
+    assert type(stub).merge([stub, stub]).head_size == 8

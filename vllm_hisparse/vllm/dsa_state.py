@@ -1,0 +1,118 @@
+"""Worker-process state of the DSA path, shared by the MLA attention impl (which allocates the
+runtime while vLLM builds the model, so its memory profile counts the latent pool), the metadata
+builder (which notes each batch) and the KV connector (which applies the scheduler's admission
+events and plans the noted batch in ``start_load_kv``, before vLLM runs or replays the step).
+
+A batch row maps to its request through ``block_table[row, 0]`` (worker_state.bind_request, as on
+the GQA path): block 0 of a request is never freed while it lives (nothing of vLLM's blocks is).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_hisparse.core import capacity
+from vllm_hisparse.core.latent_runtime import LatentRuntime, host_pages_for
+
+from . import worker_state
+from .compat import hisparse_config_of, init_logger
+
+logger = init_logger(__name__)
+
+runtime: LatentRuntime | None = None
+pending = None          # (query_start_loc, seq_lens, first_blocks) of the batch built last
+
+
+def sizes(vllm_config, row_bytes: int) -> dict:
+    """What the scheduler's ledger and the worker's pool agree on: layers, row sets N, regions,
+    host pages (0 = resident mode)."""
+    cfg = hisparse_config_of(vllm_config)
+    mc, pc, sc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.scheduler_config
+    layers = mc.get_num_layers(pc)
+    n = cfg.quest_rows or sc.max_num_seqs
+    return {"layers": layers, "row_sets": n, "regions": cfg.prefill_slots if cfg.host_tier else n,
+            "host_pages": host_pages_for(cfg.host_pool_bytes, layers, row_bytes)
+            if cfg.host_tier else 0,
+            "resident": not cfg.host_tier}
+
+
+def pool_bytes(s: dict, max_model_len: int, buffer: int, row_bytes: int) -> int:
+    """GPU bytes the latent pool allocates (core/latent_pool.py's layout, checked equal to
+    LatentPool.nbytes by tests/test_dsa_runtime.py)."""
+    sets = 0 if s["resident"] else s["row_sets"]
+    rows = s["layers"] * (s["regions"] * max_model_len + sets * buffer) * row_bytes
+    resolve = sets * (s["layers"] * (max_model_len + 2 * buffer) + max_model_len) * 4
+    return rows + resolve
+
+
+def ensure_runtime(vllm_config, row: int, top_k: int, dtype: torch.dtype) -> LatentRuntime:
+    """The worker's LatentRuntime, allocated on the first MLA layer's impl (the model is being
+    built: vLLM's memory profiling then counts the pool). On CUDA, first refuse a pool larger than
+    half of the GPU memory vLLM may still use, naming the settings that size it."""
+    global runtime
+    if runtime is not None:
+        return runtime
+    cfg = hisparse_config_of(vllm_config)
+    mc, sc = vllm_config.model_config, vllm_config.scheduler_config
+    row_bytes = row * torch.empty((), dtype=dtype).element_size()
+    s = sizes(vllm_config, row_bytes)
+    need = pool_bytes(s, mc.max_model_len, cfg.device_buffer_size, row_bytes)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    if dev != "cpu":
+        free, total = torch.cuda.mem_get_info(dev)
+        budget = capacity.reservation_budget_bytes(free, total,
+                                                   vllm_config.cache_config.gpu_memory_utilization,
+                                                   torch.cuda.memory_reserved(dev))
+        if need > budget:
+            raise ValueError(
+                f"hisparse: the latent pool needs {need / (1 << 30):.2f} GiB (regions="
+                f"{s['regions']} x max_model_len={mc.max_model_len}, row sets={s['row_sets']} x "
+                f"device_buffer_size={cfg.device_buffer_size}, {s['layers']} layers), more than "
+                f"the {budget / (1 << 30):.2f} GiB allowed; lower prefill_slots, quest_rows or "
+                f"--max-model-len")
+    max_tokens = max(sc.max_num_batched_tokens,
+                     getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)
+    runtime = LatentRuntime(s["layers"], mc.max_model_len, cfg.device_buffer_size, s["row_sets"],
+                            s["regions"], s["host_pages"], max_tokens, sc.max_num_seqs, top_k, row,
+                            dtype, dev)
+    logger.info("hisparse dsa: latent pool %.2f GiB on %s (%d regions x %d rows, %d row sets x "
+                "B=%d, %d layers), host pool %.2f GiB (%d rows)%s", runtime.pool.nbytes / (1 << 30),
+                dev, s["regions"], mc.max_model_len, 0 if s["resident"] else s["row_sets"],
+                cfg.device_buffer_size, s["layers"],
+                runtime.stats()["host_pool_bytes"] / (1 << 30), s["host_pages"],
+                " (resident mode)" if s["resident"] else "")
+    return runtime
+
+
+def get_runtime() -> LatentRuntime:
+    if runtime is None:
+        raise RuntimeError("hisparse: the DSA KV connector runs without the MLA attention backend; "
+                           "start vLLM with --attention-backend hisparse so the plugin configures "
+                           "both")
+    return runtime
+
+
+def note_batch(query_start_loc: list[int], seq_lens: list[int], first_blocks: list[int]) -> None:
+    """The builder's batch, planned in the connector's start_load_kv. Until then (and for a batch
+    that never reaches it: vLLM's dummy and capture runs) the plan is a no-op."""
+    global pending
+    if runtime is not None:
+        runtime.clear()
+    pending = (query_start_loc, seq_lens, first_blocks)
+
+
+def plan_pending() -> None:
+    """Plan the noted batch (its requests are bound by now): rows without query tokens are
+    padding; a batch of no live request stays a no-op."""
+    global pending
+    if pending is None or runtime is None:
+        return
+    qsl, seq, first = pending
+    pending = None
+    live = [i for i in range(len(seq)) if qsl[i + 1] > qsl[i]]
+    ids = worker_state.req_ids_of([first[i] for i in live]) if live else None
+    if ids is None:
+        return
+    keys: list = [None] * len(seq)
+    for i, rid in zip(live, ids):
+        keys[i] = rid
+    runtime.plan(keys, qsl, seq)

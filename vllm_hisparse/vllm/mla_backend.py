@@ -1,0 +1,117 @@
+"""The hisparse backend of MLA models with a DSA indexer (DeepSeek-V3.2 style; docs/dsa.md): vLLM
+0.26's FLASH_ATTN_MLA_SPARSE with the latent in the plugin's pool.
+
+Registered as CUSTOM like the GQA backend (plugin.route picks this class for MLA layers with a
+sparse indexer). vLLM's blocks of these layers hold a stub (vllm/mla_spec.py), never read; the
+impl forwards to the worker's ``core.latent_runtime.LatentRuntime``:
+
+- ``do_kv_cache_update``: the step's latent rows to the host pool (write-through) and, for requests
+  holding a region (prefill; resident mode: always), to the region (``LatentRuntime.write``);
+- ``forward_mqa``: the stock method with ``triton_convert_req_index_to_global_index`` replaced by
+  ``LatentRuntime.convert`` (region rows for prefill, RESOLVE of the indexer's selection into the
+  row set's hot slots for decode), then the same FA3 call over ``pool.rows[layer]``, with FA3's
+  ``num_splits`` from the config (``mla_num_splits``; 0 = stock's).
+
+The plan both read lives in fixed-address buffers (core/latent_graph.py), loaded by the KV
+connector's ``start_load_kv`` from the batch this builder notes, so vLLM's FULL decode CUDA graphs
+(the stock builder's UNIFORM_BATCH support) replay each step with that step's plan.
+Importing this module needs vLLM's CUDA flash-attention build.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backends.mla.flashattn_mla_sparse import (
+    FlashAttnMLASparseBackend,
+    FlashAttnMLASparseImpl,
+    FlashAttnMLASparseMetadataBuilder,
+)
+from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
+
+from . import dsa_state
+from .backend import _host_first_blocks, _host_seq_lens
+from .compat import extract_layer_index, get_current_vllm_config, hisparse_config_of
+
+
+class HiSparseMLASparseBackend(FlashAttnMLASparseBackend):
+    is_hisparse: ClassVar[bool] = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"            # must be an AttentionBackendEnum member (attention.py:434)
+
+    @staticmethod
+    def get_impl_cls():
+        return HiSparseMLASparseImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return HiSparseMLASparseMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (num_blocks, block_size, head_size)     # head_size: the stub's (mla_spec.py)
+
+
+class HiSparseMLASparseMetadataBuilder(FlashAttnMLASparseMetadataBuilder):
+    """The stock builder (its metadata, its CUDA-graph support), which also notes the batch's
+    host-side shape for the connector to plan (dsa_state.note_batch)."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        cm = common_attn_metadata
+        B = cm.num_reqs
+        qsl = cm.query_start_loc_cpu[:B + 1].tolist()
+        dsa_state.note_batch(qsl, _host_seq_lens(cm, B),
+                             _host_first_blocks(cm.block_table_tensor[:B], qsl))
+        return md
+
+
+class HiSparseMLASparseImpl(FlashAttnMLASparseImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        vc = get_current_vllm_config()
+        self._static = vc.compilation_config.static_forward_context
+        self._layer: int | None = None
+        self.num_splits = hisparse_config_of(vc).mla_num_splits
+        assert self.topk_indices_buffer is not None
+        dsa_state.ensure_runtime(vc, self.kv_lora_rank + self.qk_rope_head_dim,
+                                 self.topk_indices_buffer.shape[1], vc.model_config.dtype)
+
+    def _layer_index(self) -> int:
+        """This impl's layer (vLLM passes do_kv_cache_update no layer): found once by name in the
+        forward context, where the MLAAttention holding it registered itself."""
+        if self._layer is None:
+            for name, layer in self._static.items():
+                if getattr(layer, "impl", None) is self:
+                    self._layer = extract_layer_index(name)
+                    break
+            else:
+                raise RuntimeError("hisparse: an MLA impl is not in vLLM's forward context")
+        return self._layer
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                           k_scale) -> None:
+        # the stub cache and slot_mapping are ignored: rows go where the step's plan says
+        dsa_state.get_runtime().write(self._layer_index(), kv_c_normed, k_pe)
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+        if not isinstance(q, tuple):
+            raise NotImplementedError("HiSparseMLASparseImpl expects split (q_nope, q_rope) input")
+        q_nope, q_rope = q
+        T = q_rope.shape[0]
+        rt = dsa_state.get_runtime()
+        li = self._layer_index()
+        idx, valid = rt.convert(li, self.topk_indices_buffer[:T])
+        kv = rt.pool.rows[li]                                  # (M, kv_lora_rank + rope)
+        k_cache = kv[:, self.kv_lora_rank:].view(-1, 1, 1, self.qk_rope_head_dim)
+        v_cache = kv[:, :self.kv_lora_rank].view(-1, 1, 1, self.kv_lora_rank)
+        cu_seqlens_q = torch.arange(0, T + 1, dtype=torch.int32, device=q_rope.device)
+        out = flash_attn_varlen_func(
+            q=q_rope, k=k_cache, v=v_cache, q_v=q_nope, max_seqlen_q=1,
+            cu_seqlens_q=cu_seqlens_q, max_seqlen_k=idx.shape[1], seqused_k=valid,
+            block_table=idx, softmax_scale=self.scale, causal=True,
+            num_splits=self.num_splits, fa_version=3)
+        return out, None

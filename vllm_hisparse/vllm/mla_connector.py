@@ -1,0 +1,152 @@
+"""HiSparseMLAConnector: the DSA path's request lifecycle through vLLM's KV connector API
+(docs/dsa.md sections 5-6). The vLLM-facing class only forwards: admission to
+``core.latent_ledger.LatentLedger`` (scheduler), the pool to ``core.latent_runtime.LatentRuntime``
+(worker, allocated by the MLA impls: vllm/dsa_state.py).
+
+Scheduler process (role SCHEDULER):
+  * admission (``get_num_new_matched_tokens``): a row set, a prefill region and host rows for
+    prompt + max_tokens, all or nothing, else the request waits (``None``); a request asked again
+    (preempted, or not scheduled after its admission) gives everything back and is admitted again:
+    it recomputes its tokens in a region, its row set starts empty;
+  * ``build_connector_meta``: the ledger's events since the last step, in order, and each new or
+    resumed request's first GPU block (its identity in the batch); then the requests whose prefill
+    this step completes give their region back (``prompt_done``, shipped with the next step, after
+    this one is planned);
+  * finish: everything back at once (``request_finished`` -> False: vLLM's blocks hold only the
+    stub and the indexer K, which the worker never touches after the request's last step).
+Worker process (role WORKER): applies the events, binds first blocks, and plans the step the MLA
+builder noted in ``start_load_kv`` (before vLLM runs or replays the step's graph).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from vllm_hisparse.core.latent_ledger import LatentLedger
+
+from . import dsa_state, worker_state
+from .compat import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+    hisparse_config_of,
+    init_logger,
+)
+from .mla_setup import latent_row_bytes
+
+logger = init_logger(__name__)
+STATS_ENV = "HISPARSE_STATS_FILE"      # worker writes its hit/miss counts there at each finish
+
+
+@dataclass
+class HiSparseMLAConnectorMetadata(KVConnectorMetadata):
+    events: list = field(default_factory=list)          # LatentLedger events, in order
+    bind: dict[str, int] = field(default_factory=dict)  # req -> first GPU block (new, resumed)
+
+
+def admission_of(request, max_model_len: int) -> tuple[int, int]:
+    """(prompt_len, max_tokens) a request is admitted with: its positions clipped to
+    max_model_len (a request without max_tokens may run to max_model_len)."""
+    prompt = request.num_prompt_tokens
+    max_tokens = getattr(request, "max_tokens", None) or max_model_len
+    return prompt, max(0, min(max_tokens, max_model_len - prompt))
+
+
+class HiSparseMLAConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = hisparse_config_of(vllm_config)
+        mc = vllm_config.model_config
+        self.max_model_len = mc.max_model_len
+        if role == KVConnectorRole.SCHEDULER:
+            s = dsa_state.sizes(vllm_config, latent_row_bytes(mc.hf_config))
+            self.ledger = LatentLedger(s["row_sets"], s["regions"], s["host_pages"],
+                                       mc.max_model_len, s["resident"])
+            self._prefill: dict[str, int] = {}     # req -> tokens its (re)computed prefill covers
+            self._waiting: dict[str, str] = {}     # req -> why it waits (logged once)
+            logger.info("hisparse dsa: admission of %d requests at once (%s)",
+                        s["regions"] if s["resident"] else s["row_sets"],
+                        "resident: a full-length region each" if s["resident"] else
+                        f"{s['regions']} prefill regions, {s['host_pages']} host rows")
+        else:
+            self.rt = dsa_state.get_runtime()
+            self._stats_path = os.environ.get(STATS_ENV)
+
+    # ---- scheduler side ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        rid = request.request_id
+        self.ledger.release(rid)                  # asked again: preempted or not yet scheduled
+        prompt, max_tokens = admission_of(request, self.max_model_len)
+        why = self.ledger.refusal(rid, prompt, max_tokens)
+        if why is not None:
+            if self._waiting.get(rid) != why:
+                logger.info("hisparse dsa: request %s waits: %s", rid, why)
+            self._waiting[rid] = why
+            return None, False
+        self._waiting.pop(rid, None)
+        self.ledger.admit(rid, prompt, max_tokens)
+        self._prefill[rid] = request.num_tokens   # prompt (+ outputs to recompute after preemption)
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        return None
+
+    def build_connector_meta(self, scheduler_output) -> HiSparseMLAConnectorMetadata:
+        so = scheduler_output
+        md = HiSparseMLAConnectorMetadata(events=self.ledger.take_events())
+        computed = {}
+        for r in so.scheduled_new_reqs:
+            md.bind[r.req_id] = r.block_ids[0][0]
+            computed[r.req_id] = r.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                md.bind[rid] = cached.new_block_ids[i][0][0]
+            computed[rid] = cached.num_computed_tokens[i]
+        for rid, done in computed.items():        # after this step: regions of complete prompts
+            n = so.num_scheduled_tokens.get(rid, 0)
+            if self.ledger.in_region(rid) and done + n >= self._prefill.get(rid, 1 << 62):
+                self.ledger.prompt_done(rid)      # an event of the next step's metadata
+        return md
+
+    def request_finished(self, request, block_ids):
+        rid = request.request_id
+        self.ledger.release(rid)
+        self._prefill.pop(rid, None)
+        self._waiting.pop(rid, None)
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self.request_finished(request, block_ids)
+
+    # ---- worker side -------------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        md = connector_metadata
+        for ev in md.events:
+            if ev[0] == "release":
+                worker_state.unbind_request(ev[1])
+        self.rt.apply(md.events)
+        for rid, first_block in md.bind.items():
+            worker_state.bind_request(rid, first_block)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        dsa_state.plan_pending()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None                       # write-through happens in do_kv_cache_update
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]):
+        dsa_state.pending = None          # a batch noted by a run that never reached start_load_kv
+        if finished_req_ids and self._stats_path:
+            with open(self._stats_path, "w") as f:
+                json.dump(self.rt.stats(), f)
+        return None, None
