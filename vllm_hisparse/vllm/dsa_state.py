@@ -37,7 +37,7 @@ def sizes(vllm_config, row_bytes: int) -> dict:
 
 def pool_bytes(s: dict, max_model_len: int, buffer: int, row_bytes: int) -> int:
     """GPU bytes the latent pool allocates (core/latent_pool.py's layout, checked equal to
-    LatentPool.nbytes by tests/test_dsa_runtime.py)."""
+    LatentPool.nbytes by tests/test_dsa_adapter.py)."""
     sets = 0 if s["resident"] else s["row_sets"]
     rows = s["layers"] * (s["regions"] * max_model_len + sets * buffer) * row_bytes
     resolve = sets * (s["layers"] * (max_model_len + 2 * buffer) + max_model_len) * 4

@@ -1,0 +1,117 @@
+"""GPU check of the DSA path (docs/dsa.md): the 4-layer DeepSeek-V3.2-shaped model (real attention
+and indexer dimensions, dummy weights) in three offline engines on the same concurrent prompts,
+greedy, with logprobs, vLLM's CUDA graphs (FULL for uniform decode steps):
+
+    python scripts/gpu_dsa.py run stock MODEL_DIR OUT_DIR      # FLASH_ATTN_MLA_SPARSE
+    python scripts/gpu_dsa.py run hisparse MODEL_DIR OUT_DIR   # the latent pool, row sets, host
+    python scripts/gpu_dsa.py run resident MODEL_DIR OUT_DIR   # the latent pool, all resident
+    python scripts/gpu_dsa.py compare OUT_DIR                  # tokens + logprobs identical?
+
+    DSA_PROMPTS=8000,20000,12000,16000 DSA_MAX_TOKENS=48 DSA_B=2560 DSA_SPLITS=0 ...
+
+Every engine uses ``sparse_mla_force_mqa`` (hisparse sets it itself: its prefill attends through
+the pool), so stock's prefill chunks take the same MQA path. hisparse gets one prefill region and
+one row set per prompt (admission does not bind), so the three runs schedule the same batches and
+FA3's num_splits heuristic (``mla_num_splits`` 0, stock's) sees the same shapes (docs/dsa.md,
+"Exactness"). Each run writes OUT_DIR/MODE.json (tokens, logprobs, the runtime's hits and misses)
+and prints vLLM's KV-capacity lines and the plugin's pool line from its log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import sys
+import time
+
+PROMPTS = [int(x) for x in os.environ.get("DSA_PROMPTS", "8000,20000,12000,16000").split(",")]
+MAX_TOKENS = int(os.environ.get("DSA_MAX_TOKENS", "48"))
+MAX_LEN = int(os.environ.get("DSA_MAX_LEN", "24576"))
+CFG = {"indexer": "dsa", "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
+       "dense_layers": [], "host_pool_gib": 8, "quest_rows": len(PROMPTS),
+       "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0"))}
+MODES = ("stock", "hisparse", "resident")
+LINES = re.compile(r"(GPU KV cache size.*|Maximum concurrency.*|hisparse dsa: .*|"
+                   r"Using .* backend.*|cudagraph_mode.*?[,}]|Error.*|error.*)")
+
+
+def run(mode: str, model: str, out: str) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the runtime's stats in-process
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm import LLM, SamplingParams
+
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in PROMPTS]
+    kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format="dummy",
+              dtype="bfloat16", seed=0, max_model_len=MAX_LEN, max_num_seqs=8,
+              max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
+              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+    if mode == "stock":
+        kw["attention_config"] = {"backend": "FLASH_ATTN_MLA_SPARSE", "sparse_mla_force_mqa": True}
+    else:
+        from vllm_hisparse.vllm.plugin import register
+
+        register()
+        kw["attention_backend"] = "hisparse"
+        kw["additional_config"] = {"hisparse": dict(CFG, host_tier=mode == "hisparse")}
+    llm = LLM(**kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True,
+                        detokenize=False)
+    t0 = time.time()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    res = {"mode": mode, "elapsed_s": time.time() - t0, "config": CFG, "requests": [
+        {"prompt_len": len(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
+         "logprobs": [sorted([k, v.logprob] for k, v in d.items()) for d in o.outputs[0].logprobs]}
+        for o in outs]}
+    if mode != "stock":
+        from vllm_hisparse.vllm import dsa_state
+
+        res["stats"] = dsa_state.get_runtime().stats()
+    with open(os.path.join(out, f"{mode}.json"), "w") as f:
+        json.dump(res, f)
+    print(f"== {mode}: {len(outs)} requests in {res['elapsed_s']:.1f} s; stats "
+          f"{json.dumps(res.get('stats', {}))}", flush=True)
+    return 0
+
+
+def show_log(path: str) -> None:
+    """vLLM's KV capacity lines, our pool line and errors of an engine's log."""
+    seen = set()
+    with open(path, errors="replace") as f:
+        for m in LINES.findall(f.read()):
+            if m not in seen:
+                seen.add(m)
+                print("  ", m[:220])
+
+
+def compare(out: str) -> int:
+    got = {m: json.load(open(os.path.join(out, f"{m}.json"))) for m in MODES
+           if os.path.exists(os.path.join(out, f"{m}.json"))}
+    ok = len(got) == len(MODES)
+    for a, b in (("hisparse", "stock"), ("resident", "stock"), ("hisparse", "resident")):
+        if a not in got or b not in got:
+            print(f"{a} vs {b}: missing {[m for m in (a, b) if m not in got]}")
+            continue
+        for i, (x, y) in enumerate(zip(got[a]["requests"], got[b]["requests"])):
+            same_t, same_l = x["tokens"] == y["tokens"], x["logprobs"] == y["logprobs"]
+            first = next((j for j, (s, t) in enumerate(zip(x["tokens"], y["tokens"])) if s != t),
+                         None)
+            ok &= same_t and same_l
+            print(f"{a} vs {b} request {i} ({x['prompt_len']} tokens): tokens identical {same_t}"
+                  f" (first difference at {first}), logprobs identical {same_l}")
+    for m in ("hisparse", "resident"):
+        if m in got:
+            print(f"{m} stats: {json.dumps(got[m].get('stats'))}")
+    print("EXACT" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        sys.exit(run(sys.argv[2], sys.argv[3], sys.argv[4]))
+    if sys.argv[1] == "log":
+        show_log(sys.argv[2])
+        sys.exit(0)
+    sys.exit(compare(sys.argv[2]))

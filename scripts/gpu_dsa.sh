@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The DSA path on the H200 in one call (docs/dsa.md; ~8 minutes with the bundle staged: setup and
+# the extension ~1-2 min, the CUDA tests ~1 min, three engines ~1.5-2 min each). Every result line
+# goes to OUT/summary.txt as it comes (a call stopped at its limit still returns what finished);
+# logs and JSON are tarred into OUT/dsa.tgz at the end: 2-5 files in OUT.
+#   bash scripts/gpu_dsa.sh OUT
+#   DSA_LIMIT=150 (s per engine) DSA_PROMPTS=8000,20000,12000,16000 DSA_MAX_TOKENS=48 DSA_B=2560
+#   DSA_SPLITS=0 (FA3 num_splits of hisparse/resident; 1 = batch-invariant) MODES="hisparse stock
+#   resident" DSA_TESTS=0 (skip the CUDA tests) bash scripts/gpu_dsa.sh OUT
+set -uo pipefail
+top=$1
+out=/tmp/gs/dsa
+mkdir -p "$top" "$out"
+exec > >(tee -a "$top/summary.txt") 2>&1
+trap 'tar czf "$top/dsa.tgz" -C /tmp/gs dsa' EXIT
+t0=$(date +%s)
+since() { echo "$1 at $(( $(date +%s) - t0 )) s"; }
+source scripts/gpu_setup.sh "$out" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
+set +e
+since "setup done"
+if [ "${DSA_TESTS:-1}" = 1 ]; then
+  timeout 150 python3 -X faulthandler -m pytest -q -m cuda -p no:cacheprovider \
+    tests/test_dsa_resolve.py tests/test_dsa_reference.py tests/test_resolve_given.py \
+    > "$out/pytest-dsa.txt" 2>&1
+  echo "== CUDA tests rc=$?: $(tail -1 $out/pytest-dsa.txt)"
+  grep -hE "FAILED|Error" "$out/pytest-dsa.txt" | head -10
+  since "tests done"
+fi
+model=$out/deepseek-v3.2-l4
+python3 -m vllm_hisparse.bench.model_shapes deepseek-v3.2-l4 "$model" > "$out/model.log" 2>&1 \
+  || { tail -5 "$out/model.log"; exit 1; }
+for mode in ${MODES:-hisparse stock resident}; do
+  timeout -k 20 ${DSA_LIMIT:-150} python3 scripts/gpu_dsa.py run $mode "$model" "$out" \
+    > "$out/$mode.log" 2>&1
+  echo "== $mode exit $? (124: stopped at DSA_LIMIT)"
+  grep -E "^== " "$out/$mode.log"
+  python3 scripts/gpu_dsa.py log "$out/$mode.log"
+  [ -f "$out/$mode.json" ] || tail -25 "$out/$mode.log"
+  since "$mode done"
+done
+python3 scripts/gpu_dsa.py compare "$out"
+since "all done"
