@@ -217,3 +217,84 @@ def test_stub_spec_keeps_the_group_and_shrinks_the_page():
     assert stub.page_size_bytes == 64 * 16 and latent.page_size_bytes == 64 * 1152
     assert UniformTypeKVCacheSpecs.is_uniform_type({"a": stub, "i": index})
     assert type(stub).merge([stub, stub]).head_size == 8
+
+
+def test_impl_writes_and_converts_for_its_own_layer_and_calls_fa3_over_the_pool(monkeypatch):
+    """vllm/mla_backend.py's impl methods on the CPU: vLLM's flash-attention module replaced by a
+    stand-in (the real one needs CUDA) whose FA3 computes the paged call's meaning with
+    ops/sparse_mla.py; one request through a prefill step and decode steps, layer 1 of 2: outputs
+    equal attention over the ground-truth rows, the call gets views of the pool, layer 0 stays
+    untouched."""
+    import importlib
+    import sys
+    import types
+
+    from vllm_hisparse.vllm import dsa_state, worker_state
+
+    calls = []
+
+    def fake_fa3(q, k, v, q_v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table,
+                 softmax_scale, causal, num_splits, fa_version):
+        T = q.shape[0]
+        assert (max_seqlen_q, causal, fa_version, max_seqlen_k) == (1, True, 3, K)
+        assert k.shape[1:] == (1, 1, LATENT_ROW - KV_LORA_RANK) and v.shape[1:] == (1, 1, KV_LORA_RANK)
+        assert torch.equal(cu_seqlens_q, torch.arange(T + 1, dtype=torch.int32))
+        calls.append((k.data_ptr(), v.data_ptr(), num_splits))
+        kv = torch.cat([v[:, 0, 0], k[:, 0, 0]], 1)
+        idx = torch.where(torch.arange(K) < seqused_k[:, None].long(), block_table, -1)
+        return sparse_mla_decode(q_v, q, kv, idx, softmax_scale)
+
+    fa = types.ModuleType("vllm.vllm_flash_attn.flash_attn_interface")
+    fa.flash_attn_varlen_func = fake_fa3
+    pkg = types.ModuleType("vllm.vllm_flash_attn")
+    pkg.__path__, pkg.flash_attn_interface = [], fa
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", pkg)
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn.flash_attn_interface", fa)
+    for name in ("vllm.v1.attention.backends.mla.flashattn_mla_sparse",
+                 "vllm_hisparse.vllm.mla_backend"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    mb = importlib.import_module("vllm_hisparse.vllm.mla_backend")
+    assert mb.HiSparseMLASparseBackend.get_name() == "CUSTOM"
+    assert mb.HiSparseMLASparseBackend.get_kv_cache_shape(10, 64, 1, 8) == (10, 64, 8)
+
+    dsa_state.runtime, dsa_state.pending = None, None
+    worker_state._block_to_req.clear()
+    worker_state._req_to_block.clear()
+    rt = dsa_state.ensure_runtime(vconfig({}), LATENT_ROW, K, BF)
+    impl = object.__new__(mb.HiSparseMLASparseImpl)
+    impl.kv_lora_rank, impl.qk_rope_head_dim = KV_LORA_RANK, LATENT_ROW - KV_LORA_RANK
+    impl.scale, impl.num_splits, impl._layer = SCALE, 0, None
+    impl.topk_indices_buffer = torch.full((BUDGET, K), -1, dtype=torch.int32)
+    layer = SimpleNamespace(impl=impl, layer_name="model.layers.1.self_attn.mla_attn")
+    impl._static = {"model.layers.0.self_attn.mla_attn": SimpleNamespace(impl=object()),
+                    "model.layers.0.self_attn.indexer.k_cache": SimpleNamespace(),
+                    layer.layer_name: layer}
+    rt.apply([("admit", "a", 30, 6)])
+    worker_state.bind_request("a", 7)
+    lat = latent("a", 1)
+    layer0 = rt.pool.rows[0].clone()
+    stub = torch.zeros(4, 64, 8, dtype=BF)
+    steps = [(0, 30), (30, 1), (31, 1), (32, 1)]          # (first position, tokens)
+    for first, n in steps:
+        if first == 30:
+            rt.apply([("prompt_done", "a")])
+        dsa_state.note_batch([0, n], [first + n], [7])
+        dsa_state.plan_pending()
+        pos = list(range(first, first + n))
+        impl.do_kv_cache_update(lat[pos, :KV_LORA_RANK], lat[pos, None, KV_LORA_RANK:], stub,
+                                torch.zeros(n, dtype=torch.int64), "auto", None)
+        sel = torch.stack([selection("a", p, 1) for p in pos])
+        impl.topk_indices_buffer[:n] = sel
+        q = torch.randn(n, H, LATENT_ROW, generator=_gen("q", first)).to(BF)
+        out, lse = impl.forward_mqa((q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]), stub, None,
+                                    layer)
+        assert lse is None
+        for t in range(n):
+            want = sparse_mla_decode(q[t:t + 1, :, :KV_LORA_RANK], q[t:t + 1, :, KV_LORA_RANK:],
+                                     lat[sel[t].long().clamp(min=0)],
+                                     torch.where(sel[t] >= 0, torch.arange(K), -1)[None], SCALE)
+            assert torch.equal(out[t:t + 1], want), (first, t)
+    rows = rt.pool.rows[1]
+    assert all(c == (rows.data_ptr() + KV_LORA_RANK * 2, rows.data_ptr(), 0) for c in calls)
+    assert len(calls) == len(steps) and torch.equal(rt.pool.rows[0], layer0)
+    assert rt.stats()["misses"] > 0 and impl._layer == 1
