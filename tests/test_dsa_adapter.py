@@ -222,7 +222,8 @@ def test_stub_spec_keeps_the_group_and_shrinks_the_page():
 def test_impl_writes_and_converts_for_its_own_layer_and_calls_fa3_over_the_pool(monkeypatch):
     """vllm/mla_backend.py's impl methods on the CPU: vLLM's flash-attention module replaced by a
     stand-in (the real one needs CUDA) whose FA3 computes the paged call's meaning with
-    ops/sparse_mla.py; one request through a prefill step and decode steps, layer 1 of 2: outputs
+    ops/sparse_mla.py; the builder subclass notes each batch (the stock build stubbed); one
+    request through a prefill step and decode steps, layer 1 of 2: outputs
     equal attention over the ground-truth rows, the call gets views of the pool, layer 0 stays
     untouched."""
     import importlib
@@ -261,6 +262,9 @@ def test_impl_writes_and_converts_for_its_own_layer_and_calls_fa3_over_the_pool(
     worker_state._block_to_req.clear()
     worker_state._req_to_block.clear()
     rt = dsa_state.ensure_runtime(vconfig({}), LATENT_ROW, K, BF)
+    monkeypatch.setattr(mb.FlashAttnMLASparseMetadataBuilder, "build",
+                        lambda self, cpl, cm, fast_build=False: "stock metadata")
+    builder = object.__new__(mb.HiSparseMLASparseMetadataBuilder)
     impl = object.__new__(mb.HiSparseMLASparseImpl)
     impl.kv_lora_rank, impl.qk_rope_head_dim = KV_LORA_RANK, LATENT_ROW - KV_LORA_RANK
     impl.scale, impl.num_splits, impl._layer = SCALE, 0, None
@@ -278,7 +282,10 @@ def test_impl_writes_and_converts_for_its_own_layer_and_calls_fa3_over_the_pool(
     for first, n in steps:
         if first == 30:
             rt.apply([("prompt_done", "a")])
-        dsa_state.note_batch([0, n], [first + n], [7])
+        cm = SimpleNamespace(num_reqs=2, query_start_loc_cpu=torch.tensor([0, n, n]),
+                             _seq_lens_cpu=torch.tensor([first + n, 0]),
+                             block_table_tensor=torch.tensor([[7, 9], [0, 0]], dtype=torch.int32))
+        assert builder.build(0, cm) == "stock metadata"      # a padding row after the request's
         dsa_state.plan_pending()
         pos = list(range(first, first + n))
         impl.do_kv_cache_update(lat[pos, :KV_LORA_RANK], lat[pos, None, KV_LORA_RANK:], stub,
