@@ -45,9 +45,9 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                  max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, torch_dtype="bfloat16")
-MODES = {"resident": {"host_tier": False}, "hisparse": {"host_tier": True},
+MODES = {"resident": {"host_tier": False}, "hisparse": {"host_tier": True, "resident_first": False},
          "elastic": {"host_tier": True, "resident_first": True},
-         "crf": {"host_tier": True, "policy": "crf"}}
+         "crf": {"host_tier": True, "resident_first": False, "policy": "crf"}}
 CAPACITY = re.compile(r"(Available KV cache memory.*|GPU KV cache size.*|Maximum concurrency.*|"
                       r"cudagraph_mode.*?[,}]|Capturing CUDA graphs.*)")
 

@@ -28,7 +28,7 @@ def test_server_cmd_per_backend():
     assert cfg == {"top_k": 64, "device_buffer_size": 128, "host_tier": False}
     his = server_cmd(args(), "hisparse", 9)
     cfg = json.loads(his[his.index("--additional-config") + 1])["hisparse"]
-    assert cfg.get("host_tier", True) and not cfg.get("resident_first", False)
+    assert cfg.get("host_tier", True) and cfg["resident_first"] is False
     el = server_cmd(args(), "elastic", 9)
     cfg = json.loads(el[el.index("--additional-config") + 1])["hisparse"]
     assert cfg == {"top_k": 64, "device_buffer_size": 128, "resident_first": True}

@@ -30,7 +30,7 @@ PAGE, MAX_MODEL_LEN, MAX_NUM_SEQS = 16, 256, 64
 KV_BYTES = 5_000_000
 PROMPT, MAX_TOKENS = 200, 56                # one request of exactly max_model_len tokens
 CFG = {"top_k": 32, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
-       "host_pool_gib": 0.02}
+       "host_pool_gib": 0.02, "resident_first": False}   # the floor calc counts
 
 
 def probe(model: str, out: str) -> None:

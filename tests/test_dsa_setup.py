@@ -65,7 +65,6 @@ REFUSED = [
      "no DSA indexer"),
     ({}, {"host_pool_gib": 0.001}, "host_pool_gib=0.001 cannot hold one request of "
                                    "max_model_len=1024"),
-    ({}, {"resident_first": True}, "resident_first=True are Quest"),
     ({}, {"policy": "crf"}, "policy='crf' are Quest"),
     ({"cfg__use_v2_model_runner": True}, None, "VLLM_USE_V2_MODEL_RUNNER=0"),
     ({"cfg__kv_transfer_config": SimpleNamespace(kv_connector="LMCacheConnectorV1")}, None,

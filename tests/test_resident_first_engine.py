@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PY = sys.executable
 PAGE = 16
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
-       "host_pool_gib": 0.05, "min_context": 64}
+       "host_pool_gib": 0.05, "min_context": 64,
+       "resident_first": False}                      # the runs below turn it on
 MML, SEQS, BATCHED = 512, 4, 256
 # R = cdiv(256, 16) + 4 = 20 free blocks; an arriving prompt asks for its own blocks + 1. 55 usable
 # blocks: the first two prompts (19 + 18 blocks) fit resident, then the pool runs below R and

@@ -21,7 +21,8 @@ def test_trace_per_request(tmp_path):
     the step its context reaches min_context for a short one (core/residency.py); none for a
     request that never gets there."""
     cfg = HiSparseConfig(top_k=48, device_buffer_size=64, page_size=P, dense_layers=(0,),
-                         min_context=60, host_pool_gib=0.01, trace_dir=str(tmp_path / "tr"))
+                         min_context=60, host_pool_gib=0.01, trace_dir=str(tmp_path / "tr"),
+                         resident_first=False)
     d = Driver(cfg, rows=4)
     # "short" stays below min_context (dense, untraced); "grow" turns sparse at 60 tokens
     prompts = {"a/1": 100, "b": 70, "short": 20, "grow": 40}

@@ -20,7 +20,7 @@ def _switch_run(host_tier: bool, full: bool, dense_pool_gib: float = 0.0):
     KV. Returns the outputs, the stats and the step at which it turned sparse."""
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(0,),
                          min_context=40, host_pool_gib=0.01, host_tier=host_tier,
-                         dense_pool_gib=dense_pool_gib)
+                         dense_pool_gib=dense_pool_gib, resident_first=False)
     d = Driver(cfg, full=full)
     d.add("grow", 12)
     d.step({"grow": 12})

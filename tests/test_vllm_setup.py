@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 HS = {"hisparse": {"top_k": 32, "device_buffer_size": 64, "page_size": 16,
-                   "host_pool_gib": 1}}   # small: the startup check compares pools with free RAM
+                   "host_pool_gib": 1, "resident_first": False}}   # small: the startup check compares pools with free RAM
 
 
 def fake_config(**over):
@@ -203,7 +203,8 @@ def test_prompt_that_cannot_prefill_on_gpu_is_refused_at_startup():
     from vllm_hisparse.config import HiSparseConfig
     from vllm_hisparse.vllm.connector import HiSparseConnector
 
-    me = SimpleNamespace(cfg=HiSparseConfig(top_k=32, device_buffer_size=64, page_size=16),
+    me = SimpleNamespace(cfg=HiSparseConfig(top_k=32, device_buffer_size=64, page_size=16,
+                                             resident_first=False),   # the check alone
                          max_model_len=1000)                     # 63 pages + the newest
     HiSparseConnector.bind_gpu_block_pool(me, SimpleNamespace(num_gpu_blocks=65))
     with pytest.raises(ValueError, match=r"holds 63 blocks of 16 tokens.*needs 64 during its own "

@@ -13,7 +13,7 @@ from test_vllm_engine import PY, ROOT, generate
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CFG = {"top_k": 128, "device_buffer_size": 256, "page_size": 16, "dense_layers": [0, 1],
-       "host_pool_gib": 0.5}
+       "host_pool_gib": 0.5, "resident_first": False}   # the fixed hot buffer: misses
 DOCS = ("GPL-3", "MPL-1.1", "Apache-2.0")
 PROMPT_TOKENS = 900
 

@@ -61,7 +61,7 @@ class HiSparseConfig:
         independent of its batch (hisparse == resident also when admission schedules differently),
         no longer stock's bits (docs/dsa.md, "Exactness").
     prefetch: overlap miss IO with the previous layer when layers share a selection.
-    resident_first: a sparse request keeps every GPU block after its prompt (RESOLVE through the
+    resident_first (default on): a sparse request keeps every GPU block after its prompt (RESOLVE through the
         block table, no misses) until the KV pool needs blocks; then it gives back just the
         missing ones, oldest pages first, down to its hot buffer, one way (docs/vllm-
         integration.md, "Residency states"); admission still counts the hot-buffer floor; the
@@ -104,7 +104,7 @@ class HiSparseConfig:
     prefill_slots: int = 1
     mla_num_splits: int = 0
     prefetch: bool = False
-    resident_first: bool = False
+    resident_first: bool = True
     host_tier: bool = True
     full_decode_graphs: Optional[bool] = None
     split_dense_decode: Optional[bool] = None

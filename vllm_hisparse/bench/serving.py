@@ -9,8 +9,9 @@ prefill, on the engine's clock (bench/steps.py), running_max/mean the scheduler'
 hisparse worker's counters (``HISPARSE_STATS_FILE``) give its host time per step (plan, layers).
 Writes DIR/serving.csv, PNG plots (throughput vs concurrency, TTFT vs throughput: one line per
 backend), the server logs, step records (DIR/steps-BACKEND.jsonl) and the hisparse worker's
-counters (DIR/stats-BACKEND.json). Backend ``elastic`` is ``hisparse`` with ``resident_first``
-(docs/vllm-integration.md, "Residency states"), so one run compares the fixed hot buffer with it.
+counters (DIR/stats-BACKEND.json). Backend ``hisparse`` is the fixed hot buffer
+(``resident_first`` off), ``elastic`` the default config (``resident_first`` on:
+docs/vllm-integration.md, "Residency states"), so one run compares the two.
 
     python -m vllm_hisparse.bench.serving --model DIR --input-len 32768 --output-len 512 \
         --concurrency 1,2,4,8,16,32,64,128,256 --backends stock,resident,hisparse \
@@ -114,7 +115,9 @@ def server_cmd(args, backend: str, port: int) -> list[str]:
         cfg = json.loads(args.hisparse)
         if backend == "resident":
             cfg["host_tier"] = False
-        if backend == "elastic":           # the same config, spilling only under pressure
+        if backend == "hisparse":          # the fixed hot buffer: every page through its S slots
+            cfg.setdefault("resident_first", False)
+        if backend == "elastic":           # the default: resident, spilling only under pressure
             cfg["resident_first"] = True
         cmd += ["--attention-backend", "hisparse", "--additional-config", json.dumps({"hisparse": cfg})]
     return cmd + args.extra_server_args

@@ -59,7 +59,7 @@ def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
             raise Refused(f"hisparse: {name}={value} is not supported with indexer 'dsa' yet "
                           f"(one GPU); set it to 1")
     unused = [f"{k}={v!r}" for k, v, default in (
-        ("resident_first", cfg.resident_first, False), ("policy", cfg.policy, "lru"),
+        ("policy", cfg.policy, "lru"),
         ("full_decode_graphs", cfg.full_decode_graphs, None),
         ("split_dense_decode", cfg.split_dense_decode, None), ("trace_dir", cfg.trace_dir, None),
         ("dense_pool_gib", cfg.dense_pool_gib, 0.0)) if v != default]
