@@ -93,8 +93,10 @@ def _is_ours(backend_cls) -> bool:
     return getattr(backend_cls, "is_hisparse", False)
 
 
-def _wrap_get_kv_cache_spec(c) -> None:
-    orig = c.Attention.get_kv_cache_spec
+def _wrap_spec(layer_cls, convert) -> None:
+    """Wrap ``layer_cls.get_kv_cache_spec``: a layer whose backend is ours gets
+    ``convert(layer, spec, vllm_config)`` instead of vLLM's spec (once per class)."""
+    orig = layer_cls.get_kv_cache_spec
     if getattr(orig, "_hisparse", False):
         return
 
@@ -102,37 +104,36 @@ def _wrap_get_kv_cache_spec(c) -> None:
         spec = orig(self, vllm_config)
         if spec is None or not _is_ours(getattr(self, "attn_backend", None)):
             return spec
+        return convert(self, spec, vllm_config)
+
+    get_kv_cache_spec._hisparse = True
+    layer_cls.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _wrap_get_kv_cache_spec(c) -> None:
+    """GQA layers: the bounded HiSparseSpec (spec.py) in place of vLLM's FullAttentionSpec."""
+    def convert(layer, spec, vllm_config):
         if type(spec) is not c.FullAttentionSpec or spec.sliding_window is not None:
             raise ValueError(f"hisparse supports full-attention decoder layers only; layer "
-                             f"{getattr(self, 'layer_name', '?')} has {type(spec).__name__}")
+                             f"{getattr(layer, 'layer_name', '?')} has {type(spec).__name__}")
         from .spec import HiSparseSpec
 
         cfg = c.hisparse_config_of(vllm_config)
         fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
         return HiSparseSpec(**fields, hisparse_config=json.dumps(cfg.to_dict(), sort_keys=True))
 
-    get_kv_cache_spec._hisparse = True
-    c.Attention.get_kv_cache_spec = get_kv_cache_spec
+    _wrap_spec(c.Attention, convert)
 
 
 def _wrap_mla_kv_cache_spec(c) -> None:
     """hisparse MLA layers keep their latent in the plugin's pool: vLLM's blocks get a stub
     (``mla_spec.stub_spec``), so its KV budget holds the indexer K and 16 B per token per layer."""
-    MLAAttention = c.MLAAttention
-    orig = MLAAttention.get_kv_cache_spec
-    if getattr(orig, "_hisparse", False):
-        return
-
-    def get_kv_cache_spec(self, vllm_config):
-        spec = orig(self, vllm_config)
-        if spec is None or not _is_ours(getattr(self, "attn_backend", None)):
-            return spec
+    def convert(layer, spec, vllm_config):
         from .mla_spec import stub_spec
 
         return stub_spec(spec)
 
-    get_kv_cache_spec._hisparse = True
-    MLAAttention.get_kv_cache_spec = get_kv_cache_spec
+    _wrap_spec(c.MLAAttention, convert)
 
 
 def _wrap_platform(c) -> None:
