@@ -56,7 +56,7 @@ def test_prepare_config_sets_block_size_connector_and_disables_prefix_caching():
     assert cfg.cache_config.block_size == 16
     assert cfg.cache_config.enable_prefix_caching is False
     assert cfg.kv_transfer_config.kv_connector == "HiSparseConnector"
-    assert cfg.kv_transfer_config.kv_role == "kv_both"
+    assert cfg.kv_transfer_config.kv_role == "kv_producer"   # no deferred frees
 
 
 @pytest.mark.parametrize("over, words", [

@@ -93,14 +93,23 @@ def prepare_config(vllm_config) -> None:
                            "given-back pages of long requests from the host pool every decode step "
                            "(exact, but PCIe-bound); set dense_pool_gib to keep them on the GPU",
                            list(cfg.dense_layers))
+    # kv_producer, not kv_both: with a consumer connector and async scheduling vLLM defers the
+    # free of a preempted request's blocks until its in-flight step is processed
+    # (Scheduler.defer_block_free), so one missing block preempts every running request after
+    # the one asking (53 -> 18 running on the H200). Our worker writes vLLM's blocks only on the
+    # forward's stream, as stock vLLM does, so nothing needs the deferral.
     ktc = vllm_config.kv_transfer_config
     if ktc is None or ktc.kv_connector is None:
         vllm_config.kv_transfer_config = KVTransferConfig(
             kv_connector="HiSparseConnector", kv_connector_module_path="vllm_hisparse.vllm.connector",
-            kv_role="kv_both")
+            kv_role="kv_producer")
     elif ktc.kv_connector != "HiSparseConnector":
         raise Refused(f"hisparse brings its own KV connector; drop --kv-transfer-config "
                       f"({ktc.kv_connector})")
+    elif ktc.is_kv_consumer:
+        logger.info("hisparse: kv_role %s -> kv_producer (the connector loads nothing into "
+                    "vLLM's blocks)", ktc.kv_role)
+        ktc.kv_role = "kv_producer"
     copy_env_to_ray_workers()
     logger.info("hisparse: %s", cfg.to_dict())
 
