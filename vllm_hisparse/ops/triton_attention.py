@@ -74,38 +74,12 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
             ebase = EXTRA + r * s_er
     start = sp * split_tokens
     end = tl.minimum(start + split_tokens, n_tok)
-    # FETCH: only a split holding a miss runs the fetching loop; the others run the plain one
-    # (the fetching loop's per-token pointer choice and masked stores cost +7-9% at 8-32 rows
-    # with no miss; the two loops are never live at once, so the kernel holds the larger
-    # loop's registers, not their sum)
-    fetch = False
-    if FETCH:
-        fetch = _has_miss(LOCS, r, s_lr, start, tl.minimum(end, n_sel), UNIT)
-    if fetch:
-        m_i, l_i, acc = _tokens(
-            q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn, s_kc,
-            s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP, D, BLOCK,
-            HAS_EXTRA, True)
-    else:
-        m_i, l_i, acc = _tokens(
-            q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn, s_kc,
-            s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP, D, BLOCK,
-            HAS_EXTRA, False)
+    m_i, l_i, acc = _tokens(
+        q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn, s_kc,
+        s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP, D, BLOCK,
+        HAS_EXTRA, FETCH)
     hq = h * G + og
     store_partials(PO, PML, (r * (HKV * G) + hq) * n_splits + sp, acc, m_i, l_i, gmask, od, D)
-
-
-@triton.jit
-def _has_miss(LOCS, r, s_lr, start, sel_end, UNIT: tl.constexpr):
-    """Whether a selected unit of tokens [start, sel_end) of row r is a miss (locs -2 - block)."""
-    jlo = start // UNIT
-    jhi = (sel_end + UNIT - 1) // UNIT
-    n = 0
-    for j0 in range(jlo, jhi, 64):
-        j = j0 + tl.arange(0, 64)
-        loc = tl.load(LOCS + r * s_lr + j, mask=j < jhi, other=-1)
-        n += tl.sum((loc <= -2).to(tl.int32), axis=0)
-    return n > 0
 
 
 @triton.jit

@@ -19,13 +19,6 @@ from . import triton_attention as ta
 from . import triton_dense_decode as td
 
 
-# The split with the misses' reads holds both token loops (a split runs the fetching one only when
-# it holds a miss). Left alone, ptxas gives it 189 registers: two CTAs of 4 warps per SM instead of
-# the plain split's three (168 registers). Capped at 168 it spills 4 bytes (ptxas 12.8, sm_90a;
-# scripts/probes/split_registers.py); the plain split is left uncapped (capped, it spills 16).
-FETCH_MAXNREG = 168
-
-
 @triton.jit(do_not_specialize=["split_tokens", "n_sp", "ns"])
 def _mixed_split_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML, HOST, HPT, ROWS,
                         scale, n_sel, n_tok, split_tokens, n_sp, ns,
@@ -115,8 +108,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
         locs.stride(0), units.stride(0), block_table.stride(0), host_pt.stride(0),
         UNIT=unit, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK=ta.BLOCK_N if D <= 128 else 32, DBLOCK=td.BLOCK_N if D <= 128 else 32,
-        NSD=td.SPLITS, MIN=td.MIN_SPLIT, FETCH=miss is not None, num_warps=4, num_stages=2,
-        maxnreg=None if miss is None else FETCH_MAXNREG)
+        NSD=td.SPLITS, MIN=td.MIN_SPLIT, FETCH=miss is not None, num_warps=4, num_stages=2)
     _mixed_combine_kernel[(R, Hq)](po, pml, sp_seq, dn_seq, out, n_sp, ns, out.stride(0),
                                    out.stride(1), HQ=Hq, D=D, SP=ta.MAX_SPLITS, NSD=td.SPLITS,
                                    MIN=td.MIN_SPLIT)
