@@ -41,7 +41,8 @@ class Setup:
         # every layer through FlashAttention with its own split-KV (decode_body.stock_layer)
         cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=P,
                              dense_layers=(), host_pool_gib=1, host_tier=not args.resident,
-                             min_context=max_len + 1 if args.stock_decode else None)
+                             min_context=max_len + 1 if args.stock_decode else None,
+                             resident_first=args.resident_first)
         self.S = cfg.num_slots
         self.U = -(-max_len // P)
         self.rt = SparseRuntime(cfg, self.L, HKV, D, torch.bfloat16, dev, rows, max_len,
@@ -223,6 +224,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eager", action="store_true", help="run the body eagerly, no graph")
     ap.add_argument("--resident", action="store_true", help="host_tier false (every page on GPU)")
+    ap.add_argument("--resident-first", action="store_true",
+                    help="resident_first true (the serving default: with the bench's free HBM "
+                         "every page stays resident, no miss); default the fixed hot buffer")
     ap.add_argument("--select-warps", type=int, default=None,
                     help="tuning: override ops/triton_select.SELECT_WARPS")
     ap.add_argument("--radix-bits", type=int, default=None,
@@ -262,7 +266,7 @@ def main(argv=None) -> int:
             if not args.eager:
                 s.capture()
             row = {"context": ctx, "rows": R, "mode": "eager" if args.eager else "graph",
-                   "resident": args.resident, "q_noise": args.q_noise,
+                   "resident": args.resident, "resident_first": args.resident_first, "q_noise": args.q_noise,
                    "select_impl": decode_ops.SELECT_IMPL,
                    "select_threads": decode_ops.SELECT_THREADS,
                    "fetch_in_attention": decode_ops.FETCH_IN_ATTENTION,
