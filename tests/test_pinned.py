@@ -49,3 +49,20 @@ def test_registered_pool_is_pinned_and_reachable_from_the_gpu():
     pool.data[1].copy_(src, non_blocking=True)                        # DMA into registered memory
     torch.cuda.synchronize()
     assert torch.equal(pool.data[1].cuda(), src)
+
+
+def test_pool_is_on_the_cpu_under_a_default_device(monkeypatch):
+    """vLLM builds the model (and the DSA runtime with it) under `with torch.device("cuda")`:
+    on the H200 the host pool was made there and cudaHostRegister refused its device pointer. The
+    meta device stands in for CUDA here (a pointer of 0 when the pool follows the default)."""
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    with torch.device("meta"):
+        pinned_pool = HostKVPool(2, 5, 1, 1, 288, torch.bfloat16, pin=True)   # a DSA latent row
+        plain_pool = HostKVPool(2, 5, 1, 1, 288, torch.bfloat16, pin=False)
+        pinned_pool.ensure("a", 3)
+        pt = pinned_pool.page_table_tensor(["a"], 4)
+    (ptr, size, _), = fake.registered
+    assert pinned_pool.data.device.type == plain_pool.data.device.type == "cpu"
+    assert ptr == pinned_pool.data.data_ptr() != 0 and size == 2 * 5 * 2 * 288 * 2
+    assert pt.device.type == "cpu" and pt[0, :3].tolist() == pinned_pool.page_table("a")

@@ -171,7 +171,7 @@ class HostKVPool:
                     self.data, unpin = pinned_empty(shape, dtype)
                     self._unpin = weakref.finalize(self, unpin)
                 else:
-                    self.data = torch.empty(shape, dtype=dtype)
+                    self.data = torch.empty(shape, dtype=dtype, device="cpu")
             except RuntimeError as e:   # torch.AcceleratorError / OutOfMemoryError: CUDA couldn't pin
                 nbytes = num_layers * num_pages * self.page_bytes(page_size, num_kv_heads, head_dim,
                                                                   dtype)
@@ -227,7 +227,7 @@ class HostKVPool:
 
     # ---- data --------------------------------------------------------------------------------
     def _addr(self, key, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pt = torch.tensor(self._owned.get(key, []), dtype=torch.int64)
+        pt = torch.tensor(self._owned.get(key, []), dtype=torch.int64, device="cpu")
         pos = positions.to("cpu", torch.int64)
         if len(pos) and int(pos.max()) >= len(pt) * self.page_size:
             raise IndexError(f"position {int(pos.max())} beyond the {len(pt)} pages of {key!r}")
@@ -246,9 +246,9 @@ class HostKVPool:
 
     def page_table_tensor(self, keys: list, width: int) -> torch.Tensor:
         """(len(keys), width) int32 host page ids, -1 beyond each key's pages (None = padding row)."""
-        out = torch.full((len(keys), width), -1, dtype=torch.int32)
+        out = torch.full((len(keys), width), -1, dtype=torch.int32, device="cpu")
         for i, key in enumerate(keys):
             pages = self._owned.get(key, []) if key is not None else []
             if pages:
-                out[i, :len(pages)] = torch.tensor(pages[:width], dtype=torch.int32)
+                out[i, :len(pages)] = torch.tensor(pages[:width], dtype=torch.int32, device="cpu")
         return out

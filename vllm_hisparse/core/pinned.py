@@ -20,7 +20,8 @@ def pinned_empty(shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, Callab
     """(tensor, unpin): an uninitialised page-locked CPU tensor of exactly ``shape`` and the call
     that unregisters it. The caller keeps the tensor (and every view of it) alive until unpin, and
     calls unpin before the memory is freed. Raises RuntimeError naming the CUDA error."""
-    t = torch.empty(shape, dtype=dtype)
+    t = torch.empty(shape, dtype=dtype, device="cpu")   # not the default device: vLLM builds models
+    # under `with torch.device("cuda")`, and registering a device pointer fails (cudaError 1)
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return t, lambda: None

@@ -71,9 +71,12 @@ def ensure_runtime(vllm_config, row: int, top_k: int, dtype: torch.dtype) -> Lat
                 f"--max-model-len")
     max_tokens = max(sc.max_num_batched_tokens,
                      getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)
-    runtime = LatentRuntime(s["layers"], mc.max_model_len, cfg.device_buffer_size, s["row_sets"],
-                            s["regions"], s["host_pages"], max_tokens, sc.max_num_seqs, top_k, row,
-                            dtype, dev)
+    # built while vLLM constructs the model, under its `with torch.device("cuda")`: a tensor made
+    # without a device (the host pool's, its page tables) must stay on the CPU, as in the tests
+    with torch.device("cpu"):
+        runtime = LatentRuntime(s["layers"], mc.max_model_len, cfg.device_buffer_size,
+                                s["row_sets"], s["regions"], s["host_pages"], max_tokens,
+                                sc.max_num_seqs, top_k, row, dtype, dev)
     logger.info("hisparse dsa: latent pool %.2f GiB on %s (%d regions x %d rows, %d row sets x "
                 "B=%d, %d layers), host pool %.2f GiB (%d rows)%s", runtime.pool.nbytes / (1 << 30),
                 dev, s["regions"], mc.max_model_len, 0 if s["resident"] else s["row_sets"],
