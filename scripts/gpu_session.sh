@@ -16,6 +16,8 @@
 #       resident; the stock-decode GPU test; 4K decode-step bench (~5 min)
 #   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at 1 request and at each backend's
 #       capacity: stock, elastic (BACKENDS=... for others; ~2.5 min stock, ~5 min per hisparse backend)
+#   bash scripts/gpu_session.sh OUT paper    # the paper's workload, 32K in / 8K out, at each backend's
+#       capacity: stock, elastic (BACKENDS=...; ~9 min for the two: give the call LIMIT + 30 s)
 #   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
 #   bash scripts/gpu_session.sh OUT 32k1     # 32K / 256 at 1 request, stock vs elastic vs hisparse (~7 min;
 #                                            # BACKENDS=stock,elastic for two)
@@ -114,6 +116,10 @@ case "$part" in
     SERVING_LIMIT=${LIMIT:-560} bash scripts/gpu_serving.sh "$out/cap" --input-len 32768 --output-len 2048 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} --concurrency 1,cap \
       --max-num-seqs 24 ;;
+  paper)
+    SERVING_LIMIT=${LIMIT:-545} bash scripts/gpu_serving.sh "$out/paper" --input-len 32768 \
+      --output-len 8192 --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} \
+      --concurrency cap --max-num-seqs 24 ;;
   4k)
     SERVING_LIMIT=${LIMIT:-480} bash scripts/gpu_serving.sh "$out/4k" --input-len 4096 --output-len 512 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends stock,hisparse --concurrency 1,64 ;;
@@ -121,5 +127,5 @@ case "$part" in
     SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic,hisparse} --concurrency 1 \
       --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' ;;
-  *) echo "part: kernels, exact, exact2, cap, 4k or 32k1" >&2; exit 2 ;;
+  *) echo "part: kernels, exact, exact2, cap, paper, 4k or 32k1" >&2; exit 2 ;;
 esac
