@@ -1,7 +1,8 @@
 """The scheduler's ledger (core/latent_ledger.py) against the worker's admission
-(core/latent_admission.py) it drives through LatentRuntime.apply: the same decision for every
-request over a scripted and a random sequence, and every event the ledger logs succeeds on the
-worker; nothing held at the end."""
+(core/latent_admission.py) it drives through LatentRuntime.apply: for every request over a scripted
+and a random sequence, both decide as a count of what the worker holds (its grants and its host
+pool's free pages: a different computation from the ledger's counters, which the admission also
+asks), and every event the ledger logs succeeds on the worker; nothing held at the end."""
 from __future__ import annotations
 
 import random
@@ -24,11 +25,24 @@ def pair(resident: bool, row_sets=2, regions=1, pages=150):
     return rt, led
 
 
+def counted(rt, p, m) -> str | None:
+    """What is short for a request of p + m positions, counted from what the worker holds (the
+    admission rules of docs/dsa.md section 6), or None when it fits."""
+    held = rt.adm.grants.values()
+    if not rt.resident and sum(g.row_set >= 0 for g in held) == rt.pool.row_sets:
+        return "row set"
+    if sum(g.region >= 0 for g in held) == rt.pool.regions:
+        return "region"
+    if not rt.resident and p + m > rt.host.free_pages:
+        return "host pool"
+    return None
+
+
 def same_decision(rt, led, key, p, m):
-    a = led.refusal(key, p, m)
-    b = rt.adm.refusal(key, p, m)
-    assert (a is None) == (b is None), (key, a, b)
-    return a is None
+    want = counted(rt, p, m)
+    for why in (led.refusal(key, p, m), rt.adm.refusal(key, p, m)):
+        assert (why is None) == (want is None) and (want is None or want in why), (key, why, want)
+    return want is None
 
 
 def test_scripted_admission_waits_and_gives_back():
@@ -43,6 +57,8 @@ def test_scripted_admission_waits_and_gives_back():
     assert led.admit("b", 40, 20)
     led.prompt_done("b")
     rt.apply(led.take_events())
+    assert same_decision(rt, led, "c", 5, 5)               # exactly the 10 free pages
+    assert same_decision(rt, led, "c", 6, 5) is False      # one over
     assert led.refusal("c", 10, 5) == "host pool: 15 pages needed, 10 free of 130"
     assert same_decision(rt, led, "c", 10, 5) is False
     led.release("a")
@@ -61,7 +77,7 @@ def test_scripted_admission_waits_and_gives_back():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_sequences_agree(resident, seed):
     rng = random.Random(seed)
-    rt, led = pair(resident, row_sets=3, regions=2, pages=200)
+    rt, led = pair(resident, row_sets=3, regions=2, pages=120)   # each of the three runs out
     live: list = []
     for step in range(300):
         op = rng.random()
@@ -83,6 +99,7 @@ def test_random_sequences_agree(resident, seed):
     rt.apply(led.take_events())
     assert rt.adm.leaks() == [] and led.free_regions == led.regions
     assert led.free_pages == (0 if resident else led.host_pages)
+    assert rt.adm.ledger.events == []          # the worker's ledger counts, it logs nothing
 
 
 def test_worker_refusing_what_the_scheduler_admitted_is_loud():

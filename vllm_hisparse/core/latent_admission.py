@@ -11,15 +11,17 @@ is released and admitted again (it takes a region again).
 resident mode (no host pool, docs/dsa.md section 7): a request holds a full-length region for its
 whole life; no row sets, no host pages.
 
-Which process: the connector's scheduler side decides (``refusal`` is what
-``get_num_new_matched_tokens`` asks); the worker applies the same calls to its pool (row-set reset,
-host-row table). In this CPU core both are one object.
+The rules are ``core/latent_ledger.LatentLedger``'s: this object keeps a ledger for its counts
+(``refusal`` is the ledger's) and hands out which row set, region and host pages.
+Which process: the worker, replaying the scheduler's ledger (``LatentRuntime.apply``; the pool's
+row-set reset and host-row table happen here).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from vllm_hisparse.core.host_pool import HostKVPool
+from vllm_hisparse.core.latent_ledger import LatentLedger
 from vllm_hisparse.core.latent_pool import LatentPool
 
 
@@ -54,32 +56,19 @@ class LatentAdmission:
         self._free_sets = list(range(pool.row_sets - 1, -1, -1))   # pop() hands out 0, 1, ...
         self._free_regions = list(range(pool.regions - 1, -1, -1))
         self.grants: dict[object, Grant] = {}
+        pages = 0 if host is None else host.num_pages
+        self.ledger = LatentLedger(pool.row_sets, pool.regions, pages, pool.max_model_len,
+                                   self.resident, log=False)
 
     # ---- admission ------------------------------------------------------------------------------
     def refusal(self, key, prompt_len: int, max_tokens: int) -> str | None:
-        """Why ``key`` cannot be admitted now (one line), or None when it can."""
-        total = prompt_len + max_tokens
-        if prompt_len < 1 or max_tokens < 0:
-            raise ValueError(f"prompt_len={prompt_len} must be >= 1 and max_tokens={max_tokens} "
-                             f">= 0")
-        if total > self.pool.max_model_len:
-            raise ValueError(f"prompt_len + max_tokens = {total} exceeds max_model_len="
-                             f"{self.pool.max_model_len}; lower max_tokens")
-        if key in self.grants:
-            raise ValueError(f"request {key!r} is admitted already; release it first")
-        if not self.resident and not self._free_sets:
-            return f"no free latent row set (all {self.pool.row_sets} in use)"
-        if not self._free_regions:
-            what = "full-length" if self.resident else "prefill"
-            return f"no free {what} region (all {self.pool.regions} in use)"
-        if not self.resident and not self.host.can_hold(key, total):
-            return (f"host pool: {total} pages needed, {self.host.free_pages} free of "
-                    f"{self.host.num_pages}")
-        return None
+        """Why ``key`` cannot be admitted now (one line), or None when it can (the ledger's rules
+        over this pool's counts)."""
+        return self.ledger.refusal(key, prompt_len, max_tokens)
 
     def admit(self, key, prompt_len: int, max_tokens: int) -> Grant | None:
         """Hand ``key`` what it needs (all or nothing); None when ``refusal`` says why not."""
-        if self.refusal(key, prompt_len, max_tokens) is not None:
+        if not self.ledger.admit(key, prompt_len, max_tokens):
             return None
         total = prompt_len + max_tokens
         region = self._free_regions.pop()
@@ -97,6 +86,7 @@ class LatentAdmission:
         """The prompt of ``key`` is complete: its prefill region goes back (hisparse mode; a no-op
         in resident mode, where the region is the request's latent)."""
         g = self.grant(key)
+        self.ledger.prompt_done(key)
         if not self.resident and g.region >= 0:
             self._free_regions.append(g.region)
             g.region = -1
@@ -106,6 +96,7 @@ class LatentAdmission:
         g = self.grants.pop(key, None)
         if g is None:
             raise ValueError(f"request {key!r} holds nothing (never admitted, or released already)")
+        self.ledger.release(key)
         if g.region >= 0:
             self._free_regions.append(g.region)
         if g.row_set >= 0:

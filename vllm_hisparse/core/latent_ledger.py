@@ -1,30 +1,36 @@
-"""The scheduler's side of the latent pool's admission (docs/dsa.md section 6): counts only, no
-tensors, and the log of what it decided for the worker to replay.
+"""The latent pool's admission rules as counts (docs/dsa.md section 6), no tensors, and the log of
+what was decided for the worker to replay.
 
-``core/latent_admission.LatentAdmission`` holds the pool itself (row sets, regions, host pages) on
-the worker; the scheduler process must decide admission without the pool, so this ledger keeps the
-same counts under the same rules (a row set, a region and host pages for prompt + max_tokens, all or
+The rules are written here once: a row set, a region and host pages for prompt + max_tokens, all or
 nothing; the region back at ``prompt_done``; everything back at ``release``; resident mode: a region
-for life, nothing else) and appends each decision to ``events``. The worker applies the events in
-order to its ``LatentAdmission`` (``LatentRuntime.apply``): with the same counts in the same order
-every admission the ledger grants succeeds there too (tests/test_dsa_runtime.py drives both).
+for life, nothing else. Two hold a ledger:
+
+- the scheduler (the connector's scheduler role) must decide admission without the pool: it asks
+  its ledger and sends ``events`` to the worker;
+- the worker's ``core/latent_admission.LatentAdmission`` (the pool itself: which row set, region and
+  host pages) keeps one for its counts (``log=False``) and asks its ``refusal``.
+
+The worker applies the events in order to its ``LatentAdmission`` (``LatentRuntime.apply``): with
+the same counts in the same order every admission the scheduler's ledger grants succeeds there too
+(tests/test_dsa_runtime.py drives both against a count of what the worker holds).
 
 Events: ``("admit", key, prompt_len, max_tokens)``, ``("prompt_done", key)``, ``("release", key)``.
-Which process: the scheduler (the connector's scheduler role).
+Which process: the scheduler, and the worker inside its ``LatentAdmission``.
 """
 from __future__ import annotations
 
 
 class LatentLedger:
     def __init__(self, row_sets: int, regions: int, host_pages: int, max_model_len: int,
-                 resident: bool):
+                 resident: bool, log: bool = True):
         """row_sets / regions / host_pages: what the worker's pool holds (resident: row_sets and
-        host_pages unused); max_model_len: the most positions a request may take."""
+        host_pages unused); max_model_len: the most positions a request may take; log: append
+        each decision to ``events`` (the scheduler's; the worker's admission keeps no log)."""
         if regions < 1 or (not resident and (row_sets < 1 or host_pages < 1)):
             raise ValueError(f"LatentLedger needs regions >= 1 (got {regions}) and, with a host "
                              f"pool, row_sets >= 1 and host_pages >= 1 (got {row_sets}, "
                              f"{host_pages}); raise prefill_slots / quest_rows / host_pool_gib")
-        self.resident, self.max_model_len = resident, max_model_len
+        self.resident, self.max_model_len, self.log = resident, max_model_len, log
         self.free_sets = 0 if resident else row_sets
         self.free_regions, self.free_pages = regions, 0 if resident else host_pages
         self.row_sets, self.regions, self.host_pages = row_sets, regions, host_pages
@@ -32,8 +38,8 @@ class LatentLedger:
         self.events: list[tuple] = []
 
     def refusal(self, key, prompt_len: int, max_tokens: int) -> str | None:
-        """Why ``key`` cannot be admitted now (one line), or None (LatentAdmission.refusal's rules;
-        positions past max_model_len are an error there, clipped by the caller)."""
+        """Why ``key`` cannot be admitted now (one line), or None when it can. Positions past
+        max_model_len are an error (the scheduler clips max_tokens first)."""
         total = prompt_len + max_tokens
         if prompt_len < 1 or max_tokens < 0 or total > self.max_model_len:
             raise ValueError(f"prompt_len={prompt_len} + max_tokens={max_tokens} must be in "
@@ -59,7 +65,7 @@ class LatentLedger:
             self.free_sets -= 1
             self.free_pages -= pages
         self.held[key] = [not self.resident, True, pages]
-        self.events.append(("admit", key, prompt_len, max_tokens))
+        self._log(("admit", key, prompt_len, max_tokens))
         return True
 
     def in_region(self, key) -> bool:
@@ -72,7 +78,7 @@ class LatentLedger:
             return
         h[1] = False
         self.free_regions += 1
-        self.events.append(("prompt_done", key))
+        self._log(("prompt_done", key))
 
     def release(self, key) -> None:
         """Finished, aborted or preempted: all back (a no-op for a key holding nothing)."""
@@ -82,7 +88,11 @@ class LatentLedger:
         self.free_sets += h[0]
         self.free_regions += h[1]
         self.free_pages += h[2]
-        self.events.append(("release", key))
+        self._log(("release", key))
+
+    def _log(self, event: tuple) -> None:
+        if self.log:
+            self.events.append(event)
 
     def take_events(self) -> list[tuple]:
         out, self.events = self.events, []
