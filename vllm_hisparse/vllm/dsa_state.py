@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.core import capacity
+from vllm_hisparse.core import capacity, capacity_mla
 from vllm_hisparse.core.latent_runtime import LatentRuntime, host_pages_for
 
 from . import worker_state
@@ -36,12 +36,14 @@ def sizes(vllm_config, row_bytes: int) -> dict:
 
 
 def pool_bytes(s: dict, max_model_len: int, buffer: int, row_bytes: int) -> int:
-    """GPU bytes the latent pool allocates (core/latent_pool.py's layout, checked equal to
-    LatentPool.nbytes by tests/test_dsa_adapter.py)."""
+    """GPU bytes the latent pool allocates: capacity_mla's regions and row sets (newest = 0), for
+    latent rows of row_bytes (checked equal to LatentPool.nbytes by tests/test_dsa_adapter.py)."""
+    # capacity_mla sizes a latent row by its bytes alone (latent_bytes): one value of row_bytes B
+    m = capacity_mla.MLAShape(s["layers"], kv_lora_rank=row_bytes, qk_rope_head_dim=0,
+                              dtype_bytes=1)
     sets = 0 if s["resident"] else s["row_sets"]
-    rows = s["layers"] * (s["regions"] * max_model_len + sets * buffer) * row_bytes
-    resolve = sets * (s["layers"] * (max_model_len + 2 * buffer) + max_model_len) * 4
-    return rows + resolve
+    return (s["regions"] * capacity_mla.prefill_region_bytes(m, max_model_len)
+            + sets * capacity_mla.latent_row_set_bytes(m, buffer, 0, max_model_len))
 
 
 def ensure_runtime(vllm_config, row: int, top_k: int, dtype: torch.dtype) -> LatentRuntime:
