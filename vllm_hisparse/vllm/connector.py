@@ -10,8 +10,12 @@ Scheduler process (role SCHEDULER):
     first GPU block to the worker, and (resident_first) the requests the KV manager took blocks
     from in this step with their new ``keep`` (vllm/spec.py ``SpillLedger``), which the worker
     applies before the step's forward;
-  * finish: GPU blocks are freed only after the worker has dropped the request (delayed free,
-    ``request_finished`` -> True, the worker reports it through ``get_finished``).
+  * finish: a request holding host pages or an indexer row frees its GPU blocks only after the
+    worker has dropped it (delayed free, ``request_finished`` -> True, the worker reports it
+    through ``get_finished``), so no new request is admitted onto what the worker still holds; a
+    request that never could be sparse holds nothing of the kind and frees them at once, as in
+    stock vLLM (-> False; the worker drops it unreported: vLLM asserts that every id it reports
+    is still a live request).
 Worker process (role WORKER): owns the ``SparseRuntime`` (host pool + hot-slot state) that the
 attention backend forwards to; registers requests and frees their host pages.
 """
@@ -51,6 +55,9 @@ STATS_ENV = "HISPARSE_STATS_FILE"      # worker writes hit-rate stats there (the
 class HiSparseConnectorMetadata(KVConnectorMetadata):
     new: dict[str, tuple[int, int]] = field(default_factory=dict)   # req -> (prompt len, block 0)
     finished: list[str] = field(default_factory=list)   # dropped before ``new`` takes their rows
+    # dropped like ``finished`` but never reported in finished_sending: vLLM freed their blocks
+    # at once (never sparse: no host page, no indexer row) and has forgotten them
+    freed: list[str] = field(default_factory=list)
     spilled: dict[str, int] = field(default_factory=dict)  # resident_first: req -> its new keep
 
 
@@ -99,8 +106,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._reserved_total = 0
         self._prompt: dict[str, int] = {}
         self._sent: set[str] = set()
-        self._finishing: list[str] = []
-        self._done: set[str] = set()
+        self._finishing: list[str] = []        # finished, blocks freed once the worker reports
+        self._freed: list[str] = []            # finished, blocks freed at once (never sparse)
+        self._done: set[str] = set()          # worker: dropped, reported by the next get_finished
+        self._dropped = False                 # worker: a request dropped since the last stats
         self._waiting_logged: set[str] = set()
         self._waiting: dict[str, str] = {}     # req -> what it waits for (metrics.WAIT_REASONS)
         self._sched_report: dict | None = None
@@ -254,8 +263,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def build_connector_meta(self, scheduler_output) -> HiSparseConnectorMetadata:
-        md = HiSparseConnectorMetadata(finished=self._finishing)
-        self._finishing = []
+        md = HiSparseConnectorMetadata(finished=self._finishing, freed=self._freed)
+        self._finishing, self._freed = [], []
         if self._ledger is not None:          # after every allocation of the step
             md.spilled = self._ledger.take()
         for r in scheduler_output.scheduled_new_reqs:
@@ -277,10 +286,18 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self._waiting.pop(rid, None)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """True (delay the free) only for a request the worker knows that holds host pages or an
+        indexer row: they are released once the worker has dropped it (``get_finished`` ->
+        ``update_connector_output``). A request that never could be sparse holds on the worker
+        only its runtime row and first-block binding, which the next step's metadata drops
+        (``freed``) before it binds any new request: its blocks go back at once, as in stock
+        vLLM."""
         rid = request.request_id
         if rid in self._sent:
-            self._finishing.append(rid)
-            return True, None            # freed once the worker has dropped it (get_finished)
+            if self._reserved.get(rid, 0) or rid in self._rows_held:
+                self._finishing.append(rid)
+                return True, None
+            self._freed.append(rid)
         self._release(rid)
         return False, None
 
@@ -304,6 +321,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         rt = worker_state.get_runtime()
         for rid in connector_metadata.finished:
             self._drop(rt, rid)
+        for rid in connector_metadata.freed:
+            self._drop(rt, rid, report=False)
         # spills first: a request resumed after a preemption restarts resident (rt.add), as in
         # the KV manager; none is spilled in the step it is (re)scheduled (no processed page)
         for rid, keep in connector_metadata.spilled.items():   # before the step is planned
@@ -327,21 +346,26 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         return None
 
-    def _drop(self, rt, rid: str) -> None:
+    def _drop(self, rt, rid: str, report: bool = True) -> None:
         if rt.finish(rid):
             worker_state.unbind_request(rid)
-            self._done.add(rid)
+            self._dropped = True
+            if report:
+                self._done.add(rid)
 
     def get_finished(self, finished_req_ids: set[str]):
         # after the step's forward: a plan_full request left by a run that never reached
         # start_load_kv (a dummy run) must not be resolved by a later hook
         worker_state.pending_full = None
         rt = worker_state.get_runtime()
+        # finished_req_ids come from the scheduler output whose metadata was bound before this
+        # step: its ``freed`` ids were dropped then (unreported), so rt.finish skips them here
         for rid in finished_req_ids:
             self._drop(rt, rid)
         done, self._done = self._done, set()
-        if done:
+        if self._dropped:
             rt.dump_stats(self._stats_path)
+            self._dropped = False
         return (done or None), None
 
     # ---- metrics (vllm/metrics.py): vLLM asks both roles every step ----------------------------
