@@ -13,53 +13,21 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 
 pytestmark = pytest.mark.vllm
 
-PY = sys.executable
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGE = 16
-CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
-       "host_pool_gib": 0.05, "dense_pool_gib": 0.01, "quest_rows": 3}      # min_context 128
-MML, SEQS, BATCHED, BLOCKS = 96, 16, 256, 50       # 16 x (40 + 50 tokens) need ~96 blocks
+# the hisparse config, page size and batch budget: tests/test_finish_free.py's (min_context 128)
+MML, SEQS, BLOCKS = 96, 16, 50       # 16 x (40 + 50 tokens) need ~96 blocks
 N_REQ, PROMPT, OUT = 16, 40, 50
 
 
 def scheduler(model: str, backend: str):
-    import torch
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
+    from test_finish_free import scheduler as make      # run as a script: tests/ is on the path
 
-    kw = {}
-    if backend == "hisparse":
-        from vllm_hisparse.vllm.plugin import register
-
-        register()
-        kw = {"attention_backend": "hisparse", "additional_config": {"hisparse": CFG}}
-    vc = EngineArgs(model=model, dtype="float32", max_model_len=MML, max_num_seqs=SEQS,
-                    block_size=PAGE, max_num_batched_tokens=BATCHED, enforce_eager=True,
-                    enable_prefix_caching=False, num_gpu_blocks_override=BLOCKS,
-                    **kw).create_engine_config()
-    vc.cache_config.num_gpu_blocks = BLOCKS
-    vc.scheduler_config.async_scheduling = True      # the GPU's default; the CPU platform's off
-    spec = FullAttentionSpec(block_size=PAGE, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    if backend == "hisparse":
-        from vllm_hisparse.vllm.compat import hisparse_config_of
-        from vllm_hisparse.vllm.spec import HiSparseSpec
-
-        fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
-        spec = HiSparseSpec(**fields, hisparse_config=json.dumps(
-            hisparse_config_of(vc).to_dict(), sort_keys=True))
-    kvc = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(4)], spec)])
-    return AsyncScheduler(vc, kvc, StructuredOutputManager(vc), block_size=PAGE, log_stats=True)
+    return make(model, backend, MML, BLOCKS, SEQS)[1]
 
 
 def probe(model: str, backend: str, out: str) -> None:
@@ -115,21 +83,10 @@ def probe(model: str, backend: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("async_preempt")
-    model = str(d / "tiny-llama")
-    subprocess.run([PY, os.path.join(ROOT, "scripts", "make_tiny_model.py"), model], check=True,
-                   capture_output=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = {}
-    for backend in ("stock", "hisparse"):
-        out = str(d / f"{backend}.json")
-        p = subprocess.run([PY, __file__, model, backend, out], env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        with open(out) as f:
-            res[backend] = json.load(f)
-    return res
+    from test_finish_free import run_probes
+
+    res = run_probes(tmp_path_factory.mktemp("async_preempt"), __file__, [("stock",), ("hisparse",)])
+    return {backend: r for (backend,), r in res.items()}
 
 
 def test_preemptions_as_in_stock_vllm(runs):

@@ -42,7 +42,9 @@ ENGINES = {
 }
 
 
-def scheduler(model: str, backend: str, mml: int, blocks: int):
+def scheduler(model: str, backend: str, mml: int, blocks: int, seqs: int = SEQS):
+    """(vllm_config, vLLM's AsyncScheduler) over a KV cache of ``blocks`` blocks, async
+    scheduling on; hisparse: our spec and connector (also tests/test_async_preempt.py's)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -55,7 +57,7 @@ def scheduler(model: str, backend: str, mml: int, blocks: int):
 
         register()
         kw = {"attention_backend": "hisparse", "additional_config": {"hisparse": CFG}}
-    vc = EngineArgs(model=model, dtype="float32", max_model_len=mml, max_num_seqs=SEQS,
+    vc = EngineArgs(model=model, dtype="float32", max_model_len=mml, max_num_seqs=seqs,
                     block_size=PAGE, max_num_batched_tokens=BATCHED, enforce_eager=True,
                     enable_prefix_caching=False, num_gpu_blocks_override=blocks,
                     **kw).create_engine_config()
@@ -159,23 +161,30 @@ def probe(model: str, backend: str, engine: str, out: str) -> None:
                    "sparse_possible": conn is not None and conn.capacity > 0}, f)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("finish_free")
+def run_probes(d, script: str, cases: list[tuple]) -> dict:
+    """The tiny model made in d, then ``script MODEL *case OUT`` in a process of its own for each
+    case (vLLM's scheduler state is per process); {case: the JSON it wrote}."""
     model = str(d / "tiny-llama")
     subprocess.run([PY, os.path.join(ROOT, "scripts", "make_tiny_model.py"), model], check=True,
                    capture_output=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = {}
-    for engine, backend in [("never", "stock"), ("never", "hisparse"), ("mixed", "hisparse")]:
-        out = str(d / f"{engine}-{backend}.json")
-        p = subprocess.run([PY, __file__, model, backend, engine, out], env=env,
-                           capture_output=True, text=True, timeout=600)
+    for case in cases:
+        out = str(d / ("-".join(case) + ".json"))
+        p = subprocess.run([PY, script, model, *case, out], env=env, capture_output=True,
+                           text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
         with open(out) as f:
-            res[engine, backend] = json.load(f)
+            res[case] = json.load(f)
     return res
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cases = [("stock", "never"), ("hisparse", "never"), ("hisparse", "mixed")]
+    res = run_probes(tmp_path_factory.mktemp("finish_free"), __file__, cases)
+    return {(engine, backend): r for (backend, engine), r in res.items()}
 
 
 def test_never_sparse_engine_frees_blocks_as_stock_vllm(runs):
