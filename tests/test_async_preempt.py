@@ -85,7 +85,8 @@ def probe(model: str, backend: str, out: str) -> None:
 def runs(tmp_path_factory):
     from test_finish_free import run_probes
 
-    res = run_probes(tmp_path_factory.mktemp("async_preempt"), __file__, [("stock",), ("hisparse",)])
+    res = run_probes(tmp_path_factory.mktemp("async_preempt"), __file__,
+                     [("stock",), ("hisparse",)])
     return {backend: r for (backend,), r in res.items()}
 
 
@@ -98,7 +99,8 @@ def test_preemptions_as_in_stock_vllm(runs):
     assert (sum(pre(hs)), max(pre(hs))) == (sum(pre(stock)), max(pre(stock)))
     assert hs["defer_block_free"] is False
     # the same running requests step by step, also after the first finish: a request that can
-    # never be sparse frees its blocks when it finishes, as in stock vLLM (tests/test_finish_free.py)
+    # never be sparse frees its blocks when it finishes, as in stock vLLM
+    # (tests/test_finish_free.py)
     assert stock["first_finish"] == hs["first_finish"] > 20
     assert hs["steps"] == stock["steps"]
 

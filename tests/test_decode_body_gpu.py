@@ -66,7 +66,8 @@ class GraphDriver(Driver):
 def run(cls, host_tier: bool, dense_layers, dense_pool_gib):
     cfg = HiSparseConfig(top_k=48, device_buffer_size=64, page_size=16, dense_layers=dense_layers,
                          min_context=160, host_pool_gib=0.05, host_tier=host_tier,
-                         dense_pool_gib=dense_pool_gib, resident_first=False)   # misses: the fixed buffer
+                         dense_pool_gib=dense_pool_gib,
+                         resident_first=False)   # the fixed hot buffer: misses to check
     d = cls(cfg, rows=4, device="cuda", dtype=torch.bfloat16, dims=(8, 2, 64), shape=(16, 3, 40))
     prompts = {"a": 500, "b": 330, "short": 60, "c": 210}
     for rid, n in prompts.items():

@@ -266,7 +266,8 @@ def main(argv=None) -> int:
             if not args.eager:
                 s.capture()
             row = {"context": ctx, "rows": R, "mode": "eager" if args.eager else "graph",
-                   "resident": args.resident, "resident_first": args.resident_first, "q_noise": args.q_noise,
+                   "resident": args.resident, "resident_first": args.resident_first,
+                   "q_noise": args.q_noise,
                    "select_impl": decode_ops.SELECT_IMPL,
                    "select_threads": decode_ops.SELECT_THREADS,
                    "fetch_in_attention": decode_ops.FETCH_IN_ATTENTION,
