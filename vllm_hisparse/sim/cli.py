@@ -25,6 +25,10 @@ def add_arguments(p) -> None:
     p.add_argument("--k", default="64,128,256", help="top-k sizes in units (default 64,128,256)")
     p.add_argument("--buffer", default="2k,4k",
                    help="hot-buffer sizes B: multiples of k ('2k') or absolute units ('512')")
+    p.add_argument("--window", default="0",
+                   help="comma list of windows W of newest units kept resident beside the buffer "
+                        "(resident_first's partial rows): multiples of k ('2k') or units; 0 = none "
+                        "(default); with W > 0 write-allocate does not apply (the new unit is in it)")
     p.add_argument("--write-allocate", default="on", choices=["on", "off", "both"],
                    help="put each decoded token into the buffer as it is produced (default on)")
     p.add_argument("--warmup", type=int, default=32,
@@ -35,14 +39,17 @@ def add_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def parse_buffer(spec: str, k: int) -> int:
+def parse_buffer(spec: str, k: int, flag: str = "--buffer") -> int:
     """'2k' -> 2*k, '1.5k' -> int(1.5*k), '512' -> 512."""
     s = spec.strip().lower()
     try:
-        return int(float(s[:-1] or 1) * k) if s.endswith("k") else int(s)
+        v = int(float(s[:-1] or 1) * k) if s.endswith("k") else int(s)
     except ValueError:
-        raise SystemExit(f"--buffer {spec!r}: give a multiple of k like '2k' or a unit count like "
-                         f"'512'") from None
+        v = -1
+    if v < 0:
+        raise SystemExit(f"{flag} {spec!r}: give a multiple of k like '2k' or a unit count like "
+                         f"'512'")
+    return v
 
 
 def parse_ints(flag: str, spec: str) -> list[int]:
@@ -67,7 +74,8 @@ def parse_policies(spec: str) -> list[str]:
     return names
 
 
-def make_configs(ks: list[int], buffers: list[str], wa: str, k_max: int) -> list[engine.Config]:
+def make_configs(ks: list[int], buffers: list[str], wa: str, k_max: int,
+                 windows: tuple[str, ...] = ("0",)) -> list[engine.Config]:
     was = {"on": [True], "off": [False], "both": [True, False]}[wa]
     out = []
     for k in ks:
@@ -75,12 +83,15 @@ def make_configs(ks: list[int], buffers: list[str], wa: str, k_max: int) -> list
             continue
         for b in buffers:
             slots = parse_buffer(b, k)
-            for w in was:
-                if slots < k + w:
-                    raise SystemExit(f"--buffer {b} gives B={slots} for k={k}: B must hold one "
-                                     f"selection{' plus the new token' if w else ''}; use 2k or more")
-                out.append(engine.Config(k, slots, w))
-    return out
+            for ws in windows:
+                win = parse_buffer(ws, k, "--window")
+                for w in (was if not win else [False]):    # the new unit sits in the window
+                    if slots < k + w:
+                        raise SystemExit(f"--buffer {b} gives B={slots} for k={k}: B must hold one "
+                                         f"selection{' plus the new token' if w else ''}; use 2k "
+                                         f"or more")
+                    out.append(engine.Config(k, slots, w, win))
+    return list(dict.fromkeys(out))
 
 
 def run(args) -> int:
@@ -94,7 +105,8 @@ def run(args) -> int:
     buffers = [b for b in args.buffer.split(",") if b.strip()]
     plan = []
     for tr in traces:
-        cfgs = make_configs(ks, buffers, args.write_allocate, tr.k_max)
+        cfgs = make_configs(ks, buffers, args.write_allocate, tr.k_max,
+                            tuple(w for w in args.window.split(",") if w.strip()) or ("0",))
         skipped = [k for k in ks if k > tr.k_max]
         if skipped:
             print(f"{tr.name}: k={','.join(map(str, skipped))} > its k_max={tr.k_max}, skipped")

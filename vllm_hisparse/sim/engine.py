@@ -13,6 +13,13 @@ any miss and, being the latest entry, enters as the most recent of the step's fe
 the step's hits before them; when the indexer selects the token itself, >99% of rows on the SmolLM2
 traces, it enters at its own rank). It is written, not fetched, so it never counts as a miss. The one call per step also serves non-retaining policies
 (vanilla keeps the selection plus the new unit). Needs B > k.
+
+Window (``Config.window`` = W units, default 0): the request's W newest units (the current one
+included) stay resident beside the hot buffer, as the partial rows of ``resident_first`` keep
+their newest pages in the block table (core/residency.py). A selected unit in the window is a hit
+that never touches the buffer; the others keep their rank order and resolve through it; a unit
+that ages out of the window is not in the buffer (its next selection is a miss). The current unit
+is in the window, so write-allocate does not apply. Window hits count as selected units.
 """
 from __future__ import annotations
 
@@ -30,10 +37,12 @@ from .trace import Trace
 
 @dataclass(frozen=True)
 class Config:
-    """One simulated buffer: top-k size ``k`` (units), ``slots`` = B (units), write-allocate on/off."""
+    """One simulated buffer: top-k size ``k`` (units), ``slots`` = B (units), write-allocate on/off,
+    a window of the ``window`` newest units resident beside it (0: none)."""
     k: int
     slots: int
     write_allocate: bool = True
+    window: int = 0
 
 
 @dataclass
@@ -112,8 +121,13 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
     kg = max(c.k for c in cfgs)
     U = trace.max_units()
     sel = np.full((T, len(cfgs) * L, kg), -1, np.int64)
+    new_unit = (trace.context_len.astype(np.int64) - 1) // trace.unit
     for j, c in enumerate(cfgs):
         sel[:, j * L:(j + 1) * L, :c.k] = trace.first_k(c.k)
+    valid = (sel >= 0).sum(-1).astype(np.int32)       # the denominator: window hits included
+    for j, c in enumerate(cfgs):
+        if c.window:
+            sel[:, j * L:(j + 1) * L] = _outside_window(sel[:, j * L:(j + 1) * L], new_unit, c.window)
     R = sel.shape[1]
     kw = {}
     oracle = None
@@ -124,8 +138,8 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
     state = HotBufferState.create(R, slots, U, make(policy, **kw))
     wa = torch.zeros(R, 1, dtype=torch.bool)
     for j, c in enumerate(cfgs):
-        wa[j * L:(j + 1) * L] = c.write_allocate
-    new_unit = torch.from_numpy((trace.context_len.astype(np.int64) - 1) // trace.unit)
+        wa[j * L:(j + 1) * L] = c.write_allocate and not c.window
+    new_unit = torch.from_numpy(new_unit)
     sel_t = torch.from_numpy(sel)
     miss_count = torch.zeros(T, R, dtype=torch.int32)
     for t in range(T):
@@ -138,7 +152,14 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
             oracle.advance(t)
         if bar is not None:
             bar.update(1)
-    valid = (sel >= 0).sum(-1).astype(np.int32)
     mc = miss_count.numpy()
     return ([mc[:, j * L:(j + 1) * L] for j in range(len(cfgs))],
             [valid[:, j * L:(j + 1) * L] for j in range(len(cfgs))])
+
+
+def _outside_window(sel: np.ndarray, new_unit: np.ndarray, window: int) -> np.ndarray:
+    """sel (steps, rows, k) without the units of step t's window (unit > new_unit[t] - window),
+    the rest moved to the front in their rank order, -1 after."""
+    keep = (sel >= 0) & (sel <= (new_unit - window)[:, None, None])
+    order = np.argsort(~keep, axis=-1, kind="stable")
+    return np.take_along_axis(np.where(keep, sel, -1), order, axis=-1)

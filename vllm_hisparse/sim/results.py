@@ -12,7 +12,7 @@ import numpy as np
 
 from .engine import Replay
 
-COLUMNS = ["trace", "layer", "k", "buffer", "buffer_x_k", "policy", "write_allocate",
+COLUMNS = ["trace", "layer", "k", "buffer", "buffer_x_k", "window", "policy", "write_allocate",
            "miss_rate", "steady_miss_rate", "misses", "selected", "steps"]
 
 
@@ -29,7 +29,7 @@ def rows_of(rep: Replay, warmup: int) -> list[dict]:
         rate = _rate(m, n)
         w = min(warmup, max(rate.shape[0] - 1, 0))
         base = dict(trace=rep.trace.name, k=c.k, buffer=c.slots, buffer_x_k=round(c.slots / c.k, 3),
-                    policy=rep.policy, write_allocate="on" if c.write_allocate else "off",
+                    window=c.window, policy=rep.policy, write_allocate="on" if c.write_allocate else "off",
                     steps=rate.shape[0])
         out.append(dict(base, layer="all", miss_rate=float(np.nanmean(rate)),
                         steady_miss_rate=float(np.nanmean(rate[w:])),
@@ -47,7 +47,8 @@ def per_step_of(rep: Replay) -> list[dict]:
     for c, m, n in zip(rep.configs, rep.misses, rep.selected):
         rate = np.nanmean(_rate(m, n), axis=1)
         for t, r in enumerate(rate):
-            out.append(dict(trace=rep.trace.name, k=c.k, buffer=c.slots, policy=rep.policy,
+            out.append(dict(trace=rep.trace.name, k=c.k, buffer=c.slots, window=c.window,
+                            policy=rep.policy,
                             write_allocate="on" if c.write_allocate else "off", step=t,
                             miss_rate=float(r)))
     return out
@@ -65,18 +66,18 @@ def write_csv(path: str, rows: list[dict], columns: list[str] | None = None) -> 
 
 
 def summary(rows: list[dict]) -> str:
-    """Steady miss rate (%) of layer 'all', averaged over traces: one line per (k, B, write-allocate),
-    one column per policy."""
+    """Steady miss rate (%) of layer 'all', averaged over traces: one line per (k, B, window,
+    write-allocate), one column per policy."""
     agg: dict = {}
     for r in rows:
         if r["layer"] != "all":
             continue
-        key = (r["k"], r["buffer"], r["write_allocate"])
+        key = (r["k"], r["buffer"], r.get("window", 0), r["write_allocate"])
         agg.setdefault(key, {}).setdefault(r["policy"], []).append(r["steady_miss_rate"])
     policies = sorted({p for v in agg.values() for p in v})
     lines = ["steady miss rate % (mean over traces)",
-             f"{'k':>5} {'B':>6} {'wa':>3} " + " ".join(f"{p:>9}" for p in policies)]
-    for (k, b, wa), v in sorted(agg.items()):
+             f"{'k':>5} {'B':>6} {'W':>6} {'wa':>3} " + " ".join(f"{p:>9}" for p in policies)]
+    for (k, b, w, wa), v in sorted(agg.items()):
         cells = [f"{100 * np.mean(v[p]):9.2f}" if p in v else f"{'-':>9}" for p in policies]
-        lines.append(f"{k:>5} {b:>6} {wa:>3} " + " ".join(cells))
+        lines.append(f"{k:>5} {b:>6} {w:>6} {wa:>3} " + " ".join(cells))
     return "\n".join(lines)
