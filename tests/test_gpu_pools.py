@@ -50,3 +50,11 @@ def test_runtime_allocates_what_gpu_pools_says(mml):
         [None, (rows + 1, U, H, D), (rows + 1, U, H, D)]
     assert rt.ix.rows == rows
     assert rt.dpool.num_pages == (0 if mml < 160 else min(5 * U, int(0.01 * (1 << 30)) // (2 * P * H * D * 4)))
+
+
+def test_idle_rows_note_only_when_rows_exceed_the_pool():
+    # the paper config: 22 rows, the 84 GiB host pool holds 17 requests of 40K tokens
+    note = gpu_pools.idle_rows_note(22, 17, 40960, "host")
+    assert "quest_rows=22" in note and "5 rows" in note and "set quest_rows to 17" in note
+    assert gpu_pools.idle_rows_note(17, 17, 40960, "host") is None
+    assert gpu_pools.idle_rows_note(8, 17, 40960, "host") is None

@@ -56,3 +56,15 @@ def dense_pool_bytes(cfg: HiSparseConfig, page_bytes: int, max_num_seqs: int,
     """GPU bytes the dense pool takes (0 without one)."""
     pages = dense_pool_pages(cfg, page_bytes, max_num_seqs, max_model_len)
     return 0 if pages is None else pages * page_bytes * len(cfg.dense_layers)
+
+
+def idle_rows_note(rows: int, room: int, max_model_len: int, bound: str) -> str | None:
+    """Startup advice when the indexer reserves more rows than the ``bound`` pool admits requests
+    of max_model_len tokens (each row's GPU memory, Quest page bounds over max_model_len, is taken
+    from the KV cache): None when every row can be used at max_model_len."""
+    if rows <= room:
+        return None
+    return (f"hisparse: quest_rows={rows} but the {bound} pool holds {room} requests of "
+            f"max_model_len={max_model_len} tokens: {rows - room} rows serve only shorter requests; "
+            f"for a workload at max_model_len set quest_rows to {room} and their GPU memory goes "
+            f"to the KV cache (hisparse calc shows how much)")
