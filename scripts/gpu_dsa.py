@@ -6,6 +6,15 @@ greedy, with logprobs, vLLM's CUDA graphs (FULL for uniform decode steps):
     python scripts/gpu_dsa.py run hisparse MODEL_DIR OUT_DIR   # the latent pool, row sets, host
     python scripts/gpu_dsa.py run resident MODEL_DIR OUT_DIR   # the latent pool, all resident
     python scripts/gpu_dsa.py compare OUT_DIR                  # tokens + logprobs identical?
+    python scripts/gpu_dsa.py cap stock|hisparse MODEL_DIR OUT_DIR   # capacity at one GPU budget
+
+``cap`` (issue 17's capacity goal): both engines get the same GPU KV budget, DSA_CAP_KV_GIB
+(default 2): stock all of it as vLLM's KV cache (``kv_cache_memory_bytes``), hisparse the latent
+pool plus vLLM's indexer-K cache in the same bytes (``hisparse calc``'s split, its --json). Each
+runs as many 32K prompts as calc says it holds (stock: its blocks; hisparse: its row sets, bound by
+the DSA_CAP_HOST_GIB host pool, default 6), DSA_CAP_OUT (64) greedy outputs each, all sent at once,
+and writes OUT_DIR/cap-MODE.json: requests, output tok/s, vLLM's lines, and for hisparse the most
+requests its pool held at once (``max_live_requests``).
 
     DSA_PROMPTS=8000,20000,12000,16000 DSA_MAX_TOKENS=48 DSA_B=2560 DSA_SPLITS=0 ...
 
@@ -76,6 +85,61 @@ def run(mode: str, model: str, out: str) -> int:
     return 0
 
 
+def cap(mode: str, model: str, out: str) -> int:
+    import subprocess
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    kv_gib = float(os.environ.get("DSA_CAP_KV_GIB", "2"))
+    host_gib = float(os.environ.get("DSA_CAP_HOST_GIB", "6"))
+    n_out, prompt = int(os.environ.get("DSA_CAP_OUT", "64")), 32768
+    mml = prompt + n_out
+    calc = json.loads(subprocess.run(
+        [sys.executable, "-m", "vllm_hisparse.cli", "calc", "--model", model, "--context", str(mml),
+         "--buffer", str(CFG["device_buffer_size"]), "--top-k", str(CFG["top_k"]),
+         "--gpu-kv-gib", str(kv_gib), "--host-gib", str(host_gib), "--json"],
+        check=True, capture_output=True, text=True).stdout)
+    side = calc["baseline" if mode == "stock" else "hisparse"]
+    n = side["max_requests"]
+    from vllm import LLM, SamplingParams
+
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt)]}
+               for _ in range(n)]
+    kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format="dummy",
+              dtype="bfloat16", seed=0, max_model_len=mml, max_num_seqs=n,
+              max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
+              kv_cache_memory_bytes=side["kv_cache_bytes"])
+    if mode == "stock":
+        kw["attention_config"] = {"backend": "FLASH_ATTN_MLA_SPARSE", "sparse_mla_force_mqa": True}
+    else:
+        from vllm_hisparse.vllm.plugin import register
+
+        register()
+        kw["attention_backend"] = "hisparse"
+        kw["additional_config"] = {"hisparse": dict(CFG, host_pool_gib=host_gib, quest_rows=n,
+                                                    prefill_slots=1)}
+    llm = LLM(**kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False)
+    t0 = time.time()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.time() - t0
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    res = {"mode": mode, "kv_budget_gib": kv_gib, "host_pool_gib": host_gib, "requests": n,
+           "prompt": prompt, "outputs": n_out, "elapsed_s": dt, "output_tok_s": toks / dt,
+           "calc": side}
+    if mode != "stock":
+        from vllm_hisparse.vllm import dsa_state
+
+        res["stats"] = dsa_state.get_runtime().stats()
+    with open(os.path.join(out, f"cap-{mode}.json"), "w") as f:
+        json.dump(res, f)
+    print(f"== cap {mode}: {n} requests of {prompt} + {n_out} in {dt:.1f} s, "
+          f"{toks / dt:.1f} output tok/s; stats {json.dumps(res.get('stats', {}))}", flush=True)
+    return 0
+
+
 def show_log(path: str) -> None:
     """vLLM's KV capacity lines, our pool line and errors of an engine's log."""
     seen = set()
@@ -111,6 +175,8 @@ def compare(out: str) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         sys.exit(run(sys.argv[2], sys.argv[3], sys.argv[4]))
+    if sys.argv[1] == "cap":
+        sys.exit(cap(sys.argv[2], sys.argv[3], sys.argv[4]))
     if sys.argv[1] == "log":
         show_log(sys.argv[2])
         sys.exit(0)

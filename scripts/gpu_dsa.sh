@@ -7,6 +7,8 @@
 #   DSA_LIMIT=150 (s per engine) DSA_PROMPTS=8000,20000,12000,16000 DSA_MAX_TOKENS=48 DSA_B=2560
 #   DSA_SPLITS=0 (FA3 num_splits of hisparse/resident; 1 = batch-invariant) MODES="hisparse stock
 #   resident" DSA_TESTS=0 (skip the CUDA tests) bash scripts/gpu_dsa.sh OUT
+#   DSA_CAP=1 MODES= DSA_TESTS=0 bash scripts/gpu_dsa.sh OUT   # capacity only (issue 17), ~6 min:
+#   stock and hisparse at one GPU KV budget (DSA_CAP_KV_GIB=2, DSA_CAP_HOST_GIB=6, DSA_CAP_OUT=64)
 set -uo pipefail
 top=$1
 out=/tmp/gs/dsa
@@ -29,7 +31,7 @@ fi
 model=$out/deepseek-v3.2-l4
 python3 -m vllm_hisparse.bench.model_shapes deepseek-v3.2-l4 "$model" > "$out/model.log" 2>&1 \
   || { tail -5 "$out/model.log"; exit 1; }
-for mode in ${MODES:-hisparse stock resident}; do
+for mode in ${MODES-hisparse stock resident}; do
   timeout -k 20 ${DSA_LIMIT:-150} python3 scripts/gpu_dsa.py run $mode "$model" "$out" \
     > "$out/$mode.log" 2>&1
   echo "== $mode exit $? (124: stopped at DSA_LIMIT)"
@@ -38,5 +40,17 @@ for mode in ${MODES:-hisparse stock resident}; do
   [ -f "$out/$mode.json" ] || tail -25 "$out/$mode.log"
   since "$mode done"
 done
-python3 scripts/gpu_dsa.py compare "$out"
+[ -n "${MODES-x}" ] && python3 scripts/gpu_dsa.py compare "$out"
+# DSA_CAP=1: issue 17's capacity at one GPU KV budget (scripts/gpu_dsa.py cap; ~2-3 min each)
+if [ "${DSA_CAP:-0}" = 1 ]; then
+  for mode in stock hisparse; do
+    timeout -k 20 ${DSA_CAP_LIMIT:-240} python3 scripts/gpu_dsa.py cap $mode "$model" "$out" \
+      > "$out/cap-$mode.log" 2>&1
+    echo "== cap $mode exit $? (124: stopped at DSA_CAP_LIMIT)"
+    grep -E "^== " "$out/cap-$mode.log"
+    python3 scripts/gpu_dsa.py log "$out/cap-$mode.log"
+    [ -f "$out/cap-$mode.json" ] || tail -25 "$out/cap-$mode.log"
+    since "cap $mode done"
+  done
+fi
 since "all done"

@@ -79,6 +79,7 @@ def test_random_sequences_agree(resident, seed):
     rng = random.Random(seed)
     rt, led = pair(resident, row_sets=3, regions=2, pages=120)   # each of the three runs out
     live: list = []
+    most = 0                                   # the most admitted and not released, counted here
     for step in range(300):
         op = rng.random()
         if op < 0.45:
@@ -89,6 +90,7 @@ def test_random_sequences_agree(resident, seed):
             if same_decision(rt, led, key, p, m):
                 led.admit(key, p, m)
                 live.append(key)
+                most = max(most, len(live))
         elif op < 0.7 and live:
             led.prompt_done(rng.choice(live))
         elif live:
@@ -100,6 +102,7 @@ def test_random_sequences_agree(resident, seed):
     assert rt.adm.leaks() == [] and led.free_regions == led.regions
     assert led.free_pages == (0 if resident else led.host_pages)
     assert rt.adm.ledger.events == []          # the worker's ledger counts, it logs nothing
+    assert rt.stats()["max_live_requests"] == most >= 2 and rt.stats()["live_requests"] == 0
 
 
 def test_worker_refusing_what_the_scheduler_admitted_is_loud():

@@ -48,6 +48,7 @@ class LatentRuntime:
         self.adm = LatentAdmission(self.pool, self.host)
         self.graph = LatentGraphStep(self.adm, max_tokens, max_decodes, top_k)
         self.steps = 0
+        self.max_live = 0           # most requests held at once (admitted, not yet released)
 
     # ---- per step (host) ------------------------------------------------------------------------
     def apply(self, events) -> None:
@@ -65,6 +66,7 @@ class LatentRuntime:
                 self.adm.release(key)
             else:
                 raise ValueError(f"unknown latent event {ev!r}")
+            self.max_live = max(self.max_live, len(self.adm.grants))
 
     def plan(self, keys: list, query_start_loc, seq_lens) -> None:
         """Load the step's plan. keys: (B,) each batch row's request key, None = a padding row (no
@@ -94,11 +96,12 @@ class LatentRuntime:
     # ---- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Hits and misses of RESOLVE (all layers, all steps; a device read: call it off the hot
-        path), requests held, and the bytes of the GPU and host pools."""
+        path), requests held (now and at most at once), and the bytes of the GPU and host pools."""
         hits, misses = (int(x) for x in self.pool.counts.tolist())
         host = self.host
         return {"hits": hits, "misses": misses, "steps": self.steps,
-                "live_requests": len(self.adm.grants), "gpu_pool_bytes": self.pool.nbytes,
+                "live_requests": len(self.adm.grants), "max_live_requests": self.max_live,
+                "gpu_pool_bytes": self.pool.nbytes,
                 "host_pool_bytes": 0 if host is None else host.data.numel()
                 * host.data.element_size(),
                 "host_pages_used": 0 if host is None else host.used_pages,
