@@ -26,6 +26,21 @@ def model_dir(tmp_path):
     return tmp_path
 
 
+def admitted(blocks, floor, peak, seqs, sparse=True, batched=8192, resident_first=True,
+             watermark=0.0, page=16):
+    """Requests at once on the GPU, by admitting them one by one: a new one needs its peak free
+    besides vLLM's watermark (+1, the connector's admission_blocks, with resident_first), and, with
+    resident_first, the KV manager's R = cdiv(batched, page) + seqs + watermark blocks free after
+    it; those already running sit at their floor. Block 0 is vLLM's null block."""
+    wm = int(watermark * blocks)
+    spills = resident_first and sparse
+    reserve = cdiv(batched, page) + seqs + wm if spills else 0
+    n, free = 0, blocks - 1
+    while free - peak - wm - spills >= reserve:      # the next one fits: admit it, then it shrinks
+        n, free = n + 1, free - floor
+    return n
+
+
 def calc(*argv):
     r = subprocess.run([sys.executable, "-m", "vllm_hisparse.cli", "calc", *map(str, argv)],
                        capture_output=True, text=True, timeout=120)
@@ -100,7 +115,7 @@ def test_bytes_from_first_principles(model_dir, context, B, page, dense, seqs, h
     assert (h["kv_cache_bytes"], h["num_blocks"]) == (kv, h_blocks)
     fits_prefill = h_blocks - 1 >= cdiv(mml, page) + 1
     assert h["prefill_fits"] == fits_prefill
-    n_gpu = (h_blocks - 1) // min(pages, S + 1) if fits_prefill else 0
+    n_gpu = admitted(h_blocks, min(pages, S + 1), pages, seqs, page=page) if fits_prefill else 0
     n_host = (int(host_gib * GIB) // block) // pages
     assert h["host_pool_pages"] == int(host_gib * GIB) // block
     n = min(n_gpu, n_host, seqs)
@@ -122,9 +137,9 @@ def test_auto_max_num_seqs_is_the_fixed_point(model_dir):
     assert h["max_requests"] == n and h["bound_by"] == "gpu" and n > 27
     row = 30 * 2 * 2048 * 8 * 128 * 2
 
-    def fit(rows):                      # requests that fit with `rows` Quest rows reserved
+    def fit(rows):                      # requests that fit with `rows` Quest rows = max_num_seqs
         blocks = (100 * GIB - (rows + 1) * row) // (16 * TOK) // L
-        return (blocks - 1) // 65 if blocks - 1 >= 2049 else 0
+        return admitted(blocks, 65, 2048, rows) if blocks - 1 >= 2049 else 0
     assert fit(n) >= n and fit(n + 1) < n + 1
     assert run(max_num_seqs=n)["hisparse"]["max_requests"] == n
     assert run(max_num_seqs=n + 1)["hisparse"]["max_requests"] < n + 1
@@ -193,7 +208,7 @@ def test_dense_pool(model_dir, pool_gib, host_gib):
     assert h["kv_cache_bytes"] == kv
     n_host = (host_gib * GIB // (16 * TOK * (L - dense))) // pages    # host: sparse layers only
     assert h["host_bytes_per_request"] == (L - dense) * pages * 16 * TOK
-    n_gpu = (kv // (16 * TOK) // L - 1) // 257
+    n_gpu = admitted(kv // (16 * TOK) // L, 257, pages, seqs)
     limits = {"gpu": n_gpu, "host": n_host, "dense_pool": pool_pages // pages, "max_num_seqs": seqs}
     by = min(limits, key=limits.get)
     assert (h["max_requests"], h["bound_by"]) == (limits[by], by)
@@ -208,7 +223,7 @@ def test_quest_rows(model_dir):
     row = 30 * 2 * 2048 * 8 * 128 * 2
     assert (h["quest_rows"], h["quest_meta_bytes"]) == (10, 11 * row)
     assert h["kv_cache_bytes"] == 40 * GIB - 11 * row
-    n_gpu = (h["num_blocks"] - 1) // 257
+    n_gpu = admitted(h["num_blocks"], 257, 2048, 1024)
     assert (h["max_requests"], h["bound_by"]) == ((10, "quest_rows") if n_gpu > 10 else (n_gpu, "gpu"))
 
 
@@ -242,8 +257,13 @@ def test_short_prompt_with_long_output_is_sparse(model_dir):
     assert h["peak_blocks_per_request"] == 2 * B // 16            # its pages at the switch
     long_prompt = calc_json(model_dir, "--context", 17408, *args)["hisparse"]
     assert long_prompt["peak_blocks_per_request"] == cdiv(17408, 16)      # its prefill
-    assert {k: v for k, v in h.items() if k != "peak_blocks_per_request"} == \
-        {k: v for k, v in long_prompt.items() if k != "peak_blocks_per_request"}
+    differ = ("peak_blocks_per_request", "gpu_bound", "max_requests", "bound_by")
+    assert {k: v for k, v in h.items() if k not in differ} == \
+        {k: v for k, v in long_prompt.items() if k not in differ}
+    # the GPU bound counts the last one admitted at its peak: the 1K prompt's 512 blocks at
+    # min_context, the long prompt's 1088 during its prefill
+    for r, peak in ((h, 2 * B // 16), (long_prompt, cdiv(17408, 16))):
+        assert r["gpu_bound"]["requests"] == admitted(r["num_blocks"], B // 16 + 1, peak, 8)
     short = calc_json(model_dir, "--context", 2048, "--prompt", 1024, *args)["hisparse"]
     assert not short["sparse"] and short["host_bytes_per_request"] == 0
     assert short["peak_blocks_per_request"] == 2048 // 16
@@ -294,7 +314,95 @@ def test_long_server_keeps_its_pools(model_dir):
     kv = int(G * GIB) - 23 * row - dense_pages * 16 * TOK * 2
     assert h["kv_cache_bytes"] == kv
     n_host = (84 * GIB // (16 * TOK * 30)) // pages
-    n_gpu = (kv // (16 * TOK * L) - 1) // 257
+    n_gpu = admitted(kv // (16 * TOK * L), 257, pages, 64)
     assert n_host >= 22 and n_gpu >= 22
     assert h["max_requests"] == 22 and h["bound_by"] in ("quest_rows", "host")
     assert out["baseline"]["max_requests"] == (int(G * GIB) // (16 * TOK * L) - 1) // pages
+
+
+# the 40K server of the brief: Llama-3-8B shape on an H200 share, 6 GiB dense pool, 24 seqs
+EXAMPLE = ("--context", 40960, "--gpu-kv-gib", 27.7, "--host-gib", 84, "--dense-pool-gib", 6,
+           "--max-num-seqs", 24)
+
+
+@pytest.mark.parametrize("extra,seqs,batched,rf,wm", [
+    ((), 24, 8192, True, 0.0),
+    (("--no-resident-first",), 24, 8192, False, 0.0),
+    (("--max-num-batched-tokens", 2048, "--watermark", 0.01), 24, 2048, True, 0.01),
+    (("--watermark", 0.01, "--no-resident-first"), 24, 8192, False, 0.01),
+    (("--prompt", 1024), 24, 8192, True, 0.0),        # peak at min_context, not its prefill
+])
+def test_gpu_bound_simulates_admission(model_dir, extra, seqs, batched, rf, wm):
+    """The GPU bound is what one-by-one admission reaches (N fits, N + 1 does not), not
+    num_blocks // (S + 1): before this the brief's example said 17 (host-bound), the last request's
+    prompt and the KV manager's reserve left out."""
+    h = calc_json(model_dir, *EXAMPLE, "--buffer", 6144, "--quest-rows", 18, *extra)["hisparse"]
+    prompt = dict(zip(extra[::2], extra[1::2])).get("--prompt", 40960)
+    peak = cdiv(max(prompt, 2 * 6144), 16)
+    n = admitted(h["num_blocks"], 385, peak, seqs, batched=batched, resident_first=rf, watermark=wm)
+    g = h["gpu_bound"]
+    assert g["requests"] == n and g["resident_first"] == rf and g["max_num_batched_tokens"] == batched
+    # N fits, N + 1 does not, counted from the blocks
+    wmb = int(wm * h["num_blocks"])
+    reserve = cdiv(batched, 16) + seqs + wmb if rf else 0
+    used = lambda k: (k - 1) * 385 + peak + wmb + rf + reserve
+    assert used(n) <= h["num_blocks"] - 1 < used(n + 1)
+    if not extra:
+        assert (n, h["max_requests"], h["bound_by"]) == (14, 14, "gpu")
+
+
+def test_gpu_bound_is_printed(model_dir):
+    out = calc("--model", model_dir, *EXAMPLE, "--buffer", 6144, "--quest-rows", 18)
+    assert "GPU bound: 14 = 1 + (blocks 8452 - 1 null - 2561 for the last one admitted" in out
+    assert "R 536 kept free (resident_first" in out
+
+
+@pytest.mark.parametrize("rows", [18, 22])
+def test_buffer_auto_keeps_the_requests_of_2k(model_dir, rows):
+    """--buffer auto: the largest B whose max requests are those at B = 2 x top_k; one page more
+    loses a request."""
+    args = (*EXAMPLE, "--quest-rows", rows)
+    auto = calc_json(model_dir, *args, "--buffer", "auto")
+    B, want = auto["buffer"], calc_json(model_dir, *args, "--buffer", 4096)["hisparse"]["max_requests"]
+    assert B % 16 == 0 and B >= 4096 and auto["buffer_auto"]["buffer"] == B
+    assert auto["hisparse"]["max_requests"] == auto["buffer_auto"]["max_requests"] == want
+    assert auto == calc_json(model_dir, *args, "--buffer", B) | {"buffer_auto": auto["buffer_auto"]}
+    assert calc_json(model_dir, *args, "--buffer", B + 16)["hisparse"]["max_requests"] < want
+    text = calc("--model", model_dir, *args, "--buffer", "auto")
+    assert text.startswith(f"B=auto: {B} tokens (S={B // 16}): the largest hot buffer that keeps "
+                           f"{want} requests")
+    assert f", B={B}, top_k=2048" in text
+
+
+def test_buffer_auto_capped_by_max_model_len(model_dir):
+    """Plenty of GPU: every B up to max_model_len keeps the requests (the host pool bounds them)."""
+    out = calc_json(model_dir, "--context", 16384, "--gpu-kv-gib", 100, "--host-gib", 8,
+                    "--max-num-seqs", 8, "--min-context", 0, "--buffer", "auto")
+    assert out["buffer"] == 16384 and out["buffer_auto"]["capped"]
+    assert out["hisparse"]["bound_by"] == "host"
+
+
+@pytest.mark.parametrize("rows", [12, 16, 17, 18, 22])
+def test_quest_rows_warning(model_dir, rows):
+    """A warning exactly when the Quest rows exceed the requests the other limits admit: the rows
+    never used, their bytes, and the quest_rows that admits the most."""
+    args = (*EXAMPLE, "--buffer", 6144, "--quest-rows", rows)
+    h = calc_json(model_dir, *args)["hisparse"]
+    w, text = h["quest_rows_warning"], calc("--model", model_dir, *args)
+    if h["max_requests"] == rows:
+        assert w is None and "never used" not in text
+        return
+    assert h["max_requests"] < rows and h["bound_by"] != "quest_rows"
+    assert w["unused_rows"] == rows - h["max_requests"]
+    fewer = calc_json(model_dir, *EXAMPLE, "--buffer", 6144, "--quest-rows", h["max_requests"])
+    assert w["unused_bytes"] == fewer["hisparse"]["kv_cache_bytes"] - h["kv_cache_bytes"] > 0
+    best = w["set_quest_rows"]
+    at = lambda q: calc_json(model_dir, *EXAMPLE, "--buffer", 6144, "--quest-rows", q)["hisparse"]
+    assert at(best)["max_requests"] == best and at(best)["quest_rows_warning"] is None
+    assert at(best + 1)["max_requests"] < best + 1
+    assert w["text"] in text and f"set quest_rows to {best}" in text
+
+
+def test_no_quest_rows_warning_when_auto(model_dir):
+    h = calc_json(model_dir, "--context", 40960, "--gpu-kv-gib", 27.7, "--host-gib", 84)["hisparse"]
+    assert h["quest_rows_warning"] is None and h["max_requests"] == h["quest_rows"]

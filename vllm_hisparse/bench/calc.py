@@ -3,7 +3,10 @@ implements it today (the formulas and what they model: ``vllm_hisparse.core.capa
 
     hisparse calc --model CONFIG_DIR_OR_JSON --context 32768 --top-k 2048 --buffer 4096 \
         --gpu-kv-gib 40 --host-gib 100 [--page-size 16 --dtype bf16 --dense-layers 2 \
-        --max-num-seqs N --max-model-len M --min-context C] [--json]
+        --max-num-seqs N --max-model-len M --min-context C --max-num-batched-tokens T \
+        --no-resident-first] [--json]
+
+``--buffer auto`` picks the largest B that keeps as many requests as B = 2 x top_k.
 
 It also prints the two capacity lines vLLM logs at startup ("GPU KV cache size", "Maximum
 concurrency"), computed the way vLLM computes them, so the two can be compared line by line.
@@ -39,7 +42,14 @@ max_model_len tokens.
 
 max requests counts decoding requests of --context tokens: whole blocks, vLLM's null block left out;
 a hisparse request keeps S+1 = B/page+1 blocks in every layer after its prefill (dense layers
-included: they are not kept resident yet) and all its pages during prefill.
+included: they are not kept resident yet) and all its pages during prefill. The GPU bound is the N
+at which N-1 requests hold S+1 blocks while the last one admitted holds its peak (its whole prompt:
+vLLM's scheduler_reserve_full_isl) + vLLM's watermark (+1 with resident_first: the connector's
+admission_blocks), and, with resident_first, R = cdiv(max_num_batched_tokens, page) +
+max_num_seqs + watermark blocks stay free (connector.spill_reserve).
+
+--buffer auto: the largest B (a multiple of the page, up to max_model_len) whose max requests are
+those at B = 2 x top_k: the GPU memory free at full capacity goes to a bigger hot buffer.
 
 A request is sparse when its context (prompt + output) reaches min_context, whatever its prompt
 (a short prompt turns sparse at the step its context does): then it holds host pages for its whole
@@ -61,7 +71,9 @@ def add_arguments(p):
                    help="prompt tokens of a request (default: --context): a prompt shorter than "
                         "min_context holds every page until its context reaches min_context")
     p.add_argument("--top-k", type=int, default=2048, help="tokens attended per step (default 2048)")
-    p.add_argument("--buffer", type=int, default=4096, help="hot-buffer tokens B (default 4096)")
+    p.add_argument("--buffer", type=_buffer, default=4096,
+                   help="hot-buffer tokens B (default 4096), or auto: the largest B that keeps the "
+                        "requests of B = 2 x --top-k")
     p.add_argument("--gpu-kv-gib", type=float, required=True,
                    help="KV memory a stock vLLM run gets, GiB (see below)")
     p.add_argument("--host-gib", type=float, required=True, help="host pool size, GiB (host_pool_gib)")
@@ -95,7 +107,26 @@ def add_arguments(p):
                         "(default 0: docs/dsa.md writes the newest token through to the host)")
     p.add_argument("--prefill-slots", type=int, default=1,
                    help="MLA/DSA: full-length latent regions for prompts in prefill (default 1)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="vLLM --max-num-batched-tokens, its step budget (default 8192): with "
+                        "resident_first the KV manager keeps cdiv(this, page) + max_num_seqs + "
+                        "watermark blocks free for one step's allocations, out of the GPU bound")
+    p.add_argument("--resident-first", action=argparse.BooleanOptionalAction, default=True,
+                   help="hisparse resident_first (default on, as the config): count the KV "
+                        "manager's free reserve in the GPU bound")
+    p.add_argument("--watermark", type=float, default=0.0,
+                   help="vLLM scheduler watermark, a fraction of the GPU blocks kept free at "
+                        "admission (default 0.0, vLLM 0.26's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _buffer(v: str):
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r}: a token count or auto") from None
 
 
 def _hf_config(path: str) -> dict:
@@ -111,6 +142,33 @@ def _hf_config(path: str) -> dict:
 
 def compute(args) -> dict:
     hf = _hf_config(args.model)
+    if args.buffer == "auto":
+        return _auto_buffer(args, hf)
+    return _compute(args, hf)
+
+
+def _auto_buffer(args, hf: dict) -> dict:
+    """The largest B, a multiple of the page from 2 x top_k up to max_model_len, at which max
+    requests are still those at 2 x top_k (the first B that loses one ends the search)."""
+    P, mml = args.page_size, args.max_model_len or args.context
+    first = cap.cdiv(2 * args.top_k, P) * P
+
+    def at(b: int) -> dict:
+        return _compute(argparse.Namespace(**{**vars(args), "buffer": b}), hf)
+
+    best, r = first, at(first)
+    want = r["hisparse"]["max_requests"]
+    for b in range(first + P, mml + 1, P):
+        rb = at(b)
+        if rb["hisparse"]["max_requests"] != want:
+            break
+        best, r = b, rb
+    r["buffer"], r["buffer_auto"] = best, {"buffer": best, "num_slots": best // P, "max_requests": want,
+                        "reference_buffer": first, "capped": best + P > mml}
+    return r
+
+
+def _compute(args, hf: dict) -> dict:
     if "kv_lora_rank" in hf:
         return calc_mla.compute(args, hf)
     mml = args.max_model_len or args.context
@@ -146,9 +204,11 @@ def compute(args) -> dict:
         conc = cap.vllm_max_concurrency(blocks, blocks_per_req_at_mml)
         return {"vllm_max_concurrency": conc, "vllm_kv_cache_tokens": int(conc * mml)}
 
-    # stock: the whole budget is KV
+    # stock: the whole budget is KV; the last request admitted wants vLLM's watermark free too
     b_blocks, b_bpr = cap.num_blocks(gpu, m, P), cap.baseline_blocks(args.context, P)
-    n_b, by_b = cap.max_requests({"gpu": max(b_blocks - 1, 0) // b_bpr, "max_num_seqs": seqs})
+    n_b, by_b = cap.max_requests({"gpu": cap.gpu_requests(
+        b_blocks, b_bpr, cap.baseline_blocks(prompt, P) + cap.watermark_blocks(b_blocks, args.watermark)),
+        "max_num_seqs": seqs})
     baseline = {"gpu_bytes_per_request": cap.baseline_gpu_bytes(m, args.context, P),
                 "host_bytes_per_request": 0, "max_requests": n_b, "bound_by": by_b,
                 "kv_cache_bytes": gpu, "num_blocks": b_blocks,
@@ -178,9 +238,25 @@ def compute(args) -> dict:
     n_pools = min((x for x in (n_host, n_dense) if x is not None), default=None)
     gpu_kv = gpu - dense_bytes
 
-    def fit_gpu(kv: int) -> int:
+    # the GPU bound (cap.gpu_requests): N-1 requests at h_bpr, the last admitted at its peak +
+    # vLLM's watermark; resident_first: + the connector's 1 and R kept free (a sparse request only:
+    # nothing else spills)
+    peak = cap.hisparse_peak_blocks(prompt, args.context, P, S, cfg.min_context_tokens, sparse)
+    spills = args.resident_first and sparse
+
+    def gpu_terms(nb: int, max_num_seqs: int) -> dict:
+        wm = cap.watermark_blocks(nb, args.watermark)
+        return {"num_blocks": nb, "floor_blocks": h_bpr, "peak_blocks": peak, "watermark_blocks": wm,
+                "admit_blocks": peak + wm + int(spills),
+                "spill_reserve_blocks": cap.spill_reserve_blocks(
+                    args.max_num_batched_tokens, max_num_seqs, P, wm) if spills else 0}
+
+    def fit_gpu(kv: int, max_num_seqs: int) -> int:
         nb = cap.num_blocks(kv, m, P)
-        return (nb - 1) // h_bpr if cap.hisparse_prefill_fits(nb, mml, P) else 0
+        if not cap.hisparse_prefill_fits(nb, mml, P):
+            return 0
+        t = gpu_terms(nb, max_num_seqs)
+        return cap.gpu_requests(nb, h_bpr, t["admit_blocks"], t["spill_reserve_blocks"])
 
     # Quest rows: quest_rows, else max_num_seqs, else the most that fit (+ one scratch row)
     auto = args.quest_rows is None and seqs is None and possible
@@ -189,20 +265,41 @@ def compute(args) -> dict:
     elif args.quest_rows is not None:
         n_seqs = args.quest_rows
     elif seqs is None:
-        n_seqs = cap.auto_max_num_seqs(gpu_kv - row, row, lambda kv: min(fit_gpu(kv), n_pools if
-                                                                     n_pools is not None else 1 << 62))
+        n_seqs = cap.auto_max_num_seqs(gpu_kv - row, row, lambda kv, n: min(
+            fit_gpu(kv, n), n_pools if n_pools is not None else 1 << 62))
     else:
         n_seqs = seqs
-    dense_bytes, dense_pages, n_dense = dense_pool(n_seqs)     # what n_seqs rows can fill
-    kv = gpu - dense_bytes - (n_seqs + 1) * row
+    vllm_seqs = seqs if seqs is not None else n_seqs    # the max_num_seqs calc says to pass
+
+    def at_rows(rows: int) -> tuple[int, dict]:
+        """KV bytes and the limits other than the Quest rows with ``rows`` rows reserved."""
+        d_bytes, _, n_d = dense_pool(rows)                      # what `rows` rows can fill
+        kv_ = gpu - d_bytes - (rows + 1) * row
+        return kv_, {"gpu": fit_gpu(kv_, vllm_seqs), "host": n_host, "dense_pool": n_d,
+                     "max_num_seqs": seqs}
+
+    dense_bytes, dense_pages, n_dense = dense_pool(n_seqs)
+    kv, limits = at_rows(n_seqs)
     h_blocks = cap.num_blocks(kv, m, P)
-    limits = {"gpu": fit_gpu(kv), "host": n_host, "dense_pool": n_dense, "max_num_seqs": seqs,
-              "quest_rows": n_seqs if possible else None}
+    limits["quest_rows"] = n_seqs if possible else None
     if auto:               # n_seqs is the answer; say which resource stopped it growing
         n_h, by_h = n_seqs, ("host" if n_host is not None and n_seqs == n_host else
                              "dense_pool" if n_dense is not None and n_seqs == n_dense else "gpu")
     else:
         n_h, by_h = cap.max_requests(limits)
+    # Quest rows beyond what the other limits admit: reserved, never used
+    rows_warning = None
+    if possible and n_h < n_seqs:
+        fit_rows = n_h                    # the most rows that all fit once the rest is given back
+        while fit_rows < n_seqs and fit_rows + 1 <= min(
+                v for v in at_rows(fit_rows + 1)[1].values() if v is not None):
+            fit_rows += 1
+        unused = at_rows(n_h)[0] - kv
+        rows_warning = {"unused_rows": n_seqs - n_h, "unused_bytes": unused,
+                        "set_quest_rows": fit_rows, "text": (
+            f"warning: {n_seqs - n_h} of the {n_seqs} Quest rows are never used ({by_h} admits "
+            f"{n_h} requests): they take {_gib(unused)} from the KV cache; set quest_rows to "
+            f"{fit_rows} ({fit_rows} requests)")}
     hisparse = {"gpu_bytes_per_request": cap.hisparse_gpu_bytes(m, args.context, P, S, sparse),
                 "peak_blocks_per_request": cap.hisparse_peak_blocks(
                     prompt, args.context, P, S, cfg.min_context_tokens, sparse),
@@ -214,6 +311,10 @@ def compute(args) -> dict:
                 "max_num_seqs": seqs if seqs is not None or not possible else n_seqs,
                 "quest_meta_bytes": (n_seqs + 1) * row, "kv_cache_bytes": kv, "num_blocks": h_blocks,
                 "prefill_fits": cap.hisparse_prefill_fits(h_blocks, mml, P),
+                "gpu_bound": {**gpu_terms(h_blocks, vllm_seqs), "requests": limits["gpu"],
+                              "max_num_batched_tokens": args.max_num_batched_tokens,
+                              "resident_first": args.resident_first, "watermark": args.watermark},
+                "quest_rows_warning": rows_warning,
                 "host_pool_pages": host_pages, "host_pool_bytes_per_rank": host,
                 "dense_pool_bytes": dense_bytes, "dense_pool_pages": dense_pages,
                 "dense_pool_bytes_per_request": (h_pages * P * m.token_bytes_per_layer
@@ -222,7 +323,7 @@ def compute(args) -> dict:
                 # request can turn sparse, else every page
                 **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S, possible))}
     return {"max_model_len": mml, "tensor_parallel_size": tp, "min_context": cfg.min_context_tokens,
-            "baseline": baseline,
+            "buffer": args.buffer, "baseline": baseline,
             "hisparse": hisparse}
 
 
@@ -236,6 +337,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
+    args.buffer = r.get("buffer", args.buffer)
+    if "buffer_auto" in r:
+        a = r["buffer_auto"]
+        print(f"B=auto: {a['buffer']} tokens (S={a['num_slots']}): the largest hot buffer that keeps "
+              f"{a['max_requests']} requests, as B = 2 x top_k = {a['reference_buffer']}; "
+              + ("max_model_len caps it" if a["capped"] else
+                 f"B = {a['buffer'] + args.page_size} keeps fewer"))
     if r.get("model") == "mla-dsa":
         calc_mla.report(args, r)
         return 0
@@ -266,6 +374,16 @@ def run(args) -> int:
           f"{'the sparse layers' if h['dense_pool_bytes'] else 'every layer'} "
           f"({h['host_pool_pages']} pages)" if r["min_context"] <= mml else
           "no host pool is pinned (no request can turn sparse)"))
+    g = h["gpu_bound"]
+    print(f"GPU bound: {g['requests']} = 1 + (blocks {g['num_blocks']} - 1 null - "
+          f"{g['admit_blocks']} for the last one admitted (peak {g['peak_blocks']} + watermark "
+          f"{g['watermark_blocks']}{' + 1' if g['admit_blocks'] > g['peak_blocks'] + g['watermark_blocks'] else ''}) - "
+          f"R {g['spill_reserve_blocks']} kept free"
+          + (f" (resident_first: cdiv({g['max_num_batched_tokens']}, {args.page_size}) + "
+             f"max_num_seqs + watermark)" if g["spill_reserve_blocks"] else "")
+          + f") // {g['floor_blocks']} blocks per running request")
+    if h["quest_rows_warning"]:
+        print(h["quest_rows_warning"]["text"])
     if h["sparse"] and args.prompt is not None and args.prompt < args.context:
         print(f"a {args.prompt}-token prompt with {args.context - args.prompt} output tokens "
               f"holds up to {h['peak_blocks_per_request']} blocks (before it turns sparse at "

@@ -52,7 +52,7 @@ def compute(args, hf: dict) -> dict:
         return max(mla.hisparse_num_blocks(kv, m) - 1, 0) // b_bpr
 
     if seqs is None:
-        n_seqs = cap.auto_max_num_seqs(gpu - fixed, row, lambda kv: min(fit_gpu(kv), n_host))
+        n_seqs = cap.auto_max_num_seqs(gpu - fixed, row, lambda kv, _seqs: min(fit_gpu(kv), n_host))
         n_h = n_seqs
         by_h = "host" if n_seqs == n_host else "gpu"
     else:

@@ -15,6 +15,10 @@ HiSparse today (``vllm/spec.py``, ``core/residency.py``, ``vllm/connector.py``, 
   request holds all its pages, and a short prompt that turns sparse later (``core/residency.py``)
   holds every page until its context reaches ``min_context`` (``hisparse_peak_blocks``); the
   connector refuses to start unless one ``max_model_len`` prompt fits the blocks.
+* Requests at once on the GPU (``gpu_requests``): N - 1 at their floor (S + 1 blocks) while the
+  last one admitted holds its peak, plus what admission keeps free: vLLM's watermark (it wants the
+  whole prompt free, ``scheduler_reserve_full_isl``) and, with ``resident_first``, the connector's
+  +1 (``admission_blocks``) and the reserve R the KV manager keeps free (``spill_reserve_blocks``).
 * Which requests count as sparse: those whose context (prompt + output) reaches ``min_context``,
   whatever their prompt (``residency.may_turn_sparse``, the connector's admission rule).
 * Host pool: every page of **every** layer of a sparse request (``L x cdiv(n, page)`` pages of
@@ -235,6 +239,31 @@ def hisparse_prefill_fits(blocks: int, max_model_len: int, page_size: int) -> bo
     return blocks - 1 >= cdiv(max_model_len, page_size) + 1
 
 
+def watermark_blocks(blocks: int, watermark: float = 0.0) -> int:
+    """vLLM's watermark: blocks kept free when a waiting request is admitted
+    (``KVCacheManager.watermark_blocks``: ``int(watermark x num_blocks)``)."""
+    return int(watermark * blocks)
+
+
+def spill_reserve_blocks(max_num_batched_tokens: int, max_num_seqs: int, page_size: int,
+                         watermark_blocks: int = 0) -> int:
+    """R, the free blocks the KV manager keeps with ``resident_first`` (``connector.spill_reserve``):
+    one step's allocations of the running requests (its batched tokens plus a partial block per
+    request) and vLLM's watermark."""
+    return cdiv(max_num_batched_tokens, page_size) + max_num_seqs + watermark_blocks
+
+
+def gpu_requests(blocks: int, floor_blocks: int, admit_blocks: int, reserve: int = 0) -> int:
+    """Requests that run at once in ``blocks`` (null block included): N - 1 of them at their
+    ``floor_blocks`` (``hisparse_blocks``) while the last one admitted holds ``admit_blocks`` (its
+    peak, ``hisparse_peak_blocks``, plus what admission wants free besides: vLLM's watermark, the
+    connector's +1 of ``admission_blocks``) and ``reserve`` blocks stay free (``spill_reserve_blocks``
+    with resident_first, else 0): ``1 + (blocks - 1 - admit - reserve) // floor``, 0 when that
+    one request does not fit."""
+    room = blocks - 1 - admit_blocks - reserve
+    return 0 if room < 0 or floor_blocks < 1 else 1 + room // floor_blocks
+
+
 def max_requests(limits: dict[str, int | None]) -> tuple[int, str]:
     """(how many requests fit, which limit bounds it) from {"gpu": n, "host": n or None,
     "max_num_seqs": n or None}; None = no such limit; ties go to the first."""
@@ -243,12 +272,13 @@ def max_requests(limits: dict[str, int | None]) -> tuple[int, str]:
 
 
 def auto_max_num_seqs(gpu_bytes: int, row_bytes: int, fit) -> int:
-    """The largest N with N <= fit(gpu_bytes - N x row_bytes): as many indexer rows as requests that
-    still fit once those rows are reserved (fit: KV bytes -> requests, never more for fewer bytes)."""
-    lo, hi = 0, (gpu_bytes // row_bytes + 1) if row_bytes else fit(gpu_bytes) + 1
+    """The largest N with N <= fit(gpu_bytes - N x row_bytes, N): as many indexer rows as requests
+    that still fit once those rows are reserved (fit: KV bytes, max_num_seqs -> requests, never more
+    for fewer bytes or more sequences)."""
+    lo, hi = 0, (gpu_bytes // row_bytes + 1) if row_bytes else fit(gpu_bytes, 0) + 1
     while hi - lo > 1:                         # invariant: lo fits, hi does not
         mid = (lo + hi) // 2
-        if mid <= fit(gpu_bytes - mid * row_bytes):
+        if mid <= fit(gpu_bytes - mid * row_bytes, mid):
             lo = mid
         else:
             hi = mid
