@@ -45,6 +45,30 @@ LINES = re.compile(r"(GPU KV cache size.*|Maximum concurrency.*|hisparse dsa: .*
                    r"Using .* backend.*|cudagraph_mode.*?[,}]|Error.*|error.*)")
 
 
+def backend(mode: str, cfg: dict) -> dict:
+    """LLM kwargs of a mode: stock FLASH_ATTN_MLA_SPARSE (MQA prefill, as hisparse's), else the
+    plugin with the hisparse config ``cfg``."""
+    if mode == "stock":
+        return {"attention_config": {"backend": "FLASH_ATTN_MLA_SPARSE",
+                                     "sparse_mla_force_mqa": True}}
+    from vllm_hisparse.vllm.plugin import register
+
+    register()
+    return {"attention_backend": "hisparse", "additional_config": {"hisparse": cfg}}
+
+
+def save(res: dict, path: str, line: str) -> int:
+    """Add the runtime's stats (hisparse, resident), write ``res`` to ``path``, print ``line``."""
+    if res["mode"] != "stock":
+        from vllm_hisparse.vllm import dsa_state
+
+        res["stats"] = dsa_state.get_runtime().stats()
+    with open(path, "w") as f:
+        json.dump(res, f)
+    print(f"{line}; stats {json.dumps(res.get('stats', {}))}", flush=True)
+    return 0
+
+
 def run(mode: str, model: str, out: str) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the runtime's stats in-process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,15 +81,7 @@ def run(mode: str, model: str, out: str) -> int:
               dtype="bfloat16", seed=0, max_model_len=MAX_LEN, max_num_seqs=8,
               max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
-    if mode == "stock":
-        kw["attention_config"] = {"backend": "FLASH_ATTN_MLA_SPARSE", "sparse_mla_force_mqa": True}
-    else:
-        from vllm_hisparse.vllm.plugin import register
-
-        register()
-        kw["attention_backend"] = "hisparse"
-        kw["additional_config"] = {"hisparse": dict(CFG, host_tier=mode == "hisparse")}
-    llm = LLM(**kw)
+    llm = LLM(**kw, **backend(mode, dict(CFG, host_tier=mode == "hisparse")))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True,
                         detokenize=False)
     t0 = time.time()
@@ -74,15 +90,8 @@ def run(mode: str, model: str, out: str) -> int:
         {"prompt_len": len(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
          "logprobs": [sorted([k, v.logprob] for k, v in d.items()) for d in o.outputs[0].logprobs]}
         for o in outs]}
-    if mode != "stock":
-        from vllm_hisparse.vllm import dsa_state
-
-        res["stats"] = dsa_state.get_runtime().stats()
-    with open(os.path.join(out, f"{mode}.json"), "w") as f:
-        json.dump(res, f)
-    print(f"== {mode}: {len(outs)} requests in {res['elapsed_s']:.1f} s; stats "
-          f"{json.dumps(res.get('stats', {}))}", flush=True)
-    return 0
+    return save(res, os.path.join(out, f"{mode}.json"),
+                f"== {mode}: {len(outs)} requests in {res['elapsed_s']:.1f} s")
 
 
 def cap(mode: str, model: str, out: str) -> int:
@@ -111,16 +120,8 @@ def cap(mode: str, model: str, out: str) -> int:
               dtype="bfloat16", seed=0, max_model_len=mml, max_num_seqs=n,
               max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
               kv_cache_memory_bytes=side["kv_cache_bytes"])
-    if mode == "stock":
-        kw["attention_config"] = {"backend": "FLASH_ATTN_MLA_SPARSE", "sparse_mla_force_mqa": True}
-    else:
-        from vllm_hisparse.vllm.plugin import register
-
-        register()
-        kw["attention_backend"] = "hisparse"
-        kw["additional_config"] = {"hisparse": dict(CFG, host_pool_gib=host_gib, quest_rows=n,
-                                                    prefill_slots=1)}
-    llm = LLM(**kw)
+    llm = LLM(**kw, **backend(mode, dict(CFG, host_pool_gib=host_gib, quest_rows=n,
+                                         prefill_slots=1)))
     sp = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True, detokenize=False)
     t0 = time.time()
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -129,15 +130,9 @@ def cap(mode: str, model: str, out: str) -> int:
     res = {"mode": mode, "kv_budget_gib": kv_gib, "host_pool_gib": host_gib, "requests": n,
            "prompt": prompt, "outputs": n_out, "elapsed_s": dt, "output_tok_s": toks / dt,
            "calc": side}
-    if mode != "stock":
-        from vllm_hisparse.vllm import dsa_state
-
-        res["stats"] = dsa_state.get_runtime().stats()
-    with open(os.path.join(out, f"cap-{mode}.json"), "w") as f:
-        json.dump(res, f)
-    print(f"== cap {mode}: {n} requests of {prompt} + {n_out} in {dt:.1f} s, "
-          f"{toks / dt:.1f} output tok/s; stats {json.dumps(res.get('stats', {}))}", flush=True)
-    return 0
+    return save(res, os.path.join(out, f"cap-{mode}.json"),
+                f"== cap {mode}: {n} requests of {prompt} + {n_out} in {dt:.1f} s, "
+                f"{toks / dt:.1f} output tok/s")
 
 
 def show_log(path: str) -> None:

@@ -31,26 +31,19 @@ fi
 model=$out/deepseek-v3.2-l4
 python3 -m vllm_hisparse.bench.model_shapes deepseek-v3.2-l4 "$model" > "$out/model.log" 2>&1 \
   || { tail -5 "$out/model.log"; exit 1; }
-for mode in ${MODES-hisparse stock resident}; do
-  timeout -k 20 ${DSA_LIMIT:-150} python3 scripts/gpu_dsa.py run $mode "$model" "$out" \
-    > "$out/$mode.log" 2>&1
-  echo "== $mode exit $? (124: stopped at DSA_LIMIT)"
-  grep -E "^== " "$out/$mode.log"
-  python3 scripts/gpu_dsa.py log "$out/$mode.log"
-  [ -f "$out/$mode.json" ] || tail -25 "$out/$mode.log"
-  since "$mode done"
-done
+# engine KIND MODE NAME LIMIT: scripts/gpu_dsa.py KIND MODE, its log and JSON as OUT/NAME.*
+engine() {
+  timeout -k 20 $4 python3 scripts/gpu_dsa.py $1 $2 "$model" "$out" > "$out/$3.log" 2>&1
+  echo "== $3 exit $? (124: stopped at its limit, $4 s)"
+  grep -E "^== " "$out/$3.log"
+  python3 scripts/gpu_dsa.py log "$out/$3.log"
+  [ -f "$out/$3.json" ] || tail -25 "$out/$3.log"
+  since "$3 done"
+}
+for mode in ${MODES-hisparse stock resident}; do engine run $mode $mode ${DSA_LIMIT:-150}; done
 [ -n "${MODES-x}" ] && python3 scripts/gpu_dsa.py compare "$out"
 # DSA_CAP=1: issue 17's capacity at one GPU KV budget (scripts/gpu_dsa.py cap; ~2-3 min each)
 if [ "${DSA_CAP:-0}" = 1 ]; then
-  for mode in stock hisparse; do
-    timeout -k 20 ${DSA_CAP_LIMIT:-240} python3 scripts/gpu_dsa.py cap $mode "$model" "$out" \
-      > "$out/cap-$mode.log" 2>&1
-    echo "== cap $mode exit $? (124: stopped at DSA_CAP_LIMIT)"
-    grep -E "^== " "$out/cap-$mode.log"
-    python3 scripts/gpu_dsa.py log "$out/cap-$mode.log"
-    [ -f "$out/cap-$mode.json" ] || tail -25 "$out/cap-$mode.log"
-    since "cap $mode done"
-  done
+  for mode in stock hisparse; do engine cap $mode cap-$mode ${DSA_CAP_LIMIT:-240}; done
 fi
 since "all done"
