@@ -29,14 +29,13 @@ def model_dir(tmp_path):
 def admitted(blocks, floor, peak, seqs, sparse=True, batched=8192, resident_first=True,
              watermark=0.0, page=16):
     """Requests at once on the GPU, by admitting them one by one: a new one needs its peak free
-    besides vLLM's watermark (+1, the connector's admission_blocks, with resident_first), and, with
-    resident_first, the KV manager's R = cdiv(batched, page) + seqs + watermark blocks free after
-    it; those already running sit at their floor. Block 0 is vLLM's null block."""
+    besides vLLM's watermark (+1, the connector's admission_blocks, with resident_first); those
+    already running sit at their floor (R, the KV manager's spill target, gates nothing). Block 0
+    is vLLM's null block."""
     wm = int(watermark * blocks)
     spills = resident_first and sparse
-    reserve = cdiv(batched, page) + seqs + wm if spills else 0
     n, free = 0, blocks - 1
-    while free - peak - wm - spills >= reserve:      # the next one fits: admit it, then it shrinks
+    while free - peak - wm - spills >= 0:           # the next one fits: admit it, then it shrinks
         n, free = n + 1, free - floor
     return n
 
@@ -335,26 +334,26 @@ EXAMPLE = ("--context", 40960, "--gpu-kv-gib", 27.7, "--host-gib", 84, "--dense-
 def test_gpu_bound_simulates_admission(model_dir, extra, seqs, batched, rf, wm):
     """The GPU bound is what one-by-one admission reaches (N fits, N + 1 does not), not
     num_blocks // (S + 1): before this the brief's example said 17 (host-bound), the last request's
-    prompt and the KV manager's reserve left out."""
+    prompt left out."""
     h = calc_json(model_dir, *EXAMPLE, "--buffer", 6144, "--quest-rows", 18, *extra)["hisparse"]
     prompt = dict(zip(extra[::2], extra[1::2])).get("--prompt", 40960)
     peak = cdiv(max(prompt, 2 * 6144), 16)
     n = admitted(h["num_blocks"], 385, peak, seqs, batched=batched, resident_first=rf, watermark=wm)
     g = h["gpu_bound"]
     assert g["requests"] == n and g["resident_first"] == rf and g["max_num_batched_tokens"] == batched
-    # N fits, N + 1 does not, counted from the blocks
+    # N fits, N + 1 does not, counted from the blocks; R reported, not subtracted
     wmb = int(wm * h["num_blocks"])
-    reserve = cdiv(batched, 16) + seqs + wmb if rf else 0
-    used = lambda k: (k - 1) * 385 + peak + wmb + rf + reserve
+    used = lambda k: (k - 1) * 385 + peak + wmb + rf
     assert used(n) <= h["num_blocks"] - 1 < used(n + 1)
+    assert g["spill_reserve_blocks"] == (cdiv(batched, 16) + seqs + wmb if rf else 0)
     if not extra:
-        assert (n, h["max_requests"], h["bound_by"]) == (14, 14, "gpu")
+        assert (n, h["max_requests"], h["bound_by"]) == (16, 16, "gpu")
 
 
 def test_gpu_bound_is_printed(model_dir):
     out = calc("--model", model_dir, *EXAMPLE, "--buffer", 6144, "--quest-rows", 18)
-    assert "GPU bound: 14 = 1 + (blocks 8452 - 1 null - 2561 for the last one admitted" in out
-    assert "R 536 kept free (resident_first" in out
+    assert "GPU bound: 16 = 1 + (blocks 8452 - 1 null - 2561 for the last one admitted" in out
+    assert "the KV manager spills to keep R 536 free" in out
 
 
 @pytest.mark.parametrize("rows", [18, 22])
@@ -366,8 +365,11 @@ def test_buffer_auto_keeps_the_requests_of_2k(model_dir, rows):
     B, want = auto["buffer"], calc_json(model_dir, *args, "--buffer", 4096)["hisparse"]["max_requests"]
     assert B % 16 == 0 and B >= 4096 and auto["buffer_auto"]["buffer"] == B
     assert auto["hisparse"]["max_requests"] == auto["buffer_auto"]["max_requests"] == want
-    assert auto == calc_json(model_dir, *args, "--buffer", B) | {"buffer_auto": auto["buffer_auto"]}
-    assert calc_json(model_dir, *args, "--buffer", B + 16)["hisparse"]["max_requests"] < want
+    # the sweep pins min_context to the reference's (2 x 4096 here), so the same requests are sparse
+    mc = ("--min-context", auto["min_context"])
+    assert auto["min_context"] == 8192
+    assert auto == calc_json(model_dir, *args, *mc, "--buffer", B) | {"buffer_auto": auto["buffer_auto"]}
+    assert calc_json(model_dir, *args, *mc, "--buffer", B + 16)["hisparse"]["max_requests"] < want
     text = calc("--model", model_dir, *args, "--buffer", "auto")
     assert text.startswith(f"B=auto: {B} tokens (S={B // 16}): the largest hot buffer that keeps "
                            f"{want} requests")
@@ -406,3 +408,10 @@ def test_quest_rows_warning(model_dir, rows):
 def test_no_quest_rows_warning_when_auto(model_dir):
     h = calc_json(model_dir, "--context", 40960, "--gpu-kv-gib", 27.7, "--host-gib", 84)["hisparse"]
     assert h["quest_rows_warning"] is None and h["max_requests"] == h["quest_rows"]
+
+
+def test_stock_bound_ignores_the_prompt(model_dir):
+    """A stock request never gives blocks back: a short prompt does not let more of them run."""
+    a = calc_json(model_dir, *EXAMPLE)["baseline"]
+    b = calc_json(model_dir, *EXAMPLE, "--prompt", 1024)["baseline"]
+    assert a["max_requests"] == b["max_requests"] == (a["num_blocks"] - 1) // cdiv(40960, 16)

@@ -55,6 +55,8 @@ def test_runtime_allocates_what_gpu_pools_says(mml):
 def test_idle_rows_note_only_when_rows_exceed_the_pool():
     # the paper config: 22 rows, the 84 GiB host pool holds 17 requests of 40K tokens
     note = gpu_pools.idle_rows_note(22, 17, 40960, "host")
-    assert "quest_rows=22" in note and "5 rows" in note and "set quest_rows to 17" in note
+    assert "22 Quest rows (quest_rows)" in note and "5 rows" in note and "set quest_rows to 17" in note
+    note = gpu_pools.idle_rows_note(256, 17, 40960, "host", "max_num_seqs: quest_rows unset")
+    assert "256 Quest rows (max_num_seqs: quest_rows unset)" in note
     assert gpu_pools.idle_rows_note(17, 17, 40960, "host") is None
     assert gpu_pools.idle_rows_note(8, 17, 40960, "host") is None

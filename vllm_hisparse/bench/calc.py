@@ -45,8 +45,9 @@ a hisparse request keeps S+1 = B/page+1 blocks in every layer after its prefill 
 included: they are not kept resident yet) and all its pages during prefill. The GPU bound is the N
 at which N-1 requests hold S+1 blocks while the last one admitted holds its peak (its whole prompt:
 vLLM's scheduler_reserve_full_isl) + vLLM's watermark (+1 with resident_first: the connector's
-admission_blocks), and, with resident_first, R = cdiv(max_num_batched_tokens, page) +
-max_num_seqs + watermark blocks stay free (connector.spill_reserve).
+admission_blocks): the engine's own admission. With resident_first the KV manager also tries to
+keep R = cdiv(max_num_batched_tokens, page) + max_num_seqs + watermark blocks free by spilling
+(connector.spill_reserve); admission does not wait for R, so it is reported, not subtracted.
 
 --buffer auto: the largest B (a multiple of the page, up to max_model_len) whose max requests are
 those at B = 2 x top_k: the GPU memory free at full capacity goes to a bigger hot buffer.
@@ -109,11 +110,11 @@ def add_arguments(p):
                    help="MLA/DSA: full-length latent regions for prompts in prefill (default 1)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="vLLM --max-num-batched-tokens, its step budget (default 8192): with "
-                        "resident_first the KV manager keeps cdiv(this, page) + max_num_seqs + "
-                        "watermark blocks free for one step's allocations, out of the GPU bound")
+                        "resident_first the KV manager tries to keep cdiv(this, page) + "
+                        "max_num_seqs + watermark blocks free by spilling (reported as R)")
     p.add_argument("--resident-first", action=argparse.BooleanOptionalAction, default=True,
-                   help="hisparse resident_first (default on, as the config): count the KV "
-                        "manager's free reserve in the GPU bound")
+                   help="hisparse resident_first (default on, as the config): the connector's "
+                        "extra admission block and the KV manager's reserve R")
     p.add_argument("--watermark", type=float, default=0.0,
                    help="vLLM scheduler watermark, a fraction of the GPU blocks kept free at "
                         "admission (default 0.0, vLLM 0.26's)")
@@ -152,15 +153,22 @@ def _auto_buffer(args, hf: dict) -> dict:
     requests are still those at 2 x top_k (the first B that loses one ends the search)."""
     P, mml = args.page_size, args.max_model_len or args.context
     first = cap.cdiv(2 * args.top_k, P) * P
+    # min_context follows B when unset: pin the reference's, so the sweep keeps which requests
+    # are sparse
+    mc = args.min_context if args.min_context is not None else HiSparseConfig(
+        top_k=args.top_k, device_buffer_size=first, page_size=P).min_context_tokens
 
     def at(b: int) -> dict:
-        return _compute(argparse.Namespace(**{**vars(args), "buffer": b}), hf)
+        return _compute(argparse.Namespace(**{**vars(args), "buffer": b, "min_context": mc}), hf)
 
     best, r = first, at(first)
     want = r["hisparse"]["max_requests"]
+    if want == 0:
+        raise SystemExit(f"--buffer auto: not one request fits at B = 2 x top_k = {first}; raise "
+                         f"--gpu-kv-gib / --host-gib or lower --context")
     for b in range(first + P, mml + 1, P):
         rb = at(b)
-        if rb["hisparse"]["max_requests"] != want:
+        if rb["hisparse"]["max_requests"] < want:
             break
         best, r = b, rb
     r["buffer"], r["buffer_auto"] = best, {"buffer": best, "num_slots": best // P, "max_requests": want,
@@ -206,8 +214,9 @@ def _compute(args, hf: dict) -> dict:
 
     # stock: the whole budget is KV; the last request admitted wants vLLM's watermark free too
     b_blocks, b_bpr = cap.num_blocks(gpu, m, P), cap.baseline_blocks(args.context, P)
+    # (a stock request never shrinks: the last one needs its whole context too)
     n_b, by_b = cap.max_requests({"gpu": cap.gpu_requests(
-        b_blocks, b_bpr, cap.baseline_blocks(prompt, P) + cap.watermark_blocks(b_blocks, args.watermark)),
+        b_blocks, b_bpr, b_bpr + cap.watermark_blocks(b_blocks, args.watermark)),
         "max_num_seqs": seqs})
     baseline = {"gpu_bytes_per_request": cap.baseline_gpu_bytes(m, args.context, P),
                 "host_bytes_per_request": 0, "max_requests": n_b, "bound_by": by_b,
@@ -239,8 +248,8 @@ def _compute(args, hf: dict) -> dict:
     gpu_kv = gpu - dense_bytes
 
     # the GPU bound (cap.gpu_requests): N-1 requests at h_bpr, the last admitted at its peak +
-    # vLLM's watermark; resident_first: + the connector's 1 and R kept free (a sparse request only:
-    # nothing else spills)
+    # vLLM's watermark; resident_first: + the connector's 1 (a sparse request only: nothing else
+    # spills); R is reported beside it (admission does not wait for it)
     peak = cap.hisparse_peak_blocks(prompt, args.context, P, S, cfg.min_context_tokens, sparse)
     spills = args.resident_first and sparse
 
@@ -256,7 +265,7 @@ def _compute(args, hf: dict) -> dict:
         if not cap.hisparse_prefill_fits(nb, mml, P):
             return 0
         t = gpu_terms(nb, max_num_seqs)
-        return cap.gpu_requests(nb, h_bpr, t["admit_blocks"], t["spill_reserve_blocks"])
+        return cap.gpu_requests(nb, h_bpr, t["admit_blocks"])
 
     # Quest rows: quest_rows, else max_num_seqs, else the most that fit (+ one scratch row)
     auto = args.quest_rows is None and seqs is None and possible
@@ -377,11 +386,11 @@ def run(args) -> int:
     g = h["gpu_bound"]
     print(f"GPU bound: {g['requests']} = 1 + (blocks {g['num_blocks']} - 1 null - "
           f"{g['admit_blocks']} for the last one admitted (peak {g['peak_blocks']} + watermark "
-          f"{g['watermark_blocks']}{' + 1' if g['admit_blocks'] > g['peak_blocks'] + g['watermark_blocks'] else ''}) - "
-          f"R {g['spill_reserve_blocks']} kept free"
-          + (f" (resident_first: cdiv({g['max_num_batched_tokens']}, {args.page_size}) + "
-             f"max_num_seqs + watermark)" if g["spill_reserve_blocks"] else "")
-          + f") // {g['floor_blocks']} blocks per running request")
+          f"{g['watermark_blocks']}{' + 1' if g['admit_blocks'] > g['peak_blocks'] + g['watermark_blocks'] else ''})"
+          f") // {g['floor_blocks']} blocks per running request"
+          + (f"; the KV manager spills to keep R {g['spill_reserve_blocks']} free (cdiv("
+             f"{g['max_num_batched_tokens']}, {args.page_size}) + max_num_seqs + watermark), which "
+             f"admission does not wait for" if g["spill_reserve_blocks"] else ""))
     if h["quest_rows_warning"]:
         print(h["quest_rows_warning"]["text"])
     if h["sparse"] and args.prompt is not None and args.prompt < args.context:

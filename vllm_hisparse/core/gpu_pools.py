@@ -58,13 +58,15 @@ def dense_pool_bytes(cfg: HiSparseConfig, page_bytes: int, max_num_seqs: int,
     return 0 if pages is None else pages * page_bytes * len(cfg.dense_layers)
 
 
-def idle_rows_note(rows: int, room: int, max_model_len: int, bound: str) -> str | None:
+def idle_rows_note(rows: int, room: int, max_model_len: int, bound: str,
+                   source: str = "quest_rows") -> str | None:
     """Startup advice when the indexer reserves more rows than the ``bound`` pool admits requests
     of max_model_len tokens (each row's GPU memory, Quest page bounds over max_model_len, is taken
-    from the KV cache): None when every row can be used at max_model_len."""
+    from the KV cache): None when every row can be used at max_model_len. source: where the row
+    count came from (quest_rows, or max_num_seqs when quest_rows is unset)."""
     if rows <= room:
         return None
-    return (f"hisparse: quest_rows={rows} but the {bound} pool holds {room} requests of "
+    return (f"hisparse: {rows} Quest rows ({source}) but the {bound} pool holds {room} requests of "
             f"max_model_len={max_model_len} tokens: {rows - room} rows serve only shorter requests; "
             f"for a workload at max_model_len set quest_rows to {room} and their GPU memory goes "
             f"to the KV cache (hisparse calc shows how much)")

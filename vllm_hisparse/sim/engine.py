@@ -44,6 +44,10 @@ class Config:
     write_allocate: bool = True
     window: int = 0
 
+    def __post_init__(self):
+        if self.window:                 # the new unit sits in the window: nothing to allocate
+            object.__setattr__(self, "write_allocate", False)
+
 
 @dataclass
 class Replay:

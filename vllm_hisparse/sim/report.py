@@ -29,14 +29,18 @@ def tables(rows: list[dict], new: str = "crf") -> str:
     out = []
     for wa in sorted({r["write_allocate"] for r in rows}, reverse=True):
         sub = [r for r in rows if r["write_allocate"] == wa]
-        for k, b in sorted({(int(r["k"]), int(r["buffer"])) for r in sub}):
+        for k, b, w in sorted({(int(r["k"]), int(r["buffer"]), int(r.get("window") or 0))
+                               for r in sub}):
             cell = {(r["trace"], r["policy"]): 100 * float(r["steady_miss_rate"])
-                    for r in sub if int(r["k"]) == k and int(r["buffer"]) == b}
+                    for r in sub if (int(r["k"]), int(r["buffer"]),
+                                     int(r.get("window") or 0)) == (k, b, w)}
             traces = sorted({t for t, _ in cell})
             pols = sorted({p for _, p in cell},
                           key=lambda p: -np.mean([cell.get((t, p), np.nan) for t in traces]))
             mean = {p: float(np.mean([cell[(t, p)] for t in traces if (t, p) in cell])) for p in pols}
-            out.append(f"\n**k={k}, B={b} ({b / k:g}k), write-allocate {wa}** — steady miss rate %\n")
+            win = f", window {w}" if w else ""
+            out.append(f"\n**k={k}, B={b} ({b / k:g}k){win}, write-allocate {wa}** — steady miss "
+                       f"rate %\n")
             out.append("| trace | " + " | ".join(pols) + " |")
             out.append("|---" * (len(pols) + 1) + "|")
             for t in traces:
@@ -55,19 +59,20 @@ def tables(rows: list[dict], new: str = "crf") -> str:
 
 
 def compact(rows: list[dict], new: str = "crf") -> str:
-    """One table: a line per (k, B, write-allocate) with the mean over traces of every policy, the new
+    """One table: a line per (k, B, window, write-allocate) with the mean over traces of every policy, the new
     policy's gain over LRU (points) and its share of the LRU -> Bélády gap."""
     agg: dict = {}
     for r in rows:
-        key = (int(r["k"]), int(r["buffer"]), r["write_allocate"])
+        key = (int(r["k"]), int(r["buffer"]), int(r.get("window") or 0), r["write_allocate"])
         agg.setdefault(key, {}).setdefault(r["policy"], []).append(100 * float(r["steady_miss_rate"]))
     pols = sorted({p for v in agg.values() for p in v},
                   key=lambda p: -np.mean([np.mean(v[p]) for v in agg.values() if p in v]))
     head = ["k", "B", "write-alloc"] + pols + [f"{new} gain (pts)", "% of LRU->Bélády gap"]
     out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for (k, b, wa), v in sorted(agg.items(), key=lambda kv: (kv[0][2] != "on", kv[0][:2])):
+    for (k, b, w, wa), v in sorted(agg.items(), key=lambda kv: (kv[0][3] != "on", kv[0][:3])):
         mean = {p: float(np.mean(v[p])) for p in v}
-        cells = [str(k), f"{b} ({b / k:g}k)", wa] + [f"{mean[p]:.2f}" if p in mean else "-" for p in pols]
+        buf = f"{b} ({b / k:g}k)" + (f" + window {w}" if w else "")
+        cells = [str(k), buf, wa] + [f"{mean[p]:.2f}" if p in mean else "-" for p in pols]
         if {new, "lru", "belady"} <= set(mean) and mean["lru"] > mean["belady"]:
             gain = mean["lru"] - mean[new]
             cells += [f"{gain:+.2f}", f"{100 * gain / (mean['lru'] - mean['belady']):.1f}%"]

@@ -163,7 +163,9 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             pool = self.admit_pages // per_req
             why += f", {self._bound} pool: {self.admit_pages} pages, {per_req} per request"
             room = min(room, pool)
-            note = gpu_pools.idle_rows_note(self.indexer_rows, pool, self.max_model_len, self._bound)
+            note = gpu_pools.idle_rows_note(
+                self.indexer_rows, pool, self.max_model_len, self._bound,
+                "quest_rows" if self.cfg.quest_rows else "max_num_seqs: quest_rows unset")
             if note:
                 logger.warning(note)
         logger.info("hisparse: room for %d requests of max_model_len=%d tokens at once (%s)",
