@@ -4,7 +4,6 @@
 # 8-16K, fewer than the 24 Quest rows) and requests get preempted (4000 GPU blocks of 16 tokens for
 # 32 sequences), driven by 48 clients for DURATION_S seconds (default 300: server start ~3 min +
 # soak + drain fit the 10-minute limit), a third of them streaming and abandoning mid-stream.
-# Not run yet (written 2026-12-01).
 #   bash scripts/gpu_soak.sh OUT [DURATION_S]
 # OUT/soak.json holds every figure (exit status 0 = every check passed), OUT/serve.log.gz the log,
 # OUT/metrics.txt the final /metrics page. Needs prometheus_fastapi_instrumentator (carry its wheel
@@ -16,6 +15,7 @@ python3 -m vllm_hisparse.bench.model_shapes llama3-8b models/llama3-8b-bench > /
 work=/tmp/soak
 mkdir -p "$work"
 python3 -m vllm_hisparse.bench.soak --out "$work" --duration-s "$duration" --concurrency 48 \
+    --port "${SOAK_PORT:-8766}" \
     --min-context 8192 --max-len 16384 --max-tokens 512 --vocab 500 --ref-tokens 64 \
     --start-timeout-s 400 --idle-timeout-s 120 \
     -- models/llama3-8b-bench --load-format dummy --attention-backend hisparse \
