@@ -66,7 +66,7 @@ model=$work/llama3-8b-shape
 mkdir -p "$img/etc/hisparse"
 cat > "$img/etc/hisparse/config.json" << 'EOF'
 {"top_k": 256, "device_buffer_size": 512, "min_context": 1024, "host_pool_gib": 2,
- "dense_pool_gib": 0.5}
+ "dense_pool_gib": 0.5, "resident_first": false}
 EOF
 port=8765
 ( cd "$wdir" && exec env $imgenv HISPARSE_CONFIG_MOUNT="$img/etc/hisparse/config.json" \
