@@ -18,6 +18,8 @@
 #       capacity: stock, elastic (BACKENDS=... for others; ~2.5 min stock, ~5 min per hisparse backend)
 #   bash scripts/gpu_session.sh OUT paper    # the paper's workload, 32K in / 8K out, at each backend's
 #       capacity: stock, elastic (BACKENDS=...; ~9 min for the two: give the call LIMIT + 30 s)
+#   bash scripts/gpu_session.sh OUT reasoning  # 1K in / 12K out at each backend's capacity (issue 16;
+#                                            # OUTPUT_LEN=..., ~8 min)
 #   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
 #   bash scripts/gpu_session.sh OUT 32k1     # 32K / 256 at 1 request, stock vs elastic vs hisparse (~7 min;
 #                                            # BACKENDS=stock,elastic for two)
@@ -124,6 +126,14 @@ case "$part" in
     SERVING_LIMIT=${LIMIT:-545} bash scripts/gpu_serving.sh "$out/paper" --input-len 32768 \
       --output-len 8192 --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} \
       --concurrency cap --max-num-seqs 24 ${HISPARSE:+--hisparse "$HISPARSE"} ;;
+  reasoning)
+    # issue 16: short prompts that turn sparse during decode (min_context 8192), 1K in / 12K out
+    # (16K out does not fit one call with both backends), each backend at its capacity (calc:
+    # stock 17, elastic 32 at --max-num-seqs 32; ~8 min)
+    SERVING_LIMIT=${LIMIT:-560} bash scripts/gpu_serving.sh "$out/reasoning" --input-len 1024 \
+      --output-len ${OUTPUT_LEN:-12288} --rounds 1 --gpu-memory-utilization 0.3 \
+      --backends ${BACKENDS:-stock,elastic} --concurrency cap --max-num-seqs 32 --hisparse \
+      '{"top_k": 2048, "device_buffer_size": 4096, "dense_pool_gib": 6, "host_pool_gib": 84, "quest_rows": 32}' ;;
   4k)
     SERVING_LIMIT=${LIMIT:-480} bash scripts/gpu_serving.sh "$out/4k" --input-len 4096 --output-len 512 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends stock,hisparse --concurrency 1,64 ;;
@@ -131,5 +141,5 @@ case "$part" in
     SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic,hisparse} --concurrency 1 \
       --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' ;;
-  *) echo "part: kernels, exact, exact2, cap, paper, 4k or 32k1" >&2; exit 2 ;;
+  *) echo "part: kernels, exact, exact2, cap, paper, reasoning, 4k or 32k1" >&2; exit 2 ;;
 esac
