@@ -1,0 +1,69 @@
+"""`hisparse calc`'s text report of a GQA (Quest) config: what bench/calc.py computed, line by line
+(``--json`` prints the same figures as one object)."""
+from __future__ import annotations
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def gib_str(x: int) -> str:
+    """Bytes as MiB below 1 GiB, else GiB, 3 decimals."""
+    return f"{x / MIB:.3f} MiB" if 0 < abs(x) < GIB else f"{x / GIB:.3f} GiB"
+
+
+def report(args, r: dict) -> None:
+    """Print calc's result ``r`` for the parsed arguments ``args``."""
+    b, h, mml = r["baseline"], r["hisparse"], r["max_model_len"]
+    tp = r["tensor_parallel_size"]
+    per_gpu = f" per GPU x {tp} GPUs" if tp > 1 else ""
+    print(f"context {args.context} tokens (max_model_len {mml}), B={args.buffer}, top_k={args.top_k}, "
+          f"page {args.page_size}, GPU KV {args.gpu_kv_gib} GiB{per_gpu}, host pool {args.host_gib} GiB"
+          + (f" ({gib_str(h['host_pool_bytes_per_rank'])} pinned by each of {tp} ranks)" if tp > 1 else ""))
+    print(f"{'':10s} {'GPU/request' if tp == 1 else 'GPU/req/GPU':>14s} {'host/request':>14s} "
+          f"{'max requests':>13s}  bound by")
+    for name, v in (("baseline", b), ("hisparse", h)):
+        print(f"{name:10s} {gib_str(v['gpu_bytes_per_request']):>14s} {gib_str(v['host_bytes_per_request']):>14s}"
+              f" {v['max_requests']:13d}  {v['bound_by']}")
+    how = ("none: no request can turn sparse, max_model_len < min_context"
+           if r["min_context"] > mml else "--quest-rows" if args.quest_rows is not None else
+           "--max-num-seqs" if args.max_num_seqs is not None else
+           "auto: pass it as the hisparse quest_rows")
+    print(f"hisparse Quest bounds: {gib_str(h['quest_meta_bytes_per_request'])} per row x "
+          f"({h['quest_rows']} + 1 scratch) rows ({how}) = {gib_str(h['quest_meta_bytes'])} out of the "
+          f"KV budget "
+          f"-> KV cache {gib_str(h['kv_cache_bytes'])}, {h['num_blocks']} blocks")
+    dense = (f"the {args.dense_layers} dense layers also keep every page in a "
+             f"{gib_str(h['dense_pool_bytes'])} GPU dense pool ({h['dense_pool_pages']} pages, "
+             f"{gib_str(h['dense_pool_bytes_per_request'])} per request)" if h["dense_pool_bytes"] else
+             "dense layers read given-back pages from the host (no --dense-pool-gib)")
+    print(f"hisparse keeps S+1 = {args.buffer // args.page_size + 1} blocks per request in all layers; "
+          f"{dense}; " + (f"the host pool holds "
+          f"{'the sparse layers' if h['dense_pool_bytes'] else 'every layer'} "
+          f"({h['host_pool_pages']} pages)" if r["min_context"] <= mml else
+          "no host pool is pinned (no request can turn sparse)"))
+    g = h["gpu_bound"]
+    print(f"GPU bound: {g['requests']} = 1 + (blocks {g['num_blocks']} - 1 null - "
+          f"{g['admit_blocks']} for the last one admitted (peak {g['peak_blocks']} + watermark "
+          f"{g['watermark_blocks']}{' + 1' if g['admit_blocks'] > g['peak_blocks'] + g['watermark_blocks'] else ''})"
+          f") // {g['floor_blocks']} blocks per running request"
+          + (f"; the KV manager spills to keep R {g['spill_reserve_blocks']} free (cdiv("
+             f"{g['max_num_batched_tokens']}, {args.page_size}) + max_num_seqs + watermark), which "
+             f"admission does not wait for" if g["spill_reserve_blocks"] else ""))
+    if h["quest_rows_warning"]:
+        print(h["quest_rows_warning"]["text"])
+    if h["sparse"] and args.prompt is not None and args.prompt < args.context:
+        print(f"a {args.prompt}-token prompt with {args.context - args.prompt} output tokens "
+              f"holds up to {h['peak_blocks_per_request']} blocks (before it turns sparse at "
+              f"min_context, or during its prefill), S+1 afterwards")
+    elif not h["sparse"]:
+        print(f"a request of {args.context} tokens stays resident (below min_context "
+              f"{r['min_context']}): "
+              f"every page on the GPU, no host pages, no Quest row")
+    if not h["prefill_fits"]:
+        print(f"hisparse would not start: a max_model_len={mml} prompt does not fit the KV cache "
+              f"during its prefill")
+    for name, v in (("baseline", b), ("hisparse", h)):
+        print(f"vLLM's lines, {name}: GPU KV cache size: {v['vllm_kv_cache_tokens']:,} tokens; "
+              f"Maximum concurrency for {mml:,} tokens per request: {v['vllm_max_concurrency']:.2f}x")
+    if b["max_requests"]:
+        print(f"hisparse fits {h['max_requests'] / b['max_requests']:.1f}x the requests of stock full KV")
