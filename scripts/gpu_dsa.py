@@ -12,7 +12,8 @@ greedy, with logprobs, vLLM's CUDA graphs (FULL for uniform decode steps):
 (default 2): stock all of it as vLLM's KV cache (``kv_cache_memory_bytes``), hisparse the latent
 pool plus vLLM's indexer-K cache in the same bytes (``hisparse calc``'s split, its --json). Each
 runs as many 32K prompts as calc says it holds (stock: its blocks; hisparse: its row sets, bound by
-the DSA_CAP_HOST_GIB host pool, default 6), DSA_CAP_OUT (64) greedy outputs each, all sent at once,
+the DSA_CAP_HOST_GIB host pool, default 6), DSA_CAP_OUT (256) greedy outputs each, all sent at once
+(with 64 a request finished before the prompts queued behind hisparse's one prefill region came in),
 and writes OUT_DIR/cap-MODE.json: requests, output tok/s, vLLM's lines, and for hisparse the most
 requests its pool held at once (``max_live_requests``).
 
@@ -101,7 +102,7 @@ def cap(mode: str, model: str, out: str) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     kv_gib = float(os.environ.get("DSA_CAP_KV_GIB", "2"))
     host_gib = float(os.environ.get("DSA_CAP_HOST_GIB", "6"))
-    n_out, prompt = int(os.environ.get("DSA_CAP_OUT", "64")), 32768
+    n_out, prompt = int(os.environ.get("DSA_CAP_OUT", "256")), 32768
     mml = prompt + n_out
     calc = json.loads(subprocess.run(
         [sys.executable, "-m", "vllm_hisparse.cli", "calc", "--model", model, "--context", str(mml),
