@@ -127,13 +127,15 @@ case "$part" in
       --output-len 8192 --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} \
       --concurrency cap --max-num-seqs 24 ${HISPARSE:+--hisparse "$HISPARSE"} ;;
   reasoning)
-    # issue 16: short prompts that turn sparse during decode (min_context 8192), 1K in / 12K out
-    # (16K out does not fit one call with both backends), each backend at its capacity (calc:
-    # stock 17, elastic 32 at --max-num-seqs 32; ~8 min)
+    # issue 16: short prompts that turn sparse during decode, 1K in / 12K out (16K out does not
+    # fit one call with both backends), each backend at its capacity (calc: stock 17, elastic 32
+    # at --max-num-seqs 32; ~8 min). min_context 4096 = B: a request turns sparse when it reaches
+    # its floor (256 + 1 blocks), so requests growing in lockstep never hold more than the floor
+    # (at 8192 all 32 would pass 512 blocks each at once: 16K blocks of 10.9K, preemption)
     SERVING_LIMIT=${LIMIT:-560} bash scripts/gpu_serving.sh "$out/reasoning" --input-len 1024 \
       --output-len ${OUTPUT_LEN:-12288} --rounds 1 --gpu-memory-utilization 0.3 \
       --backends ${BACKENDS:-stock,elastic} --concurrency cap --max-num-seqs 32 --hisparse \
-      '{"top_k": 2048, "device_buffer_size": 4096, "dense_pool_gib": 6, "host_pool_gib": 84, "quest_rows": 32}' ;;
+      '{"top_k": 2048, "device_buffer_size": 4096, "min_context": 4096, "dense_pool_gib": 6, "host_pool_gib": 84, "quest_rows": 32}' ;;
   4k)
     SERVING_LIMIT=${LIMIT:-480} bash scripts/gpu_serving.sh "$out/4k" --input-len 4096 --output-len 512 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends stock,hisparse --concurrency 1,64 ;;
