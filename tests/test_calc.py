@@ -268,6 +268,14 @@ def test_short_prompt_with_long_output_is_sparse(model_dir):
     assert short["peak_blocks_per_request"] == 2048 // 16
     text = calc("--model", model_dir, "--context", 17408, "--prompt", 1024, *args)
     assert "1024-token prompt with 16384 output tokens holds up to 512 blocks" in text
+    # sent together they all hold 512 blocks before any turns sparse: a count of requests
+    # placed one by one until the next would not fit (null block and watermark kept free)
+    g = h["gpu_bound"]
+    n, used = 0, 1 + g["watermark_blocks"]
+    while used + 2 * B // 16 <= g["num_blocks"]:
+        n, used = n + 1, used + 2 * B // 16
+    assert g["peak_together_requests"] == n < g["requests"]
+    assert f"sent together, such requests reach that peak together: {n} fit at once" in text
 
 
 SERVING = ("--buffer", 4096, "--top-k", 2048, "--dense-pool-gib", 6, "--host-gib", 84,

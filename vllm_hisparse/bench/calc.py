@@ -55,7 +55,8 @@ those at B = 2 x top_k: the GPU memory free at full capacity goes to a bigger ho
 A request is sparse when its context (prompt + output) reaches min_context, whatever its prompt
 (a short prompt turns sparse at the step its context does): then it holds host pages for its whole
 context and a Quest row from admission on. With --prompt P shorter than min_context it holds every
-page until then: "peak blocks" (per request; vLLM preempts when too many requests peak at once).
+page until then: "peak blocks" (per request; vLLM preempts when too many requests peak at once:
+the report says how many fit when all of them hold that peak together, as requests sent at once do).
 
 With --tensor-parallel-size N every GPU holds 1/N of the KV heads (or one head when there are fewer
 heads than GPUs, as vLLM does): GPU bytes, blocks, Quest rows and vLLM's lines are per GPU, host
@@ -257,6 +258,7 @@ def _compute(args, hf: dict) -> dict:
         wm = cap.watermark_blocks(nb, args.watermark)
         return {"num_blocks": nb, "floor_blocks": h_bpr, "peak_blocks": peak, "watermark_blocks": wm,
                 "admit_blocks": peak + wm + int(spills),
+                "peak_together_requests": cap.peak_together_requests(nb, peak, wm),
                 "spill_reserve_blocks": cap.spill_reserve_blocks(
                     args.max_num_batched_tokens, max_num_seqs, P, wm) if spills else 0}
 
