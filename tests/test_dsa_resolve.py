@@ -7,7 +7,7 @@ that rows miss; sparse-MLA decode attention over the hot slots RESOLVE returns m
 
 Three drivers of the same episode: the plain-torch reference (top_k 2048, on the CPU), the Triton
 kernel through Triton's interpreter (smaller sizes: the interpreter is slow), and the Triton kernel
-on a GPU with the host pool pinned (``-m cuda``)."""
+on a GPU with the host pool pinned (``-m cuda``); each under the served policies (lru, crf)."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,15 +26,17 @@ from vllm_hisparse.slots import HotBufferState
 
 H_IDX, D_IDX = 8, 128          # indexer heads (DeepSeek-V3.2: 64) and index_head_dim
 H_MLA = 4                      # attention heads of one rank (DeepSeek-V3.2: 128 / TP)
+POLICIES = ["lru", "crf"]      # the served policies (slots.served())
 POISON_ROWS = 5                # hot-buffer rows owned by no slot: must stay as they were
 
 
 def episode(select, dev, K, S, starts, steps, seed, pinned_host=False, attend=sparse_mla_decode,
-            heads=H_MLA):
+            heads=H_MLA, policy="lru"):
     """One episode: requests with contexts ``starts`` (some > S so that they miss, one may be
     < K) each decode ``steps`` tokens; every step one decode batch of len(starts) rows + one
-    padding row goes through ``select`` (select_resolve's signature), and ``attend``
-    (sparse_mla_decode's signature) over the hot slots must equal it over the resident rows.
+    padding row goes through ``select`` (select_resolve's signature) on a hot buffer under
+    ``policy``, and ``attend`` (sparse_mla_decode's signature) over the hot slots must equal it
+    over the resident rows.
     Returns (hits, misses)."""
     g = torch.Generator().manual_seed(seed)
     R = len(starts)
@@ -67,9 +69,6 @@ def episode(select, dev, K, S, starts, steps, seed, pinned_host=False, attend=sp
     bt = torch.cat([torch.randperm(N * S, generator=g).int().view(N, S),
                     torch.zeros(N, C - S, dtype=torch.int32)], 1)
     poison = kv[N * S:].clone()
-    su = torch.full((M, S), -1, dtype=torch.int32)
-    us = torch.full((M, C), -1, dtype=torch.int32)
-    lru = torch.arange(S, dtype=torch.int32).repeat(M, 1)
     counts = torch.zeros(3, dtype=torch.int64)       # [hits, misses, block-table pages]
     # the DSA indexer (core/indexers/dsa) holds the requests' indexer keys, one row each
     cfg = HiSparseConfig(indexer="dsa", top_k=K, device_buffer_size=S, dense_layers=())
@@ -86,7 +85,7 @@ def episode(select, dev, K, S, starts, steps, seed, pinned_host=False, attend=sp
     scale = 192 ** -0.5
     to = (lambda t: t.to(dev)) if dev != "cpu" else (lambda t: t)
     host_d = host if pinned_host else to(host)
-    state = HotBufferState.wrap(to(su), to(us), {"order": to(lru)}, "lru")
+    state = HotBufferState.create(M, S, C, policy, dev)
     kv_d, counts_d = to(kv), to(counts)
     for step in range(steps):
         seq_b = torch.from_numpy(np.append(seq, 0))                 # the padding row: seq 0
@@ -141,14 +140,15 @@ def given(resolve):
     def select(scores, seq, full, k, bt, sel, locs, hot, rows, state, host_pt, host, kv, counts):
         mine = indexer_topk(scores.cpu(), seq.cpu(), k).to(sel.device)   # descending logit
         sel.copy_(torch.where((seq > 0)[:, None], mine, sel))
-        resolve(sel, seq, bt, locs, hot, rows, state.kernel_state(), host_pt, host, kv, counts)
+        resolve(sel, seq, bt, locs, hot, rows, state, host_pt, host, kv, counts)
     return select
 
 
-def test_resolve_episode_given_selection_order():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_resolve_episode_given_selection_order(policy):
     """The selection as vLLM's indexer hands it over (not sorted): hot == resident still."""
     hits, misses = episode(given(resolve_given_reference), "cpu", K=2048, S=2560,
-                           starts=[4000, 3100, 1500], steps=3, seed=2)
+                           starts=[4000, 3100, 1500], steps=3, seed=2, policy=policy)
     assert misses > 0 and hits > 0
 
 
@@ -175,13 +175,15 @@ def run_interpreter_cases():
 
     def tri_given(sel, seq, bt, locs, hot, rows, state, host_pt, host, kv, counts):
         work = tuple(torch.empty(s, dtype=torch.int32)
-                     for s in workspace_shapes(sel.shape[0], sel.shape[1], state[0].shape[1]))
+                     for s in workspace_shapes(sel.shape[0], sel.shape[1], state.slots))
         trg.resolve_given(sel, seq, bt, locs, *work, hot, rows, state, host_pt, host, kv, counts)
 
     for seed, (K, S, starts) in enumerate([(64, 80, [200, 130, 50]), (32, 33, [97, 33, 31])]):
         for fn in (tri, given(tri_given)):
-            hits, misses = episode(fn, "cpu", K, S, starts, steps=3, seed=10 + seed)
-            assert misses > 0 and hits > 0
+            for policy in POLICIES:
+                hits, misses = episode(fn, "cpu", K, S, starts, steps=3, seed=10 + seed,
+                                       policy=policy)
+                assert misses > 0 and hits > 0
     print("interpreter ok")
 
 
@@ -202,9 +204,10 @@ def fa3_sparse_mla(ql, q_pe, kv, idx, scale):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("attend", ["reference", "fa3"])
 @pytest.mark.parametrize("resolve", ["select_resolve", "resolve_given"])
-def test_resolve_episode_gpu(attend, resolve):
+def test_resolve_episode_gpu(attend, resolve, policy):
     """The Triton kernels on the GPU, the host pool pinned (read through its UVA alias): top-k +
     RESOLVE over the logits, or RESOLVE of the indexer's own selection; attention by the
     reference or by vLLM's own FA3 sparse MLA call (128 heads: DeepSeek-V3.2 at TP 1)."""
@@ -212,7 +215,7 @@ def test_resolve_episode_gpu(attend, resolve):
     sel_fn = decode_ops.select_resolve if resolve == "select_resolve" else given(resolve_given)
     hits, misses = episode(sel_fn, "cuda", K=2048, S=2560,
                            starts=[32768, 9000, 1500], steps=4, seed=3, pinned_host=True,
-                           attend=fn, heads=heads)
+                           attend=fn, heads=heads, policy=policy)
     assert misses > 0 and hits > 0
 
 

@@ -132,16 +132,17 @@ def test_decode_attention_compiles():
     assert seen == {"_mixed_split_kernel", "_mixed_combine_kernel"}
 
 
-def test_resolve_given_compiles():
+@pytest.mark.parametrize("policy", ["lru", "crf"])
+def test_resolve_given_compiles(policy):
     from test_resolve_given import make, selection, step
     from vllm_hisparse.ops import resolve_given as rg, triton_resolve_given as trg
     N, M, S, U, K = 4, 6, 2560, 4096, 2048
     gen = torch.Generator().manual_seed(7)
-    t = make(N, M, S, U, K, gen)
+    t = make(N, M, S, U, K, gen, policy)
 
     def tri(sel, seq, bt, locs, hot, rows, state, host_pt, host, kv, counts):
         work = tuple(torch.empty(s, dtype=torch.int32)
-                     for s in rg.workspace_shapes(sel.shape[0], sel.shape[1], state[0].shape[1]))
+                     for s in rg.workspace_shapes(sel.shape[0], sel.shape[1], state.slots))
         trg.resolve_given(sel, seq, bt, locs, *work, hot, rows, state, host_pt, host, kv, counts)
 
     with compile_only() as seen:

@@ -6,8 +6,8 @@ positions become latent-pool rows, in the selection's order (FA3 sums in that or
   ``pos >= region_len`` -> -1 (stock's out-of-range rule, its block table being max_model_len
   long);
 - decode tokens of sparse requests: RESOLVE of the given selection (``ops/resolve_given.py``:
-  hits through the row set's token -> slot table, misses take LRU victims and are copied from the
-  host pool), -1 kept;
+  hits through the row set's token -> slot table, misses take the victims of the pool's
+  replacement policy (lru or crf) and are copied from the host pool), -1 kept;
 - padding tokens (no region, not decoding): all -1.
 
 Plain torch around resolve_given (which has its Triton kernel on CUDA); the index arrays come
@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import torch
 
+from vllm_hisparse.slots import HotBufferState
+
 from .resolve_given import resolve_given
 
 
 def pool_indices(topk: torch.Tensor, region_base: torch.Tensor, region_len: int,
                  dec_tok: torch.Tensor, dec_rows: torch.Tensor, dec_slots: torch.Tensor,
-                 dec_seq: torch.Tensor, state: tuple | None, host_rows: torch.Tensor | None,
-                 host: torch.Tensor | None, kv: torch.Tensor, counts: torch.Tensor,
-                 out: torch.Tensor, valid: torch.Tensor) -> None:
+                 dec_seq: torch.Tensor, state: HotBufferState | None,
+                 host_rows: torch.Tensor | None, host: torch.Tensor | None, kv: torch.Tensor,
+                 counts: torch.Tensor, out: torch.Tensor, valid: torch.Tensor) -> None:
     """out (T, K) int32: the pool row of each selected position; valid (T,) int32: how many of a
     token's out entries are >= 0 (stock's valid counts, FA3's seqused_k).
 
@@ -33,8 +35,8 @@ def pool_indices(topk: torch.Tensor, region_base: torch.Tensor, region_len: int,
     tokens); region_len: rows of a region (max_model_len); dec_tok: (D,) int64 the decode tokens
     of sparse requests (at most one per request), with dec_rows (D,) int64 their row sets,
     dec_slots (D, B) int32 the pool rows of those row sets' hot slots and dec_seq (D,) int64 their
-    context lengths (position + 1); state: one layer's RESOLVE state (slot_unit (N, B),
-    unit_slot (N, max_model_len), lru (N, B)) int32, read and written at dec_rows; host_rows:
+    context lengths (position + 1); state: one layer's RESOLVE state (slots.HotBufferState of N
+    rows, B slots, max_model_len units, its policy's), read and written at dec_rows; host_rows:
     (N, max_model_len) int32 host row of each token of each row set; host: (P, W) the layer's
     host pool as rows; kv: (M, W) the layer's latent pool; counts: (2,) int64, += [hits, misses].
     state, host_rows and host may be None when D == 0 (resident mode)."""

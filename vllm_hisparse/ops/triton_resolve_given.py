@@ -1,8 +1,10 @@
 """RESOLVE of a *given* selection (Triton): the hot-slot half of ops/triton_select.py without its
 top-k, for indexers that hand over their own selection (DSA: vLLM's ``topk_indices_buffer``,
 docs/dsa.md section 4). Per live hot row r: ``_resolve_row`` on ``sel[r]`` as it is (any order,
--1 anywhere = nothing), then ``_miss_io_kernel`` copies the misses' rows from the host pool; the
-contract is ``resolve_given.resolve_given_reference``. It reuses triton_select's jit functions
+-1 anywhere = nothing; a row of only -1 is left alone, as slots.engine.resolve leaves it), in the
+branch of the state's policy (``POLICY`` 0 = lru, 1 = crf, with the policy's kernel constants),
+then ``_miss_io_kernel`` copies the misses' rows from the host pool; the contract is
+``resolve_given.resolve_given_reference``. It reuses triton_select's jit functions
 (_resolve_prelude, _resolve_row, _miss_io_kernel: their signatures are this file's only coupling
 to that kernel).
 """
@@ -17,36 +19,43 @@ from .triton_select import (_miss_io_kernel, _resolve_prelude, _resolve_row, row
 
 
 @triton.jit
-def _resolve_given_kernel(SEL, SEQ, HOT, ROWS, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS, K, S,
-                          s_bt, s_su, s_us, s_lru, KB: tl.constexpr, SB: tl.constexpr):
+def _resolve_given_kernel(SEL, SEQ, HOT, ROWS, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS, K, S,
+                          s_bt, s_su, s_us, s_pol, KB: tl.constexpr, SB: tl.constexpr,
+                          POLICY: tl.constexpr, SHIFT: tl.constexpr, HIT: tl.constexpr):
     r = tl.program_id(0)
     if (tl.load(SEQ + r) > 0) & (tl.load(HOT + r) != 0):
         jk = tl.arange(0, KB)
         u = tl.load(SEL + r.to(tl.int64) * K + jk, mask=jk < K, other=-1)
-        row = tl.load(ROWS + r).to(tl.int64)
-        lo, lo_rev, su_rev = _resolve_prelude(r, row, True, S, SU, LRU, SCR, s_su, s_lru, SB, 0)
-        tl.debug_barrier()
-        _resolve_row(r, row, u, jk, K, S, BT, SU, US, LRU, SCR, VIC, COUNTS, LOCS, s_bt, s_su,
-                     s_us, s_lru, lo, lo_rev, su_rev, tl.full([KB], -1, tl.int32), KB, SB, 0, 0,
-                     0)                                                         # POLICY 0: LRU
+        none = tl.full([KB], -1, tl.int32)
+        if tl.max(u, 0) >= 0:                     # a row of only -1 is left alone (slots.engine)
+            row = tl.load(ROWS + r).to(tl.int64)
+            lo, lo_rev, su_rev = _resolve_prelude(r, row, True, S, SU, POL, SCR, s_su, s_pol, SB,
+                                                  POLICY)
+            tl.debug_barrier()
+            _resolve_row(r, row, u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS, s_bt, s_su,
+                         s_us, s_pol, lo, lo_rev, su_rev, none, KB, SB, POLICY, SHIFT, HIT)
+        else:
+            tl.store(LOCS + r.to(tl.int64) * K + jk, none, mask=jk < K)
 
 
 def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
                   locs: torch.Tensor, scratch: torch.Tensor, victims: torch.Tensor,
-                  hot: torch.Tensor, rows: torch.Tensor, state: tuple, host_pt: torch.Tensor,
+                  hot: torch.Tensor, rows: torch.Tensor, state, host_pt: torch.Tensor,
                   host: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor) -> None:
     """Launch on checked inputs (ops/resolve_given.py); shapes there; scratch (N, SB) / victims
-    (N, KB) int32 (select_widths); host on the device (the pool's CUDA alias on a GPU)."""
+    (N, KB) int32 (select_widths); host on the device (the pool's CUDA alias on a GPU); state a
+    slots.HotBufferState whose policy has a kernel branch (POLICY = its ``kernel`` id)."""
     N, K = sel.shape
     if N == 0 or K == 0:
         return
-    su, us, lru = state
+    su, us, pol = state.kernel_state()
+    consts = {"SHIFT": 0, "HIT": 0, **state.policy.kernel_constants, "POLICY": state.policy.kernel}
     S = su.shape[1]
     KB, SB = select_widths(K, S)
     _resolve_given_kernel[(N,)](
-        sel, seq, hot, rows, block_table, su, us, lru, scratch, victims, counts, locs, K, S,
-        block_table.stride(0), su.stride(0), us.stride(0), lru.stride(0), KB=KB, SB=SB,
-        num_warps=4)
+        sel, seq, hot, rows, block_table, su, us, pol, scratch, victims, counts, locs, K, S,
+        block_table.stride(0), su.stride(0), us.stride(0), pol.stride(0), KB=KB, SB=SB,
+        num_warps=4, **consts)
     row = kv[0].numel()
     _miss_io_kernel[(N, K)](locs, sel, seq, seq, hot, rows, host_pt, host, kv, K,
                             host_pt.stride(0), ROW=row, CH=row_chunk(row), num_warps=4)
