@@ -193,6 +193,7 @@ def test_connector_and_impl_path_hisparse_and_resident_equal_the_ground_truth():
     hs, hs_out, hs_prefill, hs_live = run_engine({})
     st = hs.stats()
     assert st["misses"] > 0 and st["hits"] > 0 and not st["resident"]
+    assert {s.policy.name for s in hs.pool.states} == {"lru"}      # the default
     assert hs_prefill == 1 and hs_live <= DSA["quest_rows"]       # prefill_slots, row sets bind
     assert hs.adm.leaks() == []
     rs, rs_out, _, _ = run_engine({"host_tier": False})
@@ -202,6 +203,15 @@ def test_connector_and_impl_path_hisparse_and_resident_equal_the_ground_truth():
         assert len(vals) == len(rs_out[key]) and all(torch.equal(a, b)
                                                      for a, b in zip(vals, rs_out[key])), key
     assert any(len(v) > 1 for v in hs_out.values())               # the preempted recompute
+
+
+def test_connector_and_impl_path_serve_the_configured_policy():
+    """policy crf reaches every layer's RESOLVE state of the worker's pool; the outputs still
+    equal the ground truth (run_engine checks each) and misses happen."""
+    rt, _, _, _ = run_engine({"policy": "crf"})
+    assert {s.policy.name for s in rt.pool.states} == {"crf"} and rt.pool.policy == "crf"
+    st = rt.stats()
+    assert st["misses"] > 0 and st["hits"] > 0 and rt.adm.leaks() == []
 
 
 def test_stub_spec_keeps_the_group_and_shrinks_the_page():

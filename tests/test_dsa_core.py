@@ -4,8 +4,11 @@
 triton_convert_req_index_to_global_index (ops/latent_index.py), planned per step by
 core/latent_step.py; then an episode of requests through prefill (chunked) and decode with the
 DSA indexer's reference choosing top-k, attention by ops/sparse_mla.py over the rows the hook
-returns, hisparse against resident mode bit for bit."""
+returns, hisparse against resident mode bit for bit, under each served policy (lru, crf), which
+must decide differently."""
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -23,10 +26,11 @@ from vllm_hisparse.ops.sparse_mla import KV_LORA_RANK, LATENT_ROW, sparse_mla_de
 BF = torch.bfloat16
 H_IDX, D_IDX, H_MLA = 4, 128, 2          # indexer heads, index_head_dim, attention heads
 SCALE = 192 ** -0.5
+POLICIES = ["lru", "crf"]                # the served policies (slots.served())
 
 
-def make(layers=2, mml=64, B=8, row_sets=2, regions=1, pages=200, resident=False):
-    pool = LatentPool(layers, mml, B, 0 if resident else row_sets, regions)
+def make(layers=2, mml=64, B=8, row_sets=2, regions=1, pages=200, resident=False, policy="lru"):
+    pool = LatentPool(layers, mml, B, 0 if resident else row_sets, regions, policy=policy)
     host = None if resident else HostKVPool(layers, pages, 1, 1, LATENT_ROW // 2, BF, pin=False)
     return pool, host, LatentAdmission(pool, host)
 
@@ -53,7 +57,8 @@ def test_pool_layout_and_bytes_match_calc(layers, mml, B, N, regions):
 
 @pytest.mark.parametrize("kw, field", [(dict(buffer=0), "buffer"), (dict(row_sets=-1), "row_sets"),
                                        (dict(row_sets=0, regions=0), "regions"),
-                                       (dict(dtype=torch.float32), "dtype")])
+                                       (dict(dtype=torch.float32), "dtype"),
+                                       (dict(policy="fifo"), "policy='fifo'.*crf, lru")])
 def test_pool_refuses_bad_sizes(kw, field):
     args = dict(num_layers=1, max_model_len=16, buffer=8, row_sets=1, regions=1) | kw
     with pytest.raises(ValueError, match=field):
@@ -182,10 +187,12 @@ def test_hook_region_rows_are_region_base_plus_pos():
         assert int(valid[t]) == sum(int(x) >= 0 for x in out[t])
 
 
-def test_hook_decode_rows_hold_the_host_rows_in_order():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_hook_decode_rows_hold_the_host_rows_in_order(policy):
     g = torch.Generator().manual_seed(6)
     mml, B, K = 64, 12, 10
-    pool, host, adm = make(layers=1, mml=mml, B=B, row_sets=2, regions=1)
+    pool, host, adm = make(layers=1, mml=mml, B=B, row_sets=2, regions=1, policy=policy)
+    assert all(st.policy.name == policy for st in pool.states)
     for key in ("a", "b"):
         adm.admit(key, 40, 10)
         adm.prompt_done(key)
@@ -221,15 +228,20 @@ PREEMPT = (12, 1)                         # at step 12, request 1 (decoding then
 class Engine:
     """One mode's pool + admission; resident mode holds a full-length region per request."""
 
-    def __init__(self, resident: bool):
+    def __init__(self, resident: bool, policy: str):
         pool, host, self.adm = make(LAYERS, MML, B, N_SETS, N_SETS if resident else 1,
-                                    pages=sum(PROMPTS) + sum(MAX_TOKENS), resident=resident)
+                                    pages=sum(PROMPTS) + sum(MAX_TOKENS), resident=resident,
+                                    policy=policy)
         self.pool, self.host = pool, host
         for rows in pool.rows:                       # poison: a wrong row read shows
             rows.copy_(torch.randn(rows.shape).to(BF) * (7 if resident else -3))
 
 
-def test_episode_hisparse_equals_resident():
+@functools.cache
+def episode(policy: str) -> tuple[int, int, tuple]:
+    """The episode under ``policy`` (asserting as it goes that hisparse == resident): hisparse
+    mode's (hits, misses, every decode token's pool rows in step order). The steps' selections
+    do not depend on the policy (one seed)."""
     g = torch.Generator().manual_seed(11)
     R = len(PROMPTS)
     total = [p + m for p, m in zip(PROMPTS, MAX_TOKENS)]
@@ -237,9 +249,9 @@ def test_episode_hisparse_equals_resident():
     kidx = [torch.randn(LAYERS, n, D_IDX, generator=g) for n in total]
     cfg = HiSparseConfig(indexer="dsa", top_k=K, device_buffer_size=B, dense_layers=())
     ix = indexers.get("dsa")(cfg, LAYERS, R, MML, 1, D_IDX, BF, "cpu")
-    hs, rs = Engine(False), Engine(True)
+    hs, rs = Engine(False, policy), Engine(True, policy)
     waiting, done = list(range(R)), [0] * R          # done: tokens computed (written)
-    running, refusals, decode_rows = [], [], [[] for _ in range(R)]
+    running, refusals, decode_rows, read = [], [], [[] for _ in range(R)], []
     step_no = decode_outputs = 0
     while waiting or running:
         if waiting:
@@ -300,6 +312,7 @@ def test_episode_hisparse_equals_resident():
                         assert ((v >= lo) & (v < lo + (MML if gr.in_region else B))).all()
                         if not gr.in_region:
                             decode_rows[who[t]] += v.tolist()
+                            read.append(tuple(idx[t].tolist()))
             assert torch.equal(outs[0], outs[1]), (step_no, layer)
         decode_outputs += sum(1 for i, lo, _ in spans if lo >= PROMPTS[i])
         step_no += 1
@@ -322,3 +335,17 @@ def test_episode_hisparse_equals_resident():
     assert decode_outputs > sum(MAX_TOKENS)         # + the preempted one's first life
     assert any("row set" in r for r in refusals) and any("region" in r for r in refusals)
     assert hs.adm.leaks() == [] and rs.adm.leaks() == [] and hs.host.free_pages == hs.host.num_pages
+    return hits, misses, tuple(read)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_episode_hisparse_equals_resident(policy):
+    hits, misses, read = episode(policy)
+    assert misses > 0 and hits > 0 and read
+
+
+def test_episode_policies_decide_differently():
+    """lru and crf over the same selections: other slots somewhere, so the policy is applied."""
+    lru, crf = episode("lru"), episode("crf")
+    assert len(lru[2]) == len(crf[2]) and lru[2] != crf[2]
+    print(f"lru hits/misses {lru[:2]}, crf {crf[:2]}")

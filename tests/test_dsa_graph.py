@@ -21,9 +21,9 @@ LAYERS, MML, B, K = 2, 96, 24, 16
 PAD = (0, 3)                 # vLLM's padding tokens after the step's own (CUDA-graph sizes)
 
 
-def engine(resident: bool, seed: int):
+def engine(resident: bool, seed: int, policy: str = "lru"):
     g = torch.Generator().manual_seed(seed)
-    pool = LatentPool(LAYERS, MML, B, 0 if resident else 3, 3 if resident else 2)
+    pool = LatentPool(LAYERS, MML, B, 0 if resident else 3, 3 if resident else 2, policy=policy)
     host = None if resident else HostKVPool(LAYERS, 600, 1, 1, LATENT_ROW // 2, BF, pin=False)
     for rows in pool.rows:
         rows.copy_(torch.randn(rows.shape, generator=g).to(BF))
@@ -53,11 +53,11 @@ def step_inputs(keys, counts, first):
     return req, pos
 
 
-@pytest.mark.parametrize("resident", [False, True])
+@pytest.mark.parametrize("resident, policy", [(False, "lru"), (False, "crf"), (True, "lru")])
 @pytest.mark.parametrize("pad", PAD)
-def test_graph_step_equals_the_core_step(resident, pad):
-    pa, ha, adm_a = engine(resident, 1)
-    pb, hb, adm_b = engine(resident, 1)
+def test_graph_step_equals_the_core_step(resident, policy, pad):
+    pa, ha, adm_a = engine(resident, 1, policy)
+    pb, hb, adm_b = engine(resident, 1, policy)
     admit_all(adm_a)
     admit_all(adm_b)
     graph = LatentGraphStep(adm_b, max_tokens=16, max_decodes=4, top_k=K)
@@ -85,6 +85,7 @@ def test_graph_step_equals_the_core_step(resident, pad):
             for sa, sb in zip(pa.states, pb.states):
                 assert torch.equal(sa.slot_unit, sb.slot_unit)
                 assert torch.equal(sa.unit_slot, sb.unit_slot)
+                assert all(torch.equal(sa.pstate[n], sb.pstate[n]) for n in sa.pstate)
         assert torch.equal(pa.counts, pb.counts)
     if ha is not None:
         assert torch.equal(ha.data, hb.data)

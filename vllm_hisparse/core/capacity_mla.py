@@ -21,7 +21,8 @@ it:
   ``newest``: rows of the newest tokens not yet placed in a slot), one per decoding request that
   may be sparse (the analogue of Quest's rows: admission never lets more in), each with its
   RESOLVE state: per layer the token -> slot table (``max_model_len`` int32) and the slot -> token
-  and LRU order (2 x S int32), and one token -> host row table (``max_model_len`` int32);
+  and the policy's state (LRU order or crf value: 2 x S int32), and one token -> host row table
+  (``max_model_len`` int32);
 * ``prefill_slots`` full-length regions of ``max_model_len`` rows per layer: a request's latent
   stays whole on the GPU during its prefill (its chunks attend top-k anywhere in the prompt);
 * the host pool holds every latent row of a sparse request (pages of ``page_size`` tokens).

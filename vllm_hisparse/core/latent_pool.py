@@ -8,8 +8,9 @@ rows (``[kv_c, k_pe]``, 576 values a token) laid out as
   once, ``row_sets`` = 0; docs/dsa.md section 7);
 - a **row set** holds the ``B = device_buffer_size`` hot slots of one sparse request (slot s of
   row set r is row ``row_set_base(r) + s``), with its RESOLVE state per layer (the slot engine's
-  ``HotBufferState``, LRU: token -> slot ``max_model_len``, slot -> token and LRU order ``B``
-  int32 each) and one token -> host-row table shared by the layers (``DevicePageTable``: one token
+  ``HotBufferState`` under the configured policy, ``lru`` or ``crf``: token -> slot
+  ``max_model_len``, slot -> token and the policy's state (LRU order / crf value) ``B`` int32
+  each) and one token -> host-row table shared by the layers (``DevicePageTable``: one token
   per host page, so the host pool's page table is the token -> host-row table).
 
 ``newest = 0`` (docs/dsa.md): a new token's row reaches the hot slots through RESOLVE, as a miss.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from vllm_hisparse.core.page_table import DevicePageTable
-from vllm_hisparse.slots import HotBufferState
+from vllm_hisparse.slots import HotBufferState, served
 
 
 def _check(name: str, value: int, low: int, fix: str) -> None:
@@ -33,12 +34,13 @@ def _check(name: str, value: int, low: int, fix: str) -> None:
 class LatentPool:
     def __init__(self, num_layers: int, max_model_len: int, buffer: int, row_sets: int,
                  regions: int, row: int = 576, dtype: torch.dtype = torch.bfloat16,
-                 device="cpu"):
+                 device="cpu", policy: str = "lru"):
         """num_layers: sparse MLA layers; max_model_len: rows of a region and tokens of a row
         set's tables; buffer: B hot slots per row set; row_sets: N sparse requests at once (0 in
         resident mode); regions: full-length regions (prefill_slots, or resident requests at
         once); row: values per latent row (kv_lora_rank + qk_rope_head_dim); dtype: the latent's
-        (bf16/fp16). Rows start zeroed (the attention reference reads row 0 under a -1 index,
+        (bf16/fp16); policy: the row sets' replacement policy (one RESOLVE kernel branch:
+        slots.served()). Rows start zeroed (the attention reference reads row 0 under a -1 index,
         masked: it must be finite)."""
         _check("num_layers", num_layers, 1, "give the model's sparse MLA layer count")
         _check("max_model_len", max_model_len, 1, "give vLLM's max_model_len")
@@ -51,13 +53,17 @@ class LatentPool:
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"LatentPool dtype={dtype} must be bf16 or fp16 (FLASH_ATTN_MLA_SPARSE's"
                              f" latent); use torch.bfloat16")
+        if policy not in served():
+            raise ValueError(f"LatentPool policy={policy!r} has no RESOLVE kernel branch; choose "
+                             f"one of {', '.join(served())}")
         self.num_layers, self.max_model_len, self.B = num_layers, max_model_len, buffer
         self.row_sets, self.regions, self.row, self.dtype = row_sets, regions, row, dtype
         self.device = torch.device(device)
         self.num_rows = regions * max_model_len + row_sets * buffer
         self.rows = [torch.zeros(self.num_rows, row, dtype=dtype, device=self.device)
                      for _ in range(num_layers)]
-        self.states = [HotBufferState.create(row_sets, buffer, max_model_len, "lru", self.device)
+        self.policy = policy
+        self.states = [HotBufferState.create(row_sets, buffer, max_model_len, policy, self.device)
                        for _ in range(num_layers)] if row_sets else []
         self.host_rows = DevicePageTable(row_sets, max_model_len, self.device) if row_sets else None
         self.counts = torch.zeros(2, dtype=torch.int64, device=self.device)   # [hits, misses]

@@ -78,12 +78,12 @@ def ensure_runtime(vllm_config, row: int, top_k: int, dtype: torch.dtype) -> Lat
     with torch.device("cpu"):
         runtime = LatentRuntime(s["layers"], mc.max_model_len, cfg.device_buffer_size,
                                 s["row_sets"], s["regions"], s["host_pages"], max_tokens,
-                                sc.max_num_seqs, top_k, row, dtype, dev)
+                                sc.max_num_seqs, top_k, row, dtype, dev, policy=cfg.policy)
     logger.info("hisparse dsa: latent pool %.2f GiB on %s (%d regions x %d rows, %d row sets x "
-                "B=%d, %d layers), host pool %.2f GiB (%d rows)%s", runtime.pool.nbytes / (1 << 30),
-                dev, s["regions"], mc.max_model_len, 0 if s["resident"] else s["row_sets"],
-                cfg.device_buffer_size, s["layers"],
-                runtime.stats()["host_pool_bytes"] / (1 << 30), s["host_pages"],
+                "B=%d, %d layers, policy %s), host pool %.2f GiB (%d rows)%s",
+                runtime.pool.nbytes / (1 << 30), dev, s["regions"], mc.max_model_len,
+                0 if s["resident"] else s["row_sets"], cfg.device_buffer_size, s["layers"],
+                cfg.policy, runtime.stats()["host_pool_bytes"] / (1 << 30), s["host_pages"],
                 " (resident mode)" if s["resident"] else "")
     return runtime
 
