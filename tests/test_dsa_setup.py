@@ -36,12 +36,12 @@ def mla_config(hs=None, **over):
     return cfg
 
 
-@pytest.mark.parametrize("host_tier", [True, False])
-def test_prepare_config_sets_what_the_dsa_path_needs(host_tier):
+@pytest.mark.parametrize("host_tier, policy", [(True, "lru"), (False, "lru"), (True, "crf")])
+def test_prepare_config_sets_what_the_dsa_path_needs(host_tier, policy):
     from vllm_hisparse.vllm.setup_check import prepare_config
 
-    cfg = mla_config({"host_tier": host_tier})
-    prepare_config(cfg)
+    cfg = mla_config({"host_tier": host_tier, "policy": policy})
+    prepare_config(cfg)                              # crf is served on the DSA path too
     assert cfg.cache_config.block_size == 64 and cfg.cache_config.user_specified_block_size
     assert cfg.cache_config.enable_prefix_caching is False
     assert cfg.attention_config.sparse_mla_force_mqa is True
@@ -65,7 +65,9 @@ REFUSED = [
      "no DSA indexer"),
     ({}, {"host_pool_gib": 0.001}, "host_pool_gib=0.001 cannot hold one request of "
                                    "max_model_len=1024"),
-    ({}, {"policy": "crf"}, "policy='crf' are Quest"),
+    ({}, {"policy": "fifo"}, "policy='fifo' is available in the simulator"),
+    ({}, {"policy": "belady"}, "implements crf, lru); use \"lru\" (the default) or \"crf\""),
+    ({}, {"trace_dir": "/tmp/t"}, "trace_dir='/tmp/t' are Quest"),
     ({"cfg__use_v2_model_runner": True}, None, "VLLM_USE_V2_MODEL_RUNNER=0"),
     ({"cfg__kv_transfer_config": SimpleNamespace(kv_connector="LMCacheConnectorV1")}, None,
      "brings its own KV connector"),

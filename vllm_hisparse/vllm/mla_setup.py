@@ -58,8 +58,8 @@ def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
         if value > 1:
             raise Refused(f"hisparse: {name}={value} is not supported with indexer 'dsa' yet "
                           f"(one GPU); set it to 1")
+    # no policy check here: setup_check.check_served refused those without a RESOLVE kernel branch
     unused = [f"{k}={v!r}" for k, v, default in (
-        ("policy", cfg.policy, "lru"),
         ("full_decode_graphs", cfg.full_decode_graphs, None),
         ("split_dense_decode", cfg.split_dense_decode, None), ("trace_dir", cfg.trace_dir, None),
         ("dense_pool_gib", cfg.dense_pool_gib, 0.0)) if v != default]
