@@ -5,6 +5,7 @@ greedy, with logprobs, vLLM's CUDA graphs (FULL for uniform decode steps):
     python scripts/gpu_dsa.py run stock MODEL_DIR OUT_DIR      # FLASH_ATTN_MLA_SPARSE
     python scripts/gpu_dsa.py run hisparse MODEL_DIR OUT_DIR   # the latent pool, row sets, host
     python scripts/gpu_dsa.py run resident MODEL_DIR OUT_DIR   # the latent pool, all resident
+    python scripts/gpu_dsa.py run crf MODEL_DIR OUT_DIR        # hisparse under policy crf
     python scripts/gpu_dsa.py compare OUT_DIR                  # tokens + logprobs identical?
     python scripts/gpu_dsa.py cap stock|hisparse MODEL_DIR OUT_DIR   # capacity at one GPU budget
 
@@ -41,7 +42,7 @@ MAX_LEN = int(os.environ.get("DSA_MAX_LEN", "24576"))
 CFG = {"indexer": "dsa", "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
        "dense_layers": [], "host_pool_gib": 8, "quest_rows": len(PROMPTS),
        "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0"))}
-MODES = ("stock", "hisparse", "resident")
+MODES = ("stock", "hisparse", "resident")      # compare needs these three; crf when it ran
 LINES = re.compile(r"(GPU KV cache size.*|Maximum concurrency.*|hisparse dsa: .*|"
                    r"Using .* backend.*|cudagraph_mode.*?[,}]|Error.*|error.*)")
 
@@ -82,12 +83,13 @@ def run(mode: str, model: str, out: str) -> int:
               dtype="bfloat16", seed=0, max_model_len=MAX_LEN, max_num_seqs=8,
               max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
-    llm = LLM(**kw, **backend(mode, dict(CFG, host_tier=mode == "hisparse")))
+    cfg = dict(CFG, host_tier=mode in ("hisparse", "crf"), policy="crf" if mode == "crf" else "lru")
+    llm = LLM(**kw, **backend(mode, cfg))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True,
                         detokenize=False)
     t0 = time.time()
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    res = {"mode": mode, "elapsed_s": time.time() - t0, "config": CFG, "requests": [
+    res = {"mode": mode, "elapsed_s": time.time() - t0, "config": cfg, "requests": [
         {"prompt_len": len(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
          "logprobs": [sorted([k, v.logprob] for k, v in d.items()) for d in o.outputs[0].logprobs]}
         for o in outs]}
@@ -147,10 +149,11 @@ def show_log(path: str) -> None:
 
 
 def compare(out: str) -> int:
-    got = {m: json.load(open(os.path.join(out, f"{m}.json"))) for m in MODES
+    got = {m: json.load(open(os.path.join(out, f"{m}.json"))) for m in MODES + ("crf",)
            if os.path.exists(os.path.join(out, f"{m}.json"))}
     ok = len(got) == len(MODES)
-    for a, b in (("hisparse", "stock"), ("resident", "stock"), ("hisparse", "resident")):
+    pairs = [("hisparse", "stock"), ("resident", "stock"), ("hisparse", "resident")]
+    for a, b in pairs + ([("crf", "resident")] if "crf" in got else []):
         if a not in got or b not in got:
             print(f"{a} vs {b}: missing {[m for m in (a, b) if m not in got]}")
             continue
@@ -161,7 +164,7 @@ def compare(out: str) -> int:
             ok &= same_t and same_l
             print(f"{a} vs {b} request {i} ({x['prompt_len']} tokens): tokens identical {same_t}"
                   f" (first difference at {first}), logprobs identical {same_l}")
-    for m in ("hisparse", "resident"):
+    for m in ("hisparse", "resident", "crf"):
         if m in got:
             print(f"{m} stats: {json.dumps(got[m].get('stats'))}")
     print("EXACT" if ok else "MISMATCH")
