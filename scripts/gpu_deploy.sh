@@ -11,7 +11,7 @@ mkdir -p "$top" /tmp/gd/docker /tmp/gd/soak
 exec > >(tee -a "$top/summary.txt") 2>&1
 trap 'tar czf "$top/docker.tgz" -C /tmp/gd docker; tar czf "$top/soak.tgz" -C /tmp/gd soak' EXIT
 t0=$(date +%s)
-bash scripts/gpu_docker_replay.sh /tmp/gd/docker > /tmp/gd/docker-stdout.txt 2>&1 &
+bash scripts/gpu_docker_replay.sh /tmp/gd/docker > /dev/null 2>&1 &   # its log: replay.log
 d=$!
 for _ in $(seq 600); do     # the build step's check line (PASS or FAIL) or the replay's end
   grep -q "Dockerfile replayed\|bundle installed" /tmp/gd/docker/summary.txt 2> /dev/null && break

@@ -62,7 +62,8 @@ echo "entrypoint $entry; image env $imgenv; workdir $wdir"
 
 # -- docker run --gpus all -v hisparse.json:/etc/hisparse/config.json vllm-hisparse MODEL ...
 model=$work/llama3-8b-shape
-(cd / && python3 -m vllm_hisparse.bench.model_shapes llama3-8b "$model") > "$work/model.log" 2>&1
+(cd / && python3 -m vllm_hisparse.bench.model_shapes llama3-8b "$model") > "$work/model.log" 2>&1 \
+  || { tail -5 "$work/model.log"; check "model shape written" false; exit; }
 mkdir -p "$img/etc/hisparse"
 cat > "$img/etc/hisparse/config.json" << 'EOF'
 {"top_k": 256, "device_buffer_size": 512, "min_context": 1024, "host_pool_gib": 2,

@@ -42,7 +42,7 @@ MAX_LEN = int(os.environ.get("DSA_MAX_LEN", "24576"))
 CFG = {"indexer": "dsa", "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
        "dense_layers": [], "host_pool_gib": 8, "quest_rows": len(PROMPTS),
        "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0"))}
-MODES = ("stock", "hisparse", "resident")      # compare needs these three; crf when it ran
+MODES = ("stock", "hisparse", "resident")      # the engines compare pairs (and crf when it ran)
 LINES = re.compile(r"(GPU KV cache size.*|Maximum concurrency.*|hisparse dsa: .*|"
                    r"Using .* backend.*|cudagraph_mode.*?[,}]|Error.*|error.*)")
 

@@ -12,7 +12,9 @@ fi
 # wheels that came in pieces (scripts/wheel_pieces.sh: ray's is over one call's 64 MiB)
 if [ -f /tmp/wheel-stage/PIECES.sha256 ]; then mkdir -p .whl && bash scripts/wheel_pieces.sh join .whl; fi
 if ls .whl/*.whl > /dev/null 2>&1; then pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; fi
-export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 PYTHONUNBUFFERED=1
+# the tree first: a copy of vllm_hisparse installed into /tmp/site (gpu_docker_replay.sh) must
+# not shadow the working tree that the later calls of a session carry
+export PYTHONPATH=$PWD:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 PYTHONUNBUFFERED=1
 # A carried build (vllm_hisparse/_C*.so, same torch) is used when it imports; else build here.
 if ! python3 -c "from vllm_hisparse.ops import kernels as k; assert k.available(), k.import_error()" 2>/dev/null; then
   ( time MAX_JOBS=16 python3 setup.py build_ext --inplace ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }

@@ -269,13 +269,17 @@ def test_short_prompt_with_long_output_is_sparse(model_dir):
     text = calc("--model", model_dir, "--context", 17408, "--prompt", 1024, *args)
     assert "1024-token prompt with 16384 output tokens holds up to 512 blocks" in text
     # sent together they all hold 512 blocks before any turns sparse: a count of requests
-    # placed one by one until the next would not fit (null block and watermark kept free)
+    # placed one by one until the next would not fit (the null block kept out)
     g = h["gpu_bound"]
-    n, used = 0, 1 + g["watermark_blocks"]
+    n, used = 0, 1
     while used + 2 * B // 16 <= g["num_blocks"]:
         n, used = n + 1, used + 2 * B // 16
     assert g["peak_together_requests"] == n < g["requests"]
     assert f"sent together, such requests reach that peak together: {n} fit at once" in text
+    # a long prompt's peak is its prefill (one at a time): no such figure, no such line
+    assert long_prompt["gpu_bound"]["peak_together_requests"] is None
+    text = calc("--model", model_dir, "--context", 17408, "--prompt", 12000, *args)
+    assert "sent together" not in text and "12000-token prompt" in text
 
 
 SERVING = ("--buffer", 4096, "--top-k", 2048, "--dense-pool-gib", 6, "--host-gib", 84,

@@ -58,7 +58,9 @@ def test_pool_layout_and_bytes_match_calc(layers, mml, B, N, regions):
 @pytest.mark.parametrize("kw, field", [(dict(buffer=0), "buffer"), (dict(row_sets=-1), "row_sets"),
                                        (dict(row_sets=0, regions=0), "regions"),
                                        (dict(dtype=torch.float32), "dtype"),
-                                       (dict(policy="fifo"), "policy='fifo'.*crf, lru")])
+                                       (dict(policy="fifo"), "policy='fifo'.*crf, lru"),
+                                       (dict(policy="crf", buffer=65537, max_model_len=1 << 17),
+                                        "buffer=65537 is more slots than policy 'crf'")])
 def test_pool_refuses_bad_sizes(kw, field):
     args = dict(num_layers=1, max_model_len=16, buffer=8, row_sets=1, regions=1) | kw
     with pytest.raises(ValueError, match=field):

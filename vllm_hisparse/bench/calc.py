@@ -258,7 +258,9 @@ def _compute(args, hf: dict) -> dict:
         wm = cap.watermark_blocks(nb, args.watermark)
         return {"num_blocks": nb, "floor_blocks": h_bpr, "peak_blocks": peak, "watermark_blocks": wm,
                 "admit_blocks": peak + wm + int(spills),
-                "peak_together_requests": cap.peak_together_requests(nb, peak, wm),
+                # short prompts growing to min_context (None: the peak is a prefill, one at a time)
+                "peak_together_requests": cap.peak_together_requests(nb, peak)
+                if sparse and prompt < cfg.min_context_tokens else None,
                 "spill_reserve_blocks": cap.spill_reserve_blocks(
                     args.max_num_batched_tokens, max_num_seqs, P, wm) if spills else 0}
 

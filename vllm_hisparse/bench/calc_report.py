@@ -55,12 +55,11 @@ def report(args, r: dict) -> None:
         print(f"a {args.prompt}-token prompt with {args.context - args.prompt} output tokens "
               f"holds up to {h['peak_blocks_per_request']} blocks (before it turns sparse at "
               f"min_context, or during its prefill), S+1 afterwards")
-        if g["peak_blocks"] > g["floor_blocks"]:
+        if g["peak_together_requests"] is not None and g["peak_blocks"] > g["floor_blocks"]:
             print(f"sent together, such requests reach that peak together: "
-                  f"{g['peak_together_requests']} fit at once (blocks {g['num_blocks']} - 1 null - "
-                  f"watermark {g['watermark_blocks']}) // {g['peak_blocks']}; more are preempted "
-                  f"on the way unless they arrive spread out (a min_context nearer B lowers the "
-                  f"peak)")
+                  f"{g['peak_together_requests']} fit at once (blocks {g['num_blocks']} - 1 null) "
+                  f"// {g['peak_blocks']}; more are preempted on the way unless they arrive spread "
+                  f"out (a min_context nearer B lowers the peak)")
     elif not h["sparse"]:
         print(f"a request of {args.context} tokens stays resident (below min_context "
               f"{r['min_context']}): "

@@ -264,11 +264,12 @@ def gpu_requests(blocks: int, floor_blocks: int, admit_blocks: int, reserve: int
     return 0 if room < 0 or floor_blocks < 1 else 1 + room // floor_blocks
 
 
-def peak_together_requests(blocks: int, peak_blocks: int, watermark: int) -> int:
-    """Requests that hold their ``peak_blocks`` all at once in ``blocks`` (null block and vLLM's
-    watermark left free): requests sent together whose short prompts grow to min_context in
-    lockstep, before any turns sparse; more than this and vLLM preempts on the way."""
-    return max(0, (blocks - 1 - watermark) // peak_blocks) if peak_blocks > 0 else 0
+def peak_together_requests(blocks: int, peak_blocks: int) -> int:
+    """Requests that hold their ``peak_blocks`` all at once in ``blocks`` (the null block left
+    out): requests sent together whose short prompts grow to min_context in lockstep, before any
+    turns sparse; more than this and vLLM preempts on the way (its watermark holds only for
+    admitting waiting requests, not for running ones that grow)."""
+    return max(0, (blocks - 1) // peak_blocks) if peak_blocks > 0 else 0
 
 
 def max_requests(limits: dict[str, int | None]) -> tuple[int, str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from vllm_hisparse.core.page_table import DevicePageTable
-from vllm_hisparse.slots import HotBufferState, served
+from vllm_hisparse.slots import HotBufferState, make, served
 
 
 def _check(name: str, value: int, low: int, fix: str) -> None:
@@ -56,6 +56,10 @@ class LatentPool:
         if policy not in served():
             raise ValueError(f"LatentPool policy={policy!r} has no RESOLVE kernel branch; choose "
                              f"one of {', '.join(served())}")
+        most = make(policy).kernel_max_slots
+        if most is not None and buffer > most:
+            raise ValueError(f"LatentPool buffer={buffer} is more slots than policy {policy!r}'s "
+                             f"kernel holds ({most}); lower device_buffer_size or use policy lru")
         self.num_layers, self.max_model_len, self.B = num_layers, max_model_len, buffer
         self.row_sets, self.regions, self.row, self.dtype = row_sets, regions, row, dtype
         self.device = torch.device(device)

@@ -51,6 +51,8 @@ def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tenso
     su, us, pol = state.kernel_state()
     consts = {"SHIFT": 0, "HIT": 0, **state.policy.kernel_constants, "POLICY": state.policy.kernel}
     S = su.shape[1]
+    most = state.policy.kernel_max_slots
+    assert most is None or S <= most, f"{state.policy.name}'s kernel holds at most {most} slots"
     KB, SB = select_widths(K, S)
     _resolve_given_kernel[(N,)](
         sel, seq, hot, rows, block_table, su, us, pol, scratch, victims, counts, locs, K, S,

@@ -41,6 +41,7 @@ class Policy:
     kernel = None        # the served RESOLVE kernel's branch id (ops/triton_select.py); None: not served
     kernel_state = None  # the state key the kernel reads and writes, an (R, S) int32 tensor
     kernel_constants: dict = {}   # the kernel branch's compile-time constants (e.g. crf's SHIFT)
+    kernel_max_slots = None       # most slots a row may have in the kernel branch (None: no limit)
 
     def init_state(self, rows: int, slots: int, device) -> dict:
         """Return fresh per-row state tensors, each with leading dims (rows, slots)."""

@@ -34,6 +34,7 @@ class CRF(Policy):
     name = "crf"
     kernel = 1
     kernel_state = "value"
+    kernel_max_slots = 1 << 16    # the kernel's victim sort key packs the slot in its low 16 bits
 
     def __init__(self, shift: int = 4):
         if not 1 <= shift <= 4:      # values < 16 * HIT: the kernel's 32-bit sort key
