@@ -133,11 +133,10 @@ def _select_resolve_cuda(scores, seq, num_full, k, block_table, sel, locs, hot, 
                                           sel, seq, sel, locs, k, False, 0, 0, 0, SELECT_THREADS)
         return
     su, us, pol = state.kernel_state()
-    consts = state.policy.kernel_constants
+    c = triton_select.policy_constants(state)
     torch.ops.hisparse.select_resolve(scores, seq, num_full, hot, rows, block_table, su, us, pol,
-                                      counts, sel, locs, k, True, state.policy.kernel,
-                                      consts.get("SHIFT", 0), consts.get("HIT", 0),
-                                      SELECT_THREADS)
+                                      counts, sel, locs, k, True, c["POLICY"], c["SHIFT"],
+                                      c["HIT"], SELECT_THREADS)
     if fetch:
         triton_select.miss_io(locs, sel, seq, num_full, hot, rows, host_pt,
                               kernels.device_alias(host, scores.device), kv, k)

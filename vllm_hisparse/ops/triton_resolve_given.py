@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_select import (_miss_io_kernel, _resolve_prelude, _resolve_row, row_chunk,
-                            select_widths)
+from .triton_select import (_miss_io_kernel, _resolve_prelude, _resolve_row, policy_constants,
+                            row_chunk, select_widths)
 
 
 @triton.jit
@@ -49,10 +49,8 @@ def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tenso
     if N == 0 or K == 0:
         return
     su, us, pol = state.kernel_state()
-    consts = {"SHIFT": 0, "HIT": 0, **state.policy.kernel_constants, "POLICY": state.policy.kernel}
+    consts = policy_constants(state)
     S = su.shape[1]
-    most = state.policy.kernel_max_slots
-    assert most is None or S <= most, f"{state.policy.name}'s kernel holds at most {most} slots"
     KB, SB = select_widths(K, S)
     _resolve_given_kernel[(N,)](
         sel, seq, hot, rows, block_table, su, us, pol, scratch, victims, counts, locs, K, S,

@@ -265,6 +265,15 @@ def row_chunk(row_elems: int) -> int:
     return ch
 
 
+def policy_constants(state) -> dict:
+    """The RESOLVE kernels' policy arguments of a slots.HotBufferState (Triton's and the CUDA
+    select's): POLICY = its branch id, SHIFT / HIT = its constants (0 where it has none); checks
+    that its rows fit the branch (crf packs the slot of its victim key in 16 bits)."""
+    most, S = state.policy.kernel_max_slots, state.slots
+    assert most is None or S <= most, f"{state.policy.name}'s kernel holds at most {most} slots"
+    return {"SHIFT": 0, "HIT": 0, **state.policy.kernel_constants, "POLICY": state.policy.kernel}
+
+
 def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tensor, k: int,
                    block_table: torch.Tensor, sel: torch.Tensor, locs: torch.Tensor,
                    scratch: torch.Tensor, victims: torch.Tensor, hot: torch.Tensor | None = None,
@@ -285,7 +294,7 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     consts = {"POLICY": 0, "SHIFT": 0, "HIT": 0}
     if has_hot:
         su, us, pol = state.kernel_state()
-        consts.update(state.policy.kernel_constants, POLICY=state.policy.kernel)
+        consts = policy_constants(state)
         S = su.shape[1]
     else:
         su = us = pol = host_pt = sel
