@@ -9,11 +9,12 @@ with --tensor-parallel-size and every rank pins its own host pool of --host-gib 
 """
 from __future__ import annotations
 
+from vllm_hisparse.bench.calc_report import gib_str as _gib
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import capacity as cap
 from vllm_hisparse.core import capacity_mla as mla
 
-GIB, MIB = 1 << 30, 1 << 20
+GIB = 1 << 30
 
 
 def compute(args, hf: dict) -> dict:
@@ -75,10 +76,6 @@ def compute(args, hf: dict) -> dict:
             "num_layers": m.num_layers, "latent_bytes_per_token_layer": m.latent_bytes,
             "index_bytes_per_token_layer": m.index_bytes, "baseline": baseline,
             "hisparse": hisparse}
-
-
-def _gib(x: int) -> str:
-    return f"{x / MIB:.3f} MiB" if 0 < abs(x) < GIB else f"{x / GIB:.3f} GiB"
 
 
 def report(args, r: dict) -> None:
