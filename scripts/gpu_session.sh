@@ -61,13 +61,18 @@ case "$part" in
     # against the default, read by the attention's split launch
     cases=${KBENCH:-"32768 0 1,8,32,64;32768 0 1,8,32,64 --resident;32768 0.3 1,8,32;4096 0 1,32;32768 0 1,8,32 -io;32768 0.3 1,8,32 -io"}
     IFS=';' read -ra cases <<< "$cases"
+    # a case may start with VAR=value words: its environment (A/B knobs), named in its folder
     for a in "${cases[@]}"; do
       [ -z "${a// }" ] && continue                         # KBENCH=" ": the tests only
       set -- $a
+      envs=(); tag=
+      while [[ "${1:-}" == *=* ]]; do n=${1%%=*}; n=${n##*_}; envs+=("$1"); tag+="-${n,,}${1#*=}"; shift; done
       fa=1; opt=${4:-}; [ "$opt" = -io ] && { fa=0; opt=; }
-      timeout 120 python3 -m vllm_hisparse.bench.decode_step --fetch-in-attention $fa \
+      echo "-- $a"
+      env "${envs[@]}" timeout 150 python3 -m vllm_hisparse.bench.decode_step --fetch-in-attention $fa \
         --context $1 --rows $3 --layers 2 --steps 10 --q-noise $2 $opt \
-        --out "$out/ds-$1-q$2${4:-}" 2>&1 | grep -E "^\{|Error" | cut -c1-300
+        --out "$out/ds-$1-q$2${4:-}$tag" 2>&1 | grep -E "^\{|Error" | cut -c1-300
+      since "case done"
     done
     since "kernels done" ;;
   exact)

@@ -39,7 +39,7 @@ def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
     if live:
         _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, split_tokens,
                n_splits, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
-               r, UNIT, HKV, G, GP, D, BLOCK, HAS_EXTRA, EXTRA_IN_KV, KV, LOCS, SEQ, 0, False)
+               r, UNIT, HKV, G, GP, D, BLOCK, HAS_EXTRA, EXTRA_IN_KV, KV, LOCS, SEQ, 0, 0, 1)
 
 
 @triton.jit
@@ -47,11 +47,14 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
            n_splits, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
            r, UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
            D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr,
-           EXTRA_IN_KV: tl.constexpr, HOST, HPT, ROWS, s_hpt, FETCH: tl.constexpr):
-    """FETCH: a locs entry -2 - block is a miss: its tokens (this program's KV head) come from the
-    host pool's page HPT[ROWS[r], unit] (HOST: the pool's CUDA alias, kv's layout) and are stored
-    into the block too, so the page is resident for the next step (each (token, KV head) of the
-    selection is read by exactly one program, so each byte of the page is written once)."""
+           EXTRA_IN_KV: tl.constexpr, HOST, HPT, ROWS, s_hpt, FETCH: tl.constexpr,
+           KP: tl.constexpr):
+    """FETCH (0: off): a locs entry -2 - block is a miss: its tokens (this program's KV head)
+    come from the host pool's page HPT[ROWS[r], unit] (HOST: the pool's CUDA alias, kv's layout)
+    and are stored into the block, so the page is also resident for the next step (each (token,
+    KV head) of the selection belongs to exactly one program, so each byte of the page is written
+    once): FETCH 1 copies the split's misses before its loop (``_fetch_misses``), FETCH 2 reads
+    them in the loop (``_tokens``). KP: a power of two >= the selected units per row."""
     h = tl.program_id(1)
     sp = tl.program_id(2)
     og = tl.arange(0, GP)
@@ -74,6 +77,9 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
             ebase = EXTRA + r * s_er
     start = sp * split_tokens
     end = tl.minimum(start + split_tokens, n_tok)
+    if FETCH == 1:
+        _fetch_misses(KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, tl.minimum(end, n_sel), s_kn,
+                      s_kc, s_ku, s_kh, s_lr, s_ur, s_hpt, od, UNIT, BLOCK, KP)
     m_i, l_i, acc = _tokens(
         q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn, s_kc,
         s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP, D, BLOCK,
@@ -83,18 +89,50 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
 
 
 @triton.jit
+def _fetch_misses(KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, s_kn, s_kc, s_ku, s_kh,
+                  s_lr, s_ur, s_hpt, od, UNIT: tl.constexpr, BLOCK: tl.constexpr,
+                  KP: tl.constexpr):
+    """The missed pages (locs -2 - block) among the selected tokens [start, end) of row r: their
+    KV head h tokens copied from the host pool's page into the block, before the attention's loop.
+    A split without a miss (one load of its units' locs tells) skips it, so with no miss the loop
+    after it is the plain one: no per-token host pointer, no store (a fetch inside the loop cost
+    every token ~15% more instructions, misses or not)."""
+    jl = tl.arange(0, KP)
+    mine = (jl * UNIT < end) & (jl * UNIT + UNIT > start)
+    if tl.min(tl.load(LOCS + r * s_lr + jl, mask=mine, other=-1)) <= -2:
+        prow = tl.load(ROWS + r).to(tl.int64)
+        for t0 in range(start, end, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            j = t // UNIT
+            off = t - j * UNIT
+            loc = tl.load(LOCS + r * s_lr + j, mask=t < end, other=-1)
+            miss = loc <= -2
+            u = tl.load(UNITS + r * s_ur + j, mask=miss, other=0)
+            hp = tl.load(HPT + prow * s_hpt + u, mask=miss, other=0)
+            src = HOST + hp.to(tl.int64) * s_kn + off * s_ku + h * s_kh
+            dst = KV + (-2 - loc).to(tl.int64) * s_kn + off * s_ku + h * s_kh
+            kt = tl.load(src[:, None] + od[None, :], mask=miss[:, None], other=0.0)
+            vt = tl.load(src[:, None] + s_kc + od[None, :], mask=miss[:, None], other=0.0)
+            tl.store(dst[:, None] + od[None, :], kt, mask=miss[:, None])
+            tl.store(dst[:, None] + s_kc + od[None, :], vt, mask=miss[:, None])
+        tl.debug_barrier()          # the stores seen by every thread of the program's loop
+
+
+@triton.jit
 def _tokens(q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn, s_kc,
             s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT: tl.constexpr,
             GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr,
             FETCH: tl.constexpr):
     """The online softmax of the query group q over tokens [start, end) of row r, KV head h (the
-    selected pages', then the extra rows at ebase, elen of them); FETCH: misses read from HOST
-    (``_split``). Returns (max, sum, weighted values)."""
+    selected pages', then the extra rows at ebase, elen of them). FETCH 1: a miss's block (-2 -
+    block), which _fetch_misses filled, is read like a hit's; FETCH 2 (``inline``): each miss's
+    tokens are read from HOST in the loop and stored into the block (``_split``). Returns (max,
+    sum, weighted values)."""
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     prow = 0
-    if FETCH:
+    if FETCH == 2:
         prow = tl.load(ROWS + r).to(tl.int64)
     for t0 in range(start, end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
@@ -103,12 +141,13 @@ def _tokens(q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, s
         j = t // UNIT
         off = t - j * UNIT
         loc = tl.load(LOCS + r * s_lr + j, mask=is_sel, other=-1)
+        if FETCH == 1:
+            loc = tl.where(loc <= -2, -2 - loc, loc)
         u = tl.load(UNITS + r * s_ur + j, mask=is_sel, other=0)
         kp = KV + loc.to(tl.int64) * s_kn + off * s_ku + h * s_kh
-        if FETCH:
+        if FETCH == 2:
             # a miss's tokens come from its host page and go into its block on the way; the row
-            # pointers are chosen per token, so the tile is one load either way (no branch: a
-            # branch here held both tiles at once and cost the loop its registers)
+            # pointers are chosen per token, so the tile is one load either way
             miss = is_sel & (loc <= -2)
             blk = -2 - loc
             kb = KV + blk.to(tl.int64) * s_kn + off * s_ku + h * s_kh
@@ -122,7 +161,7 @@ def _tokens(q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, s
             ld = valid
         kt = tl.load(kp[:, None] + od[None, :], mask=ld[:, None], other=0.0)
         vt = tl.load(kp[:, None] + s_kc + od[None, :], mask=ld[:, None], other=0.0)
-        if FETCH:
+        if FETCH == 2:
             tl.store(kb[:, None] + od[None, :], kt, mask=miss[:, None])
             tl.store(kb[:, None] + s_kc + od[None, :], vt, mask=miss[:, None])
         if HAS_EXTRA:

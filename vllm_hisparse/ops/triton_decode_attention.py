@@ -11,6 +11,8 @@ give it (tests/test_decode_attention.py checks that, bit for bit). The plain-tor
 ``kernels.decode_attention``'s CPU path (the two references)."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -19,13 +21,20 @@ from . import triton_attention as ta
 from . import triton_dense_decode as td
 
 
+# How the split launch reads the misses: 1 copies each split's missed pages into their blocks
+# before its loop (ops/triton_attention._fetch_misses); 2 (HISPARSE_FETCH_IN_ATTENTION=inline)
+# reads them in the loop, per token (the earlier default; kept for this session's A/B run).
+FETCH_MODE = 2 if os.environ.get("HISPARSE_FETCH_IN_ATTENTION") == "inline" else 1
+
+
 @triton.jit(do_not_specialize=["split_tokens", "n_sp", "ns"])
 def _mixed_split_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML, HOST, HPT, ROWS,
                         scale, n_sel, n_tok, split_tokens, n_sp, ns,
                         s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_br, s_hpt,
                         UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                         D: tl.constexpr, BLOCK: tl.constexpr, DBLOCK: tl.constexpr,
-                        NSD: tl.constexpr, MIN: tl.constexpr, FETCH: tl.constexpr):
+                        NSD: tl.constexpr, MIN: tl.constexpr, FETCH: tl.constexpr,
+                        KP: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -34,7 +43,7 @@ def _mixed_split_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML,
             ta._split(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, SP_SEQ, PO, PML, scale, n_sel, n_tok,
                       split_tokens, ns, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur,
                       s_kn, s_ku, s_kc, s_kh, r, UNIT, HKV, G, GP, D, BLOCK, True, True,
-                      HOST, HPT, ROWS, s_hpt, FETCH)
+                      HOST, HPT, ROWS, s_hpt, FETCH, KP)
     else:
         seq = tl.load(DN_SEQ + r)
         split_n = td._split_len(seq, NSD, MIN)
@@ -108,7 +117,8 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
         locs.stride(0), units.stride(0), block_table.stride(0), host_pt.stride(0),
         UNIT=unit, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK=ta.BLOCK_N if D <= 128 else 32, DBLOCK=td.BLOCK_N if D <= 128 else 32,
-        NSD=td.SPLITS, MIN=td.MIN_SPLIT, FETCH=miss is not None, num_warps=4, num_stages=2)
+        NSD=td.SPLITS, MIN=td.MIN_SPLIT, FETCH=0 if miss is None else FETCH_MODE,
+        KP=triton.next_power_of_2(max(k, 1)) if miss is not None else 1, num_warps=4, num_stages=2)
     _mixed_combine_kernel[(R, Hq)](po, pml, sp_seq, dn_seq, out, n_sp, ns, out.stride(0),
                                    out.stride(1), HQ=Hq, D=D, SP=ta.MAX_SPLITS, NSD=td.SPLITS,
                                    MIN=td.MIN_SPLIT)
