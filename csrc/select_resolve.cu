@@ -5,15 +5,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/all.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "kernels/select_resolve.cuh"
 
 namespace {
-
-constexpr size_t kPreloadSmem = 96 * 1024;  // dynamic shared memory up to which rows' page tables
-                                            // are held in it (a 40K-token row of 16-token pages: 10 KB)
 
 void check(const torch::Tensor& t, const char* name, at::ScalarType dt, int64_t dim, const torch::Device& dev) {
   TORCH_CHECK(t.is_cuda() && t.device() == dev, "select_resolve: ", name, " must be on ", dev);
@@ -97,19 +91,10 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
   }
   a.K = (int)k;
   a.S = (int)S;
-  a.W = (int)block_table.size(1);
-  // each row's page table into shared memory when it fits beside the rest (~2 CTAs per SM): the
-  // probes then cost no global round trip after the top-k
-  // (HISPARSE_SELECT_PRELOAD=0: never, for A/B runs and the tests of both paths)
-  const char* pre_env = std::getenv("HISPARSE_SELECT_PRELOAD");
-  const bool pre_ok = pre_env == nullptr || std::string(pre_env) != "0";
-  a.pre_us = 0;
-  if (has_hot && pre_ok && hisparse::select_smem_bytes(a.K, a.S, (int)unit_slot.size(1)) <= kPreloadSmem)
-    a.pre_us = (int)unit_slot.size(1);
   a.policy = (int)policy;
   a.shift = (int)shift;
   a.hit = (int)hit;
-  const size_t smem = hisparse::select_smem_bytes(a.K, a.S, a.pre_us);
+  const size_t smem = hisparse::select_smem_bytes(a.K, a.S);
   TORCH_CHECK(smem <= 190 * 1024, "select_resolve: k=", k, " and S=", S, " need ", smem,
               " B of shared memory (at most 190 KiB)");
   const at::cuda::OptionalCUDAGuard guard(dev);

@@ -332,15 +332,11 @@ def test_gpu_select_resolve(case, policy, impl, fetch, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.ext
-@pytest.mark.parametrize("preload", ["1", "0"])
 @pytest.mark.parametrize("threads", [256, 512, 1024])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("case", CUDA_SELECT_CASES + [(4, 16, 8, 128, 2048, 127, 256)])
-def test_gpu_cuda_select_widths(case, policy, threads, preload, monkeypatch):
-    """The CUDA select at each CTA width, on rows wider than the CTA; the rows' page tables
-    read into shared memory before the top-k where they fit (preload "1": all but the 20,000-page
-    case) or probed in global memory (HISPARSE_SELECT_PRELOAD=0)."""
-    monkeypatch.setenv("HISPARSE_SELECT_PRELOAD", preload)
+def test_gpu_cuda_select_widths(case, policy, threads, monkeypatch):
+    """The CUDA select at each CTA width, on rows wider than the CTA."""
     monkeypatch.setattr(decode_ops, "SELECT_IMPL", "cuda")
     monkeypatch.setattr(decode_ops, "SELECT_THREADS", threads)
     a = compare_select(case, torch.Generator().manual_seed(90 + sum(case)), "cuda",

@@ -31,9 +31,6 @@ struct SelectArgs {
   int32_t* locs;            // (N, K) blocks; a miss is marked -2 - block for the IO launch
   int64_t s_sc, s_bt, s_su, s_us, s_pol;
   int K, S, policy, shift, hit;
-  int W;                    // block_table's width
-  int pre_us;               // > 0: unit_slot rows hold this many entries and each row's [0, hot)
-                            // is read into shared memory before the top-k (0: probed in global)
 };
 
 __device__ __forceinline__ uint32_t order_key(float x) {
@@ -57,12 +54,8 @@ __device__ __forceinline__ void each_key(bool in_regs, const uint32_t (&kr)[kKey
   }
 }
 
-// The shared-memory layout of one CTA: sel[K], vic[K], cur[K] (each hot entry's slot before this
-// step), flag[S], su[S], pol[S], bt[S] (the hot slots' blocks), us[pre_us] (the row's page table;
-// pre_us 0: not held) (int32).
-inline size_t select_smem_bytes(int K, int S, int pre_us) {
-  return sizeof(int32_t) * (3 * (size_t)K + 4 * (size_t)S + (size_t)pre_us);
-}
+// The shared-memory layout of one CTA: sel[K], vic[K], flag[S], su[S], pol[S] (int32).
+inline size_t select_smem_bytes(int K, int S) { return sizeof(int32_t) * (2 * (size_t)K + 3 * (size_t)S); }
 
 template <int T>
 struct SelectShared {
@@ -103,12 +96,9 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   const int K = a.K, S = a.S, tid = threadIdx.x;
   int32_t* s_sel = dyn;
   int32_t* s_vic = dyn + K;
-  int32_t* s_cur = dyn + 2 * K;
-  int32_t* s_flag = dyn + 3 * K;
-  int32_t* s_su = s_flag + S;
-  int32_t* s_pol = s_flag + 2 * S;
-  int32_t* s_bt = s_flag + 3 * S;
-  int32_t* s_us = s_flag + 4 * S;
+  int32_t* s_flag = dyn + 2 * K;
+  int32_t* s_su = dyn + 2 * K + S;
+  int32_t* s_pol = dyn + 2 * K + 2 * S;
   const int64_t r = blockIdx.x;
   if (a.seq[r] <= 0) return;
   const int n = (int)a.num_full[r];
@@ -121,20 +111,11 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   const int64_t hot_end = a.hot != nullptr ? a.hot[r] : 0;  // pages below it: the hot slots'
   const bool hot = hot_end != 0;
   const int64_t row = a.rows[r];
-  const bool pre = hot && a.pre_us > 0;
-  if (hot) {  // the row's state, its slots' blocks and page table, read before the top-k so their
-              // latency hides behind it: RESOLVE then probes and publishes from shared memory
-    const int32_t* bt_r = a.bt + r * a.s_bt;
+  if (hot) {  // the row's state, read before the top-k so its latency hides behind it
     for (int s = tid; s < S; s += T) {
       s_su[s] = a.su[row * a.s_su + s];
       s_pol[s] = a.pol[row * a.s_pol + s];
-      s_bt[s] = s < a.W ? bt_r[s] : -1;
       s_flag[s] = 0;
-    }
-    if (pre) {  // the pages a probe can ask for: [0, min(hot, n)) (hot may exceed the row)
-      const int32_t* us_r = a.us + row * a.s_us;
-      const int np = (int)min(min(hot_end, (int64_t)n), (int64_t)a.pre_us);
-      for (int u = tid; u < np; u += T) s_us[u] = us_r[u];
     }
   }
   // ---- top-k: the pages [0, n) among the K best keys, ascending in s_sel[0, min(n, K))
@@ -226,15 +207,15 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   const int kc = (nk + T - 1) / T;
   const int jlo = tid * kc, jhi = min(nk, jlo + kc);
   unsigned long long cnt = 0;  // hits | misses << 21 | block-table pages << 42
-  for (int j = jlo; j < jhi; ++j) {  // s_cur: a hot entry's slot before this step, until publish
+  for (int j = jlo; j < jhi; ++j) {  // locs holds a hot entry's slot before this step until publish
     const int32_t u = s_sel[j];
     if (u >= hot_end) {
       locs[j] = bt[u];
       cnt += 1ull << 42;
       continue;
     }
-    const int32_t cur = pre ? s_us[u] : us[u];  // s_us serves this step's probes only
-    s_cur[j] = cur;
+    const int32_t cur = us[u];
+    locs[j] = cur;
     if (cur >= 0) s_flag[cur] = 1;
     cnt += cur >= 0 ? 1ull : 1ull << 21;
   }
@@ -301,7 +282,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   for (int j = jlo; j < jhi; ++j) {
     const int32_t u = s_sel[j];
     if (u >= hot_end) continue;
-    const int32_t cur = s_cur[j];
+    const int32_t cur = locs[j];
     int32_t slot;
     if (cur >= 0) {
       slot = cur;
@@ -314,7 +295,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
       if (a.policy == 0) pol[H + M - 1 - mr] = slot;
       ++mr;
     }
-    const int32_t phys = s_bt[slot];
+    const int32_t phys = bt[slot];
     locs[j] = cur >= 0 ? phys : -2 - phys;
   }
   if (a.policy == 0) {  // the rest of the order: slots neither hit nor victim, in their old order
