@@ -1,8 +1,10 @@
 """Registers and spills of the decode batch's attention split launch (ops/triton_decode_attention.py),
 compiled on the CPU for the H200 (sm_90a) by Triton's NVIDIA backend and ptxas -v: without the
-misses' reads (resident rows) and with them (``miss``: a locs entry -2 - block read from the host
-page), Llama-3-8B's attention shape, bf16. A loop that holds more registers than the SM gives it
-spills to local memory; docs/gpu-results.md (seventh session) records what a branch per tile cost.
+misses' reads (resident rows) and with them (``miss``: a locs entry -2 - block copied from the host
+page), Llama-3-8B's attention shape, bf16: registers, spills, cp.async and SASS instructions (the
+whole kernel, a miss-copy prologue included). A loop that holds more registers than the SM gives
+it spills to local memory; docs/gpu-results.md (seventh session) records what a branch per tile
+cost.
 
     .venv/bin/python scripts/probes/split_registers.py
 """
@@ -44,13 +46,19 @@ with tempfile.TemporaryDirectory() as cache, compile_only():
     finally:
         jit.JITFunction.run = run
 ptxas = compiler.get_ptxas(90).path
+SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/", re.M)     # one per instruction in cuobjdump -sass
 for name, text in zip(("resident rows", "misses read from the host"), ptx):
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(text)
         f.flush()
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+        cubin = f.name + ".cubin"
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", cubin],
                               capture_output=True, text=True).stderr
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True).stdout
+        os.remove(cubin)
     regs = re.search(r"Used (\d+) registers", info).group(1)
     spill = re.search(r"(\d+) bytes spill stores", info).group(1)
     print(f"{name}: {regs} registers, {spill} bytes of spill stores, "
-          f"{text.count('cp.async.cg') + text.count('cp.async.ca')} cp.async")
+          f"{text.count('cp.async.cg') + text.count('cp.async.ca')} cp.async, "
+          f"{len(SASS_LINE.findall(sass))} SASS instructions")

@@ -39,7 +39,7 @@ def _split_kernel(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML,
     if live:
         _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, split_tokens,
                n_splits, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_er, s_et, s_ec, s_eh,
-               r, UNIT, HKV, G, GP, D, BLOCK, HAS_EXTRA, EXTRA_IN_KV, KV, LOCS, SEQ, 0, 0, 1)
+               r, UNIT, HKV, G, GP, D, BLOCK, HAS_EXTRA, EXTRA_IN_KV, KV, LOCS, SEQ, 0, False, 1)
 
 
 @triton.jit
@@ -49,12 +49,12 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
            D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr,
            EXTRA_IN_KV: tl.constexpr, HOST, HPT, ROWS, s_hpt, FETCH: tl.constexpr,
            KP: tl.constexpr):
-    """FETCH (0: off): a locs entry -2 - block is a miss: its tokens (this program's KV head)
-    come from the host pool's page HPT[ROWS[r], unit] (HOST: the pool's CUDA alias, kv's layout)
-    and are stored into the block, so the page is also resident for the next step (each (token,
-    KV head) of the selection belongs to exactly one program, so each byte of the page is written
-    once): FETCH 1 copies the split's misses before its loop (``_fetch_misses``), FETCH 2 reads
-    them in the loop (``_tokens``). KP: a power of two >= the selected units per row."""
+    """FETCH: a locs entry -2 - block is a miss: its tokens (this program's KV head) are copied
+    from the host pool's page HPT[ROWS[r], unit] (HOST: the pool's CUDA alias, kv's layout) into
+    the block before the split's loop reads them there (``_fetch_misses``), so the page is also
+    resident for the next step (each (token, KV head) of the selection belongs to exactly one
+    program, so each byte of the page is written once). KP: a power of two >= the selected units
+    per row."""
     h = tl.program_id(1)
     sp = tl.program_id(2)
     og = tl.arange(0, GP)
@@ -77,13 +77,12 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
             ebase = EXTRA + r * s_er
     start = sp * split_tokens
     end = tl.minimum(start + split_tokens, n_tok)
-    if FETCH == 1:
+    if FETCH:
         _fetch_misses(KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, tl.minimum(end, n_sel), s_kn,
                       s_kc, s_ku, s_kh, s_lr, s_ur, s_hpt, od, UNIT, BLOCK, KP)
     m_i, l_i, acc = _tokens(
-        q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn, s_kc,
-        s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP, D, BLOCK,
-        HAS_EXTRA, FETCH)
+        q, seq, KV, LOCS, UNITS, r, h, start, end, n_sel, scale, s_kn, s_kc, s_ku, s_kh, s_lr,
+        s_ur, s_et, s_ec, s_eh, od, ebase, elen, UNIT, GP, D, BLOCK, HAS_EXTRA, FETCH)
     hq = h * G + og
     store_partials(PO, PML, (r * (HKV * G) + hq) * n_splits + sp, acc, m_i, l_i, gmask, od, D)
 
@@ -119,21 +118,16 @@ def _fetch_misses(KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, s_kn, s_kc
 
 
 @triton.jit
-def _tokens(q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, scale, s_kn, s_kc,
-            s_ku, s_kh, s_lr, s_ur, s_hpt, s_et, s_ec, s_eh, od, ebase, elen, UNIT: tl.constexpr,
-            GP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr,
-            FETCH: tl.constexpr):
+def _tokens(q, seq, KV, LOCS, UNITS, r, h, start, end, n_sel, scale, s_kn, s_kc, s_ku, s_kh,
+            s_lr, s_ur, s_et, s_ec, s_eh, od, ebase, elen, UNIT: tl.constexpr, GP: tl.constexpr,
+            D: tl.constexpr, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, FETCH: tl.constexpr):
     """The online softmax of the query group q over tokens [start, end) of row r, KV head h (the
-    selected pages', then the extra rows at ebase, elen of them). FETCH 1: a miss's block (-2 -
-    block), which _fetch_misses filled, is read like a hit's; FETCH 2 (``inline``): each miss's
-    tokens are read from HOST in the loop and stored into the block (``_split``). Returns (max,
-    sum, weighted values)."""
+    selected pages', then the extra rows at ebase, elen of them); FETCH: a miss's block (-2 -
+    block), which _fetch_misses filled, is read like a hit's. Returns (max, sum, weighted
+    values)."""
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    prow = 0
-    if FETCH == 2:
-        prow = tl.load(ROWS + r).to(tl.int64)
     for t0 in range(start, end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         live = t < end
@@ -141,29 +135,13 @@ def _tokens(q, seq, KV, LOCS, UNITS, HOST, HPT, ROWS, r, h, start, end, n_sel, s
         j = t // UNIT
         off = t - j * UNIT
         loc = tl.load(LOCS + r * s_lr + j, mask=is_sel, other=-1)
-        if FETCH == 1:
+        if FETCH:
             loc = tl.where(loc <= -2, -2 - loc, loc)
         u = tl.load(UNITS + r * s_ur + j, mask=is_sel, other=0)
         kp = KV + loc.to(tl.int64) * s_kn + off * s_ku + h * s_kh
-        if FETCH == 2:
-            # a miss's tokens come from its host page and go into its block on the way; the row
-            # pointers are chosen per token, so the tile is one load either way
-            miss = is_sel & (loc <= -2)
-            blk = -2 - loc
-            kb = KV + blk.to(tl.int64) * s_kn + off * s_ku + h * s_kh
-            hp = tl.load(HPT + prow * s_hpt + u, mask=miss, other=0)
-            src = HOST + hp.to(tl.int64) * s_kn + off * s_ku + h * s_kh
-            kp = tl.where(miss, src, kp)
-            valid = is_sel & ((loc >= 0) | miss) & (u * UNIT + off < seq)
-            ld = valid | miss                        # a miss's whole page (complete: all valid)
-        else:
-            valid = is_sel & (loc >= 0) & (u * UNIT + off < seq)
-            ld = valid
-        kt = tl.load(kp[:, None] + od[None, :], mask=ld[:, None], other=0.0)
-        vt = tl.load(kp[:, None] + s_kc + od[None, :], mask=ld[:, None], other=0.0)
-        if FETCH == 2:
-            tl.store(kb[:, None] + od[None, :], kt, mask=miss[:, None])
-            tl.store(kb[:, None] + s_kc + od[None, :], vt, mask=miss[:, None])
+        valid = is_sel & (loc >= 0) & (u * UNIT + off < seq)
+        kt = tl.load(kp[:, None] + od[None, :], mask=valid[:, None], other=0.0)
+        vt = tl.load(kp[:, None] + s_kc + od[None, :], mask=valid[:, None], other=0.0)
         if HAS_EXTRA:
             e = t - n_sel
             is_ext = live & (e >= 0) & (e < elen)

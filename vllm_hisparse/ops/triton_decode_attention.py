@@ -11,20 +11,12 @@ give it (tests/test_decode_attention.py checks that, bit for bit). The plain-tor
 ``kernels.decode_attention``'s CPU path (the two references)."""
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from . import triton_attention as ta
 from . import triton_dense_decode as td
-
-
-# How the split launch reads the misses: 1 copies each split's missed pages into their blocks
-# before its loop (ops/triton_attention._fetch_misses); 2 (HISPARSE_FETCH_IN_ATTENTION=inline)
-# reads them in the loop, per token (the earlier default; kept for this session's A/B run).
-FETCH_MODE = 2 if os.environ.get("HISPARSE_FETCH_IN_ATTENTION") == "inline" else 1
 
 
 @triton.jit(do_not_specialize=["split_tokens", "n_sp", "ns"])
@@ -88,9 +80,10 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
     other rows' out left as they are. kv (N, 2, P, Hkv, D); block_table (R, W) int32 (W * P >=
     max dn_seq); locs/units (R, k) int32; sp_seq/dn_seq (R,) int; newest (R,) int; work (po, pml)
     of at least ``partials_numel`` elements. miss (rows (R,) int, host_pt (M, U) int32, host):
-    locs entries -2 - block are pages read from host[host_pt[rows[r], units[r, j]]] (host on the
-    GPU: the pinned pool's CUDA alias, kv's page layout) and written into kv[block] on the way
-    (kernels.decode_attention). No allocation, no host sync: capturable."""
+    locs entries -2 - block are pages copied from host[host_pt[rows[r], units[r, j]]] (host on the
+    GPU: the pinned pool's CUDA alias, kv's page layout) into kv[block] by the split program that
+    reads them, before its loop (kernels.decode_attention). No allocation, no host sync:
+    capturable."""
     R, Hq, D = q.shape
     unit, Hkv = kv.shape[2], kv.shape[3]
     k = locs.shape[1]
@@ -117,7 +110,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
         locs.stride(0), units.stride(0), block_table.stride(0), host_pt.stride(0),
         UNIT=unit, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D,
         BLOCK=ta.BLOCK_N if D <= 128 else 32, DBLOCK=td.BLOCK_N if D <= 128 else 32,
-        NSD=td.SPLITS, MIN=td.MIN_SPLIT, FETCH=0 if miss is None else FETCH_MODE,
+        NSD=td.SPLITS, MIN=td.MIN_SPLIT, FETCH=miss is not None,
         KP=triton.next_power_of_2(max(k, 1)) if miss is not None else 1, num_warps=4, num_stages=2)
     _mixed_combine_kernel[(R, Hq)](po, pml, sp_seq, dn_seq, out, n_sp, ns, out.stride(0),
                                    out.stride(1), HQ=Hq, D=D, SP=ta.MAX_SPLITS, NSD=td.SPLITS,
