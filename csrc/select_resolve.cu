@@ -5,15 +5,12 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/all.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "kernels/select_resolve.cuh"
 
 namespace {
 
-constexpr size_t kPreloadSmem = 96 * 1024;  // EARLY: dynamic shared memory up to which a row's page
-                                            // table is held in it
+constexpr size_t kPreloadSmem = 96 * 1024;  // dynamic shared memory up to which a row's page table
+                                            // is held in it
 
 void check(const torch::Tensor& t, const char* name, at::ScalarType dt, int64_t dim, const torch::Device& dev) {
   TORCH_CHECK(t.is_cuda() && t.device() == dev, "select_resolve: ", name, " must be on ", dev);
@@ -22,9 +19,9 @@ void check(const torch::Tensor& t, const char* name, at::ScalarType dt, int64_t 
   TORCH_CHECK(t.stride(dim - 1) == 1, "select_resolve: ", name, "'s last dim must be contiguous");
 }
 
-template <int T, bool EARLY>
+template <int T>
 void launch(const hisparse::SelectArgs& a, int64_t N, size_t smem, cudaStream_t st) {
-  auto kern = hisparse::select_resolve_kernel<T, EARLY>;
+  auto kern = hisparse::select_resolve_kernel<T>;
   // static + dynamic shared memory past 48 KiB needs the opt-in (per device: set for the largest
   // size this process asked for so far)
   static int opted = 0;
@@ -98,31 +95,23 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
   a.K = (int)k;
   a.S = (int)S;
   a.W = (int)block_table.size(1);
-  // HISPARSE_SELECT_EARLY=1: the kernel's EARLY loads (kernels/select_resolve.cuh), off until an
-  // H200 run has measured it against the default (read per call: A/B runs and tests set it)
-  const char* early_env = std::getenv("HISPARSE_SELECT_EARLY");
-  const bool early = early_env != nullptr && std::string(early_env) == "1";
-  // the EARLY kernel holds each row's page table in shared memory when it fits beside the rest
-  // (a 40K-token row of 16-token pages: 10 KB); else it probes it in global memory
+  // each row's page table in shared memory when it fits beside the rest (a 40K-token row of
+  // 16-token pages: 10 KB); else the kernel probes it in global memory
   a.pre_us = 0;
-  if (early && has_hot &&
-      hisparse::select_smem_bytes(a.K, a.S, true, (int)unit_slot.size(1)) <= kPreloadSmem)
+  if (has_hot && hisparse::select_smem_bytes(a.K, a.S, (int)unit_slot.size(1)) <= kPreloadSmem)
     a.pre_us = (int)unit_slot.size(1);
   a.policy = (int)policy;
   a.shift = (int)shift;
   a.hit = (int)hit;
-  const size_t smem = hisparse::select_smem_bytes(a.K, a.S, early, a.pre_us);
+  const size_t smem = hisparse::select_smem_bytes(a.K, a.S, a.pre_us);
   TORCH_CHECK(smem <= 190 * 1024, "select_resolve: k=", k, " and S=", S, " need ", smem,
               " B of shared memory (at most 190 KiB)");
   const at::cuda::OptionalCUDAGuard guard(dev);
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
-  switch (threads * 2 + (early ? 1 : 0)) {
-    case 512: launch<256, false>(a, N, smem, st); break;
-    case 513: launch<256, true>(a, N, smem, st); break;
-    case 1024: launch<512, false>(a, N, smem, st); break;
-    case 1025: launch<512, true>(a, N, smem, st); break;
-    case 2048: launch<1024, false>(a, N, smem, st); break;
-    case 2049: launch<1024, true>(a, N, smem, st); break;
+  switch (threads) {
+    case 256: launch<256>(a, N, smem, st); break;
+    case 512: launch<512>(a, N, smem, st); break;
+    case 1024: launch<1024>(a, N, smem, st); break;
     default: TORCH_CHECK(false, "select_resolve: threads must be 256, 512 or 1024, got ", threads);
   }
 }

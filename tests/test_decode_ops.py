@@ -332,15 +332,12 @@ def test_gpu_select_resolve(case, policy, impl, fetch, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.ext
-@pytest.mark.parametrize("early", ["0", "1"])
 @pytest.mark.parametrize("threads", [256, 512, 1024])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("case", CUDA_SELECT_CASES + [(4, 16, 8, 128, 2048, 127, 256)])
-def test_gpu_cuda_select_widths(case, policy, threads, early, monkeypatch):
-    """The CUDA select at each CTA width, on rows wider than the CTA; early "1": the kernel's
-    EARLY loads (HISPARSE_SELECT_EARLY), the page table held in shared memory but in the
-    20,000-page case."""
-    monkeypatch.setenv("HISPARSE_SELECT_EARLY", early)
+def test_gpu_cuda_select_widths(case, policy, threads, monkeypatch):
+    """The CUDA select at each CTA width, on rows wider than the CTA; the rows' page tables held
+    in shared memory but in the 20,000-page case (probed in global memory there)."""
     monkeypatch.setattr(decode_ops, "SELECT_IMPL", "cuda")
     monkeypatch.setattr(decode_ops, "SELECT_THREADS", threads)
     a = compare_select(case, torch.Generator().manual_seed(90 + sum(case)), "cuda",

@@ -34,8 +34,8 @@ struct SelectArgs {
   int64_t s_sc, s_bt, s_su, s_us, s_pol;
   int K, S, policy, shift, hit;
   int W;                    // block_table's width
-  int pre_us;               // EARLY kernel, > 0: unit_slot's width, each row's [0, min(hot, n)) of it
-                            // copied into shared memory (0: probed in global memory)
+  int pre_us;               // > 0: unit_slot's width, each row's [0, min(hot, n)) of it copied into
+                            // shared memory (0: probed in global memory)
 };
 
 __device__ __forceinline__ uint32_t order_key(float x) {
@@ -68,12 +68,11 @@ __device__ __forceinline__ void each_key(bool in_regs, const uint32_t (&kr)[kKey
   }
 }
 
-// The shared-memory layout of one CTA: sel[K], vic[K], flag[S], su[S], pol[S], and for the EARLY
-// kernel cur[K] (a hot entry's slot before this step), bt[S] (the hot slots' blocks), us[pre_us]
-// (the row's page table) (int32).
-inline size_t select_smem_bytes(int K, int S, bool early, int pre_us) {
-  return sizeof(int32_t) *
-         (2 * (size_t)K + 3 * (size_t)S + (early ? (size_t)K + (size_t)S + (size_t)pre_us : 0));
+// The shared-memory layout of one CTA: sel[K], vic[K], flag[S], su[S], pol[S], cur[K] (a hot
+// entry's slot before this step), bt[S] (the hot slots' blocks), us[pre_us] (the row's page
+// table) (int32).
+inline size_t select_smem_bytes(int K, int S, int pre_us) {
+  return sizeof(int32_t) * (3 * (size_t)K + 4 * (size_t)S + (size_t)pre_us);
 }
 
 template <int T>
@@ -107,15 +106,16 @@ __device__ __forceinline__ unsigned long long block_excl3(SelectShared<T>& sh, u
   return out;
 }
 
-// EARLY: the row's scalars (seq, num_full, hot, rows) are loaded in one round trip, and a hot row's
-// state (slot_unit, policy state), its slots' blocks and (when it fits) its page table are copied
-// into shared memory asynchronously (cp.async: no register holds them, so nothing waits on them)
-// while the top-k runs, awaited only before RESOLVE, which then probes and publishes from shared
-// memory. Without it (the kernel as measured through 2026-12-04) each scalar waits on the one
-// before it, the state's shared-memory stores wait on its loads before the top-k starts (the sm_90
-// SASS: LDG -> STS before the scores' LDGs), and the probe and the publish each wait on a global
-// load: round trips a resident row does not pay. Same decisions, same bits either way.
-template <int T, bool EARLY>
+// Latency, not bytes: the row's scalars (seq, num_full, hot, rows) are loaded in one round trip,
+// and a hot row's state (slot_unit, policy state), its slots' blocks and (when it fits) its page
+// table are copied into shared memory asynchronously (cp.async: no register holds them, so nothing
+// waits on them) while the top-k runs, awaited only before RESOLVE, which then probes and
+// publishes from shared memory. The kernel before (through 2026-12-04) loaded each scalar after
+// the branch on the one before, stored the state into shared memory before the top-k (its stores
+// waited on the loads: the sm_90 SASS showed LDG -> STS ahead of the scores' LDGs) and probed and
+// published through global loads: 0.8-1.9 us more per layer at 1-32 rows on the H200
+// (docs/gpu-results.md, 2026-12-04 second session).
+template <int T>
 __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   static_assert(T % 32 == 0 && T >= 256, "one thread per histogram bin, whole warps");
   __shared__ SelectShared<T> sh;
@@ -126,51 +126,43 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   int32_t* s_flag = dyn + 2 * K;
   int32_t* s_su = dyn + 2 * K + S;
   int32_t* s_pol = dyn + 2 * K + 2 * S;
-  int32_t* s_cur = dyn + 2 * K + 3 * S;  // EARLY only, like s_bt and s_us
+  int32_t* s_cur = dyn + 2 * K + 3 * S;
   int32_t* s_bt = s_cur + K;
   int32_t* s_us = s_bt + S;
   const int64_t r = blockIdx.x;
-  const int64_t seq_r = EARLY ? ld_now(a.seq + r) : a.seq[r];
-  const int64_t n_early = EARLY ? ld_now(a.num_full + r) : 0;  // (rows and hot hold >= N entries)
-  const int64_t hot_early = EARLY && a.hot != nullptr ? ld_now(a.hot + r) : 0;
-  const int64_t row_early = EARLY ? ld_now(a.rows + r) : 0;
-  // EARLY: the exit tests all four (a negative page count or hot boundary, or a state row below
-  // -1, is no row's), so ptxas issues their loads together instead of sinking three past it
-  if (seq_r <= 0 || (EARLY && ((n_early | hot_early) < 0 || row_early < -1))) return;
-  const int n = (int)(EARLY ? n_early : a.num_full[r]);
+  const int64_t seq_r = ld_now(a.seq + r);
+  const int64_t n_full = ld_now(a.num_full + r);  // (rows and hot hold >= N entries)
+  const int64_t hot_end = a.hot != nullptr ? ld_now(a.hot + r) : 0;  // pages below: the hot slots'
+  const int64_t row = ld_now(a.rows + r);
+  // the exit tests all four (a negative page count or hot boundary, or a state row below -1, is no
+  // row's), so ptxas issues their loads together instead of sinking three past it
+  if (seq_r <= 0 || (n_full | hot_end) < 0 || row < -1) return;
+  const int n = (int)n_full;
   int32_t* sel = a.sel + r * K;
   int32_t* locs = a.locs + r * K;
   if (n == 0) {  // no complete page yet: nothing selected
     for (int j = tid; j < K; j += T) sel[j] = locs[j] = -1;
     return;
   }
-  // pages below hot_end: the hot slots'
-  const int64_t hot_end = EARLY ? hot_early : (a.hot != nullptr ? a.hot[r] : 0);
   const bool hot = hot_end != 0;
-  const int64_t row = EARLY ? row_early : a.rows[r];
-  if (hot) {  // the row's state into shared memory (EARLY: asynchronously, awaited before RESOLVE)
+  if (hot) {  // the row's state into shared memory, asynchronously: awaited before RESOLVE
     const int32_t* bt_r = a.bt + r * a.s_bt;
     for (int s = tid; s < S; s += T) {
-      if (EARLY) {
-        __pipeline_memcpy_async(s_su + s, a.su + row * a.s_su + s, sizeof(int32_t));
-        __pipeline_memcpy_async(s_pol + s, a.pol + row * a.s_pol + s, sizeof(int32_t));
-        if (s < a.W) {
-          __pipeline_memcpy_async(s_bt + s, bt_r + s, sizeof(int32_t));
-        } else {
-          s_bt[s] = -1;
-        }
+      __pipeline_memcpy_async(s_su + s, a.su + row * a.s_su + s, sizeof(int32_t));
+      __pipeline_memcpy_async(s_pol + s, a.pol + row * a.s_pol + s, sizeof(int32_t));
+      if (s < a.W) {
+        __pipeline_memcpy_async(s_bt + s, bt_r + s, sizeof(int32_t));
       } else {
-        s_su[s] = a.su[row * a.s_su + s];
-        s_pol[s] = a.pol[row * a.s_pol + s];
+        s_bt[s] = -1;
       }
       s_flag[s] = 0;
     }
-    if (EARLY && a.pre_us > 0) {  // the pages a probe can ask for: [0, min(hot, n))
+    if (a.pre_us > 0) {  // the pages a probe can ask for: [0, min(hot, n))
       const int np = (int)min(min(hot_end, (int64_t)n), (int64_t)a.pre_us);
       for (int u = tid; u < np; u += T)
         __pipeline_memcpy_async(s_us + u, a.us + row * a.s_us + u, sizeof(int32_t));
     }
-    if (EARLY) __pipeline_commit();
+    __pipeline_commit();
   }
   // ---- top-k: the pages [0, n) among the K best keys, ascending in s_sel[0, min(n, K))
   const float* sc = a.scores + r * a.s_sc;
@@ -253,7 +245,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     return;
   }
   for (int j = nk + tid; j < K; j += T) locs[j] = -1;
-  if (EARLY && hot) {  // the state's copies, issued before the top-k, seen by every thread
+  if (hot) {  // the state's copies, issued before the top-k, seen by every thread
     __pipeline_wait_prior(0);
     __syncthreads();
   }
@@ -265,19 +257,15 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   const int kc = (nk + T - 1) / T;
   const int jlo = tid * kc, jhi = min(nk, jlo + kc);
   unsigned long long cnt = 0;  // hits | misses << 21 | block-table pages << 42
-  for (int j = jlo; j < jhi; ++j) {  // a hot entry's slot before this step, until publish: in s_cur
-    const int32_t u = s_sel[j];       // (EARLY) or locs
+  for (int j = jlo; j < jhi; ++j) {  // s_cur: a hot entry's slot before this step, until publish
+    const int32_t u = s_sel[j];
     if (u >= hot_end) {
       locs[j] = bt[u];
       cnt += 1ull << 42;
       continue;
     }
-    const int32_t cur = EARLY && a.pre_us > 0 ? s_us[u] : us[u];
-    if (EARLY) {
-      s_cur[j] = cur;
-    } else {
-      locs[j] = cur;
-    }
+    const int32_t cur = a.pre_us > 0 ? s_us[u] : us[u];
+    s_cur[j] = cur;
     if (cur >= 0) s_flag[cur] = 1;
     cnt += cur >= 0 ? 1ull : 1ull << 21;
   }
@@ -344,7 +332,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   for (int j = jlo; j < jhi; ++j) {
     const int32_t u = s_sel[j];
     if (u >= hot_end) continue;
-    const int32_t cur = EARLY ? s_cur[j] : locs[j];
+    const int32_t cur = s_cur[j];
     int32_t slot;
     if (cur >= 0) {
       slot = cur;
@@ -357,7 +345,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
       if (a.policy == 0) pol[H + M - 1 - mr] = slot;
       ++mr;
     }
-    const int32_t phys = EARLY ? s_bt[slot] : bt[slot];
+    const int32_t phys = s_bt[slot];
     locs[j] = cur >= 0 ? phys : -2 - phys;
   }
   if (a.policy == 0) {  // the rest of the order: slots neither hit nor victim, in their old order

@@ -270,7 +270,6 @@ def main(argv=None) -> int:
                    "q_noise": args.q_noise,
                    "select_impl": decode_ops.SELECT_IMPL,
                    "select_threads": decode_ops.SELECT_THREADS,
-                   "select_early": os.environ.get("HISPARSE_SELECT_EARLY", "0") == "1",
                    "fetch_in_attention": decode_ops.FETCH_IN_ATTENTION,
                    "stock_decode": args.stock_decode,
                    "select_warps": args.select_warps, "radix_bits": args.radix_bits,

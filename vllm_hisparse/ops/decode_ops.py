@@ -23,10 +23,6 @@ from . import kernels, reference
 # HISPARSE_SELECT_IMPL).
 SELECT_IMPL = os.environ.get("HISPARSE_SELECT_IMPL", "cuda")
 SELECT_THREADS = 512     # threads of the CUDA select's CTA (256, 512 or 1024)
-# HISPARSE_SELECT_EARLY=1 (read by the CUDA launcher at each call): the select's EARLY loads, the
-# row's scalars in one round trip and its state, slot blocks and page table copied into shared
-# memory asynchronously during the top-k (csrc/kernels/select_resolve.cuh). Off until measured on
-# the H200 against the default; the same bits either way (tests/test_decode_ops.py, both).
 # Where the decode body's misses are copied in: "1" (default) in the attention's split launch,
 # each split copying its missed pages from the pinned pool into their blocks before its loop (one
 # launch fewer, a split's copies beside the other splits' attention); "0" in select_resolve's
