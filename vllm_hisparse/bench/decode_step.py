@@ -239,7 +239,7 @@ def main(argv=None) -> int:
                     help="tuning: override ops/decode_ops.SELECT_THREADS (CUDA select's CTA)")
     ap.add_argument("--fetch-in-attention", type=int, choices=(0, 1), default=None,
                     help="A/B: override ops/decode_ops.FETCH_IN_ATTENTION (1: the attention's "
-                         "split launch reads the misses; 0: a miss-copy launch before it)")
+                         "split launch copies the misses in; 0: a miss-copy launch before it)")
     ap.add_argument("--stock-decode", action="store_true",
                     help="no request can be sparse: every layer through FlashAttention, like stock "
                          "(needs vLLM; decode_body.stock_layer)")

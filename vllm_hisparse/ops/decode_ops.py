@@ -3,7 +3,7 @@
 ``decode_write`` (the new token into the cache, a second pool and the Quest bounds: one Triton
 launch), ``decode_write_score`` (that and the Quest page scores in one launch) and
 ``select_resolve`` (top-k pages + RESOLVE: one launch of the CUDA kernel, or of the Triton one;
-then, unless the attention reads the misses itself, one launch of the miss copies), contracts in
+then, unless the attention's splits copy the misses in themselves, one launch of the miss copies), contracts in
 ``reference.decode_write``, ``reference.quest_scores`` and ``reference.select_resolve``. All are allocation-free on CUDA
 when the caller passes every output and workspace (the decode body does), so they can be recorded
 into a CUDA graph.
