@@ -129,9 +129,10 @@ case "$part" in
     # box the build (~65 s) and setup come first, so give LIMIT=470 there. HISPARSE='{...}': the
     # hisparse config (bench.serving's --hisparse); default: the measured one of 2026-12-04 (B 5120,
     # the floor the free blocks allow at capacity; 18 Quest rows, one per admitted request + 1)
+    paper_cfg='{"top_k": 2048, "device_buffer_size": 5120, "dense_pool_gib": 6, "host_pool_gib": 84, "quest_rows": 18}'
     SERVING_LIMIT=${LIMIT:-545} bash scripts/gpu_serving.sh "$out/paper" --input-len 32768 \
       --output-len 8192 --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} \
-      --concurrency cap --max-num-seqs 24 --hisparse "${HISPARSE:-{\"top_k\": 2048, \"device_buffer_size\": 5120, \"dense_pool_gib\": 6, \"host_pool_gib\": 84, \"quest_rows\": 18\}}" ;;
+      --concurrency cap --max-num-seqs 24 --hisparse "${HISPARSE:-$paper_cfg}" ;;
   reasoning)
     # issue 16: short prompts that turn sparse during decode, 1K in / 12K out (16K out does not
     # fit one call with both backends), each backend at its capacity (calc: stock 17, elastic 32

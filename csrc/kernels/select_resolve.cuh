@@ -53,7 +53,6 @@ __device__ __forceinline__ int64_t ld_now(const int64_t* p) {
   return v;
 }
 
-
 // f(page, key) over a thread's pages [lo, hi) in order: from registers when they hold them (the
 // loop unrolled so kr stays in registers), else loaded again (L1 hits after the first pass).
 template <class F>

@@ -10,9 +10,9 @@ Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind re
 2. if the batch has sparse rows: ``select_resolve`` (top-k units, RESOLVE; the misses left
    marked);
 3. ``decode_attention``: sparse rows over their selected pages and newest page — a missed page's
-   tokens copied from the pinned host pool into its block by the split that reads them — dense rows with
-   the batch-invariant split-KV dense decode over the paged cache — one split and one combine
-   launch. (``HISPARSE_FETCH_IN_ATTENTION=0``, and the eager path with FlashAttention for dense
+   tokens copied from the pinned host pool into its block by the split that reads them — dense
+   rows with the batch-invariant split-KV dense decode over the paged cache — one split and one
+   combine launch. (``HISPARSE_FETCH_IN_ATTENTION=0``, and the eager path with FlashAttention for dense
    rows: select_resolve copies the misses in its own launch first.)
 
 Dense layer: the new token into its block (and the dense pool, or the host pool); dense decode of

@@ -3,10 +3,10 @@
 ``decode_write`` (the new token into the cache, a second pool and the Quest bounds: one Triton
 launch), ``decode_write_score`` (that and the Quest page scores in one launch) and
 ``select_resolve`` (top-k pages + RESOLVE: one launch of the CUDA kernel, or of the Triton one;
-then, unless the attention's splits copy the misses in themselves, one launch of the miss copies), contracts in
-``reference.decode_write``, ``reference.quest_scores`` and ``reference.select_resolve``. All are allocation-free on CUDA
-when the caller passes every output and workspace (the decode body does), so they can be recorded
-into a CUDA graph.
+then, unless the attention's splits copy the misses in themselves, one launch of the miss
+copies), contracts in ``reference.decode_write``, ``reference.quest_scores`` and
+``reference.select_resolve``. All are allocation-free on CUDA when the caller passes every output
+and workspace (the decode body does), so they can be recorded into a CUDA graph.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ SELECT_THREADS = 512     # threads of the CUDA select's CTA (256, 512 or 1024)
 # Where the decode body's misses are copied in: "1" (default) in the attention's split launch,
 # each split copying its missed pages from the pinned pool into their blocks before its loop (one
 # launch fewer, a split's copies beside the other splits' attention); "0" in select_resolve's
-# miss-copy launch before it. The same bits either way (tests/test_decode_attention.py, tests/test_decode_body_gpu.py);
-# the knob is for A/B runs (env HISPARSE_FETCH_IN_ATTENTION).
+# miss-copy launch before it. The same bits either way (tests/test_decode_attention.py,
+# tests/test_decode_body_gpu.py); the knob is for A/B runs (env HISPARSE_FETCH_IN_ATTENTION).
 FETCH_IN_ATTENTION = os.environ.get("HISPARSE_FETCH_IN_ATTENTION", "1") != "0"
 
 
