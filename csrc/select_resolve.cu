@@ -39,13 +39,12 @@ void launch(const hisparse::SelectArgs& a, int64_t N, size_t smem, cudaStream_t 
 // policy state (M, S) int32; unit_slot (M, units) int32; counts (3,) int64; sel, locs (N, k) int32.
 // hot[r]: pages [0, hot[r]) of row r through its hot slots, the rest through its block table.
 // has_hot false: every row resolves through its block table (slot_unit / unit_slot / pol / hot /
-// rows / counts are not read). policy 0 = lru, 1 = crf (shift, hit: crf's constants). resolve_warps:
-// lru's RESOLVE warps (0 = one per 128 selected entries; clamped to the CTA).
+// rows / counts are not read). policy 0 = lru, 1 = crf (shift, hit: crf's constants).
 void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const torch::Tensor& num_full,
                     const torch::Tensor& hot, const torch::Tensor& rows, const torch::Tensor& block_table,
                     torch::Tensor& slot_unit, torch::Tensor& unit_slot, torch::Tensor& pol, torch::Tensor& counts,
                     torch::Tensor& sel, torch::Tensor& locs, int64_t k, bool has_hot, int64_t policy,
-                    int64_t shift, int64_t hit, int64_t threads, int64_t resolve_warps) {
+                    int64_t shift, int64_t hit, int64_t threads) {
   const auto dev = scores.device();
   check(scores, "scores", torch::kFloat32, 2, dev);
   const int64_t N = scores.size(0), U = scores.size(1);
@@ -104,10 +103,6 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
   a.policy = (int)policy;
   a.shift = (int)shift;
   a.hit = (int)hit;
-  // lru's RESOLVE: warps enough for <= 4 selected entries a lane (one for 128 pages of 16 tokens:
-  // no block-wide barrier after the top-k), unless the caller names a count (a tuning knob)
-  TORCH_CHECK(resolve_warps >= 0, "select_resolve: resolve_warps must be >= 0 (0 = auto), got ", resolve_warps);
-  a.rw = resolve_warps > 0 ? (int)resolve_warps : (int)((k + 127) / 128);
   const size_t smem = hisparse::select_smem_bytes(a.K, a.S, a.pre_us);
   TORCH_CHECK(smem <= 190 * 1024, "select_resolve: k=", k, " and S=", S, " need ", smem,
               " B of shared memory (at most 190 KiB)");

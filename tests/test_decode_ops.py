@@ -343,19 +343,3 @@ def test_gpu_cuda_select_widths(case, policy, threads, monkeypatch):
     a = compare_select(case, torch.Generator().manual_seed(90 + sum(case)), "cuda",
                        decode_ops.select_resolve, pinned_host=True, policy=policy)
     assert int(a["counts"][1]) > 0
-
-
-@pytest.mark.cuda
-@pytest.mark.ext
-@pytest.mark.parametrize("warps", [1, 2, 5, 16])
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("case", CUDA_SELECT_CASES + [(4, 16, 8, 128, 2048, 127, 256),
-                                                      SELECT_CASES[1]])
-def test_gpu_cuda_select_resolve_warps(case, policy, warps, monkeypatch):
-    """lru's RESOLVE in 1 to 16 warps of the 512-thread CTA (the default is one per 128 selected
-    pages): ranks across warps by prefix sums, within one by ballots; crf takes every warp."""
-    monkeypatch.setattr(decode_ops, "SELECT_IMPL", "cuda")
-    monkeypatch.setattr(decode_ops, "SELECT_RESOLVE_WARPS", warps)
-    a = compare_select(case, torch.Generator().manual_seed(110 + warps + sum(case)), "cuda",
-                       decode_ops.select_resolve, pinned_host=True, policy=policy)
-    assert int(a["counts"][1]) > 0

@@ -36,7 +36,6 @@ struct SelectArgs {
   int W;                    // block_table's width
   int pre_us;               // > 0: unit_slot's width, each row's [0, min(hot, n)) of it copied into
                             // shared memory (0: probed in global memory)
-  int rw;                   // lru: warps that RESOLVE a row (clamped to [1, T / 32]; crf: all)
 };
 
 __device__ __forceinline__ uint32_t order_key(float x) {
@@ -77,11 +76,12 @@ inline size_t select_smem_bytes(int K, int S, int pre_us) {
 
 template <int T>
 struct SelectShared {
-  typename cub::BlockScan<uint32_t, T>::TempStorage scan;
+  union {
+    typename cub::BlockScan<uint32_t, T>::TempStorage scan;
+    typename cub::BlockScan<unsigned long long, T>::TempStorage scan64;
+  };
   int32_t hist[256];
-  uint32_t pick[3];               // the chosen bin, entries above it, entries in it
-  unsigned long long wsum[3][32];  // RESOLVE's per-warp totals, one buffer per prefix sum (no
-                                   // barrier needed before a buffer's reuse)
+  uint32_t pick[3];          // the chosen bin, entries above it, entries in it
 };
 
 // Exclusive scan of one value per thread; *total = the block's sum (after the call, all threads).
@@ -94,30 +94,15 @@ __device__ __forceinline__ uint32_t block_excl(SelectShared<T>& sh, uint32_t v, 
   return out;
 }
 
-// A barrier of the first R warps of the CTA (named barrier 1, so the other warps may have left;
-// a warp's own sync when R is 1): their shared-memory writes before it are seen after it.
-__device__ __forceinline__ void sync_warps(int R) {
-  if (R == 1) {
-    __syncwarp();
-  } else {
-    asm volatile("bar.sync 1, %0;" ::"r"(R * 32) : "memory");
-  }
-}
-
-// Exclusive prefix over warps [0, R) of a warp-uniform value v (warp w's); *total = their sum.
-// Each call site has its own buf, so one barrier suffices.
-__device__ __forceinline__ unsigned long long warps_excl(unsigned long long* buf, int w, int R,
-                                                         unsigned long long v, unsigned long long* total) {
-  if ((threadIdx.x & 31) == 0) buf[w] = v;
-  sync_warps(R);
-  unsigned long long before = 0, all = 0;
-  for (int i = 0; i < R; ++i) {
-    const unsigned long long x = buf[i];
-    before += i < w ? x : 0ull;
-    all += x;
-  }
-  *total = all;
-  return before;
+// The same over three counts packed in 21 bits each.
+template <int T>
+__device__ __forceinline__ unsigned long long block_excl3(SelectShared<T>& sh, unsigned long long v,
+                                                          unsigned long long* total) {
+  unsigned long long out, agg;
+  cub::BlockScan<unsigned long long, T>(sh.scan64).ExclusiveSum(v, out, agg);
+  __syncthreads();
+  *total = agg;
+  return out;
 }
 
 // Latency, not bytes: the row's scalars (seq, num_full, hot, rows) are loaded in one round trip,
@@ -129,12 +114,6 @@ __device__ __forceinline__ unsigned long long warps_excl(unsigned long long* buf
 // waited on the loads: the sm_90 SASS showed LDG -> STS ahead of the scores' LDGs) and probed and
 // published through global loads: 0.8-1.9 us more per layer at 1-32 rows on the H200
 // (docs/gpu-results.md, 2026-12-04 second session).
-//
-// RESOLVE is small (128 entries for a 2048-token top-k of 16-token pages), so lru's runs in as few
-// warps as hold <= 4 entries a lane, one for 128, with ballots for the in-order ranks and no
-// barrier of the whole CTA after the top-k's last one (crf's victim ranks compare every slot pair
-// and take every warp). The kernel before (through 2026-12-04) ran it on every thread with three
-// cub block scans and five more barriers.
 template <int T>
 __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   static_assert(T % 32 == 0 && T >= 256, "one thread per histogram bin, whole warps");
@@ -257,8 +236,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
       }
     });
   }
-  if (hot) __pipeline_wait_prior(0);  // the state's copies, issued before the top-k: the barrier
-  __syncthreads();                     // below shows them and s_sel to every thread
+  __syncthreads();
   for (int j = tid; j < K; j += T) sel[j] = j < nk ? s_sel[j] : -1;
   const int32_t* bt = a.bt + r * a.s_bt;
   if (a.hot == nullptr) {  // every page on the GPU: through the block table
@@ -266,46 +244,32 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     return;
   }
   for (int j = nk + tid; j < K; j += T) locs[j] = -1;
-  // ---- RESOLVE by the first R warps (lru: a.rw, at most 4 entries a lane; crf: every warp, for
-  // its victims' ranks), the others done. Entries j (selection order) and slot positions p go in
-  // contiguous ranges, one per warp, 32 at a time; ranks in order are ballots within a warp and
-  // prefix sums of the warps' totals across them, each one barrier of the R warps (a warp's own
-  // sync when R is 1). Pages >= hot_end go through the block table, the others through the slots.
-  const int R = a.policy == 0 ? max(1, min(a.rw, T / 32)) : T / 32;
-  const int w = tid >> 5, lane = tid & 31;
-  if (w >= R) return;
-  const uint32_t lt = (1u << lane) - 1u;  // the lanes below this one
+  if (hot) {  // the state's copies, issued before the top-k, seen by every thread
+    __pipeline_wait_prior(0);
+    __syncthreads();
+  }
+  // ---- RESOLVE: entries j (selection order) in contiguous chunks, like the pages above; pages
+  // >= hot_end through the block table, the others through the hot slots
   int32_t* su = a.su + row * a.s_su;
   int32_t* us = a.us + row * a.s_us;
   int32_t* pol = a.pol + row * a.s_pol;
-  const int ew = (nk + R - 1) / R;  // entries [j0, j1) are this warp's
-  const int j0 = min(nk, w * ew), j1 = min(nk, j0 + ew);
-  const int pw = (S + R - 1) / R;   // slot positions [p0, p1) are this warp's
-  const int p0 = min(S, w * pw), p1 = min(S, p0 + pw);
+  const int kc = (nk + T - 1) / T;
+  const int jlo = tid * kc, jhi = min(nk, jlo + kc);
   unsigned long long cnt = 0;  // hits | misses << 21 | block-table pages << 42
-#pragma unroll 4
-  for (int jb = j0; jb < j1; jb += 32) {  // s_cur: a hot entry's slot before this step
-    const int j = jb + lane;
-    bool h = false, m = false, b = false;
-    if (j < j1) {
-      const int32_t u = s_sel[j];
-      if (u >= hot_end) {
-        locs[j] = bt[u];
-        b = true;
-      } else {
-        const int32_t cur = a.pre_us > 0 ? s_us[u] : us[u];
-        s_cur[j] = cur;
-        if (cur >= 0) s_flag[cur] = 1;
-        h = cur >= 0;
-        m = !h;
-      }
+  for (int j = jlo; j < jhi; ++j) {  // s_cur: a hot entry's slot before this step, until publish
+    const int32_t u = s_sel[j];
+    if (u >= hot_end) {
+      locs[j] = bt[u];
+      cnt += 1ull << 42;
+      continue;
     }
-    cnt += (unsigned long long)__popc(__ballot_sync(~0u, h)) +
-           ((unsigned long long)__popc(__ballot_sync(~0u, m)) << 21) +
-           ((unsigned long long)__popc(__ballot_sync(~0u, b)) << 42);
+    const int32_t cur = a.pre_us > 0 ? s_us[u] : us[u];
+    s_cur[j] = cur;
+    if (cur >= 0) s_flag[cur] = 1;
+    cnt += cur >= 0 ? 1ull : 1ull << 21;
   }
   unsigned long long tot3;
-  const unsigned long long rk3 = warps_excl(sh.wsum[0], w, R, cnt, &tot3);
+  const unsigned long long rk3 = block_excl3<T>(sh, cnt, &tot3);
   constexpr unsigned long long kF = (1ull << 21) - 1;
   const uint32_t H = tot3 & kF, M = (tot3 >> 21) & kF;
   if (tid == 0) {
@@ -314,46 +278,38 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     atomicAdd(a.counts + 2, tot3 >> 42);
   }
   if (H + M == 0) return;  // nothing through the slots: the row's state is left alone
+  uint32_t tot;
+  const int sc_ = (S + T - 1) / T;  // slots (or recency positions) [slo, shi) are this thread's
+  const int slo = tid * sc_, shi = min(S, slo + sc_);
+  __syncthreads();
   if (M > 0) {  // victims, in the policy's eviction order: empty slots before unhit occupied ones
-    if (a.policy == 0) {  // LRU: from the LRU end of the order (position p = s_pol[S - 1 - p])
+    if (a.policy == 0) {  // LRU: from the LRU end of the order
       uint32_t ne = 0, no = 0;
-      for (int pb = p0; pb < p1; pb += 32) {
-        const int p = pb + lane;
-        bool e = false, o = false;
-        if (p < p1) {
-          const int32_t s = s_pol[S - 1 - p];
-          e = s_su[s] < 0;
-          o = !e && s_flag[s] != 1;
-        }
-        ne += __popc(__ballot_sync(~0u, e));
-        no += __popc(__ballot_sync(~0u, o));
+      for (int p = slo; p < shi; ++p) {
+        const int32_t s = s_pol[S - 1 - p];
+        const bool empty = s_su[s] < 0;
+        ne += empty;
+        no += !empty && s_flag[s] != 1;
       }
-      unsigned long long tot;
-      const unsigned long long eb = warps_excl(sh.wsum[1], w, R, ne | ((unsigned long long)no << 32), &tot);
-      uint32_t er = (uint32_t)eb, orank = (uint32_t)tot + (uint32_t)(eb >> 32);  // occupied after
-      for (int pb = p0; pb < p1 && (er < M || orank < M); pb += 32) {              // every empty
-        const int p = pb + lane;
-        int32_t s = -1, old = -1;
-        bool e = false, o = false;
-        if (p < p1) {
-          s = s_pol[S - 1 - p];
-          old = s_su[s];
-          e = old < 0;
-          o = !e && s_flag[s] != 1;
+      const uint32_t eb = block_excl<T>(sh, ne | (no << 16), &tot);
+      const uint32_t n_empty = tot & 0xFFFF;
+      uint32_t e = eb & 0xFFFF, o = eb >> 16;
+      for (int p = slo; p < shi; ++p) {
+        const int32_t s = s_pol[S - 1 - p];
+        const int32_t old = s_su[s];
+        uint32_t rank = 0xFFFFFFFFu;
+        if (old < 0) {
+          rank = e++;
+        } else if (s_flag[s] != 1) {
+          rank = n_empty + o++;
         }
-        const uint32_t be = __ballot_sync(~0u, e), bo = __ballot_sync(~0u, o);
-        const uint32_t rank = e ? er + __popc(be & lt) : o ? orank + __popc(bo & lt) : 0xFFFFFFFFu;
         if (rank < M) {
           s_vic[rank] = s;  // victims occupy s_vic[0, M)
           if (old >= 0) us[old] = -1;  // a victim forgets its old page
           s_flag[s] = 2;
         }
-        er += __popc(be);
-        orank += __popc(bo);
       }
-    } else {  // crf (every warp): ascending ((value + 1) << 16 | slot), hit slots never
-      const int sc_ = (S + T - 1) / T;
-      const int slo = tid * sc_, shi = min(S, slo + sc_);
+    } else {  // crf: ascending ((value + 1) << 16 | slot), hit slots never
       auto key = [&](int t) { return s_flag[t] == 1 ? 0x7FFFFFFF : ((s_pol[t] + 1) << 16) | t; };
       for (int s = slo; s < shi; ++s) {
         const int32_t ks = key(s);
@@ -365,62 +321,38 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
           s_vic[rank] = s;
         }
       }
-      sync_warps(R);
+      __syncthreads();
       for (int i = tid; i < (int)M; i += T) s_flag[s_vic[i]] = 2;
     }
-    sync_warps(R);  // s_vic and the victims' flags, every warp's
   }
+  __syncthreads();
   // publish: hits keep their slot, the i-th miss takes the i-th victim
   uint32_t hr = rk3 & kF, mr = (rk3 >> 21) & kF;
-#pragma unroll 4
-  for (int jb = j0; jb < j1; jb += 32) {
-    const int j = jb + lane;
-    int32_t u = 0, cur = 0;
-    bool hs = false;  // through the slots
-    if (j < j1) {
-      u = s_sel[j];
-      hs = u < hot_end;
-      if (hs) cur = s_cur[j];
+  for (int j = jlo; j < jhi; ++j) {
+    const int32_t u = s_sel[j];
+    if (u >= hot_end) continue;
+    const int32_t cur = s_cur[j];
+    int32_t slot;
+    if (cur >= 0) {
+      slot = cur;
+      if (a.policy == 0) pol[H - 1 - hr] = cur;  // later selection entries are more recent
+      ++hr;
+    } else {
+      slot = s_vic[mr];
+      su[slot] = u;
+      us[u] = slot;
+      if (a.policy == 0) pol[H + M - 1 - mr] = slot;
+      ++mr;
     }
-    const uint32_t bh = __ballot_sync(~0u, hs && cur >= 0), bm = __ballot_sync(~0u, hs && cur < 0);
-    if (hs) {
-      int32_t slot;
-      if (cur >= 0) {
-        slot = cur;
-        if (a.policy == 0) pol[H - 1 - (hr + __popc(bh & lt))] = cur;  // later entries: more recent
-      } else {
-        const uint32_t i = mr + __popc(bm & lt);
-        slot = s_vic[i];
-        su[slot] = u;
-        us[u] = slot;
-        if (a.policy == 0) pol[H + M - 1 - i] = slot;
-      }
-      const int32_t phys = s_bt[slot];
-      locs[j] = cur >= 0 ? phys : -2 - phys;
-    }
-    hr += __popc(bh);
-    mr += __popc(bm);
+    const int32_t phys = s_bt[slot];
+    locs[j] = cur >= 0 ? phys : -2 - phys;
   }
   if (a.policy == 0) {  // the rest of the order: slots neither hit nor victim, in their old order
-    uint32_t b = 0;
-    if (R > 1) {  // the warps before this one keep b of them
-      uint32_t ns = 0;
-      for (int pb = p0; pb < p1; pb += 32) {
-        const int p = pb + lane;
-        ns += __popc(__ballot_sync(~0u, p < p1 && s_flag[s_pol[p]] == 0));
-      }
-      unsigned long long tot;
-      b = (uint32_t)warps_excl(sh.wsum[2], w, R, ns, &tot);
-    }
-#pragma unroll 4
-    for (int pb = p0; pb < p1; pb += 32) {
-      const int p = pb + lane;
-      const int32_t s = p < p1 ? s_pol[p] : 0;
-      const bool keep = p < p1 && s_flag[s] == 0;
-      const uint32_t bk = __ballot_sync(~0u, keep);
-      if (keep) pol[H + M + b + __popc(bk & lt)] = s;
-      b += __popc(bk);
-    }
+    uint32_t ns = 0;
+    for (int p = slo; p < shi; ++p) ns += s_flag[s_pol[p]] == 0;
+    uint32_t b = block_excl<T>(sh, ns, &tot);
+    for (int p = slo; p < shi; ++p)
+      if (s_flag[s_pol[p]] == 0) pol[H + M + b++] = s_pol[p];
   } else {  // crf: every occupied value decays; hits add HIT, misses start at HIT / 2
     for (int s = tid; s < S; s += T) {
       const int32_t v = s_pol[s];

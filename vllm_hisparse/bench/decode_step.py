@@ -237,9 +237,6 @@ def main(argv=None) -> int:
                     help="A/B: override ops/decode_ops.SELECT_IMPL (the select kernel)")
     ap.add_argument("--select-threads", type=int, default=None,
                     help="tuning: override ops/decode_ops.SELECT_THREADS (CUDA select's CTA)")
-    ap.add_argument("--select-resolve-warps", type=int, default=None,
-                    help="tuning: override ops/decode_ops.SELECT_RESOLVE_WARPS (warps of the CUDA "
-                         "select's lru RESOLVE; 0 = one per 128 selected pages)")
     ap.add_argument("--fetch-in-attention", type=int, choices=(0, 1), default=None,
                     help="A/B: override ops/decode_ops.FETCH_IN_ATTENTION (1: the attention's "
                          "split launch copies the misses in; 0: a miss-copy launch before it)")
@@ -253,8 +250,6 @@ def main(argv=None) -> int:
         decode_ops.SELECT_IMPL = args.select_impl
     if args.select_threads is not None:
         decode_ops.SELECT_THREADS = args.select_threads
-    if args.select_resolve_warps is not None:
-        decode_ops.SELECT_RESOLVE_WARPS = args.select_resolve_warps
     if args.fetch_in_attention is not None:
         decode_ops.FETCH_IN_ATTENTION = bool(args.fetch_in_attention)
     if args.select_warps is not None:
@@ -275,7 +270,6 @@ def main(argv=None) -> int:
                    "q_noise": args.q_noise,
                    "select_impl": decode_ops.SELECT_IMPL,
                    "select_threads": decode_ops.SELECT_THREADS,
-                   "select_resolve_warps": decode_ops.SELECT_RESOLVE_WARPS,
                    "fetch_in_attention": decode_ops.FETCH_IN_ATTENTION,
                    "stock_decode": args.stock_decode,
                    "select_warps": args.select_warps, "radix_bits": args.radix_bits,

@@ -23,9 +23,6 @@ from . import kernels, reference
 # HISPARSE_SELECT_IMPL).
 SELECT_IMPL = os.environ.get("HISPARSE_SELECT_IMPL", "cuda")
 SELECT_THREADS = 512     # threads of the CUDA select's CTA (256, 512 or 1024)
-# warps of its lru RESOLVE (0: one per 128 selected pages; a tuning knob, env
-# HISPARSE_SELECT_RESOLVE_WARPS, bench.decode_step --select-resolve-warps)
-SELECT_RESOLVE_WARPS = int(os.environ.get("HISPARSE_SELECT_RESOLVE_WARPS", "0"))
 # Where the decode body's misses are copied in: "1" (default) in the attention's split launch,
 # each split copying its missed pages from the pinned pool into their blocks before its loop (one
 # launch fewer, a split's copies beside the other splits' attention); "0" in select_resolve's
@@ -133,14 +130,13 @@ def _select_resolve_cuda(scores, seq, num_full, k, block_table, sel, locs, hot, 
     from . import triton_select
     if hot is None:
         torch.ops.hisparse.select_resolve(scores, seq, num_full, seq, seq, block_table, sel, sel,
-                                          sel, seq, sel, locs, k, False, 0, 0, 0, SELECT_THREADS,
-                                          SELECT_RESOLVE_WARPS)
+                                          sel, seq, sel, locs, k, False, 0, 0, 0, SELECT_THREADS)
         return
     su, us, pol = state.kernel_state()
     c = triton_select.policy_constants(state)
     torch.ops.hisparse.select_resolve(scores, seq, num_full, hot, rows, block_table, su, us, pol,
                                       counts, sel, locs, k, True, c["POLICY"], c["SHIFT"],
-                                      c["HIT"], SELECT_THREADS, SELECT_RESOLVE_WARPS)
+                                      c["HIT"], SELECT_THREADS)
     if fetch:
         triton_select.miss_io(locs, sel, seq, num_full, hot, rows, host_pt,
                               kernels.device_alias(host, scores.device), kv, k)

@@ -53,8 +53,7 @@ if _ext is not None:
 
     @torch.library.register_fake("hisparse::select_resolve")
     def _select_resolve_fake(scores, seq, num_full, hot, rows, block_table, slot_unit, unit_slot,
-                             pol, counts, sel, locs, k, has_hot, policy, shift, hit, threads,
-                             resolve_warps=0):
+                             pol, counts, sel, locs, k, has_hot, policy, shift, hit, threads):
         return None          # writes its outputs in place (ops/decode_ops.select_resolve)
 
 
