@@ -127,9 +127,11 @@ case "$part" in
   paper)
     # LIMIT 545 needs a warm box whose extension is built (run it right after `kernels`): on a cold
     # box the build (~65 s) and setup come first, so give LIMIT=470 there. HISPARSE='{...}': the
-    # hisparse config (bench.serving's --hisparse); default: the measured one of 2026-12-04 (B 5120,
-    # the floor the free blocks allow at capacity; 18 Quest rows, one per admitted request + 1)
-    paper_cfg='{"top_k": 2048, "device_buffer_size": 5120, "dense_pool_gib": 6, "host_pool_gib": 84, "quest_rows": 18}'
+    # hisparse config (bench.serving's --hisparse); default: the measured one of 2026-12-04 (third
+    # session): B 5632, a floor that keeps the KV manager's reserve free while the 17th prompt
+    # prefills (16 floors of S + 1 blocks + 2,049 + 536 <= 8,451: B <= 5840); 18 Quest rows, one
+    # per admitted request + 1
+    paper_cfg='{"top_k": 2048, "device_buffer_size": 5632, "dense_pool_gib": 6, "host_pool_gib": 84, "quest_rows": 18}'
     SERVING_LIMIT=${LIMIT:-545} bash scripts/gpu_serving.sh "$out/paper" --input-len 32768 \
       --output-len 8192 --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} \
       --concurrency cap --max-num-seqs 24 --hisparse "${HISPARSE:-$paper_cfg}" ;;
