@@ -19,9 +19,9 @@ void check(const torch::Tensor& t, const char* name, at::ScalarType dt, int64_t 
   TORCH_CHECK(t.stride(dim - 1) == 1, "select_resolve: ", name, "'s last dim must be contiguous");
 }
 
-template <int T>
+template <int T, int POLICY>
 void launch(const hisparse::SelectArgs& a, int64_t N, size_t smem, cudaStream_t st) {
-  auto kern = hisparse::select_resolve_kernel<T>;
+  auto kern = hisparse::select_resolve_kernel<T, POLICY>;
   // static + dynamic shared memory past 48 KiB needs the opt-in (per device: set for the largest
   // size this process asked for so far)
   static int opted = 0;
@@ -108,10 +108,16 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
               " B of shared memory (at most 190 KiB)");
   const at::cuda::OptionalCUDAGuard guard(dev);
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
-  switch (threads) {
-    case 256: launch<256>(a, N, smem, st); break;
-    case 512: launch<512>(a, N, smem, st); break;
-    case 1024: launch<1024>(a, N, smem, st); break;
-    default: TORCH_CHECK(false, "select_resolve: threads must be 256, 512 or 1024, got ", threads);
+  TORCH_CHECK(threads == 256 || threads == 512 || threads == 1024,
+              "select_resolve: threads must be 256, 512 or 1024, got ", threads);
+  // the policy is a template argument (the kernel's RESOLVE code for one policy only)
+  if (policy == 0) {
+    if (threads == 256) launch<256, 0>(a, N, smem, st);
+    else if (threads == 512) launch<512, 0>(a, N, smem, st);
+    else launch<1024, 0>(a, N, smem, st);
+  } else {
+    if (threads == 256) launch<256, 1>(a, N, smem, st);
+    else if (threads == 512) launch<512, 1>(a, N, smem, st);
+    else launch<1024, 1>(a, N, smem, st);
   }
 }

@@ -9,7 +9,10 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${BOX_VENV:-/tmp/py312-box}
-py=$(command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)
+py=
+for c in "$(command -v python3.12 2>/dev/null)" /root/.pyenv/versions/3.12*/bin/python3.12; do
+  [ -n "$c" ] && "$c" -V > /dev/null 2>&1 && { py=$c; break; }   # (a pyenv shim may not run)
+done
 [ -n "$py" ] || { echo "build_for_box: no python3.12 on this machine" >&2; exit 1; }
 nv=$(ls -d "$root"/.venv/lib/python3.*/site-packages/nvidia 2>/dev/null | head -1)
 [ -n "$nv" ] || { echo "build_for_box: no .venv/.../nvidia (run make setup first)" >&2; exit 1; }

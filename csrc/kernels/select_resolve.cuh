@@ -67,67 +67,98 @@ __device__ __forceinline__ void each_key(bool in_regs, const uint32_t (&kr)[kKey
   }
 }
 
-// The shared-memory layout of one CTA: sel[K], vic[K], flag[S], su[S], pol[S], cur[K] (a hot
-// entry's slot before this step), bt[S] (the hot slots' blocks), us[pre_us] (the row's page
-// table) (int32).
+// The shared-memory layout of one CTA: sel[K], vic[K], cur[K] (a hot entry's slot before this
+// step), flag[S] (int32), then the four copies of the row's state, each at a 16-byte boundary with
+// kCopySlack words of slack (a bulk copy moves whole 16-byte lines: the copy starts at the line that
+// holds the first word, so a row's data begins 0-3 words into its area): su[S], pol[S], bt[S] (the
+// hot slots' blocks), us[pre_us] (the row's page table).
+constexpr int kCopySlack = 8;
+__host__ __device__ inline int copy_words(int n) { return ((n + 3) & ~3) + kCopySlack; }
+__host__ __device__ inline int select_fixed_words(int K, int S) {
+  return (((3 * K + S) + 3) & ~3) + 3 * copy_words(S);
+}
 inline size_t select_smem_bytes(int K, int S, int pre_us) {
-  return sizeof(int32_t) * (3 * (size_t)K + 4 * (size_t)S + (size_t)pre_us);
+  return sizeof(int32_t) * ((size_t)select_fixed_words(K, S) + (pre_us > 0 ? copy_words(pre_us) : 0));
 }
 
 template <int T>
 struct SelectShared {
-  union {
-    typename cub::BlockScan<uint32_t, T>::TempStorage scan;
-    typename cub::BlockScan<unsigned long long, T>::TempStorage scan64;
-  };
+  typename cub::BlockScan<uint32_t, T, cub::BLOCK_SCAN_WARP_SCANS>::TempStorage scan;
+  unsigned long long bar;    // the mbarrier of the state's bulk copies
   int32_t hist[256];
   uint32_t pick[3];          // the chosen bin, entries above it, entries in it
 };
 
 // Exclusive scan of one value per thread; *total = the block's sum (after the call, all threads).
+// Warp scans (shuffles) and one exchange of the warps' totals: a raking scan (cub's default) runs
+// a serial chain of T / 32 shared-memory adds in one warp, which Nsight Compute showed on the
+// critical path of every scan (docs/kernels.md).
 template <int T>
 __device__ __forceinline__ uint32_t block_excl(SelectShared<T>& sh, uint32_t v, uint32_t* total) {
   uint32_t out, agg;
-  cub::BlockScan<uint32_t, T>(sh.scan).ExclusiveSum(v, out, agg);
+  cub::BlockScan<uint32_t, T, cub::BLOCK_SCAN_WARP_SCANS>(sh.scan).ExclusiveSum(v, out, agg);
   __syncthreads();  // the temp storage is reused by the next scan
   *total = agg;
   return out;
 }
 
-// The same over three counts packed in 21 bits each.
-template <int T>
-__device__ __forceinline__ unsigned long long block_excl3(SelectShared<T>& sh, unsigned long long v,
-                                                          unsigned long long* total) {
-  unsigned long long out, agg;
-  cub::BlockScan<unsigned long long, T>(sh.scan64).ExclusiveSum(v, out, agg);
-  __syncthreads();
-  *total = agg;
-  return out;
+// The row's state into shared memory without holding a register: on sm_90 one thread issues a
+// bulk copy (cp.async.bulk, completing on an mbarrier) of the 16-byte lines that hold src[0, n);
+// the data then starts (src's word offset within its line) words into dst_area, which is returned.
+// Nsight Compute showed the per-word cp.async loop of every thread costing ~140 instructions a
+// warp ahead of the top-k (docs/kernels.md). Elsewhere every thread copies words with cp.async.
+// Reads stay within src's 16-byte lines (torch's allocations are 512-byte aligned).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define HISPARSE_BULK_STATE 1
+#else
+#define HISPARSE_BULK_STATE 0
+#endif
+__device__ __forceinline__ int32_t* state_copy(int32_t* dst_area, const int32_t* src, int n,
+                                               unsigned long long* bar, uint32_t* tx) {
+#if HISPARSE_BULK_STATE
+  const int head = (int)((reinterpret_cast<uintptr_t>(src) >> 2) & 3);
+  if (threadIdx.x == 0 && n > 0) {
+    const uint32_t bytes = (uint32_t)(((head + n + 3) & ~3) * 4);
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(smem_addr(dst_area)), "l"(src - head), "r"(bytes), "r"(smem_addr(bar))
+        : "memory");
+    *tx += bytes;
+  }
+  return dst_area + head;
+#else
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    __pipeline_memcpy_async(dst_area + i, src + i, sizeof(int32_t));
+  return dst_area;
+#endif
 }
 
 // Latency, not bytes: the row's scalars (seq, num_full, hot, rows) are loaded in one round trip,
-// and a hot row's state (slot_unit, policy state), its slots' blocks and (when it fits) its page
-// table are copied into shared memory asynchronously (cp.async: no register holds them, so nothing
-// waits on them) while the top-k runs, awaited only before RESOLVE, which then probes and
-// publishes from shared memory. The kernel before (through 2026-12-04) loaded each scalar after
-// the branch on the one before, stored the state into shared memory before the top-k (its stores
-// waited on the loads: the sm_90 SASS showed LDG -> STS ahead of the scores' LDGs) and probed and
-// published through global loads: 0.8-1.9 us more per layer at 1-32 rows on the H200
-// (docs/gpu-results.md, 2026-12-04 second session).
-template <int T>
+// the row's scores next, and while they are in flight a hot row's state (slot_unit, policy state),
+// its slots' blocks and (when it fits) its page table are copied into shared memory by bulk copies
+// (sm_90; no register holds them, so nothing waits on them) while the top-k runs, awaited only
+// before RESOLVE, which then probes and publishes from shared memory. Nsight Compute on the H200
+// (docs/kernels.md, 2026-12-04 fourth session): the kernel is issue-latency bound (a warp issues
+// every ~16 cycles), so its time follows the instructions a warp runs; the per-word cp.async loop
+// that this replaced was ~140 of them a warp, ahead of the scores' loads.
+// POLICY (0 = lru, 1 = crf) is a template argument and RESOLVE's loops are not unrolled: RESOLVE's
+// code runs once a launch, cold in the SM's instruction cache (Nsight Compute: half of a hot row's
+// RESOLVE samples were "no instruction", at the targets of branches over unrolled loop bodies and
+// the other policy's code), so its time follows the code it spans.
+template <int T, int POLICY>
 __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   static_assert(T % 32 == 0 && T >= 256, "one thread per histogram bin, whole warps");
   __shared__ SelectShared<T> sh;
-  extern __shared__ int32_t dyn[];
+  extern __shared__ __align__(16) int32_t dyn[];
   const int K = a.K, S = a.S, tid = threadIdx.x;
   int32_t* s_sel = dyn;
   int32_t* s_vic = dyn + K;
-  int32_t* s_flag = dyn + 2 * K;
-  int32_t* s_su = dyn + 2 * K + S;
-  int32_t* s_pol = dyn + 2 * K + 2 * S;
-  int32_t* s_cur = dyn + 2 * K + 3 * S;
-  int32_t* s_bt = s_cur + K;
-  int32_t* s_us = s_bt + S;
+  int32_t* s_cur = dyn + 2 * K;
+  int32_t* s_flag = dyn + 3 * K;
+  int32_t* area = dyn + select_fixed_words(K, S) - 3 * copy_words(S);  // 16-byte aligned
   const int64_t r = blockIdx.x;
   const int64_t seq_r = ld_now(a.seq + r);
   const int64_t n_full = ld_now(a.num_full + r);  // (rows and hot hold >= N entries)
@@ -144,38 +175,49 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     return;
   }
   const bool hot = hot_end != 0;
-  if (hot) {  // the row's state into shared memory, asynchronously: awaited before RESOLVE
-    const int32_t* bt_r = a.bt + r * a.s_bt;
-    for (int s = tid; s < S; s += T) {
-      __pipeline_memcpy_async(s_su + s, a.su + row * a.s_su + s, sizeof(int32_t));
-      __pipeline_memcpy_async(s_pol + s, a.pol + row * a.s_pol + s, sizeof(int32_t));
-      if (s < a.W) {
-        __pipeline_memcpy_async(s_bt + s, bt_r + s, sizeof(int32_t));
-      } else {
-        s_bt[s] = -1;
-      }
-      s_flag[s] = 0;
-    }
-    if (a.pre_us > 0) {  // the pages a probe can ask for: [0, min(hot, n))
-      const int np = (int)min(min(hot_end, (int64_t)n), (int64_t)a.pre_us);
-      for (int u = tid; u < np; u += T)
-        __pipeline_memcpy_async(s_us + u, a.us + row * a.s_us + u, sizeof(int32_t));
-    }
-    __pipeline_commit();
-  }
-  // ---- top-k: the pages [0, n) among the K best keys, ascending in s_sel[0, min(n, K))
+  // ---- top-k: the pages [0, n) among the K best keys, ascending in s_sel[0, min(n, K)); the
+  // scores' loads are issued first, the state's copies while they are in flight
   const float* sc = a.scores + r * a.s_sc;
   const int nk = n < K ? n : K;
   const int chunk = (n + T - 1) / T;  // pages [tid * chunk, ...) are this thread's, in order
   const int lo = tid * chunk, hi = min(n, lo + chunk);
+  const bool in_regs = chunk <= kKeyRegs;  // rows of up to kKeyRegs * T pages: keys in registers
+  uint32_t kr[kKeyRegs];  // the scores' bits here; their keys once the state's copies are issued
+  if (n > K && in_regs) {  // (a key computed here would wait on its load before the copies)
+#pragma unroll
+    for (int c = 0; c < kKeyRegs; ++c) kr[c] = lo + c < hi ? __float_as_uint(sc[lo + c]) : 0u;
+  }
+  int32_t *s_su = area, *s_pol = area, *s_bt = area, *s_us = area;
+  if (hot) {  // the row's state into shared memory, asynchronously: awaited before RESOLVE
+    uint32_t tx = 0;
+#if HISPARSE_BULK_STATE
+    if (tid == 0) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&sh.bar)) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+#endif
+    const int cw = copy_words(S);
+    s_su = state_copy(area, a.su + row * a.s_su, S, &sh.bar, &tx);
+    s_pol = state_copy(area + cw, a.pol + row * a.s_pol, S, &sh.bar, &tx);
+    s_bt = state_copy(area + 2 * cw, a.bt + r * a.s_bt, min(S, a.W), &sh.bar, &tx);
+    if (a.pre_us > 0)  // the pages a probe can ask for: [0, min(hot, n))
+      s_us = state_copy(area + 3 * cw, a.us + row * a.s_us,
+                        (int)min(min(hot_end, (int64_t)n), (int64_t)a.pre_us), &sh.bar, &tx);
+#if HISPARSE_BULK_STATE
+    if (tid == 0)
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                   ::"r"(smem_addr(&sh.bar)), "r"(tx) : "memory");
+#else
+    __pipeline_commit();
+#endif
+    for (int s = tid; s < S; s += T) s_flag[s] = 0;
+  }
   if (n <= K) {
     for (int i = tid; i < n; i += T) s_sel[i] = i;
   } else {
-    const bool in_regs = chunk <= kKeyRegs;  // rows of up to kKeyRegs * T pages: keys in registers
-    uint32_t kr[kKeyRegs];
     if (in_regs) {
 #pragma unroll
-      for (int c = 0; c < kKeyRegs; ++c) kr[c] = lo + c < hi ? order_key(sc[lo + c]) : 0u;
+      for (int c = 0; c < kKeyRegs; ++c) kr[c] = lo + c < hi ? order_key(__uint_as_float(kr[c])) : 0u;
     }
     uint32_t need = K, prefix = 0;
     int used = 0;
@@ -237,15 +279,27 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     });
   }
   __syncthreads();
+#pragma unroll 1
   for (int j = tid; j < K; j += T) sel[j] = j < nk ? s_sel[j] : -1;
   const int32_t* bt = a.bt + r * a.s_bt;
   if (a.hot == nullptr) {  // every page on the GPU: through the block table
+#pragma unroll 1
     for (int j = tid; j < K; j += T) locs[j] = j < nk ? bt[s_sel[j]] : -1;
     return;
   }
+#pragma unroll 1
   for (int j = nk + tid; j < K; j += T) locs[j] = -1;
   if (hot) {  // the state's copies, issued before the top-k, seen by every thread
+#if HISPARSE_BULK_STATE
+    asm volatile(
+        "{\n .reg .pred done;\n WAIT_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n @!done bra WAIT_%=;\n}"
+        ::"r"(smem_addr(&sh.bar)) : "memory");
+#else
     __pipeline_wait_prior(0);
+#endif
+#pragma unroll 1
+    for (int s = a.W + tid; s < S; s += T) s_bt[s] = -1;  // slots past the block table's width
     __syncthreads();
   }
   // ---- RESOLVE: entries j (selection order) in contiguous chunks, like the pages above; pages
@@ -255,27 +309,26 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   int32_t* pol = a.pol + row * a.s_pol;
   const int kc = (nk + T - 1) / T;
   const int jlo = tid * kc, jhi = min(nk, jlo + kc);
-  unsigned long long cnt = 0;  // hits | misses << 21 | block-table pages << 42
+  uint32_t cnt = 0;  // hits | misses << 16 (k <= S < 65536)
+#pragma unroll 1
   for (int j = jlo; j < jhi; ++j) {  // s_cur: a hot entry's slot before this step, until publish
     const int32_t u = s_sel[j];
     if (u >= hot_end) {
       locs[j] = bt[u];
-      cnt += 1ull << 42;
       continue;
     }
     const int32_t cur = a.pre_us > 0 ? s_us[u] : us[u];
     s_cur[j] = cur;
     if (cur >= 0) s_flag[cur] = 1;
-    cnt += cur >= 0 ? 1ull : 1ull << 21;
+    cnt += cur >= 0 ? 1u : 1u << 16;
   }
-  unsigned long long tot3;
-  const unsigned long long rk3 = block_excl3<T>(sh, cnt, &tot3);
-  constexpr unsigned long long kF = (1ull << 21) - 1;
-  const uint32_t H = tot3 & kF, M = (tot3 >> 21) & kF;
-  if (tid == 0) {
+  uint32_t tot_hm;
+  const uint32_t rk = block_excl<T>(sh, cnt, &tot_hm);
+  const uint32_t H = tot_hm & 0xFFFFu, M = tot_hm >> 16;
+  if (tid == 0) {  // the pages through the block table: the rest of the selection
     atomicAdd(a.counts, (unsigned long long)H);
     atomicAdd(a.counts + 1, (unsigned long long)M);
-    atomicAdd(a.counts + 2, tot3 >> 42);
+    atomicAdd(a.counts + 2, (unsigned long long)(nk - H - M));
   }
   if (H + M == 0) return;  // nothing through the slots: the row's state is left alone
   uint32_t tot;
@@ -283,8 +336,9 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   const int slo = tid * sc_, shi = min(S, slo + sc_);
   __syncthreads();
   if (M > 0) {  // victims, in the policy's eviction order: empty slots before unhit occupied ones
-    if (a.policy == 0) {  // LRU: from the LRU end of the order
+    if (POLICY == 0) {  // LRU: from the LRU end of the order
       uint32_t ne = 0, no = 0;
+#pragma unroll 1
       for (int p = slo; p < shi; ++p) {
         const int32_t s = s_pol[S - 1 - p];
         const bool empty = s_su[s] < 0;
@@ -294,6 +348,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
       const uint32_t eb = block_excl<T>(sh, ne | (no << 16), &tot);
       const uint32_t n_empty = tot & 0xFFFF;
       uint32_t e = eb & 0xFFFF, o = eb >> 16;
+#pragma unroll 1
       for (int p = slo; p < shi; ++p) {
         const int32_t s = s_pol[S - 1 - p];
         const int32_t old = s_su[s];
@@ -311,6 +366,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
       }
     } else {  // crf: ascending ((value + 1) << 16 | slot), hit slots never
       auto key = [&](int t) { return s_flag[t] == 1 ? 0x7FFFFFFF : ((s_pol[t] + 1) << 16) | t; };
+#pragma unroll 1
       for (int s = slo; s < shi; ++s) {
         const int32_t ks = key(s);
         uint32_t rank = 0;  // its place in the eviction order (keys distinct but the hits')
@@ -322,12 +378,14 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
         }
       }
       __syncthreads();
+#pragma unroll 1
       for (int i = tid; i < (int)M; i += T) s_flag[s_vic[i]] = 2;
     }
   }
   __syncthreads();
   // publish: hits keep their slot, the i-th miss takes the i-th victim
-  uint32_t hr = rk3 & kF, mr = (rk3 >> 21) & kF;
+  uint32_t hr = rk & 0xFFFFu, mr = rk >> 16;
+#pragma unroll 1
   for (int j = jlo; j < jhi; ++j) {
     const int32_t u = s_sel[j];
     if (u >= hot_end) continue;
@@ -335,25 +393,28 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     int32_t slot;
     if (cur >= 0) {
       slot = cur;
-      if (a.policy == 0) pol[H - 1 - hr] = cur;  // later selection entries are more recent
+      if (POLICY == 0) pol[H - 1 - hr] = cur;  // later selection entries are more recent
       ++hr;
     } else {
       slot = s_vic[mr];
       su[slot] = u;
       us[u] = slot;
-      if (a.policy == 0) pol[H + M - 1 - mr] = slot;
+      if (POLICY == 0) pol[H + M - 1 - mr] = slot;
       ++mr;
     }
     const int32_t phys = s_bt[slot];
     locs[j] = cur >= 0 ? phys : -2 - phys;
   }
-  if (a.policy == 0) {  // the rest of the order: slots neither hit nor victim, in their old order
+  if (POLICY == 0) {  // the rest of the order: slots neither hit nor victim, in their old order
     uint32_t ns = 0;
+#pragma unroll 1
     for (int p = slo; p < shi; ++p) ns += s_flag[s_pol[p]] == 0;
     uint32_t b = block_excl<T>(sh, ns, &tot);
+#pragma unroll 1
     for (int p = slo; p < shi; ++p)
       if (s_flag[s_pol[p]] == 0) pol[H + M + b++] = s_pol[p];
   } else {  // crf: every occupied value decays; hits add HIT, misses start at HIT / 2
+#pragma unroll 1
     for (int s = tid; s < S; s += T) {
       const int32_t v = s_pol[s];
       const int32_t dec = v - (v >> a.shift);
