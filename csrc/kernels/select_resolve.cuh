@@ -9,11 +9,11 @@
 // shared memory with its own barriers; here a radix pass is a shared-memory histogram by atomics,
 // one block scan and one barrier to publish the chosen bin.
 #pragma once
-#include <cuda_pipeline.h>
-
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
+
+#include "smem_copy.cuh"
 
 namespace hisparse {
 
@@ -44,14 +44,6 @@ __device__ __forceinline__ uint32_t order_key(float x) {
 }
 
 constexpr int kKeyRegs = 8;  // keys a thread keeps in registers across the radix passes
-
-// A load of a read-only input (.nc) through inline PTX: with the exit test below that uses every
-// such value, its load is issued with the others, not after the exit.
-__device__ __forceinline__ int64_t ld_now(const int64_t* p) {
-  int64_t v;
-  asm volatile("ld.global.nc.s64 %0, [%1];" : "=l"(v) : "l"(p));
-  return v;
-}
 
 // f(page, key) over a thread's pages [lo, hi) in order: from registers when they hold them (the
 // loop unrolled so kr stays in registers), else loaded again (L1 hits after the first pass).
@@ -100,40 +92,6 @@ __device__ __forceinline__ uint32_t block_excl(SelectShared<T>& sh, uint32_t v, 
   __syncthreads();  // the temp storage is reused by the next scan
   *total = agg;
   return out;
-}
-
-// The row's state into shared memory without holding a register: on sm_90 one thread issues a
-// bulk copy (cp.async.bulk, completing on an mbarrier) of the 16-byte lines that hold src[0, n);
-// the data then starts (src's word offset within its line) words into dst_area, which is returned.
-// Nsight Compute showed the per-word cp.async loop of every thread costing ~140 instructions a
-// warp ahead of the top-k (docs/kernels.md). Elsewhere every thread copies words with cp.async.
-// Reads stay within src's 16-byte lines (torch's allocations are 512-byte aligned).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define HISPARSE_BULK_STATE 1
-#else
-#define HISPARSE_BULK_STATE 0
-#endif
-__device__ __forceinline__ int32_t* state_copy(int32_t* dst_area, const int32_t* src, int n,
-                                               unsigned long long* bar, uint32_t* tx) {
-#if HISPARSE_BULK_STATE
-  const int head = (int)((reinterpret_cast<uintptr_t>(src) >> 2) & 3);
-  if (threadIdx.x == 0 && n > 0) {
-    const uint32_t bytes = (uint32_t)(((head + n + 3) & ~3) * 4);
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(smem_addr(dst_area)), "l"(src - head), "r"(bytes), "r"(smem_addr(bar))
-        : "memory");
-    *tx += bytes;
-  }
-  return dst_area + head;
-#else
-  for (int i = threadIdx.x; i < n; i += blockDim.x)
-    __pipeline_memcpy_async(dst_area + i, src + i, sizeof(int32_t));
-  return dst_area;
-#endif
 }
 
 // Latency, not bytes: the row's scalars (seq, num_full, hot, rows) are loaded in one round trip,
@@ -190,26 +148,15 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   int32_t *s_su = area, *s_pol = area, *s_bt = area, *s_us = area;
   if (hot) {  // the row's state into shared memory, asynchronously: awaited before RESOLVE
     uint32_t tx = 0;
-#if HISPARSE_BULK_STATE
-    if (tid == 0) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&sh.bar)) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-#endif
+    if (tid == 0) bulk_barrier_init(&sh.bar);
     const int cw = copy_words(S);
-    s_su = state_copy(area, a.su + row * a.s_su, S, &sh.bar, &tx);
-    s_pol = state_copy(area + cw, a.pol + row * a.s_pol, S, &sh.bar, &tx);
-    s_bt = state_copy(area + 2 * cw, a.bt + r * a.s_bt, min(S, a.W), &sh.bar, &tx);
+    s_su = words_to_smem(area, a.su + row * a.s_su, S, &sh.bar, &tx);
+    s_pol = words_to_smem(area + cw, a.pol + row * a.s_pol, S, &sh.bar, &tx);
+    s_bt = words_to_smem(area + 2 * cw, a.bt + r * a.s_bt, min(S, a.W), &sh.bar, &tx);
     if (a.pre_us > 0)  // the pages a probe can ask for: [0, min(hot, n))
-      s_us = state_copy(area + 3 * cw, a.us + row * a.s_us,
+      s_us = words_to_smem(area + 3 * cw, a.us + row * a.s_us,
                         (int)min(min(hot_end, (int64_t)n), (int64_t)a.pre_us), &sh.bar, &tx);
-#if HISPARSE_BULK_STATE
-    if (tid == 0)
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                   ::"r"(smem_addr(&sh.bar)), "r"(tx) : "memory");
-#else
-    __pipeline_commit();
-#endif
+    words_to_smem_commit(&sh.bar, tx);
     for (int s = tid; s < S; s += T) s_flag[s] = 0;
   }
   if (n <= K) {
@@ -290,14 +237,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
 #pragma unroll 1
   for (int j = nk + tid; j < K; j += T) locs[j] = -1;
   if (hot) {  // the state's copies, issued before the top-k, seen by every thread
-#if HISPARSE_BULK_STATE
-    asm volatile(
-        "{\n .reg .pred done;\n WAIT_%=:\n"
-        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n @!done bra WAIT_%=;\n}"
-        ::"r"(smem_addr(&sh.bar)) : "memory");
-#else
-    __pipeline_wait_prior(0);
-#endif
+    words_to_smem_wait(&sh.bar);
 #pragma unroll 1
     for (int s = a.W + tid; s < S; s += T) s_bt[s] = -1;  // slots past the block table's width
     __syncthreads();
