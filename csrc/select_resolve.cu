@@ -33,6 +33,17 @@ void launch(const hisparse::SelectArgs& a, int64_t N, size_t smem, cudaStream_t 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <int POLICY>
+void launch_threads(int64_t threads, const hisparse::SelectArgs& a, int64_t N, size_t smem,
+                    cudaStream_t st) {
+  switch (threads) {
+    case 256: launch<256, POLICY>(a, N, smem, st); break;
+    case 512: launch<512, POLICY>(a, N, smem, st); break;
+    case 1024: launch<1024, POLICY>(a, N, smem, st); break;
+    default: TORCH_CHECK(false, "select_resolve: threads must be 256, 512 or 1024, got ", threads);
+  }
+}
+
 }  // namespace
 
 // scores (N, U) f32; seq, num_full, hot, rows (N,) int64; block_table (N, W) int32; slot_unit,
@@ -108,16 +119,9 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
               " B of shared memory (at most 190 KiB)");
   const at::cuda::OptionalCUDAGuard guard(dev);
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(threads == 256 || threads == 512 || threads == 1024,
-              "select_resolve: threads must be 256, 512 or 1024, got ", threads);
   // the policy is a template argument (the kernel's RESOLVE code for one policy only)
-  if (policy == 0) {
-    if (threads == 256) launch<256, 0>(a, N, smem, st);
-    else if (threads == 512) launch<512, 0>(a, N, smem, st);
-    else launch<1024, 0>(a, N, smem, st);
-  } else {
-    if (threads == 256) launch<256, 1>(a, N, smem, st);
-    else if (threads == 512) launch<512, 1>(a, N, smem, st);
-    else launch<1024, 1>(a, N, smem, st);
-  }
+  if (policy == 0)
+    launch_threads<0>(threads, a, N, smem, st);
+  else
+    launch_threads<1>(threads, a, N, smem, st);
 }
