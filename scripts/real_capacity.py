@@ -111,10 +111,14 @@ def run(out: str, tags: list[str]) -> int:
     return rc
 
 
-def table(out: str) -> None:
+def write_table(out: str, tags, name: str, extra=lambda d: {}) -> list[dict]:
+    """OUT/NAME: per engine TAG (OUT/TAG.json, skipped if missing), whether its tokens and
+    logprobs equal OUT/resident.json's, hits, misses, units through the block table, the miss rate
+    of every selected unit, spills, shrinks, host pages still used, and extra(run) (columns of its
+    own). docs/data/elastic-real-cpu/run.py writes its CSV with it too."""
     ref = json.load(open(os.path.join(out, "resident.json")))["batches"][0]
     rows = []
-    for tag in TAGS[1:]:
+    for tag in tags:
         path = os.path.join(out, f"{tag}.json")
         if not os.path.exists(path):
             continue
@@ -127,14 +131,19 @@ def table(out: str) -> None:
                      "misses": s["misses"], "resident_units": s.get("resident_units", 0),
                      "miss_rate_of_selected": round(s["misses"] / sel, 5) if sel else None,
                      "spills": s.get("spills"), "shrinks": s.get("shrinks"),
-                     "host_pages_used_after": s.get("host_pages_used"),
-                     "preemptions": d.get("preemptions"), "elapsed_s": round(d["elapsed_s"], 1)})
-    with open(os.path.join(out, "real-capacity.csv"), "w", newline="") as f:
+                     "host_pages_used_after": s.get("host_pages_used"), **extra(d)})
+    with open(os.path.join(out, name), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     for r in rows:
         print(r)
+    return rows
+
+
+def table(out: str) -> None:
+    write_table(out, TAGS[1:], "real-capacity.csv",
+                lambda d: {"preemptions": d.get("preemptions"), "elapsed_s": round(d["elapsed_s"], 1)})
 
 
 def main(argv: list[str]) -> int:

@@ -9,7 +9,7 @@ exactness reference.
     cd docs/data/elastic-real-cpu && ../../../.venv/bin/python run.py [TAG ...]   # ~2 min each on 2 cores
     ../../../.venv/bin/python run.py table        # the CSV, from the runs' JSON (not kept: ~190 KB each)
 """
-import csv, json, os, subprocess, sys
+import json, os, subprocess, sys
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 PY = ROOT + "/.venv/bin/python"
 MODEL = ROOT + "/models/smollm2-135m"
@@ -46,27 +46,9 @@ def run(tag):
 
 
 def table():
-    ref = json.load(open("resident.json"))["batches"]
-    rows = []
-    for tag in RUNS:
-        if tag == "resident" or not os.path.exists(f"{tag}.json"):
-            continue
-        d = json.load(open(f"{tag}.json"))
-        s = d["stats"]
-        same = all(a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
-                   for a, b in zip(d["batches"][0], ref[0]))
-        sel = s["hits"] + s["misses"] + s.get("resident_units", 0)
-        rows.append({"run": tag, "identical_to_resident": same, "hits": s["hits"],
-                     "misses": s["misses"], "resident_units": s.get("resident_units", 0),
-                     "miss_rate_of_selected": round(s["misses"] / sel, 5) if sel else None,
-                     "spills": s.get("spills"), "shrinks": s.get("shrinks"),
-                     "host_pages_used_after": s.get("host_pages_used")})
-    with open("elastic-real-cpu.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    for r in rows:
-        print(r)
+    sys.path.insert(0, ROOT + "/scripts")
+    from real_capacity import write_table   # the same comparison as the GPU run's
+    write_table(".", [t for t in RUNS if t != "resident"], "elastic-real-cpu.csv")
 
 
 if __name__ == "__main__":
