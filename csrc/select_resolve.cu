@@ -111,7 +111,6 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
   a.pre_us = 0;
   if (has_hot && hisparse::select_smem_bytes(a.K, a.S, (int)unit_slot.size(1)) <= kPreloadSmem)
     a.pre_us = (int)unit_slot.size(1);
-  a.policy = (int)policy;
   a.shift = (int)shift;
   a.hit = (int)hit;
   const size_t smem = hisparse::select_smem_bytes(a.K, a.S, a.pre_us);
