@@ -48,6 +48,10 @@ def main(argv=None) -> int:
                    help="no --enforce-eager: vLLM's piecewise CUDA graphs around attention")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--distributed-executor-backend", default=None, help="mp or ray (TP > 1)")
+    p.add_argument("--heartbeat", type=float, default=0,
+                   help="every S seconds (one engine in this process), a line on stderr: elapsed, "
+                        "preemptions, the runtime's steps, live requests, misses, spills; a run "
+                        "that stalls or thrashes shows which (0: off)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -116,6 +120,8 @@ def main(argv=None) -> int:
 
     batches, info = [], []
     t0 = time.time()
+    if a.heartbeat > 0 and a.tensor_parallel_size == 1:
+        _start_heartbeat(a.heartbeat, t0, preempt, worker_state)
     for path in a.prompts:
         with open(path) as f:
             spec = json.load(f)
@@ -140,6 +146,28 @@ def main(argv=None) -> int:
         json.dump(res, f)
     print(json.dumps(res["stats"]))
     return 0
+
+
+def _start_heartbeat(every: float, t0: float, preempt: dict, worker_state) -> None:
+    """A daemon thread printing the run's progress every ``every`` seconds (reads only: counters
+    of the in-process runtime and the scheduler's preemptions)."""
+    import threading
+
+    def beat():
+        while True:
+            time.sleep(every)
+            try:
+                rt = worker_state.get_runtime()
+            except RuntimeError:              # not configured yet
+                rt = None
+            st = rt.stats if rt is not None else {}
+            print(json.dumps({"heartbeat_s": round(time.time() - t0, 1), "preemptions": preempt["n"],
+                              **{k: st.get(k) for k in ("steps", "full_steps", "decode_rows",
+                                                        "spills", "shrinks")},
+                              "live_requests": len(rt.reqs) if rt is not None else None}),
+                  file=sys.stderr, flush=True)
+
+    threading.Thread(target=beat, daemon=True, name="hisparse-heartbeat").start()
 
 
 def _runtime_stats(rt) -> dict:

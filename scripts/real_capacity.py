@@ -33,8 +33,11 @@ N_PROMPTS = int(os.environ.get("REAL_N", "16"))            # REAL_N / REAL_OUT: 
 OUT_TOKENS = int(os.environ.get("REAL_OUT", "1024"))
 CPU = os.environ.get("REAL_DEVICE", "gpu") == "cpu"          # vLLM's CPU engine: fp32, eager
 PAGE, TOP_K, B, MAX_LEN = 16, 512, 2048, 8192
+# dense_pool_gib: the dense layers' KV stays on the GPU (16 x 512 pages x 2 layers x 12 KiB = 0.19
+# GiB at most); without it those layers read their given-back pages from the host every step and
+# FULL decode graphs are off (the first H200 run, 2026-12-04: no hot engine finished in 480 s)
 BASE = {"top_k": TOP_K, "device_buffer_size": B, "page_size": PAGE, "dense_layers": [0, 1],
-        "host_pool_gib": 4.0, "min_context": 0}
+        "dense_pool_gib": 0.5, "host_pool_gib": 4.0, "min_context": 0}
 TAGS = ("resident", "fixed-lru", "elastic-lru", "fixed-crf", "elastic-crf")
 
 
@@ -90,7 +93,8 @@ def run(out: str, tags: list[str]) -> int:
                "--config", json.dumps(cfg), "--prompts", os.path.join(out, "prompts-run.json"),
                "--max-tokens", str(OUT_TOKENS), "--max-model-len", str(MAX_LEN),
                "--max-num-seqs", str(N_PROMPTS), "--max-num-batched-tokens", "2048",
-               "--num-blocks", str(blocks), "--out", os.path.join(out, f"{tag}.json")]
+               "--num-blocks", str(blocks), "--heartbeat", "20",
+               "--out", os.path.join(out, f"{tag}.json")]
         cmd += (["--dtype", "float32"] if CPU else
                 ["--kv-cache-gib", "2", "--dtype", "bfloat16", "--cuda-graphs",
                  "--gpu-memory-utilization", "0.15"])
