@@ -67,11 +67,14 @@ case "$part" in
       set -- $a
       envs=(); tag=
       while [[ "${1:-}" == *=* ]]; do n=${1%%=*}; n=${n##*_}; envs+=("$1"); tag+="-${n,,}${1#*=}"; shift; done
-      fa=1; opt=${4:-}; [ "$opt" = -io ] && { fa=0; opt=; }
+      # words after the rows: the bench's options (-io: the misses copied in select_resolve's own
+      # launch); each one names the case's folder too
+      fa=1; opt=(); name=
+      for w in "${@:4}"; do name+=$w; if [ "$w" = -io ]; then fa=0; else opt+=("$w"); fi; done
       echo "-- $a"
       env "${envs[@]}" timeout 150 python3 -m vllm_hisparse.bench.decode_step --fetch-in-attention $fa \
-        --context $1 --rows $3 --layers 2 --steps 10 --q-noise $2 $opt \
-        --out "$out/ds-$1-q$2${4:-}$tag" 2>&1 | grep -E "^\{|Error" | cut -c1-300
+        --context $1 --rows $3 --layers ${KLAYERS:-2} --steps 10 --q-noise $2 "${opt[@]}" \
+        --out "$out/ds-$1-q$2$name$tag" 2>&1 | grep -E "^\{|Error" | cut -c1-300
       since "case done"
     done
     since "kernels done" ;;

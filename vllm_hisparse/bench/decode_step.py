@@ -78,6 +78,7 @@ class Setup:
         self.io = [torch.zeros(rows, h, D, dtype=torch.bfloat16, device=dev)
                    for h in (HQ, HKV, HKV, HQ)]
         self.g, self.noise, self.n = g, args.q_noise, 0
+        self.no_write_through = args.no_write_through
         self.graph = None
 
     def layers(self):
@@ -99,6 +100,8 @@ class Setup:
 
     def plan(self):
         self.rt.plan_full(self.ids, [self.ctx + self.n + 1] * self.rows, self.rows, self.bt)
+        if self.no_write_through:        # A/B: the write kernels skip the host store (page -1)
+            self.rt._batch(self.rows).field("host_page").fill_(-1)
         self.n += 1
 
     def inputs(self):
@@ -227,6 +230,10 @@ def main(argv=None) -> int:
     ap.add_argument("--resident-first", action="store_true",
                     help="resident_first true (the serving default: with the bench's free HBM "
                          "every page stays resident, no miss); default the fixed hot buffer")
+    ap.add_argument("--no-write-through", action="store_true",
+                    help="A/B of the write-through's cost only: the new tokens are not stored into "
+                         "the host pool (stale host pages: use with --resident-first or --q-noise "
+                         "0, where nothing is read back)")
     ap.add_argument("--select-warps", type=int, default=None,
                     help="tuning: override ops/triton_select.SELECT_WARPS")
     ap.add_argument("--radix-bits", type=int, default=None,
@@ -267,7 +274,7 @@ def main(argv=None) -> int:
                 s.capture()
             row = {"context": ctx, "rows": R, "mode": "eager" if args.eager else "graph",
                    "resident": args.resident, "resident_first": args.resident_first,
-                   "q_noise": args.q_noise,
+                   "no_write_through": args.no_write_through, "q_noise": args.q_noise,
                    "select_impl": decode_ops.SELECT_IMPL,
                    "select_threads": decode_ops.SELECT_THREADS,
                    "fetch_in_attention": decode_ops.FETCH_IN_ATTENTION,
