@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--distributed-executor-backend", default=None, help="mp or ray (TP > 1)")
     p.add_argument("--heartbeat", type=float, default=0,
                    help="every S seconds (one engine in this process), a line on stderr: elapsed, "
-                        "preemptions, the runtime's steps, live requests, misses, spills; a run "
-                        "that stalls or thrashes shows which (0: off)")
+                        "preemptions, the runtime's steps, decode rows, spills, shrinks and live "
+                        "requests; a run that stalls or thrashes shows which (0: off)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -238,12 +238,11 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   }
 #pragma unroll 1
   for (int j = nk + tid; j < K; j += T) locs[j] = -1;
-  if (hot) {  // the state's copies, issued before the top-k, seen by every thread
-    words_to_smem_wait(&sh.bar);
+  // a hot row from here on: the state's copies, issued before the top-k, seen by every thread
+  words_to_smem_wait(&sh.bar);
 #pragma unroll 1
-    for (int s = a.W + tid; s < S; s += T) s_bt[s] = -1;  // slots past the block table's width
-    __syncthreads();
-  }
+  for (int s = a.W + tid; s < S; s += T) s_bt[s] = -1;  // slots past the block table's width
+  __syncthreads();
   // ---- RESOLVE: entries j (selection order) in contiguous chunks, like the pages above; pages
   // >= hot_end through the block table, the others through the hot slots
   int32_t* su = a.su + row * a.s_su;
