@@ -29,6 +29,7 @@ from vllm_hisparse.core.page_table import DevicePageTable
 from vllm_hisparse.core import runtime_stats
 from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
+from vllm_hisparse.core.step_write import StepWrite
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
 from vllm_hisparse.core.turn_sparse import Switch, copy_context
 from vllm_hisparse.slots import HotBufferState
@@ -76,6 +77,8 @@ class SparseRuntime:
             host_pages = cfg.host_pool_pages(num_layers, page_bytes)
         self.pool = (HostKVPool(len(host_layers), host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
+        self.step_write = StepWrite([i for i in host_layers if i not in self.dense_layers and
+                                     self.pool is not None], self._host_layer, self.device)
         # The indexer: one row per sparse request admitted at once (core/gpu_pools.py: none but
         # the scratch row when no request can turn sparse) + a scratch row that decode-graph
         # padding points at.
@@ -166,12 +169,13 @@ class SparseRuntime:
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         """The paged KV cache of every layer (layer i: (blocks, 2, P, Hkv, D)), the tensors the
-        layers are called with: a request turning sparse copies what it has from them in the plan,
-        before the step's layers run (core/turn_sparse.py). The vLLM adapter binds them from the
-        KV connector's register_kv_caches."""
+        layers are called with: a request turning sparse copies what it has from them in the plan
+        (core/turn_sparse.py), and HISPARSE_WRITE_THROUGH=step reads the new tokens from them
+        (core/step_write.py). The vLLM adapter binds them in the connector's register_kv_caches."""
         if len(caches) != self.num_layers:
             raise ValueError(f"bind_kv_caches: {len(caches)} caches for {self.num_layers} layers")
         self._kv = list(caches)
+        self.step_write.bind(self._kv)
 
     def kv_cache(self, layer: int) -> torch.Tensor:
         kv = self._kv[layer]
@@ -238,11 +242,9 @@ class SparseRuntime:
 
     def _plan(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int],
               block_table: torch.Tensor, slot_mapping: torch.Tensor) -> StepPlan:
-        """req_ids: the B requests of the batch in row order; query_start_loc: B+1 token offsets;
-        seq_lens: B lengths including this step's tokens; block_table (B, W); slot_mapping (T,).
-        Everything that needs the host is decided here, once per step; forward_layer then runs
-        without host syncs. Rows with one query token form the decode batch; the others
-        (prefill chunks) are attended densely here."""
+        """req_ids: the B requests in row order; query_start_loc: B+1 token offsets; seq_lens: B
+        lengths with this step's tokens; block_table (B, W); slot_mapping (T,). All host work is
+        here, once per step (forward_layer syncs nothing); one-token rows form the decode batch."""
         steps, pages = self._req_steps(req_ids, query_start_loc, seq_lens, block_table)
         dec = [s for s in steps if s.t1 - s.t0 == 1]
         plan = prefill.plan(self, [s for s in steps if s.t1 - s.t0 > 1], block_table,
@@ -257,11 +259,9 @@ class SparseRuntime:
 
     def plan_full(self, req_ids: list[str], seq_lens: list[int], N: int,
                   block_table: torch.Tensor | None = None) -> None:
-        """A step whose rows each have one query token (vLLM's FULL graphs): req_ids and seq_lens
-        of its n real rows (rows 0..n-1, vLLM pads after them), N >= n its padded size;
-        block_table (>= n, W) int32 on the device, read only when a request turns sparse this step.
-        Host pages for the new tokens, then decode batch N, which every layer's body (full_layer)
-        reads."""
+        """A step of one-token rows (vLLM's FULL graphs): req_ids and seq_lens of its n real rows
+        (0..n-1, padding after them), N >= n its padded size; block_table (>= n, W) int32 on the
+        device, read only when a request turns sparse. Fills decode batch N for full_layer."""
         t0 = time.perf_counter()
         steps, pages = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens,
                                        block_table)
