@@ -6,6 +6,8 @@
 # a venv under /tmp. Needs python3.12 (pyenv's 3.12 here), nvcc 13 and `make setup`'s .venv (its
 # nvidia/ headers, CUDA 13 builds, are linked into the 3.12 venv).
 #   bash scripts/build_for_box.sh            # then carry vllm_hisparse/_C.cpython-312-x86_64-linux-gnu.so
+# BOX_REF=<commit>: build that commit's tracked files instead; BOX_OUT=<dir>: put the .so there
+# (scripts/ab_tree.sh uses both for a second tree).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${BOX_VENV:-/tmp/py312-box}
@@ -25,8 +27,13 @@ ln -sfn "$nv" "$("$venv/bin/python" -c 'import site; print(site.getsitepackages(
 # a copy of the tracked tree (the working tree's edits included), so the build leaves no files here
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-(cd "$root" && git ls-files -z | tar --null -cf - -T -) | tar -xf - -C "$work"
+if [ -n "${BOX_REF:-}" ]; then
+  git -C "$root" archive "$BOX_REF" | tar -xf - -C "$work"
+else
+  (cd "$root" && git ls-files -z | tar --null -cf - -T -) | tar -xf - -C "$work"
+fi
 (cd "$work" && MAX_JOBS=${MAX_JOBS:-2} "$venv/bin/python" setup.py build_ext --inplace > build.log 2>&1) \
   || { tail -20 "$work/build.log"; exit 1; }
-cp "$work"/vllm_hisparse/_C.cpython-312-x86_64-linux-gnu.so "$root/vllm_hisparse/"
-echo "built $root/vllm_hisparse/_C.cpython-312-x86_64-linux-gnu.so"
+dest=${BOX_OUT:-$root/vllm_hisparse}
+cp "$work"/vllm_hisparse/_C.cpython-312-x86_64-linux-gnu.so "$dest/"
+echo "built $dest/_C.cpython-312-x86_64-linux-gnu.so"
