@@ -88,32 +88,39 @@ def test_kernel_compiles_for_sm90():
     assert seen == {"_write_through_step_kernel"}
 
 
-def drive(full: bool, spills: dict):
-    """test_sparse_runtime_exact's scenario, shortened: prefill, then 24 decode steps; the
-    outputs of every layer and step, the stats and the host pool's bytes."""
-    cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=ex.P, dense_layers=(0,),
-                         min_context=40, host_pool_gib=0.01, resident_first=bool(spills))
-    d = ex.Driver(cfg, rows=4, full=full)
+def drive(d, prompts: dict, chunks: list, steps: int, spills: dict | None = None):
+    """Driver d (test_sparse_runtime_exact's) through its prompts (chunks: the prefill steps),
+    then `steps` decode steps of every request (spills: {decode step: what the scheduler spills
+    before it}); the outputs of every layer and step, the stats and the host pool's bytes."""
     d.rt.pool.data.fill_(SENTINEL)                   # (allocated uninitialised)
-    prompts = {"a": 150, "b": 93, "c": 61}
     for rid, n in prompts.items():
         d.add(rid, n)
-    d.step({"a": 64, "b": 93})
-    d.step({"a": 86, "b": 1, "c": 61})
-    for i in range(24):
-        for rid in spills.get(i, ()):
+    for c in chunks:
+        d.step(c)
+    for i in range(steps):
+        for rid in (spills or {}).get(i, ()):
             d.spill(*((rid,) if isinstance(rid, str) else rid))
         d.step({rid: 1 for rid in prompts})
+    if d.dev.type == "cuda":
+        torch.cuda.synchronize()
     return d.outs, d.rt.stats_dict(), d.rt.pool.data.clone()
+
+
+def drive_cpu(full: bool, spills: dict):
+    """test_sparse_runtime_exact's scenario, shortened: 24 decode steps."""
+    cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=ex.P, dense_layers=(0,),
+                         min_context=40, host_pool_gib=0.01, resident_first=bool(spills))
+    return drive(ex.Driver(cfg, rows=4, full=full), {"a": 150, "b": 93, "c": 61},
+                 [{"a": 64, "b": 93}, {"a": 86, "b": 1, "c": 61}], 24, spills)
 
 
 @pytest.mark.parametrize("full", [False, True])
 @pytest.mark.parametrize("spills", [{}, {2: [("a", 3)], 9: ["b", "a"]}])
 def test_runtime_step_equals_layer_write_through(full, spills, monkeypatch):
     monkeypatch.setattr(wt, "STEP", False)
-    outs, stats, pool = drive(full, spills)
+    outs, stats, pool = drive_cpu(full, spills)
     monkeypatch.setattr(wt, "STEP", True)
-    s_outs, s_stats, s_pool = drive(full, spills)
+    s_outs, s_stats, s_pool = drive_cpu(full, spills)
     assert stats["misses"] > 0 and s_stats["misses"] == stats["misses"]
     for i, (a, b) in enumerate(zip(outs, s_outs, strict=True)):
         assert not torch.isnan(a).any() and torch.equal(a, b), f"step/layer {i} differs"
@@ -176,16 +183,8 @@ def test_gpu_runtime_step_equals_layer_write_through(graphs, monkeypatch):
         cls = GraphDriver if graphs else (lambda *a, **k: ex.Driver(*a, full=True, **k))
         d = cls(cfg, rows=4, device="cuda", dtype=torch.bfloat16, dims=(8, 2, 64),
                 shape=(16, 3, 40))
-        d.rt.pool.data.fill_(SENTINEL)
-        prompts = {"a": 500, "b": 330, "c": 210}
-        for rid, n in prompts.items():
-            d.add(rid, n)
-        d.step({"a": 256, "b": 330})
-        d.step({"a": 244, "b": 1, "c": 210})
-        for _ in range(30):
-            d.step({rid: 1 for rid in prompts})
-        torch.cuda.synchronize()
-        return d.outs, d.rt.stats_dict(), d.rt.pool.data.clone()
+        return drive(d, {"a": 500, "b": 330, "c": 210},
+                     [{"a": 256, "b": 330}, {"a": 244, "b": 1, "c": 210}], 30)
 
     outs, stats, pool = go(False)
     s_outs, s_stats, s_pool = go(True)
