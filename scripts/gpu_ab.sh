@@ -13,7 +13,7 @@
 # torch profiles per case); AB_REF in a branch tree names its commit.
 set -uo pipefail
 top=$1; what=$2
-export KLAYERS=${KLAYERS:-16} NO_VLLM=1
+export KLAYERS=${KLAYERS:-16} KSTEPS=${KSTEPS:-40} NO_VLLM=1   # (40 replays: median and min too)
 case "$what" in
   wt)
     KTESTS="tests/test_write_through_step.py tests/test_decode_body_gpu.py" \

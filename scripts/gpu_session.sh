@@ -73,7 +73,7 @@ case "$part" in
       for w in "${@:4}"; do name+=$w; if [ "$w" = -io ]; then fa=0; else opt+=("$w"); fi; done
       echo "-- $a"
       env "${envs[@]}" timeout 150 python3 -m vllm_hisparse.bench.decode_step --fetch-in-attention $fa \
-        --context $1 --rows $3 --layers ${KLAYERS:-2} --steps 10 --q-noise $2 "${opt[@]}" \
+        --context $1 --rows $3 --layers ${KLAYERS:-2} --steps ${KSTEPS:-10} --q-noise $2 "${opt[@]}" \
         --out "$out/ds-$1-q$2$name$tag" 2>&1 | grep -E "^\{|Error" | cut -c1-300
       since "case done"
     done

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import time
 import warnings
 
@@ -129,7 +130,7 @@ def measure(s: Setup, steps: int) -> dict:
         s.step()
     torch.cuda.synchronize()
     before = s.rt.stats_dict()
-    plan_s = run_ms = 0.0
+    plan_s, run_ms = 0.0, []
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -141,7 +142,7 @@ def measure(s: Setup, steps: int) -> dict:
         s.run()
         e1.record()
         torch.cuda.synchronize()
-        run_ms += e0.elapsed_time(e1)
+        run_ms.append(e0.elapsed_time(e1))
     after = s.rt.stats_dict()
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     with warnings.catch_warnings(record=True) as w:     # host syncs of one plan_full
@@ -154,7 +155,10 @@ def measure(s: Setup, steps: int) -> dict:
     syncs = sorted({str(x.message).splitlines()[0][:120] for x in w if "prototype" not in
                     str(x.message)})
     return {"plan_ms": round(plan_s * 1e3 / steps, 3),
-            "us_per_layer": round(run_ms * 1e3 / steps / s.L, 2),
+            "us_per_layer": round(sum(run_ms) * 1e3 / steps / s.L, 2),
+            # the replays' spread (one call's runs scatter by a few us a layer at one row)
+            "us_per_layer_median": round(statistics.median(run_ms) * 1e3 / s.L, 2),
+            "us_per_layer_min": round(min(run_ms) * 1e3 / s.L, 2),
             "miss_rate": round(misses / max(hits + misses, 1), 4),
             "plan_syncs": len(syncs), "sync_kinds": " | ".join(syncs)}
 
