@@ -25,6 +25,7 @@ from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.decode_batch import DecodeBatch, fill
 from vllm_hisparse.core.decode_trace import DecodeTrace
 from vllm_hisparse.core.host_pool import HostKVPool
+from vllm_hisparse.core.hot_rows import HotRows
 from vllm_hisparse.core.page_table import DevicePageTable
 from vllm_hisparse.core import runtime_stats
 from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
@@ -90,9 +91,10 @@ class SparseRuntime:
         # decode_fn may then take every layer (use_decode_fn; the GPU adapter plugs in FlashAttention)
         self.sparse_possible = gpu_pools.sparse_possible(cfg, max_model_len)
         self.decode_fn = None
-        self.hot = [HotBufferState.create(max_rows + 1, self.S, self.U, cfg.policy, self.device)
-                    if cfg.host_tier and self.sparse_possible and i not in self.dense_layers
-                    else None for i in range(num_layers)]
+        self.hot = HotRows([HotBufferState.create(max_rows + 1, self.S, self.U, cfg.policy,
+                                                  self.device)
+                            if cfg.host_tier and self.sparse_possible and i not in self.dense_layers
+                            else None for i in range(num_layers)], self.S)
         self.host_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)  # host page of each
         # Dense layers of sparse requests: every page in a GPU pool of their own (cfg.dense_pool_gib),
         # attended with the pool's page table; without it they read given-back pages from the host.
@@ -138,7 +140,7 @@ class SparseRuntime:
             self.reqs[req_id] = r
         r = self.reqs[req_id]
         r.keep, r.start = keep, 0
-        self._reset_row(r.row)
+        self.hot.reset(r.row)
         if self.trace is not None:
             self.trace.restart(req_id)
 
@@ -153,7 +155,7 @@ class SparseRuntime:
                 f"every request whose prompt + max_tokens reaches min_context")
         r.irow = irow
         r.sparse = True
-        self._reset_row(r.row)
+        self.hot.reset(r.row)
 
     def spill(self, req_id: str, keep: int = 0) -> None:
         """resident_first: from this step on the request holds, beyond its floor, only its ``keep``
@@ -203,11 +205,6 @@ class SparseRuntime:
             self.dense_pt.clear(r.row)
         self.stats["finished"] += 1
         return True
-
-    def _reset_row(self, row: int) -> None:
-        for h in self.hot:
-            if h is not None:
-                h.reset(row)
 
     def dense_pool_layer(self, layer: int) -> torch.Tensor | None:
         """The GPU dense pool's pages of a dense layer (None: no dense pool, or a sparse layer)."""
@@ -328,7 +325,7 @@ class SparseRuntime:
             t0, t1 = query_start_loc[i], query_start_loc[i + 1]
             start, n = seq_lens[i] - (t1 - t0), seq_lens[i]
             if start == 0:
-                self._reset_row(r.row)
+                self.hot.reset(r.row)
                 if self.trace is not None:
                     self.trace.restart(rid)
             if not r.sparse and is_sparse_at(self.cfg, r.num_prompt, n):
@@ -339,6 +336,7 @@ class SparseRuntime:
             r.start = start
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
                                  freed_pages(self.cfg, start, r.num_prompt, r.keep), r.irow))
+            self.hot.step(r.row, steps[-1].freed)      # (seeded at its first step through them)
             if self.pool is not None and r.sparse:
                 hp = self.pool.ensure(rid, n)
                 self.host_pt.grow(r.row, hp)

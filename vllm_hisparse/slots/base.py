@@ -54,6 +54,11 @@ class Policy:
         for key, t in state.items():
             t[rows] = fresh[key]
 
+    def seed_state(self, state: dict, row: int, n: int) -> None:
+        """Row ``row`` (fresh) now holds units in its slots [0, n) that no step has selected yet
+        (HotBufferState.seed). Default: nothing to change (an order over slots, like LRU's, already
+        ranks them; its initial order puts slot 0 at the MRU end)."""
+
     def evict_order(self, state: dict, rows: torch.Tensor, slot_unit: torch.Tensor,
                     step: int) -> torch.Tensor:
         """(R, S) int64 local slot ids of the given rows, the first to evict first."""

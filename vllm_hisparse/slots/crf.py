@@ -45,6 +45,9 @@ class CRF(Policy):
     def init_state(self, rows, slots, device):
         return {"value": torch.full((rows, slots), -1, dtype=torch.int32, device=device)}
 
+    def seed_state(self, state, row, n):
+        state["value"][row, :n] = 0          # present, never selected: the lowest occupied value
+
     def evict_order(self, state, rows, slot_unit, step):
         return torch.argsort(state["value"][rows], dim=1, stable=True)
 

@@ -78,6 +78,16 @@ class HotBufferState:
         for key, t in self.policy.init_state(1, self.slots, self.slot_unit.device).items():
             self.pstate[key][row] = t[0]
 
+    def seed(self, row: int, n: int) -> None:
+        """An empty row's slots [0, n) hold units [0, n), slot s unit s: the serving runtime's
+        floor keeps a request's first S pages in the blocks of its S slots, so at its first step
+        through the slots those pages are resident, not misses (core/sparse_runtime.py). The
+        policy's state treats them as present and never selected (``Policy.seed_state``)."""
+        u = torch.arange(n, dtype=torch.int32, device=self.slot_unit.device)
+        self.slot_unit[row, :n] = u
+        self.unit_slot[row, :n] = u
+        self.policy.seed_state(self.pstate, row, n)
+
     def reset_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Empty the given rows (a request finished, or a new request takes the row)."""
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self.slot_unit.device)
