@@ -7,8 +7,9 @@ whole step, and replayed after each step's ``plan_full``; against stock vLLM's l
 
 Llama-3-8B's attention shape (32 query / 8 KV heads, D=128, bf16); the sparse layers of a 32-layer
 model cost 30x the per-layer figure. Requests start "after prefill": random host KV and Quest
-bounds, empty hot buffers. A context below min_context (2 x B = 8192 by default) makes every row a
-dense (resident) request, as 4K requests are when serving; longer contexts are sparse rows.
+bounds, hot slots seeded with pages [0, S) (core/hot_rows.py; their blocks hold random KV). A
+context below min_context (2 x B = 8192 by default) makes every row a dense (resident) request,
+as 4K requests are when serving; longer contexts are sparse rows.
 ``--q-noise`` sets how far each step's queries move around a fixed per-layer query (0: the same
 pages every step, ~0% misses once warm; 1: fresh random queries). Per (context, rows): plan_full's
 host ms per step, GPU us per layer of the replay (CUDA events, plan excluded; ``--eager``: the

@@ -160,7 +160,7 @@ class SparseRuntime:
     def spill(self, req_id: str, keep: int = 0) -> None:
         """resident_first: from this step on the request holds, beyond its floor, only its ``keep``
         newest complete pages (0: the floor); keep only shrinks. Older pages resolve through the
-        hot slots, empty at the row's first step with a page given back."""
+        hot slots, holding pages [0, S) at the row's first step with a page given back (HotRows)."""
         r = self.reqs[req_id]
         if r.keep is not None and keep >= r.keep:
             return
