@@ -34,15 +34,15 @@ def test_sim_on_shipped_trace_writes_results(tmp_path, capsys):
 
 
 def test_sim_window_rows(tmp_path, capsys):
-    """--window: one more row per window, write-allocate off there (the new unit is in it), and a
-    window of the whole context leaves no miss."""
+    """--window: one more row per window (write-allocate there: of the unit leaving the window),
+    and a window of the whole context leaves no miss."""
     out = tmp_path / "simw"
     rc = main(["sim", "--policies", "lru", "--k", "8", "--buffer", "2k", "--window", "0,1k,99999",
                "--out", str(out), "--no-progress", "--no-plots"])
     assert rc == 0
     rows = {r["window"]: r for r in csv.DictReader(open(out / "results.csv")) if r["layer"] == "all"}
     assert set(rows) == {"0", "8", "99999"}
-    assert rows["0"]["write_allocate"] == "on" and rows["8"]["write_allocate"] == "off"
+    assert rows["0"]["write_allocate"] == rows["8"]["write_allocate"] == "on"
     assert int(rows["99999"]["misses"]) == 0 < int(rows["8"]["misses"])
     assert rows["0"]["selected"] == rows["8"]["selected"]
     assert "W" in capsys.readouterr().out

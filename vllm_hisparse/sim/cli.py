@@ -28,7 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument("--window", default="0",
                    help="comma list of windows W of newest units kept resident beside the buffer "
                         "(resident_first's partial rows): multiples of k ('2k') or units; 0 = none "
-                        "(default); with W > 0 write-allocate does not apply (the new unit is in it)")
+                        "(default); with W > 0 write-allocate is of the unit leaving the window "
+                        "(the new unit is in it)")
     p.add_argument("--write-allocate", default="on", choices=["on", "off", "both"],
                    help="put each decoded token into the buffer as it is produced (default on)")
     p.add_argument("--warmup", type=int, default=32,
@@ -85,7 +86,7 @@ def make_configs(ks: list[int], buffers: list[str], wa: str, k_max: int,
             slots = parse_buffer(b, k)
             for ws in windows:
                 win = parse_buffer(ws, k, "--window")
-                for w in (was if not win else [False]):    # the new unit sits in the window
+                for w in was:      # (with a window: the unit leaving it, engine.Config)
                     if slots < k + w:
                         raise SystemExit(f"--buffer {b} gives B={slots} for k={k}: B must hold one "
                                          f"selection{' plus the new token' if w else ''}; use 2k "

@@ -17,9 +17,11 @@ traces, it enters at its own rank). It is written, not fetched, so it never coun
 Window (``Config.window`` = W units, default 0): the request's W newest units (the current one
 included) stay resident beside the hot buffer, as the partial rows of ``resident_first`` keep
 their newest pages in the block table (core/residency.py). A selected unit in the window is a hit
-that never touches the buffer; the others keep their rank order and resolve through it; a unit
-that ages out of the window is not in the buffer (its next selection is a miss). The current unit
-is in the window, so write-allocate does not apply. Window hits count as selected units.
+that never touches the buffer; the others keep their rank order and resolve through it. The
+current unit is in the window, so with a window write-allocate means the unit that *leaves* it:
+on, the unit that ages out of the window at step t + 1 is written into the buffer at step t
+(while its block is still held: one extra, last column, as above, never a miss); off, it is not
+in the buffer (its next selection is a miss). Window hits count as selected units.
 """
 from __future__ import annotations
 
@@ -37,16 +39,13 @@ from .trace import Trace
 
 @dataclass(frozen=True)
 class Config:
-    """One simulated buffer: top-k size ``k`` (units), ``slots`` = B (units), write-allocate on/off,
-    a window of the ``window`` newest units resident beside it (0: none)."""
+    """One simulated buffer: top-k size ``k`` (units), ``slots`` = B (units), write-allocate on/off
+    (with a window: of the unit leaving it), a window of the ``window`` newest units resident
+    beside it (0: none)."""
     k: int
     slots: int
     write_allocate: bool = True
     window: int = 0
-
-    def __post_init__(self):
-        if self.window:                 # the new unit sits in the window: nothing to allocate
-            object.__setattr__(self, "write_allocate", False)
 
 
 @dataclass
@@ -140,9 +139,13 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
     elif policy == "random":
         kw["seed"] = seed
     state = HotBufferState.create(R, slots, U, make(policy, **kw))
-    wa = torch.zeros(R, 1, dtype=torch.bool)
+    wa = torch.zeros(R, 1, dtype=torch.bool)           # the new unit into the buffer
+    exit_wa = torch.zeros(R, 1, dtype=torch.bool)      # the unit leaving the window
+    win = torch.zeros(R, 1, dtype=torch.int64)
     for j, c in enumerate(cfgs):
         wa[j * L:(j + 1) * L] = c.write_allocate and not c.window
+        exit_wa[j * L:(j + 1) * L] = c.write_allocate and bool(c.window)
+        win[j * L:(j + 1) * L] = c.window
     new_unit = torch.from_numpy(new_unit)
     sel_t = torch.from_numpy(sel)
     miss_count = torch.zeros(T, R, dtype=torch.int32)
@@ -150,6 +153,9 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
         s = sel_t[t]
         is_new = wa & (s == new_unit[t])                          # selected and written this step
         extra = torch.where(wa & ~is_new.any(1, keepdim=True), new_unit[t], -1)
+        if t + 1 < T and new_unit[t + 1] > new_unit[t]:    # a unit leaves the window at t + 1
+            gone = new_unit[t + 1] - win
+            extra = torch.where(exit_wa & (gone >= 0), gone, extra)
         _, miss = resolve(state, torch.cat([s, extra], 1).to(torch.int32), step=t)
         miss_count[t] = (miss[:, :kg] & ~is_new).sum(1, dtype=torch.int32)
         if oracle is not None:
