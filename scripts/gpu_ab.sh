@@ -12,7 +12,7 @@
 # Each tree's results: OUT/NAME/summary.txt and OUT/NAME/kernels.tgz (decode_step.csv and the
 # torch profiles per case); AB_REF in a branch tree names its commit.
 set -uo pipefail
-top=$1; what=$2
+top=$(mkdir -p "$1" && cd "$1" && pwd); what=$2     # (absolute: the trees' parts run in their folders)
 export KLAYERS=${KLAYERS:-16} KSTEPS=${KSTEPS:-40} NO_VLLM=1   # (40 replays: median and min too)
 case "$what" in
   wt)

@@ -91,7 +91,8 @@ def select_inputs(N, P, Hkv, D, U, k, S, gen, dev="cpu", policy="lru"):
     """N rows over a (M = N + 2)-row state: row 0 padding, the last one resident (hot 0, when N > 2),
     rows 3, 5, ... before it partially spilled (pages [hot, full) in the block table, hot >= S as
     in the runtime, moved up by ``advance``), the rest hot (every page through the slots, hot >
-    full); scores rounded so ties happen; a host pool of distinct bytes per page."""
+    full); rows 3 and 4 with seeded slots; scores rounded so ties happen; a host pool of distinct
+    bytes per page."""
     M = N + 2
     W = U + 1
     blocks = N * W + 2
@@ -114,10 +115,18 @@ def select_inputs(N, P, Hkv, D, U, k, S, gen, dev="cpu", policy="lru"):
         hot[i] = int(torch.randint(S, max(S, U - 4) + 1, (1,), generator=gen))
     if N > 2:
         hot[-1] = 0
+    # rows 3 (partially spilled) and 4 (hot) seeded when N > 5 / 6 (core/hot_rows.py): slot s holds
+    # page s for s < S - 1, its block holding the page's bytes; one slot left empty, a victim
+    # before any seeded one
+    seeded = [i for i in (3, 4) if i < N - 1]
+    for i in seeded:
+        kv[bt[i, :S - 1].long()] = host[host_pt[rows[i], :S - 1].long()]
     t = dict(kv=kv, bt=bt, host=host, host_pt=host_pt, rows=rows, seq=seq, full=full, hot=hot,
              counts=torch.zeros(3, dtype=torch.int64))
     t = {n: v.to(dev) for n, v in t.items()}
     t["state"] = HotBufferState.create(M, S, U, policy, dev)
+    for i in seeded:
+        t["state"].seed(int(rows[i]), S - 1)
     return t
 
 

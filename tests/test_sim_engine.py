@@ -80,7 +80,7 @@ def replay_one_row_window(tr, layer, k, slots, window, exit_wa=False):
         n_sel = len(row)
         if exit_wa and t + 1 < tr.steps:
             nxt = (int(tr.context_len[t + 1]) - 1) // tr.unit
-            if nxt > new and nxt - window >= 0:
+            if nxt == new + 1 and nxt - window >= 0:
                 row.append(nxt - window)
         if not row:
             misses.append(0)

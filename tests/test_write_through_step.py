@@ -192,3 +192,24 @@ def test_gpu_runtime_step_equals_layer_write_through(graphs, monkeypatch):
     for i, (a, b) in enumerate(zip(outs, s_outs, strict=True)):
         assert not torch.isnan(a).any() and torch.equal(a, b), f"step/layer {i} differs"
     assert torch.equal(pool.view(torch.uint8), s_pool.view(torch.uint8))
+
+
+def test_bind_checks_layouts_only_with_the_knob(monkeypatch):
+    """The layer default keeps no table and checks nothing (a cache of another layout must not
+    stop startup); with step, one of another layout or dtype is refused, naming the fix."""
+    from vllm_hisparse.core.step_write import StepWrite
+    sw = StepWrite([0, 1], {0: 0, 1: 1}, torch.device("cpu"), torch.float32)
+    odd = [torch.zeros(4, 2, 8, 2, 8), torch.zeros(4, 2, 8, 2, 16)[..., :8]]
+    monkeypatch.setattr(wt, "STEP", False)
+    sw.bind(odd)
+    assert sw.kvs is None
+    monkeypatch.setattr(wt, "STEP", True)
+    with pytest.raises(ValueError, match="HISPARSE_WRITE_THROUGH=layer"):
+        sw.bind(odd)
+    with pytest.raises(ValueError, match="float32"):
+        sw.bind([torch.zeros(4, 2, 8, 2, 8, dtype=torch.float16)] * 2)
+    same = [torch.zeros(4, 2, 8, 2, 8) for _ in range(2)]
+    sw.bind(same)
+    table = sw.ptrs
+    sw.bind(same[::-1])                              # a second bind rewrites the same table
+    assert sw.ptrs is table and sw.ptrs.tolist() == [c.data_ptr() for c in same[::-1]]

@@ -79,7 +79,7 @@ class SparseRuntime:
         self.pool = (HostKVPool(len(host_layers), host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
         self.step_write = StepWrite([i for i in host_layers if i not in self.dense_layers and
-                                     self.pool is not None], self._host_layer, self.device)
+                                     self.pool is not None], self._host_layer, self.device, dtype)
         # The indexer: one row per sparse request admitted at once (core/gpu_pools.py: none but
         # the scratch row when no request can turn sparse) + a scratch row that decode-graph
         # padding points at.

@@ -20,7 +20,8 @@ their newest pages in the block table (core/residency.py). A selected unit in th
 that never touches the buffer; the others keep their rank order and resolve through it. The
 current unit is in the window, so with a window write-allocate means the unit that *leaves* it:
 on, the unit that ages out of the window at step t + 1 is written into the buffer at step t
-(while its block is still held: one extra, last column, as above, never a miss); off, it is not
+(while its block is still held: one extra, last column, as above, never a miss; only where the
+context grows by one unit, as in a decode trace); off, it is not
 in the buffer (its next selection is a miss). Window hits count as selected units.
 """
 from __future__ import annotations
@@ -153,7 +154,7 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
         s = sel_t[t]
         is_new = wa & (s == new_unit[t])                          # selected and written this step
         extra = torch.where(wa & ~is_new.any(1, keepdim=True), new_unit[t], -1)
-        if t + 1 < T and new_unit[t + 1] > new_unit[t]:    # a unit leaves the window at t + 1
+        if t + 1 < T and new_unit[t + 1] == new_unit[t] + 1:    # one unit leaves the window
             gone = new_unit[t + 1] - win
             extra = torch.where(exit_wa & (gone >= 0), gone, extra)
         _, miss = resolve(state, torch.cat([s, extra], 1).to(torch.int32), step=t)
