@@ -47,7 +47,7 @@ def test_crf_seeded_slots_are_present_and_cheapest():
 def test_hot_rows_seed_once_per_start():
     S = 4
     h = HotRows([HotBufferState.create(3, S, 32, "lru"), None,
-                 HotBufferState.create(3, S, 32, "lru")], S)
+                 HotBufferState.create(3, S, 32, "lru")])
     h.step(2, (S, S))                               # nothing given back: not through the slots
     assert (h[0].slot_unit[2] == -1).all()
     h.step(2, (S, S + 3))

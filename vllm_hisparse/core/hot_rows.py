@@ -13,9 +13,8 @@ from __future__ import annotations
 
 
 class HotRows(list):
-    def __init__(self, states: list, slots: int):
+    def __init__(self, states: list):
         super().__init__(states)
-        self.slots = slots
         self._seeded: set[int] = set()
 
     def reset(self, row: int) -> None:
@@ -33,4 +32,4 @@ class HotRows(list):
         self._seeded.add(row)
         for h in self:
             if h is not None:
-                h.seed(row, self.slots)
+                h.seed(row, h.slots)

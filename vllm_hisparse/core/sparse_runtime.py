@@ -94,7 +94,7 @@ class SparseRuntime:
         self.hot = HotRows([HotBufferState.create(max_rows + 1, self.S, self.U, cfg.policy,
                                                   self.device)
                             if cfg.host_tier and self.sparse_possible and i not in self.dense_layers
-                            else None for i in range(num_layers)], self.S)
+                            else None for i in range(num_layers)])
         self.host_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)  # host page of each
         # Dense layers of sparse requests: every page in a GPU pool of their own (cfg.dense_pool_gib),
         # attended with the pool's page table; without it they read given-back pages from the host.

@@ -21,8 +21,8 @@ that never touches the buffer; the others keep their rank order and resolve thro
 current unit is in the window, so with a window write-allocate means the unit that *leaves* it:
 on, the unit that ages out of the window at step t + 1 is written into the buffer at step t
 (while its block is still held: one extra, last column, as above, never a miss; only where the
-context grows by one unit, as in a decode trace); off, it is not
-in the buffer (its next selection is a miss). Window hits count as selected units.
+context grows by one unit, as in a decode trace); off, it is not in the buffer (its next
+selection is a miss). Window hits count as selected units.
 """
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ class HotBufferState:
     def seed(self, row: int, n: int) -> None:
         """An empty row's slots [0, n) hold units [0, n), slot s unit s: the serving runtime's
         floor keeps a request's first S pages in the blocks of its S slots, so at its first step
-        through the slots those pages are resident, not misses (core/sparse_runtime.py). The
+        through the slots those pages are resident, not misses (core/hot_rows.py). The
         policy's state treats them as present and never selected (``Policy.seed_state``)."""
         u = torch.arange(n, dtype=torch.int32, device=self.slot_unit.device)
         self.slot_unit[row, :n] = u
