@@ -31,6 +31,7 @@ struct SelectArgs {
   unsigned long long* counts;  // (3,) hits, misses, pages through the block table (added)
   int32_t* sel;             // (N, K) selected pages ascending, -1 after them
   int32_t* locs;            // (N, K) blocks; a miss is marked -2 - block for the IO launch
+  int32_t* missed;          // (N,) 1: the row has a miss (a marked entry), else 0 (hot launches)
   int64_t s_sc, s_bt, s_su, s_us, s_pol;
   int K, S, shift, hit;       // (the policy: the kernel's template argument)
   int W;                    // block_table's width
@@ -122,6 +123,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   const int64_t n_full = ld_now(a.num_full + r);  // (rows and hot hold >= N entries)
   const int64_t hot_end = a.hot != nullptr ? ld_now(a.hot + r) : 0;  // pages below: the hot slots'
   const int64_t row = ld_now(a.rows + r);
+  if (a.hot != nullptr && tid == 0) a.missed[r] = 0;  // (set to 1 below by a row that misses)
   // the exit tests all four (a negative page count or hot boundary, or a state row below -1, is no
   // row's), so ptxas issues their loads together instead of sinking three past it
   if (seq_r <= 0 || (n_full | hot_end) < 0 || row < -1) return;
@@ -267,6 +269,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   const uint32_t rk = block_excl<T>(sh, cnt, &tot_hm);
   const uint32_t H = tot_hm & 0xFFFFu, M = tot_hm >> 16;
   if (tid == 0) {  // the pages through the block table: the rest of the selection
+    if (M > 0) a.missed[r] = 1;  // the attention's split skips its miss check on a row without
     atomicAdd(a.counts, (unsigned long long)H);
     atomicAdd(a.counts + 1, (unsigned long long)M);
     atomicAdd(a.counts + 2, (unsigned long long)(nk - H - M));
