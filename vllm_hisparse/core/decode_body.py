@@ -82,8 +82,9 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
         rt.step_write.run(rt.pool.data, db)
     sel = torch.empty(N, K, dtype=torch.int32, device=dev)
     locs = torch.empty_like(sel)
-    missed = torch.empty(N, dtype=torch.int32, device=dev)   # rows that missed (select_resolve)
     hs = rt.hot[layer]
+    # rows that missed a page this step (select_resolve's, read by the split): hot layers only
+    missed = torch.empty(N, dtype=torch.int32, device=dev) if hs is not None else None
     mixed = rt.split_dense or not q.is_cuda          # both row kinds: one split + one combine launch
     # the misses' pages: read (and stored into their blocks) by the attention's split launch, or
     # copied by select_resolve's own launch before it
