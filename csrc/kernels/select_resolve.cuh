@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   uint32_t tot;
   const int sc_ = (S + T - 1) / T;  // slots (or recency positions) [slo, shi) are this thread's
   const int slo = tid * sc_, shi = min(S, slo + sc_);
-  __syncthreads();
+  // (the probe's s_flag writes are visible: the scan above ended on a barrier)
   if (M > 0) {  // victims, in the policy's eviction order: empty slots before unhit occupied ones
     if (POLICY == 0) {  // LRU: from the LRU end of the order
       uint32_t ne = 0, no = 0;
@@ -325,8 +325,8 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
 #pragma unroll 1
       for (int i = tid; i < (int)M; i += T) s_flag[s_vic[i]] = 2;
     }
+    __syncthreads();  // s_vic and the victims' flags, for the publish and the rest
   }
-  __syncthreads();
   // publish: hits keep their slot, the i-th miss takes the i-th victim
   uint32_t hr = rk & 0xFFFFu, mr = rk >> 16;
 #pragma unroll 1
@@ -350,13 +350,24 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     locs[j] = cur >= 0 ? phys : -2 - phys;
   }
   if (POLICY == 0) {  // the rest of the order: slots neither hit nor victim, in their old order
-    uint32_t ns = 0;
+    // A step with no miss whose hit slots are the old order's first H (it selected what the last
+    // step did) leaves the rest where it was: one barrier's vote instead of a block scan and stores
+    bool moved = M > 0;  // (M is the block's: every thread takes the same branch)
+    if (!moved) {
+      int stay = 1;
 #pragma unroll 1
-    for (int p = slo; p < shi; ++p) ns += s_flag[s_pol[p]] == 0;
-    uint32_t b = block_excl<T>(sh, ns, &tot);
+      for (int p = slo; p < shi; ++p) stay &= (p < (int)H) == (s_flag[s_pol[p]] == 1);
+      moved = !__syncthreads_and(stay);
+    }
+    if (moved) {
+      uint32_t ns = 0;
 #pragma unroll 1
-    for (int p = slo; p < shi; ++p)
-      if (s_flag[s_pol[p]] == 0) pol[H + M + b++] = s_pol[p];
+      for (int p = slo; p < shi; ++p) ns += s_flag[s_pol[p]] == 0;
+      uint32_t b = block_excl<T>(sh, ns, &tot);
+#pragma unroll 1
+      for (int p = slo; p < shi; ++p)
+        if (s_flag[s_pol[p]] == 0) pol[H + M + b++] = s_pol[p];
+    }
   } else {  // crf: every occupied value decays; hits add HIT, misses start at HIT / 2
 #pragma unroll 1
     for (int s = tid; s < S; s += T) {
