@@ -13,8 +13,8 @@ torch::Tensor uva_view(const torch::Tensor& host);
 void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const torch::Tensor& num_full,
                     const torch::Tensor& hot, const torch::Tensor& rows, const torch::Tensor& block_table,
                     torch::Tensor& slot_unit, torch::Tensor& unit_slot, torch::Tensor& pol, torch::Tensor& counts,
-                    torch::Tensor& sel, torch::Tensor& locs, int64_t k, bool has_hot, int64_t policy,
-                    int64_t shift, int64_t hit, int64_t threads);
+                    torch::Tensor& sel, torch::Tensor& locs, torch::Tensor& missed, int64_t k, bool has_hot,
+                    int64_t policy, int64_t shift, int64_t hit, int64_t threads);
 
 TORCH_LIBRARY(hisparse, m) {
   m.def("add_one(Tensor x, Tensor(a!) out) -> ()");
@@ -27,7 +27,7 @@ TORCH_LIBRARY(hisparse, m) {
   m.def(
       "select_resolve(Tensor scores, Tensor seq, Tensor num_full, Tensor hot, Tensor rows, Tensor block_table, "
       "Tensor(a!) slot_unit, Tensor(b!) unit_slot, Tensor(c!) pol, Tensor(d!) counts, Tensor(e!) sel, "
-      "Tensor(f!) locs, int k, bool has_hot, int policy, int shift, int hit, int threads) -> ()");
+      "Tensor(f!) locs, Tensor(g!) missed, int k, bool has_hot, int policy, int shift, int hit, int threads) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hisparse, CUDA, m) {

@@ -50,12 +50,13 @@ void launch_threads(int64_t threads, const hisparse::SelectArgs& a, int64_t N, s
 // policy state (M, S) int32; unit_slot (M, units) int32; counts (3,) int64; sel, locs (N, k) int32.
 // hot[r]: pages [0, hot[r]) of row r through its hot slots, the rest through its block table.
 // has_hot false: every row resolves through its block table (slot_unit / unit_slot / pol / hot /
-// rows / counts are not read). policy 0 = lru, 1 = crf (shift, hit: crf's constants).
+// rows / counts / missed are not read). policy 0 = lru, 1 = crf (shift, hit: crf's constants).
+// missed (>= N,) int32: 1 for a row with a miss this step (marked in locs), else 0.
 void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const torch::Tensor& num_full,
                     const torch::Tensor& hot, const torch::Tensor& rows, const torch::Tensor& block_table,
                     torch::Tensor& slot_unit, torch::Tensor& unit_slot, torch::Tensor& pol, torch::Tensor& counts,
-                    torch::Tensor& sel, torch::Tensor& locs, int64_t k, bool has_hot, int64_t policy,
-                    int64_t shift, int64_t hit, int64_t threads) {
+                    torch::Tensor& sel, torch::Tensor& locs, torch::Tensor& missed, int64_t k, bool has_hot,
+                    int64_t policy, int64_t shift, int64_t hit, int64_t threads) {
   const auto dev = scores.device();
   check(scores, "scores", torch::kFloat32, 2, dev);
   const int64_t N = scores.size(0), U = scores.size(1);
@@ -77,6 +78,8 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
     check(unit_slot, "unit_slot", torch::kInt32, 2, dev);
     check(pol, "pol", torch::kInt32, 2, dev);
     check(counts, "counts", torch::kInt64, 1, dev);
+    check(missed, "missed", torch::kInt32, 1, dev);
+    TORCH_CHECK(missed.size(0) >= N, "select_resolve: missed must have >= ", N, " rows");
     TORCH_CHECK(counts.size(0) >= 3, "select_resolve: counts must hold (hits, misses, block-table pages)");
     S = slot_unit.size(1);
     TORCH_CHECK(pol.size(1) == S && pol.size(0) == slot_unit.size(0), "select_resolve: pol must be (M, S)");
@@ -99,6 +102,7 @@ void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const
     a.us = unit_slot.data_ptr<int32_t>();
     a.pol = pol.data_ptr<int32_t>();
     a.counts = reinterpret_cast<unsigned long long*>(counts.data_ptr<int64_t>());
+    a.missed = missed.data_ptr<int32_t>();
     a.s_su = slot_unit.stride(0);
     a.s_us = unit_slot.stride(0);
     a.s_pol = pol.stride(0);

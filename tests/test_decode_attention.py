@@ -100,7 +100,8 @@ def with_misses(t, gen, frac=0.3):
     """A copy of mixed_batch's tensors where about frac of the sparse rows' selected pages missed:
     their locs entry marked -2 - block, the block poisoned with NaN, its true bytes in a host pool
     page (a permutation: host_pt[rows[r], units[r, j]]); dense rows' locs get marks as well, which
-    must be ignored (their pages hold other bytes). Returns (tensors, (rows, host_pt, host))."""
+    must be ignored (their pages hold other bytes). Returns (tensors, (rows, host_pt, host,
+    missed)), missed[r] = 1 where row r holds a mark (what the select reports)."""
     q, kv, bt, locs, units, sp_seq, newest, dn_seq, out = t
     R, k = locs.shape
     U = int(units.max()) + 1
@@ -119,32 +120,43 @@ def with_misses(t, gen, frac=0.3):
         kv[b] = float("nan")
     locs = torch.where(pick, -2 - locs, locs)         # dense rows' marks: not theirs to follow
     dev = q.device
+    missed = (locs <= -2).any(1).to(torch.int32)
     return ((q, kv.to(dev), bt, locs.to(dev), units, sp_seq, newest, dn_seq, out),
-            (rows.to(dev), host_pt.to(dev), host))
+            (rows.to(dev), host_pt.to(dev), host, missed.to(dev)))
 
 
-def check_misses(case, dt, gen, dev, triton_path=True, pinned=False):
+def check_misses(case, dt, gen, dev, triton_path=True, pinned=False, flag_zero=False):
     """Misses read by the split launch from the host pool (and stored into their blocks): the
-    same bits as with every page resident, and the blocks end up holding the pages' bytes."""
+    same bits as with every page resident, and the blocks end up holding the pages' bytes.
+    flag_zero: every row's missed flag 0 instead: the split must then skip its misses (their
+    poisoned blocks read as they are), so the output differs."""
     t = mixed_batch(*case, dt, gen, dev)
     scale = case[3] ** -0.5
     if triton_path:
         want = fused(*t[:-1], t[-1].clone(), scale)
     else:
         want = kernels.decode_attention(*t[:-1], scale, t[-1].clone(), ())
-    m, (rows, host_pt, host) = with_misses(t, gen)
+    m, (rows, host_pt, host, missed) = with_misses(t, gen)
     assert bool((m[3] <= -2).any()), "no miss in the case"
+    if flag_zero:
+        missed = torch.zeros_like(missed)
     host = host.pin_memory() if pinned else host.to(dev)
     kv = m[1]
     if not triton_path:                              # the dispatcher's CPU path
-        got = kernels.decode_attention(*m[:-1], scale, m[-1].clone(), (), (rows, host_pt, host))
+        got = kernels.decode_attention(*m[:-1], scale, m[-1].clone(), (),
+                                       (rows, host_pt, host, missed))
     else:
         from vllm_hisparse.ops import triton_decode_attention as tda
         R, Hq, D = t[0].shape
         work = tuple(torch.empty(n, dtype=torch.float32, device=dev)
                      for n in tda.partials_numel(R, Hq, kv.shape[3], t[3].shape[1], kv.shape[2], D))
         alias = kernels.device_alias(host, kv.device) if pinned else host
-        got = tda.decode_attention(*m[:-1], scale, m[-1].clone(), work, (rows, host_pt, alias))
+        got = tda.decode_attention(*m[:-1], scale, m[-1].clone(), work,
+                                   (rows, host_pt, alias, missed))
+    if flag_zero:
+        assert not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), \
+            f"{case} {dt}: rows flagged without a miss still fetched their marked pages"
+        return
     assert torch.equal(got, want), f"{case} {dt}: misses read from the host change the output"
     assert torch.equal(kv, t[1]), f"{case} {dt}: the missed blocks do not hold their pages"
 
@@ -157,6 +169,7 @@ def run_interpreter_cases():
         # the misses' path once per case (its dtype only changes the loads' width)
         check_misses(case, (torch.float16, torch.float32)[i % 2],
                      torch.Generator().manual_seed(30 + i), "cpu")
+    check_misses(CASES[0], torch.float32, torch.Generator().manual_seed(29), "cpu", flag_zero=True)
     print("interpreter ok")
 
 

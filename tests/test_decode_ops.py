@@ -152,26 +152,30 @@ def random_scores(N, U, gen, dev):
 
 
 def run_select(fn, t, scores, k, work=None, fetch=True):
+    """sel, locs of one step; t["missed"] the step's per-row miss flags (-7 before it)."""
     N = scores.shape[0]
     sel = torch.full((N, k), -7, dtype=torch.int32, device=scores.device)
     locs = torch.full_like(sel, -7)
+    t["missed"] = torch.full((N,), -7, dtype=torch.int32, device=scores.device)
     kw = {} if work is None else {"work": work}
     if not fetch:
         kw["fetch"] = False
     fn(scores, t["seq"], t["full"], k, t["bt"], sel, locs, hot=t["hot"], rows=t["rows"],
        state=t["state"], host_pt=t["host_pt"], host=t["host"], kv=t["kv"], counts=t["counts"],
-       **kw)
+       missed=t["missed"], **kw)
     return sel, locs
 
 
-def check_select_properties(t, scores, k, sel, locs, before):
-    """What the selection and RESOLVE must satisfy, checked without the reference's code."""
+def check_select_properties(t, scores, k, sel, locs, before, us_before):
+    """What the selection and RESOLVE must satisfy, checked without the reference's code
+    (us_before: the page table before the step)."""
     st = t["state"]
     su, us, ps = st.slot_unit, st.unit_slot, policy_state(st)
     for r in range(scores.shape[0]):
         n = int(t["full"][r])
         if int(t["seq"][r]) == 0:
             assert (sel[r] == -7).all() and (locs[r] == -7).all(), "padding row written"
+            assert int(t["missed"][r]) == 0, "a padding row flagged as missed"
             continue
         got = [int(x) for x in sel[r] if x >= 0]
         assert got == sorted(got) and len(got) == min(n, k)
@@ -193,6 +197,8 @@ def check_select_properties(t, scores, k, sel, locs, before):
                 assert torch.equal(t["kv"][b], t["host"][hp]), "wrong bytes in the hot block"
         got = [p for p in got if p < h]                  # the pages of the hot slots
         row = int(t["rows"][r])
+        assert int(t["missed"][r]) == any(int(us_before[row, p]) < 0 for p in got), \
+            "the row's miss flag"
         if h and not got:
             assert torch.equal(before[row], ps[row]), "a row with no slot page was touched"
         if h and st.policy.name == "lru":
@@ -217,8 +223,9 @@ def test_select_resolve_reference_properties(case, policy):
             advance(t)
         scores = random_scores(N, U, gen, "cpu")
         before = policy_state(t["state"]).clone()
+        us_before = t["state"].unit_slot.clone()
         sel, locs = run_select(decode_ops.select_resolve, t, scores, k)
-        check_select_properties(t, scores, k, sel, locs, before)
+        check_select_properties(t, scores, k, sel, locs, before, us_before)
         live = t["seq"] > 0
         total += int((sel[live] >= 0).sum())
         on_bt += int(((sel >= t["hot"][:, None]) & live[:, None]).sum())
@@ -275,7 +282,8 @@ def compare_select(case, gen, dev, fn_triton, pinned_host=False, policy="lru", f
                            ("slot_unit", a["state"].slot_unit, b["state"].slot_unit),
                            ("unit_slot", a["state"].unit_slot, b["state"].unit_slot),
                            (policy, policy_state(a["state"]), policy_state(b["state"])),
-                           ("counts", a["counts"], b["counts"])):
+                           ("counts", a["counts"], b["counts"]),
+                           ("missed", a["missed"], b["missed"])):
             assert torch.equal(x, y), f"step {step}: {name} differs"
         assert torch.equal(a["kv"].nan_to_num(-9.0), b["kv"].nan_to_num(-9.0)), f"step {step}: kv"
     return a

@@ -31,6 +31,7 @@ struct SelectArgs {
   unsigned long long* counts;  // (3,) hits, misses, pages through the block table (added)
   int32_t* sel;             // (N, K) selected pages ascending, -1 after them
   int32_t* locs;            // (N, K) blocks; a miss is marked -2 - block for the IO launch
+  int32_t* missed;          // (N,) 1: the row has a miss (a marked entry), else 0 (hot launches)
   int64_t s_sc, s_bt, s_su, s_us, s_pol;
   int K, S, shift, hit;       // (the policy: the kernel's template argument)
   int W;                    // block_table's width
@@ -122,6 +123,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   const int64_t n_full = ld_now(a.num_full + r);  // (rows and hot hold >= N entries)
   const int64_t hot_end = a.hot != nullptr ? ld_now(a.hot + r) : 0;  // pages below: the hot slots'
   const int64_t row = ld_now(a.rows + r);
+  if (a.hot != nullptr && tid == 0) a.missed[r] = 0;  // (set to 1 below by a row that misses)
   // the exit tests all four (a negative page count or hot boundary, or a state row below -1, is no
   // row's), so ptxas issues their loads together instead of sinking three past it
   if (seq_r <= 0 || (n_full | hot_end) < 0 || row < -1) return;
@@ -267,6 +269,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   const uint32_t rk = block_excl<T>(sh, cnt, &tot_hm);
   const uint32_t H = tot_hm & 0xFFFFu, M = tot_hm >> 16;
   if (tid == 0) {  // the pages through the block table: the rest of the selection
+    if (M > 0) a.missed[r] = 1;  // the attention's split skips its miss check on a row without
     atomicAdd(a.counts, (unsigned long long)H);
     atomicAdd(a.counts + 1, (unsigned long long)M);
     atomicAdd(a.counts + 2, (unsigned long long)(nk - H - M));
@@ -275,7 +278,7 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
   uint32_t tot;
   const int sc_ = (S + T - 1) / T;  // slots (or recency positions) [slo, shi) are this thread's
   const int slo = tid * sc_, shi = min(S, slo + sc_);
-  __syncthreads();
+  // (the probe's s_flag writes are visible: the scan above ended on a barrier)
   if (M > 0) {  // victims, in the policy's eviction order: empty slots before unhit occupied ones
     if (POLICY == 0) {  // LRU: from the LRU end of the order
       uint32_t ne = 0, no = 0;
@@ -322,8 +325,8 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
 #pragma unroll 1
       for (int i = tid; i < (int)M; i += T) s_flag[s_vic[i]] = 2;
     }
+    __syncthreads();  // s_vic and the victims' flags, for the publish and the rest
   }
-  __syncthreads();
   // publish: hits keep their slot, the i-th miss takes the i-th victim
   uint32_t hr = rk & 0xFFFFu, mr = rk >> 16;
 #pragma unroll 1
@@ -347,13 +350,24 @@ __global__ void __launch_bounds__(T) select_resolve_kernel(SelectArgs a) {
     locs[j] = cur >= 0 ? phys : -2 - phys;
   }
   if (POLICY == 0) {  // the rest of the order: slots neither hit nor victim, in their old order
-    uint32_t ns = 0;
+    // A step with no miss whose hit slots are the old order's first H (it selected what the last
+    // step did) leaves the rest where it was: one barrier's vote instead of a block scan and stores
+    bool moved = M > 0;  // (M is the block's: every thread takes the same branch)
+    if (!moved) {
+      int stay = 1;
 #pragma unroll 1
-    for (int p = slo; p < shi; ++p) ns += s_flag[s_pol[p]] == 0;
-    uint32_t b = block_excl<T>(sh, ns, &tot);
+      for (int p = slo; p < shi; ++p) stay &= (p < (int)H) == (s_flag[s_pol[p]] == 1);
+      moved = !__syncthreads_and(stay);
+    }
+    if (moved) {
+      uint32_t ns = 0;
 #pragma unroll 1
-    for (int p = slo; p < shi; ++p)
-      if (s_flag[s_pol[p]] == 0) pol[H + M + b++] = s_pol[p];
+      for (int p = slo; p < shi; ++p) ns += s_flag[s_pol[p]] == 0;
+      uint32_t b = block_excl<T>(sh, ns, &tot);
+#pragma unroll 1
+      for (int p = slo; p < shi; ++p)
+        if (s_flag[s_pol[p]] == 0) pol[H + M + b++] = s_pol[p];
+    }
   } else {  // crf: every occupied value decays; hits add HIT, misses start at HIT / 2
 #pragma unroll 1
     for (int s = tid; s < S; s += T) {

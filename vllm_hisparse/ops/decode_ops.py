@@ -91,8 +91,10 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    hot: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                    state=None, host_pt: torch.Tensor | None = None,
                    host: torch.Tensor | None = None, kv: torch.Tensor | None = None,
-                   counts: torch.Tensor | None = None, fetch: bool = True) -> None:
-    """reference.select_resolve (shapes there); on CUDA the select kernel SELECT_IMPL names (CUDA:
+                   counts: torch.Tensor | None = None, fetch: bool = True,
+                   missed: torch.Tensor | None = None) -> None:
+    """reference.select_resolve (shapes there; missed (N,) int32, with hot: 1 for a row that missed
+    a page this step, else 0, which lets the attention's split skip its miss check); on CUDA the select kernel SELECT_IMPL names (CUDA:
     csrc/select_resolve.cu, or Triton: ops/triton_select.py; the same bits) and then, with fetch,
     the launch of the miss copies (fetch False: the misses stay marked ``-2 - block`` for the
     attention to read, ``kernels.decode_attention(..., miss=...)``). work: the Triton select's
@@ -101,10 +103,12 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     captured, like the body's other buffers."""
     if not scores.is_cuda:
         reference.select_resolve(scores, seq, num_full, k, block_table, sel, locs, hot, rows,
-                                 state, host_pt, host, kv, counts, fetch)
+                                 state, host_pt, host, kv, counts, fetch, missed)
         return
     from . import triton_select
     if hot is not None:
+        if missed is None:
+            missed = torch.empty(scores.shape[0], dtype=torch.int32, device=scores.device)
         assert host is not None and host.dtype == kv.dtype and kv.is_contiguous()
         assert host[0].numel() == kv[0].numel(), "host pages and cache blocks must have one layout"
         assert all(t.stride(1) == 1 for t in (*state.kernel_state(), host_pt))
@@ -112,7 +116,7 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
         raise ValueError(f"HISPARSE_SELECT_IMPL={SELECT_IMPL!r}: use cuda or triton")
     if SELECT_IMPL == "cuda" and kernels.available():
         _select_resolve_cuda(scores, seq, num_full, k, block_table, sel, locs, hot, rows, state,
-                             host_pt, host, kv, counts, fetch)
+                             host_pt, host, kv, counts, fetch, missed)
         return
     if work is None:
         S = state.kernel_state()[0].shape[1] if hot is not None else 1
@@ -120,23 +124,24 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                      for s in workspace_shapes(scores.shape[0], k, S))
     triton_select.select_resolve(scores, seq, num_full, k, block_table, sel, locs, *work, hot,
                                  rows, state, host_pt, kernels.device_alias(host, scores.device),
-                                 kv, counts, fetch)
+                                 kv, counts, fetch, missed)
 
 
 def _select_resolve_cuda(scores, seq, num_full, k, block_table, sel, locs, hot, rows, state,
-                         host_pt, host, kv, counts, fetch) -> None:
+                         host_pt, host, kv, counts, fetch, missed) -> None:
     """The CUDA select + RESOLVE (one CTA per row), then, with fetch, the miss copies
     (triton_select's IO launch). Rows' int fields int64, as the decode batch holds them."""
     from . import triton_select
     if hot is None:
         torch.ops.hisparse.select_resolve(scores, seq, num_full, seq, seq, block_table, sel, sel,
-                                          sel, seq, sel, locs, k, False, 0, 0, 0, SELECT_THREADS)
+                                          sel, seq, sel, locs, sel, k, False, 0, 0, 0,
+                                          SELECT_THREADS)
         return
     su, us, pol = state.kernel_state()
     c = triton_select.policy_constants(state)
     torch.ops.hisparse.select_resolve(scores, seq, num_full, hot, rows, block_table, su, us, pol,
-                                      counts, sel, locs, k, True, c["POLICY"], c["SHIFT"],
-                                      c["HIT"], SELECT_THREADS)
+                                      counts, sel, locs, missed, k, True, c["POLICY"],
+                                      c["SHIFT"], c["HIT"], SELECT_THREADS)
     if fetch:
         triton_select.miss_io(locs, sel, seq, num_full, hot, rows, host_pt,
                               kernels.device_alias(host, scores.device), kv, k)

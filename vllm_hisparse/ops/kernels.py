@@ -53,7 +53,8 @@ if _ext is not None:
 
     @torch.library.register_fake("hisparse::select_resolve")
     def _select_resolve_fake(scores, seq, num_full, hot, rows, block_table, slot_unit, unit_slot,
-                             pol, counts, sel, locs, k, has_hot, policy, shift, hit, threads):
+                             pol, counts, sel, locs, missed, k, has_hot, policy, shift, hit,
+                             threads):
         return None          # writes its outputs in place (ops/decode_ops.select_resolve)
 
 
@@ -135,19 +136,20 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
     rows left as they are. CUDA: both kinds in one split and one combine launch
     (ops/triton_decode_attention.py; work = its partials); CPU: those two functions' references.
 
-    miss (rows, host_pt, host): the sparse rows' locs may hold misses that
-    ``select_resolve(fetch=False)`` marked ``-2 - block``: each such page is
+    miss (rows, host_pt, host, missed): the sparse rows' locs may hold misses that
+    ``select_resolve(fetch=False)`` marked ``-2 - block`` (missed[r], the select's: 0 for a row
+    without one, whose split programs skip the check on CUDA): each such page is
     host[host_pt[rows[r], units[r, j]]] and lands in kv[block] as well (``reference.fetch_marked``
     and then the attention; on CUDA the split launch reads those pages' tokens from the pinned
     pool itself and writes them into their blocks). locs is left as it is."""
     if q.is_cuda:
         from . import triton_decode_attention
         if miss is not None:
-            miss = (*miss[:2], device_alias(miss[2], q.device))
+            miss = (*miss[:2], device_alias(miss[2], q.device), miss[3])
         return triton_decode_attention.decode_attention(q, kv, block_table, locs, units, sp_seq,
                                                         newest, dn_seq, scale, out, work, miss)
     if miss is not None:
-        locs = reference.fetch_marked(kv, locs, units, sp_seq, *miss)
+        locs = reference.fetch_marked(kv, locs, units, sp_seq, *miss[:3])
     sparse_decode_attention_newest(q, kv, locs, units, sp_seq, newest, scale, out, work=())
     return dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, dn_seq, scale, out,
                                   work=())

@@ -298,7 +298,8 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    hot: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                    state: HotBufferState | None = None, host_pt: torch.Tensor | None = None,
                    host: torch.Tensor | None = None, kv: torch.Tensor | None = None,
-                   counts: torch.Tensor | None = None, fetch: bool = True) -> None:
+                   counts: torch.Tensor | None = None, fetch: bool = True,
+                   missed: torch.Tensor | None = None) -> None:
     """Each live row's top pages and their physical blocks, in place (the plain-torch twin of
     ops/triton_select.py, composed from topk_index, topk_pages and the slot engine's resolve).
 
@@ -312,9 +313,12 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     host[host_pt[rows[r], page]] into kv (both (*, 2, P, Hkv, D)); counts (3,) int64 += [hits,
     misses, pages taken through the block table] of the live rows. fetch False: the misses are
     not copied and their locs entries are marked ``-2 - block`` (``fetch_marked`` copies them, the
-    fused attention reads them from the host itself)."""
+    fused attention reads them from the host itself). missed (N,) int32, with hot: 1 for each row
+    with a miss this step, 0 for every other row (live or not)."""
     N, U = scores.shape
     live = seq > 0
+    if hot is not None and missed is not None:
+        missed[:N] = 0
     if N == 0 or k == 0 or not bool(live.any()):
         return
     n = num_full.long()
@@ -334,6 +338,8 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
     loc, miss = resolve(state, ph, rows=r)
     valid = ph >= 0
     counts[:2] += torch.stack([(valid & ~miss).sum(), miss.sum()])
+    if missed is not None:
+        missed[h] = miss.any(1).to(missed.dtype)
     slot_map = block_table[h, :S].long()
     phys = torch.gather(slot_map, 1, loc.clamp(min=0))
     if fetch:

@@ -21,6 +21,7 @@ from . import triton_dense_decode as td
 
 @triton.jit(do_not_specialize=["split_tokens", "n_sp", "ns"])
 def _mixed_split_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML, HOST, HPT, ROWS,
+                        MISSED,
                         scale, n_sel, n_tok, split_tokens, n_sp, ns,
                         s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur, s_br, s_hpt,
                         UNIT: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
@@ -35,7 +36,7 @@ def _mixed_split_kernel(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, DN_SEQ, BT, PO, PML,
             ta._split(Q, KV, LOCS, UNITS, SP_SEQ, NEWEST, SP_SEQ, PO, PML, scale, n_sel, n_tok,
                       split_tokens, ns, s_qr, s_qh, s_kn, s_kc, s_ku, s_kh, s_lr, s_ur,
                       s_kn, s_ku, s_kc, s_kh, r, UNIT, HKV, G, GP, D, BLOCK, True, True,
-                      HOST, HPT, ROWS, s_hpt, FETCH, KP)
+                      HOST, HPT, ROWS, MISSED, s_hpt, FETCH, KP)
     else:
         seq = tl.load(DN_SEQ + r)
         split_n = td._split_len(seq, NSD, MIN)
@@ -79,7 +80,8 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
     rows with dn_seq > 0: dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, dn_seq);
     other rows' out left as they are. kv (N, 2, P, Hkv, D); block_table (R, W) int32 (W * P >=
     max dn_seq); locs/units (R, k) int32; sp_seq/dn_seq (R,) int; newest (R,) int; work (po, pml)
-    of at least ``partials_numel`` elements. miss (rows (R,) int, host_pt (M, U) int32, host):
+    of at least ``partials_numel`` elements. miss (rows (R,) int, host_pt (M, U) int32, host,
+    missed (R,) int32: the select's, 0 for a row without a marked entry):
     locs entries -2 - block are pages copied from host[host_pt[rows[r], units[r, j]]] (host on the
     GPU: the pinned pool's CUDA alias, kv's page layout) into kv[block] by the split program that
     reads them, before its loop (kernels.decode_attention). No allocation, no host sync:
@@ -97,14 +99,15 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
     assert po.numel() >= R * Hq * ns * D and pml.numel() >= R * Hq * ns * 2, "work too small"
     G = Hq // Hkv
     if miss is None:
-        rows, host_pt, host = sp_seq, locs, kv               # not read (FETCH off)
+        rows, host_pt, host, missed = sp_seq, locs, kv, locs   # not read (FETCH off)
     else:
-        rows, host_pt, host = miss
+        rows, host_pt, host, missed = miss
+        assert missed.dtype == torch.int32 and missed.shape[0] >= R
         assert host.device == kv.device and host.dtype == kv.dtype and host.is_contiguous()
         assert kv.is_contiguous() and host.shape[1:] == kv.shape[1:], "host pages: kv's layout"
         assert host_pt.dtype == torch.int32 and host_pt.stride(1) == 1
     _mixed_split_kernel[(R, Hkv, ns)](
-        q, kv, locs, units, sp_seq, newest, dn_seq, block_table, po, pml, host, host_pt, rows,
+        q, kv, locs, units, sp_seq, newest, dn_seq, block_table, po, pml, host, host_pt, rows, missed,
         float(scale), k * unit, k * unit + unit, split, n_sp, ns,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         locs.stride(0), units.stride(0), block_table.stride(0), host_pt.stride(0),

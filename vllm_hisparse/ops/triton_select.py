@@ -186,6 +186,7 @@ def _resolve_row(r, row, u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS,
         tl.debug_barrier()
         tl.store(pol + cur, vcur - (vcur >> SHIFT) + HIT, mask=hit)
         tl.store(pol + vs, HIT // 2, mask=miss)
+    return m
 
 
 @triton.jit
@@ -216,13 +217,15 @@ def _miss_io_kernel(LOCS, SEL, SEQ, NFULL, HOT, ROWS, HPT, HOST, KV, K, s_hpt, R
 
 
 @triton.jit
-def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, POL, SCR, VIC, COUNTS, SEL, LOCS, K, S,
+def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, POL, SCR, VIC, COUNTS, SEL, LOCS, MISSED,
+                   K, S,
                    s_sc, s_bt, s_su, s_us, s_pol, UB: tl.constexpr, KB: tl.constexpr,
                    SB: tl.constexpr, HAS_HOT: tl.constexpr, BITS: tl.constexpr,
                    POLICY: tl.constexpr, SHIFT: tl.constexpr, HIT: tl.constexpr):
     r = tl.program_id(0)
     n = tl.load(NFULL + r).to(tl.int32)
     jk = tl.arange(0, KB)
+    missed = 0                                    # (MISSED[r], hot launches: 1 for a row that misses)
     sel = SEL + r.to(tl.int64) * K
     if (tl.load(SEQ + r) > 0) & (n == 0):             # no complete page yet: nothing selected
         tl.store(sel + jk, -1, mask=jk < K)
@@ -250,10 +253,14 @@ def _select_kernel(SC, SEQ, NFULL, HOT, ROWS, BT, SU, US, POL, SCR, VIC, COUNTS,
             tl.atomic_add(COUNTS + 2, tl.sum(on_bt.to(tl.int64), 0))
         slot_u = tl.where(on_bt, -1, u)           # the pages of the hot slots (hot rows only)
         if tl.max(slot_u, 0) >= 0:                # a row with none is left alone (slots.engine)
-            _resolve_row(r, row, slot_u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS, s_bt,
-                         s_su, s_us, s_pol, lo, lo_rev, su_rev, blk, KB, SB, POLICY, SHIFT, HIT)
+            m = _resolve_row(r, row, slot_u, jk, K, S, BT, SU, US, POL, SCR, VIC, COUNTS, LOCS,
+                             s_bt, s_su, s_us, s_pol, lo, lo_rev, su_rev, blk, KB, SB, POLICY,
+                             SHIFT, HIT)
+            missed = (m > 0).to(tl.int32)
         else:
             tl.store(LOCS + r.to(tl.int64) * K + jk, blk, mask=jk < K)
+    if HAS_HOT:
+        tl.store(MISSED + r, missed)
 
 
 def row_chunk(row_elems: int) -> int:
@@ -280,12 +287,13 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
                    rows: torch.Tensor | None = None, state=None,
                    host_pt: torch.Tensor | None = None, host: torch.Tensor | None = None,
                    kv: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                   fetch: bool = True) -> None:
+                   fetch: bool = True, missed: torch.Tensor | None = None) -> None:
     """Launch on checked inputs (ops/decode_ops.py); also runs under TRITON_INTERPRET=1. Shapes as
     reference.select_resolve (fetch False: no miss copies, the misses left marked); scratch
     (N, SB) / victims (N, KB) int32 workspaces with SB, KB the powers of two >= S, k
     (select_widths); host on the device (the pool's CUDA alias); state a
-    slots.HotBufferState whose policy has a kernel branch (POLICY = its ``kernel`` id)."""
+    slots.HotBufferState whose policy has a kernel branch (POLICY = its ``kernel`` id); missed
+    (N,) int32 (hot launches; allocated here when None)."""
     N, U = scores.shape
     if N == 0 or k == 0:
         return
@@ -296,16 +304,18 @@ def select_resolve(scores: torch.Tensor, seq: torch.Tensor, num_full: torch.Tens
         su, us, pol = state.kernel_state()
         consts = policy_constants(state)
         S = su.shape[1]
+        if missed is None:
+            missed = torch.empty(N, dtype=torch.int32, device=scores.device)
     else:
         su = us = pol = host_pt = sel
         host = kv = scores
         hot = rows = seq
-        counts = seq
+        counts = missed = seq
         S = 1
     KB, SB = select_widths(k, S)
     _select_kernel[(N,)](
         scores, seq, num_full, hot, rows, block_table, su, us, pol, scratch, victims, counts, sel,
-        locs, k, S, scores.stride(0), block_table.stride(0), su.stride(0), us.stride(0),
+        locs, missed, k, S, scores.stride(0), block_table.stride(0), su.stride(0), us.stride(0),
         pol.stride(0), UB=max(16, triton.next_power_of_2(U)), KB=KB, SB=SB, HAS_HOT=has_hot,
         BITS=RADIX_BITS, num_warps=SELECT_WARPS, **consts)
     if has_hot and fetch:
