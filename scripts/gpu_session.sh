@@ -26,7 +26,7 @@
 set -uo pipefail
 top=$1; part=$2
 out=/tmp/gs/$part                                      # logs, CSVs: tarred into top at the end
-mkdir -p "$top" "$out"
+rm -rf "$out"; mkdir -p "$top" "$out"                 # (a warm box keeps /tmp/gs: no stale logs)
 exec > >(tee -a "$top/summary.txt") 2>&1              # every line below also in summary.txt
 mon=
 trap '[ -n "$mon" ] && kill $mon; tar czf "$top/$part.tgz" -C /tmp/gs "$part"' EXIT   # setup.log too

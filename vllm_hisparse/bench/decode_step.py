@@ -252,17 +252,12 @@ def main(argv=None) -> int:
     ap.add_argument("--fetch-in-attention", type=int, choices=(0, 1), default=None,
                     help="A/B: override ops/decode_ops.FETCH_IN_ATTENTION (1: the attention's "
                          "split launch copies the misses in; 0: a miss-copy launch before it)")
-    ap.add_argument("--write-through", choices=("layer", "step"), default=None,
-                    help="A/B: override ops/write_through.STEP (layer: each layer's write kernel "
-                         "stores its token to the host; step: one launch for all layers)")
     ap.add_argument("--stock-decode", action="store_true",
                     help="no request can be sparse: every layer through FlashAttention, like stock "
                          "(needs vLLM; decode_body.stock_layer)")
     ap.add_argument("--out", default="out/decode_step")
     args = ap.parse_args(argv)
-    from vllm_hisparse.ops import decode_ops, triton_quest, triton_select, write_through
-    if args.write_through is not None:
-        write_through.STEP = args.write_through == "step"
+    from vllm_hisparse.ops import decode_ops, triton_quest, triton_select
     if args.select_impl is not None:
         decode_ops.SELECT_IMPL = args.select_impl
     if args.select_threads is not None:
@@ -288,7 +283,6 @@ def main(argv=None) -> int:
                    "select_impl": decode_ops.SELECT_IMPL,
                    "select_threads": decode_ops.SELECT_THREADS,
                    "fetch_in_attention": decode_ops.FETCH_IN_ATTENTION,
-                   "write_through": "step" if write_through.STEP else "layer",
                    "stock_decode": args.stock_decode,
                    "select_warps": args.select_warps, "radix_bits": args.radix_bits,
                    "quest_tile_elems": args.quest_tile_elems,

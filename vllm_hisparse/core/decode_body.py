@@ -6,9 +6,7 @@ Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind re
 1. the new token into its block, through to the host pool, into the indexer's state, and, if
    the batch has sparse rows (a graph records it always), the indexer's unit scores
    (``Indexer.write_and_score``: one launch for Quest on CUDA); ``decode_write`` alone in an
-   eager batch without sparse rows. (``HISPARSE_WRITE_THROUGH=step``: no host store here; the
-   last sparse layer copies every sparse layer's token from its cache to the host pool in one
-   launch, core/step_write.py);
+   eager batch without sparse rows;
 2. if the batch has sparse rows: ``select_resolve`` (top-k units, RESOLVE; the misses left
    marked);
 3. ``decode_attention``: sparse rows over their selected pages and newest page — a missed page's
@@ -35,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from vllm_hisparse.core import prefill
-from vllm_hisparse.ops import decode_ops, kernels, write_through
+from vllm_hisparse.ops import decode_ops, kernels
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -69,17 +67,13 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
     N, dev = q.shape[0], q.device
     host = rt.host_layer(layer)
     ix = rt.ix
-    step_wt = host is not None and write_through.STEP     # the tokens go through at the last layer
-    write = (kv, k, v, bt, f("seq"), db.newest, None if step_wt else host,
-             None if step_wt else f("host_page"))
+    write = (kv, k, v, bt, f("seq"), db.newest, host, f("host_page"))
     K, P = rt.k_sel, rt.P
     scores = torch.empty(N, ix.U, dtype=torch.float32, device=dev)
     if db.holds("has_sparse"):
         ix.write_and_score(layer, write, f("i_unit"), q, f("irow"), f("full"), scores)
     else:
         decode_ops.decode_write(*write, **ix.decode_write_kwargs(layer, f("i_unit")))
-    if step_wt and layer == rt.step_write.last:
-        rt.step_write.run(rt.pool.data, db)
     sel = torch.empty(N, K, dtype=torch.int32, device=dev)
     locs = torch.empty_like(sel)
     hs = rt.hot[layer]

@@ -30,7 +30,6 @@ from vllm_hisparse.core.page_table import DevicePageTable
 from vllm_hisparse.core import runtime_stats
 from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
-from vllm_hisparse.core.step_write import StepWrite
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
 from vllm_hisparse.core.turn_sparse import Switch, copy_context
 from vllm_hisparse.slots import HotBufferState
@@ -78,8 +77,6 @@ class SparseRuntime:
             host_pages = cfg.host_pool_pages(num_layers, page_bytes)
         self.pool = (HostKVPool(len(host_layers), host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
-        self.step_write = StepWrite([i for i in host_layers if i not in self.dense_layers and
-                                     self.pool is not None], self._host_layer, self.device, dtype)
         # The indexer: one row per sparse request admitted at once (core/gpu_pools.py: none but
         # the scratch row when no request can turn sparse) + a scratch row that decode-graph
         # padding points at.
@@ -172,12 +169,10 @@ class SparseRuntime:
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         """The paged KV cache of every layer (layer i: (blocks, 2, P, Hkv, D)), the tensors the
         layers are called with: a request turning sparse copies what it has from them in the plan
-        (core/turn_sparse.py), and HISPARSE_WRITE_THROUGH=step reads the new tokens from them
-        (core/step_write.py). The vLLM adapter binds them in the connector's register_kv_caches."""
+        (core/turn_sparse.py). The vLLM adapter binds them in the connector's register_kv_caches."""
         if len(caches) != self.num_layers:
             raise ValueError(f"bind_kv_caches: {len(caches)} caches for {self.num_layers} layers")
         self._kv = list(caches)
-        self.step_write.bind(self._kv)
 
     def kv_cache(self, layer: int) -> torch.Tensor:
         kv = self._kv[layer]

@@ -243,20 +243,6 @@ def write_through(host: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: tor
     host[p, 1, o] = v[t].to(host.device)
 
 
-def write_through_step(host: torch.Tensor, kvs: list, host_idx: list, newest: torch.Tensor,
-                       seq: torch.Tensor, host_page: torch.Tensor) -> None:
-    """The decode rows' new tokens of several layers, copied from their caches into the host pool
-    after the layers wrote them, byte for byte: for layer i, kvs[i][newest[r], :, off] ->
-    host[host_idx[i], host_page[r], :, off] (off = (seq[r] - 1) % P) for rows with seq > 0 and
-    host_page >= 0. host (Lh, pages, 2, P, Hkv, D); kvs[i] (blocks, 2, P, Hkv, D), host's dtype;
-    newest (N,) the rows' newest blocks (decode_write's); seq, host_page (N,) int64."""
-    r = torch.nonzero((seq > 0) & (host_page >= 0))[:, 0]
-    off, blk = (seq[r] - 1) % host.shape[3], newest[r].long()
-    h_off, pages = off.to(host.device), host_page[r].to(host.device)
-    for kv, i in zip(kvs, host_idx):
-        host[i, pages, :, h_off] = kv[blk, :, off].to(host.device)
-
-
 # ---- decode batch: the new token, and SELECT + RESOLVE -----------------------------------------
 def decode_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                  seq: torch.Tensor, newest: torch.Tensor, dst: torch.Tensor | None = None,

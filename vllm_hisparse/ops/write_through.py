@@ -8,25 +8,9 @@ synchronous copy per layer is exactly the stall this op exists to remove.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import kernels, reference
-
-
-def _mode() -> bool:
-    v = os.environ.get("HISPARSE_WRITE_THROUGH", "layer")
-    if v not in ("layer", "step"):
-        raise ValueError(f"HISPARSE_WRITE_THROUGH={v!r}: use 'layer' (each sparse layer's write "
-                         f"kernel stores its token to the host pool, the default) or 'step' (one "
-                         f"launch for every sparse layer at the step's last one)")
-    return v == "step"
-
-
-# An A/B knob (ops/triton_write_through_step.py says why): True = a decode step's sparse layers
-# write their new tokens through in one launch at the last sparse layer (write_through_step).
-STEP = _mode()
 
 
 def _has_op() -> bool:
@@ -64,21 +48,3 @@ def write_through(host: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: tor
         torch.ops.hisparse.write_through(host, k, v, tok, page, off)
         return
     reference.write_through(host, k, v, tok, page, off)
-
-
-def write_through_step(host: torch.Tensor, kvs: list, ptrs: torch.Tensor | None,
-                       host_idx: torch.Tensor, newest: torch.Tensor, seq: torch.Tensor,
-                       host_page: torch.Tensor) -> None:
-    """reference.write_through_step (shapes there): layer i's cache kvs[i] -> host layer
-    host_idx[i] for every decode row with a host page. CUDA: one Triton launch over (rows, layers)
-    reading each cache through ptrs (L,) int64 = the kvs' data pointers on the device (a fixed
-    table, so a CUDA graph may record it); every cache must have kvs[0]'s shape, strides and dtype,
-    host's dtype."""
-    if not kvs:
-        return
-    if not newest.is_cuda:
-        reference.write_through_step(host, kvs, host_idx.tolist(), newest, seq, host_page)
-        return
-    from . import triton_write_through_step
-    triton_write_through_step.write_through_step(kernels.device_alias(host, newest.device), kvs[0],
-                                                 ptrs, host_idx, newest, seq, host_page)
