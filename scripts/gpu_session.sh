@@ -21,7 +21,7 @@
 #   bash scripts/gpu_session.sh OUT reasoning  # 1K in / 12K out at each backend's capacity (issue 16;
 #                                            # OUTPUT_LEN=..., ~8 min)
 #   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
-#   bash scripts/gpu_session.sh OUT 32k1     # 32K / 256 at 1 request, stock vs elastic vs hisparse (~7 min;
+#   bash scripts/gpu_session.sh OUT 32k1     # 32K / 256 at 1 request (ROUNDS=1), stock vs elastic vs hisparse (~7 min;
 #                                            # BACKENDS=stock,elastic for two)
 set -uo pipefail
 top=$1; part=$2
@@ -153,7 +153,7 @@ case "$part" in
       --rounds 1 --gpu-memory-utilization 0.3 --backends stock,hisparse --concurrency 1,64 ;;
   32k1)
     SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
-      --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic,hisparse} --concurrency 1 \
+      --rounds ${ROUNDS:-1} --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic,hisparse} --concurrency 1 \
       --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' ;;
   *) echo "part: kernels, exact, exact2, cap, paper, reasoning, 4k or 32k1" >&2; exit 2 ;;
 esac
