@@ -96,6 +96,19 @@ def test_replayed_graphs_equal_eager_and_resident(dense_layers, dense_pool_gib):
         assert torch.equal(a, c), f"step/layer {i}: hisparse differs from resident"
 
 
+def test_capture_refuses_a_config_full_graphs_cannot_run():
+    """Dense layers without a dense pool read given-back pages from the host: recording them
+    would replay stale reads (NaN outputs), so the capture stops, naming the fix."""
+    cfg = HiSparseConfig(top_k=48, device_buffer_size=64, page_size=16, dense_layers=(0,),
+                         min_context=160, host_pool_gib=0.05, resident_first=False)
+    d = GraphDriver(cfg, rows=4, device="cuda", dtype=torch.bfloat16, dims=(8, 2, 64),
+                    shape=(16, 3, 40))
+    d.add("a", 300)
+    d.step({"a": 300})
+    with pytest.raises(RuntimeError, match="dense_pool_gib > 0"):
+        d.step({"a": 1})
+
+
 def run_stock(cls, decode_fn):
     """An engine where no request can be sparse (max_model_len 640 < min_context): every layer
     through decode_fn when it is given (decode_body.stock_layer), else the usual decode body."""
