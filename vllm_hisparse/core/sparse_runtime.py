@@ -32,6 +32,7 @@ from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_re
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
 from vllm_hisparse.core.turn_sparse import Switch, copy_context
+from vllm_hisparse.core import window_exit
 from vllm_hisparse.slots import HotBufferState
 
 
@@ -116,7 +117,8 @@ class SparseRuntime:
         self._kv: list[torch.Tensor | None] = [None] * num_layers    # bind_kv_caches
         self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
                       "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0,
-                      "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0}
+                      "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0,
+                      "window_inserts": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -352,6 +354,8 @@ class SparseRuntime:
                                    "without its block table")
             copy_context(self, [Switch(i, start, self.reqs[rid].irow, *pages.get(rid, (None, None)))
                                 for i, rid, start in switches], block_table)
+        if self.cfg.resident_first:
+            self.stats["window_inserts"] += window_exit.insert(self, steps, block_table)
         return steps, pages
 
     # ---- per layer -----------------------------------------------------------------------------
