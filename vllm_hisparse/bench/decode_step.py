@@ -41,8 +41,14 @@ class Setup:
         max_len = ctx + args.steps * 3 + 64
         # --stock-decode: an engine where no request can be sparse (min_context past max_len),
         # every layer through FlashAttention with its own split-KV (decode_body.stock_layer)
+        # --dense-layers N: layers 0..N-1 attend every page, as a model's dense_layers (with the
+        # host tier, from a GPU dense pool sized for these rows, as serving runs them)
+        nd = args.dense_layers
+        pool_gib = (rows * -(-max_len // P) * nd * 2 * P * HKV * D * 2 / 2**30 * 1.05
+                    if nd and not args.resident else 0.0)
         cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=P,
-                             dense_layers=(), host_pool_gib=1, host_tier=not args.resident,
+                             dense_layers=tuple(range(nd)), dense_pool_gib=pool_gib,
+                             host_pool_gib=1, host_tier=not args.resident,
                              min_context=max_len + 1 if args.stock_decode else None,
                              resident_first=args.resident_first)
         self.S = cfg.num_slots
@@ -60,6 +66,8 @@ class Setup:
                 n = min(tile.shape[0], flat.shape[0] - i)
                 flat[i:i + n] = tile[:n]
         for lay in range(self.L):
+            if self.rt.ix.kmin[lay] is None:             # a dense layer keeps no page bounds
+                continue
             self.rt.ix.kmin[lay].normal_(generator=g)
             self.rt.ix.kmax[lay].copy_(self.rt.ix.kmin[lay] + torch.rand(
                 self.rt.ix.kmin[lay].shape, device=dev, generator=g).to(torch.bfloat16))
@@ -230,6 +238,9 @@ def main(argv=None) -> int:
     ap.add_argument("--buffer", type=int, default=4096)
     ap.add_argument("--q-noise", type=float, default=0.3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dense-layers", type=int, default=0,
+                    help="the first N of --layers dense (every page; from a GPU dense pool with "
+                         "the host tier), as a model's dense_layers")
     ap.add_argument("--eager", action="store_true", help="run the body eagerly, no graph")
     ap.add_argument("--resident", action="store_true", help="host_tier false (every page on GPU)")
     ap.add_argument("--resident-first", action="store_true",
@@ -279,6 +290,7 @@ def main(argv=None) -> int:
                 s.capture()
             row = {"context": ctx, "rows": R, "mode": "eager" if args.eager else "graph",
                    "resident": args.resident, "resident_first": args.resident_first,
+                   "dense_layers": args.dense_layers,
                    "no_write_through": args.no_write_through, "q_noise": args.q_noise,
                    "select_impl": decode_ops.SELECT_IMPL,
                    "select_threads": decode_ops.SELECT_THREADS,
