@@ -8,8 +8,10 @@ until the pool's free blocks fall below the reserve R, or below what an arriving
 missing blocks, oldest pages first, from the request with the most surplus (vllm/spec.py), and
 the worker learns each new keep before that step's forward (connector metadata). Request 0 is
 preempted once mid-run (after it was spilled) and resumes resident, on both sides. Every free GPU
-block is overwritten with large values after each schedule, before its forward, so a read of a
-block already given back (e.g. a spill the worker learns a step late) changes outputs. Tokens and
+block is overwritten with large values after each schedule, before its forward's layers (right
+after the step's plan, which may copy the pages a spill of this step gives back into hot slots), so
+a layer's read of a block already given back (e.g. a spill the worker learns a step late) changes
+outputs. Tokens and
 logprobs equal resident mode's (host_tier false) and hisparse's without resident_first, all with
 the same preemption; the worker's residency equals the manager's after every step; no GPU block or
 host page is left afterwards. With blocks to spare, nothing spills and nothing misses.
@@ -62,17 +64,33 @@ def probe(model: str, cfg: dict, num_blocks: int, out: str) -> None:
     rt = worker_state.get_runtime()
     orig = sched.schedule
 
+    free_now: list[int] = []
+
     def schedule_and_poison(*a, **k):
         """After each schedule, before its forward: every free block (given back, possibly this
-        very step) is overwritten with large keys and values, so a read of one changes outputs."""
+        very step) is overwritten with large keys and values, so a read of one changes outputs.
+        The blocks are overwritten right after the step's plan (before its layers), when their
+        next owner's forward may first write them: the plan may still copy pages a spill of this
+        very step gives back (core/give_back.py); no layer may read one."""
         so = orig(*a, **k)
-        ids = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
-        for kv in rt._kv:
-            if kv is not None and ids:
-                kv[ids] = POISON
+        free_now[:] = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         return so
 
+    def poison():
+        for kv in rt._kv:
+            if kv is not None and free_now:
+                kv[free_now] = POISON
+        free_now.clear()
+
+    def after(fn):
+        def planned(*a, **k):
+            out = fn(*a, **k)
+            poison()
+            return out
+        return planned
+
     sched.schedule = schedule_and_poison
+    rt.plan, rt.plan_full = after(rt.plan), after(rt.plan_full)
     mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
 
     def preempt(rid):
@@ -173,6 +191,7 @@ def test_spills_under_pressure_are_exact(runs):
     # mid-run and misses only after them
     assert tl[first_spill - 1]["resident_rows"] > 0 and tl[first_spill - 1]["misses"] == 0
     assert rf["stats"]["spills"] > 0 and rf["stats"]["misses"] > 0
+    assert rf["stats"]["inserts"] > 0          # spilled pages copied into hot slots at the plan
     # partial spills: requests kept a window of pages beside their hot slots, rows resolved
     # partly through the block table, and a request was shrunk more than once
     assert max(t["partial_requests"] for t in tl) > 0 and rf["stats"]["partial_rows"] > 0

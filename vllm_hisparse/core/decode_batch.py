@@ -41,8 +41,12 @@ _KIND_OF = {"has_sparse": "sp_seq", "has_dense": "dn_seq", "has_dl": "dl_seq",
 class DecodeBatch:
     """The buffers of one batch size N (fixed addresses: a FULL graph of size N reads them)."""
 
-    def __init__(self, N: int, device):
+    def __init__(self, N: int, device, sel: tuple[int, int] | None = None):
         self.N = N
+        # sel (layers, k): every layer's selected pages of each row, kept until the next step of
+        # this size (core/window_exit.py reads a spilled row's previous selection)
+        self.sel = (None if sel is None else
+                    torch.full((sel[0], N, sel[1]), -1, dtype=torch.int32, device=device))
         F = len(FIELDS)
         self.meta = torch.zeros(F * N, dtype=torch.int64, device=device)
         self.newest = torch.full((N,), -1, dtype=torch.int32, device=device)

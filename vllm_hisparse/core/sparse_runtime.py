@@ -27,7 +27,7 @@ from vllm_hisparse.core.decode_trace import DecodeTrace
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.hot_rows import HotRows
 from vllm_hisparse.core.page_table import DevicePageTable
-from vllm_hisparse.core import runtime_stats
+from vllm_hisparse.core import give_back, runtime_stats
 from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
@@ -92,6 +92,7 @@ class SparseRuntime:
                                                   self.device)
                             if cfg.host_tier and self.sparse_possible and i not in self.dense_layers
                             else None for i in range(num_layers)])
+        self.given_back = give_back.GiveBack()
         self.host_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)  # host page of each
         # Dense layers of sparse requests: every page in a GPU pool of their own (cfg.dense_pool_gib),
         # attended with the pool's page table; without it they read given-back pages from the host.
@@ -116,7 +117,7 @@ class SparseRuntime:
         self._kv: list[torch.Tensor | None] = [None] * num_layers    # bind_kv_caches
         self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
                       "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0,
-                      "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0}
+                      "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0, "inserts": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -164,6 +165,7 @@ class SparseRuntime:
         if r.keep is None:
             self.stats["spills"] += 1
         self.stats["shrinks"] += 1
+        self.given_back.spill(req_id, r.keep)
         r.keep = keep
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
@@ -293,6 +295,7 @@ class SparseRuntime:
         steps and row counts (stats: sparse rows, and dense ones past their prompt's start)."""
         db = self._batch(N)
         fill(self, db, dec, pages)
+        self.given_back.decoded(db, dec)
         if self.trace is not None:
             self.trace.number_steps(db)
         self.stats["decode_rows"] += sum(s.sparse for s in dec)
@@ -306,7 +309,7 @@ class SparseRuntime:
     def _batch(self, N: int) -> DecodeBatch:
         db = self._batches.get(N)
         if db is None:
-            db = self._batches[N] = DecodeBatch(N, self.device)
+            db = self._batches[N] = DecodeBatch(N, self.device, (self.num_layers, self.k_sel))
         return db
 
     def _req_steps(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int],
@@ -352,6 +355,7 @@ class SparseRuntime:
                                    "without its block table")
             copy_context(self, [Switch(i, start, self.reqs[rid].irow, *pages.get(rid, (None, None)))
                                 for i, rid, start in switches], block_table)
+        self.stats["inserts"] += give_back.insert(self, steps, block_table)
         return steps, pages
 
     # ---- per layer -----------------------------------------------------------------------------
