@@ -4,7 +4,8 @@ engine tests read them from ``HISPARSE_STATS_FILE``, written by ``dump``).
 Counts since start: ``steps``, ``decode_rows`` (sparse one-token rows), ``resident_rows`` (sparse
 rows with every page in the block table), ``partial_rows`` (some pages given back, some still
 there), ``spills`` (requests that left *resident*), ``shrinks`` (every time the KV manager took
-blocks from a request), RESOLVE's ``hits`` / ``misses`` of the hot slots (``hit_rate``: the
+blocks from a request), ``inserts`` (pages given back that the plan copied into hot slots
+first, per layer: core/give_back.py), RESOLVE's ``hits`` / ``misses`` of the hot slots (``hit_rate``: the
 policy's) and ``resident_units`` (selected pages taken through the block table instead), so
 ``miss_rate`` = misses / every selected page. Gauges: pools, live requests and their residency
 (core/residency.py ``residency_summary``). Host time of the plan and the layers.
