@@ -19,7 +19,7 @@ not copied. Residency decides only where a page is read: outputs are unchanged
 (tests/test_give_back.py).
 
 Spills are rare (a few per request's life), so their copies run as plain torch ops per layer at
-the plan (with one host sync: the boolean index of the pages to copy). Window exits come at one
+the plan (with host syncs: the boolean index of the pages to copy, their count). Window exits come at one
 step in ``page_size`` for every partial row: per-layer torch ops at that rate cost too much host
 time on a GPU, so they are an A/B knob, ``HISPARSE_WINDOW_EXITS=1``, off by default, until one
 launch does every layer (docs/cache-policies.md: -6% misses more on the CPU).
@@ -68,25 +68,28 @@ class GiveBack:
     (its rows' requests) and the requests spilled since the last plan (their keep before)."""
 
     def __init__(self):
-        self.prev_db, self.prev_rows = None, {}
+        self.prev_db, self.prev_steps = None, []
         self.spilled: dict[str, int | None] = {}
 
     def spill(self, req_id: str, keep_before: int | None) -> None:
         self.spilled.setdefault(req_id, keep_before)
 
     def decoded(self, db, steps: list) -> None:
-        self.prev_db, self.prev_rows = db, {s.req_id: i for i, s in enumerate(steps)}
+        self.prev_db, self.prev_steps = db, steps          # (the row map only when it is needed)
 
     def spills(self, rt, steps: list) -> list[tuple[int, int, torch.Tensor]]:
         """(batch index, runtime row, pages (L, k) of the previous step's selection that this
         step's spill gives back, -1 elsewhere) of each one-token sparse row spilled since the last
         plan and decoded in the previous step."""
         out = []
+        if not self.spilled:
+            return out
         spilled, self.spilled = self.spilled, {}
+        prev_rows = {s.req_id: i for i, s in enumerate(self.prev_steps)}
         for s in steps:
             if s.req_id not in spilled or s.t1 - s.t0 != 1 or not s.sparse:
                 continue
-            i = self.prev_rows.get(s.req_id)
+            i = prev_rows.get(s.req_id)
             if i is None or self.prev_db is None or self.prev_db.sel is None:
                 continue
             r = rt.reqs[s.req_id]
