@@ -44,7 +44,7 @@ class DecodeBatch:
     def __init__(self, N: int, device, sel: tuple[int, int] | None = None):
         self.N = N
         # sel (layers, k): every layer's selected pages of each row, kept until the next step of
-        # this size (core/window_exit.py reads a spilled row's previous selection)
+        # this size (core/give_back.py reads a spilled row's previous selection)
         self.sel = (None if sel is None else
                     torch.full((sel[0], N, sel[1]), -1, dtype=torch.int32, device=device))
         F = len(FIELDS)
