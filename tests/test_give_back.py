@@ -67,8 +67,8 @@ def test_runtime_inserts_equal_resident_and_the_slots_hold_the_host_copy(policy,
     real = give_back._insert
     seen = {"pages": 0, "calls": 0}
 
-    def insert(rt, layer, bt, idx, rows, pages):
-        real(rt, layer, bt, idx, rows, pages)
+    def insert(rt, layer, bt, rows, pages):
+        real(rt, layer, bt, rows, pages)
         hs = rt.hot[layer]
         for e, row in enumerate(rows.tolist()):
             for page in pages[e].tolist():

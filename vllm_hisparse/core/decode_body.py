@@ -74,7 +74,7 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
         ix.write_and_score(layer, write, f("i_unit"), q, f("irow"), f("full"), scores)
     else:
         decode_ops.decode_write(*write, **ix.decode_write_kwargs(layer, f("i_unit")))
-    sel = db.sel[layer] if db.sel is not None else torch.empty(N, K, dtype=torch.int32, device=dev)
+    sel = db.sel[layer]                  # (N, K): kept to the next step (core/give_back.py)
     locs = torch.empty_like(sel)
     hs = rt.hot[layer]
     # rows that missed a page this step (select_resolve's, read by the split): hot layers only

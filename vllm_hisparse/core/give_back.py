@@ -19,8 +19,8 @@ not copied. Residency decides only where a page is read: outputs are unchanged
 (tests/test_give_back.py).
 
 Spills are rare (a few per request's life), so their copies run as plain torch ops per layer at
-the plan (with host syncs: the boolean index of the pages to copy, their count). Window exits come at one
-step in ``page_size`` for every partial row: per-layer torch ops at that rate cost too much host
+the plan (with host syncs: the boolean index of the pages to copy, their count). Window exits
+come at one step in ``page_size`` for every partial row: per-layer torch ops at that rate cost too much host
 time on a GPU, so they are an A/B knob, ``HISPARSE_WINDOW_EXITS=1``, off by default, until one
 launch does every layer (docs/cache-policies.md: -6% misses more on the CPU).
 """
@@ -90,7 +90,7 @@ class GiveBack:
             if s.req_id not in spilled or s.t1 - s.t0 != 1 or not s.sparse:
                 continue
             i = prev_rows.get(s.req_id)
-            if i is None or self.prev_db is None or self.prev_db.sel is None:
+            if i is None:
                 continue
             r = rt.reqs[s.req_id]
             lo = freed_pages(rt.cfg, s.start, r.num_prompt, spilled[s.req_id])[1]
@@ -100,11 +100,10 @@ class GiveBack:
         return out
 
 
-def _insert(rt, layer: int, bt: torch.Tensor, idx, rows, pages: torch.Tensor) -> None:
+def _insert(rt, layer: int, bt: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
     """pages (E, k) int32 (-1 = none) of rows ``rows`` into layer's hot slots; bt (E, W)."""
     locs, miss = resolve(rt.hot[layer], pages, rows=rows)
-    p = pages.long().clamp(min=0)
-    src = torch.gather(bt, 1, p)
+    src = torch.gather(bt, 1, pages.long().clamp(min=0))
     dst = torch.gather(bt, 1, locs.clamp(min=0))
     kv = rt.kv_cache(layer)
     kv[dst[miss]] = kv[src[miss]]
@@ -117,21 +116,24 @@ def insert(rt, steps: list, block_table: torch.Tensor | None) -> int:
     sp = rt.given_back.spills(rt, steps)
     if (not ex and not sp) or block_table is None:
         return 0
-    dev, n = rt.device, 0
-    bt_all = block_table.to(dev).long()
-    for layer, hs in enumerate(rt.hot):
-        if hs is None:
-            continue
-        if ex:
-            idx = torch.tensor([e[0] for e in ex], dtype=torch.int64, device=dev)
-            rows = torch.tensor([e[1] for e in ex], dtype=torch.int64, device=dev)
-            pages = torch.tensor([[e[2]] for e in ex], dtype=torch.int32, device=dev)
-            _insert(rt, layer, bt_all[idx], idx, rows, pages)
-            n += len(ex)
-        if sp:
-            idx = torch.tensor([e[0] for e in sp], dtype=torch.int64, device=dev)
-            rows = torch.tensor([e[1] for e in sp], dtype=torch.int64, device=dev)
-            pages = torch.stack([e[2][layer] for e in sp]).to(dev, torch.int32)
-            _insert(rt, layer, bt_all[idx], idx, rows, pages)
-            n += int((pages >= 0).sum())
+    dev = rt.device
+    bt = block_table.to(dev).long()
+    layers = [i for i, hs in enumerate(rt.hot) if hs is not None]
+    # the rows' tensors once for every layer: (block table rows, runtime rows, pages)
+    jobs, n = [], 0
+    if ex:
+        idx = torch.tensor([e[0] for e in ex], dtype=torch.int64, device=dev)
+        rows = torch.tensor([e[1] for e in ex], dtype=torch.int64, device=dev)
+        pages = torch.tensor([[e[2]] for e in ex], dtype=torch.int32, device=dev)
+        jobs.append((bt[idx], rows, pages.expand(rt.num_layers, -1, -1)))
+        n += len(ex) * len(layers)
+    if sp:
+        idx = torch.tensor([e[0] for e in sp], dtype=torch.int64, device=dev)
+        rows = torch.tensor([e[1] for e in sp], dtype=torch.int64, device=dev)
+        pages = torch.stack([e[2] for e in sp], 1).to(dev, torch.int32)         # (L, E, k)
+        jobs.append((bt[idx], rows, pages))
+        n += int((pages[layers] >= 0).sum())
+    for layer in layers:
+        for b, rows, pages in jobs:
+            _insert(rt, layer, b, rows, pages[layer])
     return n

@@ -270,9 +270,9 @@ class SparseRuntime:
         """One layer of a plan_full step (q/out (N, Hq, D), k/v (N, Hkv, D), block_table (N, W)
         int32: row i = decode-batch row i): recorded by vLLM's FULL graph capture and replayed, or
         run eagerly when vLLM replays no graph for the step."""
-        if q.is_cuda and torch.cuda.is_current_stream_capturing() and self.cfg.full_graphs_blocker():
-            raise RuntimeError(f"full_layer: a CUDA graph cannot record this config's decode: "
-                               f"{self.cfg.full_graphs_blocker()}")
+        why = q.is_cuda and torch.cuda.is_current_stream_capturing() and self.cfg.full_graphs_blocker()
+        if why:
+            raise RuntimeError(f"full_layer: a CUDA graph cannot record this config's decode: {why}")
         t0 = time.perf_counter()
         self._body(layer)(self, layer, self._batch(N), q, k, v, kv, block_table, scale, out)
         self._host_s["full_layers"] += time.perf_counter() - t0
