@@ -23,6 +23,9 @@
 #   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
 #   bash scripts/gpu_session.sh OUT 32k1     # 32K / 256 at 1 request (ROUNDS=1), stock vs elastic vs hisparse (~7 min;
 #                                            # BACKENDS=stock,elastic for two)
+#   bash scripts/gpu_session.sh OUT profile  # 32K / 1 row (ROWS=, INPUT_LEN=): a decode step's kernels,
+#       GPU busy time and host time per backend (BACKENDS=resident,elastic), each diffed against the
+#       first (bench.step_profile; ~2.5 min a backend)
 set -uo pipefail
 top=$1; part=$2
 out=/tmp/gs/$part                                      # logs, CSVs: tarred into top at the end
@@ -155,5 +158,22 @@ case "$part" in
     SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
       --rounds ${ROUNDS:-1} --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic,hisparse} --concurrency 1 \
       --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' ;;
-  *) echo "part: kernels, exact, exact2, cap, paper, reasoning, 4k or 32k1" >&2; exit 2 ;;
+  profile)
+    # where a decode step's time goes, backend by backend, in one process each (bench.step_profile):
+    # wall ms a step over STEPS steps, then PSTEPS steps under the torch profiler (kernels a step,
+    # GPU busy time, the runtime's host time); each hisparse backend diffed against the first one
+    python3 -m vllm_hisparse.bench.model_shapes llama3-8b models/llama3-8b-bench > /dev/null
+    first=
+    for b in $(echo ${BACKENDS:-resident,elastic} | tr , ' '); do
+      timeout -k 20 ${PLIMIT:-240} python3 -m vllm_hisparse.bench.step_profile run \
+        --model models/llama3-8b-bench --backend $b --input-len ${INPUT_LEN:-32768} \
+        --rows ${ROWS:-1} --steps ${STEPS:-200} --profile-steps ${PSTEPS:-30} \
+        --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' \
+        --out "$out" > "$out/run-$b.log" 2>&1
+      echo "== $b rc=$?: $(grep -E '^[a-z]+: ' "$out/run-$b.log" | tail -1)"
+      if [ -z "$first" ]; then first=$b; continue; fi
+      python3 -m vllm_hisparse.bench.step_profile diff "$out/$first.json" "$out/$b.json" \
+        --csv "$out/diff-$first-$b.csv" | head -40
+    done ;;
+  *) echo "part: kernels, exact, exact2, cap, paper, reasoning, 4k, 32k1 or profile" >&2; exit 2 ;;
 esac

@@ -111,16 +111,24 @@ def server_cmd(args, backend: str, port: int) -> list[str]:
            "--max-num-seqs", str(max_num_seqs(args))]
     if args.load_format:
         cmd += ["--load-format", args.load_format]
-    if backend != "stock":
-        cfg = json.loads(args.hisparse)
-        if backend == "resident":
-            cfg["host_tier"] = False
-        if backend == "hisparse":          # the fixed hot buffer: every page through its S slots
-            cfg.setdefault("resident_first", False)
-        if backend == "elastic":           # the default: resident, spilling only under pressure
-            cfg["resident_first"] = True
+    cfg = backend_config(backend, args.hisparse)
+    if cfg is not None:
         cmd += ["--attention-backend", "hisparse", "--additional-config", json.dumps({"hisparse": cfg})]
     return cmd + args.extra_server_args
+
+
+def backend_config(backend: str, hisparse: str) -> dict | None:
+    """The hisparse config of a backend (BACKENDS) from the --hisparse JSON; None for stock."""
+    if backend == "stock":
+        return None
+    cfg = json.loads(hisparse)
+    if backend == "resident":
+        cfg["host_tier"] = False
+    if backend == "hisparse":          # the fixed hot buffer: every page through its S slots
+        cfg.setdefault("resident_first", False)
+    if backend == "elastic":           # the default: resident, spilling only under pressure
+        cfg["resident_first"] = True
+    return cfg
 
 
 def capacity(log: str, backend: str, mml: int, seqs: int) -> int:

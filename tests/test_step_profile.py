@@ -1,0 +1,90 @@
+"""bench.step_profile: its analysis against different computations (a millisecond grid for the
+union of kernel intervals, per-name sums by hand), and one CPU engine run per backend kind
+(a hisparse backend reports the runtime's host time a step; stock does not)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from vllm_hisparse.bench import step_profile as sp
+
+
+def test_union_matches_a_grid_count():
+    rng = random.Random(7)
+    for _ in range(50):
+        iv = []
+        for _ in range(rng.randrange(0, 12)):
+            s = rng.randrange(0, 200)
+            iv.append((float(s), float(s + rng.randrange(0, 40))))
+        covered = set()
+        for s, e in iv:
+            covered.update(range(int(s), int(e)))
+        assert sp.union_us(iv) == len(covered)
+
+
+def test_kernel_table_sums_by_name_and_orders_by_time():
+    rng = random.Random(3)
+    names = ["a", "b", "c", "d"]
+    ev = [(rng.choice(names), float(i), float(rng.randrange(1, 9))) for i in range(200)]
+    steps = 5
+    tab = sp.kernel_table(ev, steps)
+    assert [r["us_per_step"] for r in tab] == sorted((r["us_per_step"] for r in tab), reverse=True)
+    for r in tab:
+        mine = [d for n, _, d in ev if n == r["name"]]
+        assert r["calls_per_step"] * steps == pytest.approx(len(mine))
+        assert r["us_per_step"] * steps == pytest.approx(sum(mine))
+    assert {r["name"] for r in tab} == {n for n, _, _ in ev}
+
+
+def test_diff_joins_by_name_with_missing_as_zero():
+    a = [{"name": "x", "us_per_step": 5.0, "calls_per_step": 1.0},
+         {"name": "y", "us_per_step": 2.0, "calls_per_step": 2.0}]
+    b = [{"name": "x", "us_per_step": 4.0, "calls_per_step": 1.0},
+         {"name": "z", "us_per_step": 3.0, "calls_per_step": 1.0}]
+    d = {r["name"]: r for r in sp.diff(a, b)}
+    assert (d["x"]["delta_us"], d["y"]["delta_us"], d["z"]["delta_us"]) == (-1.0, -2.0, 3.0)
+    assert d["y"]["b_calls"] == 0.0 and d["z"]["a_calls"] == 0.0
+    assert [r["name"] for r in sp.diff(a, b)] == ["z", "y", "x"]
+
+
+def test_step_stats():
+    st = sp.step_stats([float(x) for x in range(1, 11)])
+    assert (st["n"], st["median"], st["mean"], st["p10"], st["p90"]) == (10, 5.5, 5.5, 2.0, 10.0)
+    assert sp.step_stats([]) == {}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_cpu_engine_run_and_diff(tmp_path):
+    from vllm_hisparse.tiny_model import build
+
+    model = build(str(tmp_path / "tiny"))
+    cfg = json.dumps({"top_k": 48, "device_buffer_size": 64, "page_size": 16, "dense_layers": [0],
+                      "host_pool_gib": 0.05, "min_context": 64})
+    out = tmp_path / "prof"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    for backend in ("stock", "elastic"):
+        subprocess.run([sys.executable, "-m", "vllm_hisparse.bench.step_profile", "run", "--model",
+                        model, "--backend", backend, "--hisparse", cfg, "--input-len", "300",
+                        "--rows", "2", "--warm-steps", "2", "--steps", "4", "--profile-steps", "3",
+                        "--dtype", "float32", "--out", str(out)], check=True, env=env, timeout=600)
+    stock, el = (json.load(open(out / f"{b}.json")) for b in ("stock", "elastic"))
+    for r in (stock, el):
+        assert r["profiled_steps"] >= 3 and r["step_wall_ms"]["n"] >= 1
+        assert r["wall_ms_per_step"] > 0 and r["host_ops"]
+        assert r["kernels"] == [] and r["gpu_busy_us_per_step"] == 0     # no CUDA here
+    assert stock["runtime_host_per_step"] == {} and stock["config"] is None
+    assert el["config"]["resident_first"] is True
+    host = el["runtime_host_per_step"]
+    assert host["plan_us"] > 0
+    assert host["dense_layers_us"] + host["sparse_layers_us"] + host["full_layers_us"] > 0
+    csv_path = tmp_path / "d.csv"
+    res = subprocess.run([sys.executable, "-m", "vllm_hisparse.bench.step_profile", "diff",
+                          str(out / "stock.json"), str(out / "elastic.json"), "--csv",
+                          str(csv_path)], check=True, capture_output=True, text=True, env=env)
+    assert "b - a: wall" in res.stdout and csv_path.read_text().startswith("table,")

@@ -1,0 +1,276 @@
+"""Where a decode step's time goes, per backend: one vLLM engine in this process, ``--rows`` prompts
+of ``--input-len`` tokens, then decode steps, first timed (wall ms a step, no profiler), then a
+window of them under the torch profiler: every GPU kernel (those a CUDA graph replays included) by
+name with its count and µs a step, the GPU's busy time a step (the union of the kernels'
+intervals), the host's top ops, and the hisparse runtime's host time a step (plan, layers). ``diff``
+lines two runs up kernel by kernel, largest difference first: what one backend's step does that the
+other's does not.
+
+    python -m vllm_hisparse.bench.step_profile run --model DIR --backend elastic \\
+        --input-len 32768 --steps 200 --profile-steps 30 --load-format dummy \\
+        --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' --out OUT
+    python -m vllm_hisparse.bench.step_profile diff OUT/resident.json OUT/elastic.json
+
+Backends as ``bench.serving`` (stock, resident, hisparse, elastic). ``run`` writes OUT/BACKEND.json
+(summary and tables) and OUT/BACKEND-kernels.csv. On a machine without CUDA the kernel table is
+empty and the host table (CPU ops, self time) is what there is.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+from vllm_hisparse.bench.serving import BACKENDS, backend_config
+
+TOP_HOST_OPS = 40
+
+
+# ---- analysis (pure) ---------------------------------------------------------------------------
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals (overlapping kernels count once)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def kernel_table(events: list[tuple[str, float, float]], steps: int) -> list[dict]:
+    """events: (name, start µs, duration µs) of every kernel in the window; steps: decode steps in
+    it. Rows by total time, largest first: name, calls and µs a step."""
+    agg: dict[str, list] = {}
+    for name, _, dur in events:
+        a = agg.setdefault(name, [0, 0.0])
+        a[0] += 1
+        a[1] += dur
+    rows = [{"name": n, "calls_per_step": c / steps, "us_per_step": t / steps}
+            for n, (c, t) in agg.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def diff(a: list[dict], b: list[dict]) -> list[dict]:
+    """Two kernel (or host-op) tables joined by name: µs and calls a step in each, b - a; largest
+    |difference| first."""
+    ka, kb = {r["name"]: r for r in a}, {r["name"]: r for r in b}
+    out = []
+    for n in set(ka) | set(kb):
+        ra, rb = ka.get(n, {}), kb.get(n, {})
+        ua, ub = ra.get("us_per_step", 0.0), rb.get("us_per_step", 0.0)
+        out.append({"name": n, "a_us": ua, "b_us": ub, "delta_us": ub - ua,
+                    "a_calls": ra.get("calls_per_step", 0.0), "b_calls": rb.get("calls_per_step", 0.0)})
+    return sorted(out, key=lambda r: (-abs(r["delta_us"]), r["name"]))
+
+
+def step_stats(times_ms: list[float]) -> dict:
+    """median / mean / p10 / p90 of per-step wall times (ms)."""
+    if not times_ms:
+        return {}
+    q = sorted(times_ms)
+    pick = lambda f: q[min(len(q) - 1, int(f * len(q)))]      # noqa: E731
+    return {"n": len(q), "median": statistics.median(q), "mean": statistics.fmean(q),
+            "p10": pick(0.1), "p90": pick(0.9)}
+
+
+# ---- the engine run ----------------------------------------------------------------------------
+def _profiler_events(prof) -> tuple[list, list]:
+    """(kernel events (name, start, dur) µs, host ops table rows) of a finished torch profiler."""
+    from torch.autograd import DeviceType
+
+    kernels = [(e.name, e.time_range.start, e.time_range.end - e.time_range.start)
+               for e in prof.events() if e.device_type == DeviceType.CUDA]
+    host = [(k.key, k.count, k.self_cpu_time_total) for k in prof.key_averages()
+            if k.self_cpu_time_total > 0]
+    return kernels, host
+
+
+def _engine(a, cfg: dict | None):
+    import torch
+    from vllm import LLM
+
+    from vllm_hisparse.vllm.plugin import register
+
+    register()
+    cuda = torch.cuda.is_available()
+    mml = a.input_len + a.warm_steps + a.steps + a.profile_steps + 16
+    sizes = [1 << i for i in range(0, 10) if (1 << i) < 2 * a.rows]
+    kw = dict(max_model_len=mml, max_num_seqs=a.rows, seed=0, skip_tokenizer_init=True,
+              load_format=a.load_format, gpu_memory_utilization=a.gpu_memory_utilization,
+              enforce_eager=not cuda, dtype=a.dtype)
+    if a.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
+    if cuda:
+        kw["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+    if cfg is not None:
+        kw.update(attention_backend="hisparse", additional_config={"hisparse": cfg})
+    return LLM(a.model, **kw)
+
+
+def _runtime():
+    from vllm_hisparse.vllm import worker_state
+    return worker_state.runtime
+
+
+def run(a) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")    # the worker in this process
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = backend_config(a.backend, a.hisparse)
+    llm = _engine(a, cfg)
+    eng = llm.llm_engine
+    vocab = json.load(open(os.path.join(a.model, "config.json"))).get("vocab_size", 32000)
+    rng = random.Random(0)
+    total = a.warm_steps + a.steps + a.profile_steps + 4
+    sp = SamplingParams(max_tokens=total, ignore_eos=True, temperature=0.0)
+    for i in range(a.rows):
+        ids = [rng.randrange(min(1000, vocab // 4), vocab - 1) for _ in range(a.input_len)]
+        eng.add_request(str(i), TokensPrompt(prompt_token_ids=ids), sp)
+    made = dict.fromkeys(map(str, range(a.rows)), 0)
+
+    def step() -> int:
+        """One engine step; the fewest tokens any row has made so far."""
+        for o in eng.step():
+            made[o.request_id] = len(o.outputs[0].token_ids)
+        return min(made.values())
+
+    def until(n: int, times: list | None = None) -> int:
+        have, t = min(made.values()), time.perf_counter()
+        while have < n:
+            got = step()
+            if got > have and times is not None:
+                now = time.perf_counter()
+                times.append((now - t) * 1e3 / (got - have))
+                t = now
+            have = got
+        return have
+
+    cuda = torch.cuda.is_available()
+    t_start = time.perf_counter()
+    until(a.warm_steps)
+    prefill_s = time.perf_counter() - t_start
+    rt = _runtime()
+    host0 = dict(rt._host_s) if rt is not None else {}
+    steps0 = rt.stats["steps"] if rt is not None else 0
+    times: list[float] = []
+    t0, n0 = time.perf_counter(), min(made.values())
+    n1 = until(a.warm_steps + a.steps, times)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / max(n1 - n0, 1)
+    host = {}
+    if rt is not None:
+        ds = max(rt.stats["steps"] - steps0, 1)
+        host = {f"{k}_us": (rt._host_s[k] - host0.get(k, 0.0)) * 1e6 / ds for k in rt._host_s}
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        torch.cuda.synchronize()
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        p0 = min(made.values())
+        p1 = until(p0 + a.profile_steps)
+        if cuda:
+            torch.cuda.synchronize()
+    psteps = max(p1 - p0, 1)
+    kernels, host_ops = _profiler_events(prof)
+    ktab = kernel_table(kernels, psteps)
+    htab = sorted(({"name": n, "calls_per_step": c / psteps, "us_per_step": t / psteps}
+                   for n, c, t in host_ops), key=lambda r: -r["us_per_step"])[:TOP_HOST_OPS]
+    for rid in made:
+        eng.abort_request([rid])
+    out = {"backend": a.backend, "config": cfg, "input_len": a.input_len, "rows": a.rows,
+           "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "prefill_s": round(prefill_s, 2), "step_wall_ms": step_stats(times),
+           "wall_ms_per_step": wall_ms, "profiled_steps": psteps,
+           "gpu_busy_us_per_step": union_us([(s, s + d) for _, s, d in kernels]) / psteps,
+           "kernels_per_step": len(kernels) / psteps, "runtime_host_per_step": host,
+           "kernels": ktab, "host_ops": htab}
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"{a.backend}.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    with open(os.path.join(a.out, f"{a.backend}-kernels.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["name", "calls_per_step", "us_per_step"])
+        w.writeheader()
+        w.writerows(ktab)
+    print(summary_line(out))
+    return out
+
+
+def summary_line(r: dict) -> str:
+    s = r["step_wall_ms"]
+    h = ", ".join(f"{k} {v:.1f}" for k, v in r["runtime_host_per_step"].items() if v)
+    return (f"{r['backend']}: {r['rows']} x {r['input_len']}: wall {r['wall_ms_per_step']:.3f} ms a "
+            f"step (median {s.get('median', 0):.3f}, p10 {s.get('p10', 0):.3f}, p90 "
+            f"{s.get('p90', 0):.3f}); GPU busy {r['gpu_busy_us_per_step']:.1f} us and "
+            f"{r['kernels_per_step']:.1f} kernels a step (profiled {r['profiled_steps']}); "
+            f"runtime host us a step: {h or '-'}")
+
+
+def show_diff(pa: str, pb: str, top: int = 25) -> list[dict]:
+    ra, rb = json.load(open(pa)), json.load(open(pb))
+    print(f"a = {summary_line(ra)}\nb = {summary_line(rb)}")
+    print(f"b - a: wall {rb['wall_ms_per_step'] - ra['wall_ms_per_step']:+.3f} ms a step, GPU busy "
+          f"{rb['gpu_busy_us_per_step'] - ra['gpu_busy_us_per_step']:+.1f} us, kernels "
+          f"{rb['kernels_per_step'] - ra['kernels_per_step']:+.1f}")
+    rows = []
+    for what in ("kernels", "host_ops"):
+        d = diff(ra[what], rb[what])
+        print(f"-- {what}: us a step (calls a step), a -> b, largest difference first")
+        for r in d[:top]:
+            print(f"{r['delta_us']:+9.2f}  {r['a_us']:9.2f} ({r['a_calls']:5.1f}) -> {r['b_us']:9.2f} "
+                  f"({r['b_calls']:5.1f})  {r['name'][:110]}")
+        rows += [{"table": what, **r} for r in d]
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="profile one backend's decode steps")
+    r.add_argument("--model", required=True)
+    r.add_argument("--backend", choices=BACKENDS, required=True)
+    r.add_argument("--hisparse", default="{}", help="hisparse config (JSON), as bench.serving")
+    r.add_argument("--input-len", type=int, default=32768)
+    r.add_argument("--rows", type=int, default=1, help="requests decoding together")
+    r.add_argument("--warm-steps", type=int, default=8, help="decode steps before the timed ones")
+    r.add_argument("--steps", type=int, default=200, help="decode steps timed (no profiler)")
+    r.add_argument("--profile-steps", type=int, default=30, help="decode steps profiled")
+    r.add_argument("--load-format", default="dummy")
+    r.add_argument("--dtype", default="auto")
+    r.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    r.add_argument("--max-num-batched-tokens", type=int, default=None)
+    r.add_argument("--out", default="out/step_profile")
+    d = sub.add_parser("diff", help="two runs' tables side by side")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.add_argument("--top", type=int, default=25)
+    d.add_argument("--csv", default=None, help="write the whole joined table here")
+    a = p.parse_args(argv)
+    if a.cmd == "run":
+        for name in ("rows", "steps", "profile-steps", "input-len"):
+            if getattr(a, name.replace("-", "_")) < 1:
+                p.error(f"--{name} must be at least 1")
+        run(a)
+        return 0
+    rows = show_diff(a.a, a.b, a.top)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["table"])
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
