@@ -9,6 +9,7 @@ import torch
 
 from test_sparse_runtime_exact import Driver
 from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.core import give_back
 
 pytestmark = [pytest.mark.cuda, pytest.mark.ext]
 
@@ -139,6 +140,25 @@ def test_spill_inserts_replayed_equal_eager_and_resident():
         assert not torch.isnan(a).any(), f"step/layer {i}: NaN in the replay"
         assert torch.equal(a, b), f"step/layer {i}: replay differs from eager"
         assert torch.equal(a, c), f"step/layer {i}: hisparse differs from resident"
+
+
+def test_inserts_never_wait_for_the_gpu(monkeypatch):
+    """The plan's inserts (spills, and window exits with HISPARSE_WINDOW_EXITS=1) run under
+    torch's sync debug mode set to error: nothing in them waits for the GPU."""
+    monkeypatch.setattr(give_back, "WINDOW_EXITS", True)
+    real, calls = give_back.insert, []
+
+    def strict(rt, steps, bt):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            real(rt, steps, bt)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        calls.append(len(steps))
+
+    monkeypatch.setattr(give_back, "insert", strict)
+    _, stats = run_spills(GraphDriver, True)
+    assert stats["inserts"] > 0 and calls
 
 
 def run_stock(cls, decode_fn):

@@ -67,20 +67,22 @@ def test_runtime_inserts_equal_resident_and_the_slots_hold_the_host_copy(policy,
     real = give_back._insert
     seen = {"pages": 0, "calls": 0}
 
-    def insert(rt, layer, bt, rows, pages):
-        real(rt, layer, bt, rows, pages)
-        hs = rt.hot[layer]
-        for e, row in enumerate(rows.tolist()):
-            for page in pages[e].tolist():
-                if page < 0:
-                    continue
-                slot = int(hs.unit_slot[row, page])
-                assert slot >= 0, f"layer {layer}: page {page} not in a hot slot"
-                assert int(hs.slot_unit[row, slot]) == page
-                hp = int(rt.host_pt.table[row, page])
-                assert torch.equal(rt.kv_cache(layer)[int(bt[e, slot])], rt.host_layer(layer)[hp]), \
-                    f"layer {layer} row {row} page {page}: slot bytes differ from the host's"
-                seen["pages"] += 1
+    def insert(rt, bt, rows, pages):
+        real(rt, bt, rows, pages)
+        for i, layer in enumerate(rt.hot.layers):      # each layer's own state, after the call
+            hs = rt.hot[layer]
+            for e, row in enumerate(rows.tolist()):
+                for page in pages[i, e].tolist():
+                    if page < 0:
+                        continue
+                    slot = int(hs.unit_slot[row, page])
+                    assert slot >= 0, f"layer {layer}: page {page} not in a hot slot"
+                    assert int(hs.slot_unit[row, slot]) == page
+                    hp = int(rt.host_pt.table[row, page])
+                    assert torch.equal(rt.kv_cache(layer)[int(bt[e, slot])],
+                                       rt.host_layer(layer)[hp]), \
+                        f"layer {layer} row {row} page {page}: slot bytes differ from the host's"
+                    seen["pages"] += 1
         seen["calls"] += 1
 
     monkeypatch.setattr(give_back, "_insert", insert)

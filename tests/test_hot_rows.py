@@ -46,13 +46,15 @@ def test_crf_seeded_slots_are_present_and_cheapest():
 
 def test_hot_rows_seed_once_per_start():
     S = 4
-    h = HotRows([HotBufferState.create(3, S, 32, "lru"), None,
-                 HotBufferState.create(3, S, 32, "lru")])
+    h = HotRows(3, [0, 2], 3, S, 32, "lru", "cpu")
+    assert h[1] is None and h.stacked.rows == 6
     h.step(2, (S, S))                               # nothing given back: not through the slots
     assert (h[0].slot_unit[2] == -1).all()
     h.step(2, (S, S + 3))
     for st in (h[0], h[2]):
         assert st.slot_unit[2].tolist() == list(range(S))
+        assert (st.slot_unit[:2] == -1).all() and (st.unit_slot[:2] == -1).all()   # rows 0, 1
+    assert h[2].slot_unit.data_ptr() == h.stacked.slot_unit[3].data_ptr()          # views
     resolve(h[0], torch.tensor([[7]], dtype=torch.int32), rows=torch.tensor([2]))
     after = h[0].slot_unit[2].clone()
     h.step(2, (S, S + 4))                           # later steps leave the state to RESOLVE
@@ -90,3 +92,35 @@ def test_fixed_buffer_seeded_after_prefill():
     d.step({"a": 1})
     # the first step through the slots: an empty state would make every selected page a miss
     assert d.rt.stats_dict()["hits"] > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "crf"])
+def test_one_resolve_over_the_stacked_state_equals_one_per_layer(policy):
+    """give_back's resolve over every layer at once (rows of the stacked state) leaves each layer's
+    state, locs and misses as resolving layer by layer does."""
+    g = torch.Generator().manual_seed(5)
+    S, U, R, layers = 8, 40, 4, [1, 2, 4]
+
+    def make():
+        h = HotRows(5, layers, R, S, U, policy, "cpu")
+        h.step(1, (S, S + 2))
+        return h
+
+    a, b = make(), make()
+    for _ in range(6):
+        rows = torch.tensor([0, 1, 3])
+        pages = torch.full((len(layers), 3, 5), -1, dtype=torch.int32)
+        for i in range(len(layers)):
+            for e in range(3):
+                n = int(torch.randint(0, 6, (1,), generator=g))
+                pages[i, e, :n] = torch.randperm(U, generator=g)[:n].to(torch.int32)
+        locs, miss = resolve(a.stacked, pages.reshape(-1, 5), rows=a.stacked_rows(rows).reshape(-1))
+        for i, layer in enumerate(layers):
+            l1, m1 = resolve(b[layer], pages[i], rows=rows)
+            assert torch.equal(locs.view(len(layers), 3, 5)[i], l1)
+            assert torch.equal(miss.view(len(layers), 3, 5)[i], m1)
+    for layer in layers:
+        assert torch.equal(a[layer].slot_unit, b[layer].slot_unit)
+        assert torch.equal(a[layer].unit_slot, b[layer].unit_slot)
+        for k in a[layer].pstate:
+            assert torch.equal(a[layer].pstate[k], b[layer].pstate[k])

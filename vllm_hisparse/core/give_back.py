@@ -18,11 +18,12 @@ A fixed buffer's exit is the page this step's token completes (written inside th
 not copied. Residency decides only where a page is read: outputs are unchanged
 (tests/test_give_back.py).
 
-Spills are rare (a few per request's life), so their copies run as plain torch ops per layer at
-the plan (with host syncs: the boolean index of the pages to copy, their count). Window exits
-come at one step in ``page_size`` for every partial row: per-layer torch ops at that rate cost too much host
-time on a GPU, so they are an A/B knob, ``HISPARSE_WINDOW_EXITS=1``, off by default, until one
-launch does every layer (docs/cache-policies.md: -6% misses more on the CPU).
+One step's inserts are one resolve over every sparse layer's rows at once (core/hot_rows.py's
+stacked state) and one fixed-size block copy per layer, with no host sync: ~120 launches a step
+that has any, where a resolve per layer took ~3,400 torch ops and a sync per layer (CPU count,
+30 layers). Window exits come at one step in ``page_size`` for every partial row; they stay an
+A/B knob, ``HISPARSE_WINDOW_EXITS=1``, off by default, until the H200 measures their host time
+against the misses they save (docs/cache-policies.md: -6% misses more on the CPU).
 """
 from __future__ import annotations
 
@@ -70,6 +71,15 @@ class GiveBack:
     def __init__(self):
         self.prev_db, self.prev_steps = None, []
         self.spilled: dict[str, int | None] = {}
+        self._count = None          # (row, page, layer) copies requested so far, on the device
+
+    def count(self, pages: torch.Tensor) -> None:
+        n = (pages >= 0).sum()
+        self._count = n if self._count is None else self._count + n
+
+    def inserts(self) -> int:
+        """(row, page, layer) copies requested so far (reads the device: a host sync)."""
+        return 0 if self._count is None else int(self._count)
 
     def spill(self, req_id: str, keep_before: int | None) -> None:
         self.spilled.setdefault(req_id, keep_before)
@@ -100,40 +110,48 @@ class GiveBack:
         return out
 
 
-def _insert(rt, layer: int, bt: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
-    """pages (E, k) int32 (-1 = none) of rows ``rows`` into layer's hot slots; bt (E, W)."""
-    locs, miss = resolve(rt.hot[layer], pages, rows=rows)
-    src = torch.gather(bt, 1, pages.long().clamp(min=0))
-    dst = torch.gather(bt, 1, locs.clamp(min=0))
-    kv = rt.kv_cache(layer)
-    kv[dst[miss]] = kv[src[miss]]
+def _insert(rt, bt: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor) -> None:
+    """pages (len(hot layers), E, k) int32 (-1 = none) of runtime rows ``rows`` (E,) into every hot
+    layer's slots (layers in ``rt.hot.layers`` order): one resolve over the stacked state, then one
+    fixed-size block copy per layer; bt (E, W) the rows' block tables. Nothing waits for the GPU:
+    an entry that copies nothing (a hit, padding) repeats its layer's first real copy (the same
+    bytes to the same block), or copies a block onto itself in a layer without one."""
+    hot = rt.hot
+    nL, E, k = pages.shape
+    locs, miss = resolve(hot.stacked, pages.reshape(nL * E, k),
+                         rows=hot.stacked_rows(rows).reshape(-1))
+    b = bt.unsqueeze(0).expand(nL, -1, -1)
+    src = torch.gather(b, 2, pages.long().clamp(min=0)).view(nL, E * k)
+    dst = torch.gather(b, 2, locs.view(nL, E, k).clamp(min=0)).view(nL, E * k)
+    miss = miss.view(nL, E * k)
+    first = miss.int().argmax(1, keepdim=True)               # a layer's first real copy (or 0)
+    src_f, dst_f = src.gather(1, first), dst.gather(1, first)
+    dst_f = torch.where(miss.any(1, keepdim=True), dst_f, src_f)       # none: src_f onto itself
+    src, dst = torch.where(miss, src, src_f), torch.where(miss, dst, dst_f)
+    for i, layer in enumerate(hot.layers):
+        kv = rt.kv_cache(layer)
+        kv[dst[i]] = kv[src[i]]
+    rt.given_back.count(pages)
 
 
-def insert(rt, steps: list, block_table: torch.Tensor | None) -> int:
-    """Copy this step's window exits and the pages its spills give back into hot slots; returns
-    the number of (row, page, layer) copies requested."""
+def insert(rt, steps: list, block_table: torch.Tensor | None) -> None:
+    """Copy this step's window exits and the pages its spills give back into hot slots (their
+    number: ``GiveBack.inserts``). No host sync."""
     ex = exits(rt, steps)
     sp = rt.given_back.spills(rt, steps)
     if (not ex and not sp) or block_table is None:
-        return 0
-    dev = rt.device
-    bt = block_table.to(dev).long()
-    layers = [i for i, hs in enumerate(rt.hot) if hs is not None]
-    # the rows' tensors once for every layer: (block table rows, runtime rows, pages)
-    jobs, n = [], 0
-    if ex:
-        idx = torch.tensor([e[0] for e in ex], dtype=torch.int64, device=dev)
-        rows = torch.tensor([e[1] for e in ex], dtype=torch.int64, device=dev)
-        pages = torch.tensor([[e[2]] for e in ex], dtype=torch.int32, device=dev)
-        jobs.append((bt[idx], rows, pages.expand(rt.num_layers, -1, -1)))
-        n += len(ex) * len(layers)
+        return
+    bt = block_table.to(rt.device).long()
+    nL = len(rt.hot.layers)
+    if ex:                         # one selection row per batch row: its exits, -1 padded
+        by_row: dict[tuple[int, int], list[int]] = {}
+        for idx, row, page in ex:
+            by_row.setdefault((idx, row), []).append(page)
+        width = max(len(p) for p in by_row.values())
+        pages = rt.h2d([p + [-1] * (width - len(p)) for p in by_row.values()], torch.int32)
+        idx, rows = rt.h2d([list(k) for k in by_row], torch.int64).T
+        _insert(rt, bt[idx], rows, pages.expand(nL, -1, -1))
     if sp:
-        idx = torch.tensor([e[0] for e in sp], dtype=torch.int64, device=dev)
-        rows = torch.tensor([e[1] for e in sp], dtype=torch.int64, device=dev)
-        pages = torch.stack([e[2] for e in sp], 1).to(dev, torch.int32)         # (L, E, k)
-        jobs.append((bt[idx], rows, pages))
-        n += int((pages[layers] >= 0).sum())
-    for layer in layers:
-        for b, rows, pages in jobs:
-            _insert(rt, layer, b, rows, pages[layer])
-    return n
+        idx, rows = rt.h2d([[e[0], e[1]] for e in sp], torch.int64).T
+        pages = torch.stack([e[2] for e in sp], 1).to(rt.device, torch.int32)   # (L, E, k)
+        _insert(rt, bt[idx], rows, pages[rt.hot.layer_ids])

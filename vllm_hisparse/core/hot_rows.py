@@ -1,6 +1,12 @@
 """HotRows: the hot-slot state of every layer of a SparseRuntime (a list indexed by layer:
 ``slots.HotBufferState``, None for a layer without hot slots) and a row's life over all of them.
 
+Every hot layer's state is a view of one *stacked* state (``stacked``: rows ``[i * rows, (i + 1) *
+rows)`` are hot layer ``layers[i]``'s), so work on a row in every layer is one call over the
+stacked state instead of one per layer: a row's reset and seeding here, the inserts of pages given
+back (core/give_back.py). Each layer's state keeps its own tensors' addresses (views), which the
+kernels read and write in place.
+
 A row is emptied when its request starts or restarts from token 0, and *seeded* at its first step
 through the hot slots (the first step with pages given back, ``residency.freed_pages``): the floor
 keeps a request's pages [0, S) in the blocks of its S slots (slot s is block table entry s, which
@@ -11,25 +17,51 @@ a page is read, never what is attended: outputs are unchanged (tests/test_hot_ro
 """
 from __future__ import annotations
 
+import torch
+
+from vllm_hisparse.slots import HotBufferState
+
 
 class HotRows(list):
-    def __init__(self, states: list):
+    def __init__(self, num_layers: int, hot_layers, rows: int, slots: int, units: int, policy,
+                 device):
+        """hot_layers: the layers with hot slots (each ``rows`` rows of ``slots`` slots over
+        ``units`` logical units, replacement ``policy``); the others are None."""
+        self.layers = sorted(hot_layers)
+        self.layer_ids = torch.tensor(self.layers, dtype=torch.int64, device=device)
+        self.rows = rows
+        self.stacked = None
+        states: list = [None] * num_layers
+        if self.layers:
+            big = self.stacked = HotBufferState.create(len(self.layers) * rows, slots, units,
+                                                       policy, device)
+            for i, layer in enumerate(self.layers):
+                part = slice(i * rows, (i + 1) * rows)
+                states[layer] = HotBufferState.wrap(
+                    big.slot_unit[part], big.unit_slot[part],
+                    {k: t[part] for k, t in big.pstate.items()}, big.policy)
         super().__init__(states)
         self._seeded: set[int] = set()
+
+    def stacked_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """(len(layers), E) int64: the stacked state's row of each of ``rows`` (E,) in each hot
+        layer, in ``layers`` order."""
+        base = torch.arange(len(self.layers), dtype=torch.int64, device=rows.device) * self.rows
+        return base[:, None] + rows.to(torch.int64)[None, :]
+
+    def _all(self, row: int) -> torch.Tensor:
+        return self.stacked_rows(torch.tensor([row], device=self.stacked.slot_unit.device))[:, 0]
 
     def reset(self, row: int) -> None:
         """Empty the row in every layer (a request starts, or restarts from token 0)."""
         self._seeded.discard(row)
-        for h in self:
-            if h is not None:
-                h.reset(row)
+        if self.stacked is not None:
+            self.stacked.reset_rows(self._all(row))
 
     def step(self, row: int, freed: tuple[int, int]) -> None:
         """The row's step with given-back pages ``freed`` (residency.freed_pages): at its first
         step through the hot slots, slot s holds page s for s < S in every layer."""
-        if freed[1] <= freed[0] or row in self._seeded:
+        if freed[1] <= freed[0] or row in self._seeded or self.stacked is None:
             return
         self._seeded.add(row)
-        for h in self:
-            if h is not None:
-                h.seed(row, h.slots)
+        self.stacked.seed(self._all(row), self.stacked.slots)

@@ -25,6 +25,7 @@ def stats_dict(rt) -> dict:
     s["hit_rate"] = s["hits"] / n if n else None
     sel = n + s["resident_units"]
     s["miss_rate"] = s["misses"] / sel if sel else None
+    s["inserts"] = rt.given_back.inserts()
     s["policy"] = rt.cfg.policy
     s["host_pages_used"] = rt.host_pages_used
     s["dense_pool_pages_used"] = rt.dpool.used_pages if rt.dpool is not None else 0

@@ -32,7 +32,6 @@ from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_re
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
 from vllm_hisparse.core.turn_sparse import Switch, copy_context
-from vllm_hisparse.slots import HotBufferState
 
 
 @dataclass
@@ -88,10 +87,9 @@ class SparseRuntime:
         # decode_fn may then take every layer (use_decode_fn; the GPU adapter plugs in FlashAttention)
         self.sparse_possible = gpu_pools.sparse_possible(cfg, max_model_len)
         self.decode_fn = None
-        self.hot = HotRows([HotBufferState.create(max_rows + 1, self.S, self.U, cfg.policy,
-                                                  self.device)
-                            if cfg.host_tier and self.sparse_possible and i not in self.dense_layers
-                            else None for i in range(num_layers)])
+        self.hot = HotRows(num_layers, [i for i in range(num_layers) if i not in self.dense_layers]
+                           if cfg.host_tier and self.sparse_possible else [],
+                           max_rows + 1, self.S, self.U, cfg.policy, self.device)
         self.given_back = give_back.GiveBack()
         self.host_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)  # host page of each
         # Dense layers of sparse requests: every page in a GPU pool of their own (cfg.dense_pool_gib),
@@ -117,7 +115,7 @@ class SparseRuntime:
         self._kv: list[torch.Tensor | None] = [None] * num_layers    # bind_kv_caches
         self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
                       "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0,
-                      "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0, "inserts": 0}
+                      "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -355,7 +353,7 @@ class SparseRuntime:
                                    "without its block table")
             copy_context(self, [Switch(i, start, self.reqs[rid].irow, *pages.get(rid, (None, None)))
                                 for i, rid, start in switches], block_table)
-        self.stats["inserts"] += give_back.insert(self, steps, block_table)
+        give_back.insert(self, steps, block_table)
         return steps, pages
 
     # ---- per layer -----------------------------------------------------------------------------

@@ -43,8 +43,8 @@ class HostToDevice:
         nbytes = t.numel() * t.element_size()
         i = self._next
         self._next = (i + 1) % len(self._bufs)
-        if self._events[i] is not None:
-            self._events[i].synchronize()          # its last copy has run (normally long ago)
+        if self._events[i] is not None and not self._events[i].query():
+            self._events[i].synchronize()          # its last copy has not run yet (rare)
         buf = self._bufs[i]
         if buf is None or buf.numel() < nbytes:
             size = max(4096, 1 << max(nbytes - 1, 1).bit_length())

@@ -54,8 +54,8 @@ class Policy:
         for key, t in state.items():
             t[rows] = fresh[key]
 
-    def seed_state(self, state: dict, row: int, n: int) -> None:
-        """Row ``row`` (fresh) now holds units in its slots [0, n) that no step has selected yet
+    def seed_state(self, state: dict, row, n: int) -> None:
+        """Row ``row`` (fresh; an int or an int64 tensor of rows) now holds units in its slots [0, n) that no step has selected yet
         (HotBufferState.seed). Default: nothing to change (an order over slots, like LRU's, already
         ranks them; its initial order puts slot 0 at the MRU end)."""
 

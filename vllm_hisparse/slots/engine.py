@@ -78,11 +78,12 @@ class HotBufferState:
         for key, t in self.policy.init_state(1, self.slots, self.slot_unit.device).items():
             self.pstate[key][row] = t[0]
 
-    def seed(self, row: int, n: int) -> None:
+    def seed(self, row, n: int) -> None:
         """An empty row's slots [0, n) hold units [0, n), slot s unit s: the serving runtime's
         floor keeps a request's first S pages in the blocks of its S slots, so at its first step
         through the slots those pages are resident, not misses (core/hot_rows.py). The
-        policy's state treats them as present and never selected (``Policy.seed_state``)."""
+        policy's state treats them as present and never selected (``Policy.seed_state``).
+        row: an int, or an int64 tensor of rows (all seeded alike)."""
         u = torch.arange(n, dtype=torch.int32, device=self.slot_unit.device)
         self.slot_unit[row, :n] = u
         self.unit_slot[row, :n] = u
