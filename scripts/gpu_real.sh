@@ -12,7 +12,7 @@
 #   .whl/PIECES.sha256), then, carrying bundle part 3 (+ installer, SHA256SUMS), wheel piece 2,
 #   .whl/PIECES.sha256 and .whl/gguf-0.19.0-py3-none-any.whl (~53 MB with the tree):
 #         bash scripts/gpu_real.sh run OUT       (stages what it carries; ~4 min: setup, the model,
-#                                                 five engines at once)
+#                                                 six engines at once)
 # OUT/real.tgz: the engines' logs, the CSV; OUT/summary-real.txt: the table.
 set -uo pipefail
 cmd=${1:-}; top=${2:-}
@@ -45,7 +45,8 @@ case "$cmd" in
 import json, os, sys
 d = sys.argv[1]
 print(json.dumps({t: {k: v for k, v in json.load(open(f"{d}/{t}.json")).items() if k != "batches"}
-                  for t in ("resident", "fixed-lru", "elastic-lru", "fixed-crf", "elastic-crf")
+                  for t in ("resident", "fixed-lru", "elastic-lru", "fixed-crf", "elastic-crf",
+                            "elastic-lru-exits")
                   if os.path.exists(f"{d}/{t}.json")}, indent=1))
 EOF
     ;;

@@ -6,6 +6,8 @@ greedy generation (scripts/hisparse_generate.py) with logprobs:
   fixed-lru     the fixed hot buffer (resident_first false), lru
   elastic-lru   the default (resident_first true), lru
   fixed-crf / elastic-crf   the same with the served crf policy
+  elastic-lru-exits   elastic-lru with HISPARSE_WINDOW_EXITS=1 (pages leaving a window copied
+                into hot slots too, core/give_back.py): its misses and its plan's host time
 The CPU version of this comparison (8 prompts of 1.3-2K tokens, 256 outputs) is
 docs/data/elastic-real-cpu/run.py; this one is larger: 16 prompts of 4-7K tokens (license texts
 concatenated in distinct orders), top_k 512, B 2048, 1024 outputs, bf16, CUDA graphs.
@@ -38,7 +40,7 @@ PAGE, TOP_K, B, MAX_LEN = 16, 512, 2048, 8192
 # FULL decode graphs are off (the first H200 run, 2026-12-04: no hot engine finished in 480 s)
 BASE = {"top_k": TOP_K, "device_buffer_size": B, "page_size": PAGE, "dense_layers": [0, 1],
         "dense_pool_gib": 0.5, "host_pool_gib": 4.0, "min_context": 0}
-TAGS = ("resident", "fixed-lru", "elastic-lru", "fixed-crf", "elastic-crf")
+TAGS = ("resident", "fixed-lru", "elastic-lru", "fixed-crf", "elastic-crf", "elastic-lru-exits")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -59,7 +61,7 @@ def capacity_blocks(lengths: list[int]) -> int:
 def engine(tag: str, lengths: list[int]) -> tuple[dict, int]:
     if tag == "resident":
         return dict(BASE, host_tier=False), len(lengths) * cdiv(MAX_LEN, PAGE) + 64
-    kind, policy = tag.split("-")
+    kind, policy = tag.split("-")[:2]
     return dict(BASE, resident_first=kind == "elastic", policy=policy), capacity_blocks(lengths)
 
 
@@ -100,7 +102,9 @@ def run(out: str, tags: list[str]) -> int:
                  "--gpu-memory-utilization", "0.15"])
         log = open(os.path.join(out, f"{tag}.log"), "w")
         procs.append((tag, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                            env=dict(os.environ, HF_HUB_OFFLINE="1"))))
+                                            env=dict(os.environ, HF_HUB_OFFLINE="1",
+                                                     HISPARSE_WINDOW_EXITS=str(
+                                                         int(tag.endswith("-exits")))))))
         print(f"{tag}: {blocks} KV blocks", flush=True)
         if CPU:                                   # one at a time on the CPU
             p = procs[-1][1]
@@ -147,7 +151,10 @@ def write_table(out: str, tags, name: str, extra=lambda d: {}) -> list[dict]:
 
 def table(out: str) -> None:
     write_table(out, TAGS[1:], "real-capacity.csv",
-                lambda d: {"preemptions": d.get("preemptions"), "elapsed_s": round(d["elapsed_s"], 1)})
+                lambda d: {"preemptions": d.get("preemptions"), "elapsed_s": round(d["elapsed_s"], 1),
+                           "inserts": d["stats"].get("inserts"),
+                           "host_ms_plan": d["stats"].get("host_ms_plan"),
+                           "steps": d["stats"].get("steps")})
 
 
 def main(argv: list[str]) -> int:

@@ -173,38 +173,54 @@ def run(a) -> dict:
     if rt is not None:
         ds = max(rt.stats["steps"] - steps0, 1)
         host = {f"{k}_us": (rt._host_s[k] - host0.get(k, 0.0)) * 1e6 / ds for k in rt._host_s}
+    out = {"backend": a.backend, "config": cfg, "input_len": a.input_len, "rows": a.rows,
+           "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "prefill_s": round(prefill_s, 2), "step_wall_ms": step_stats(times),
+           "wall_ms_per_step": wall_ms, "runtime_host_per_step": host, "profiled_steps": 0,
+           "gpu_busy_us_per_step": 0.0, "kernels_per_step": 0.0, "kernels": [], "host_ops": []}
+    _write(a, out)                  # the timing stands even if the profiler fails below
+    try:
+        out.update(_profile(step=lambda: until(min(made.values()) + a.profile_steps),
+                            made=made, cuda=cuda))
+    except Exception as e:          # noqa: BLE001  (recorded: the timing above is still worth having)
+        out["profile_error"] = f"{type(e).__name__}: {e}"
+    for rid in made:
+        eng.abort_request([rid])
+    _write(a, out)
+    print(summary_line(out))
+    return out
+
+
+def _profile(step, made: dict, cuda: bool) -> dict:
+    """profile_steps decode steps (``step`` runs them) under the torch profiler: the tables."""
+    import torch
+
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         torch.cuda.synchronize()
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
         p0 = min(made.values())
-        p1 = until(p0 + a.profile_steps)
+        p1 = step()
         if cuda:
             torch.cuda.synchronize()
     psteps = max(p1 - p0, 1)
     kernels, host_ops = _profiler_events(prof)
-    ktab = kernel_table(kernels, psteps)
     htab = sorted(({"name": n, "calls_per_step": c / psteps, "us_per_step": t / psteps}
                    for n, c, t in host_ops), key=lambda r: -r["us_per_step"])[:TOP_HOST_OPS]
-    for rid in made:
-        eng.abort_request([rid])
-    out = {"backend": a.backend, "config": cfg, "input_len": a.input_len, "rows": a.rows,
-           "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "prefill_s": round(prefill_s, 2), "step_wall_ms": step_stats(times),
-           "wall_ms_per_step": wall_ms, "profiled_steps": psteps,
-           "gpu_busy_us_per_step": union_us([(s, s + d) for _, s, d in kernels]) / psteps,
-           "kernels_per_step": len(kernels) / psteps, "runtime_host_per_step": host,
-           "kernels": ktab, "host_ops": htab}
+    return {"profiled_steps": psteps, "kernels": kernel_table(kernels, psteps), "host_ops": htab,
+            "gpu_busy_us_per_step": union_us([(s, s + d) for _, s, d in kernels]) / psteps,
+            "kernels_per_step": len(kernels) / psteps}
+
+
+def _write(a, out: dict) -> None:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"{a.backend}.json"), "w") as f:
         json.dump(out, f, indent=1)
     with open(os.path.join(a.out, f"{a.backend}-kernels.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["name", "calls_per_step", "us_per_step"])
         w.writeheader()
-        w.writerows(ktab)
-    print(summary_line(out))
-    return out
+        w.writerows(out["kernels"])
 
 
 def summary_line(r: dict) -> str:
@@ -214,7 +230,8 @@ def summary_line(r: dict) -> str:
             f"step (median {s.get('median', 0):.3f}, p10 {s.get('p10', 0):.3f}, p90 "
             f"{s.get('p90', 0):.3f}); GPU busy {r['gpu_busy_us_per_step']:.1f} us and "
             f"{r['kernels_per_step']:.1f} kernels a step (profiled {r['profiled_steps']}); "
-            f"runtime host us a step: {h or '-'}")
+            f"runtime host us a step: {h or '-'}"
+            + (f"; profile failed: {r['profile_error']}" if r.get("profile_error") else ""))
 
 
 def show_diff(pa: str, pb: str, top: int = 25) -> list[dict]:
