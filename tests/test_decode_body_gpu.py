@@ -10,6 +10,7 @@ import torch
 from test_sparse_runtime_exact import Driver
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import give_back
+from vllm_hisparse.core.hot_rows import HotRows
 
 pytestmark = [pytest.mark.cuda, pytest.mark.ext]
 
@@ -142,23 +143,28 @@ def test_spill_inserts_replayed_equal_eager_and_resident():
         assert torch.equal(a, c), f"step/layer {i}: hisparse differs from resident"
 
 
-def test_inserts_never_wait_for_the_gpu(monkeypatch):
-    """The plan's inserts (spills, and window exits with HISPARSE_WINDOW_EXITS=1) run under
-    torch's sync debug mode set to error: nothing in them waits for the GPU."""
+def test_inserts_and_row_resets_never_wait_for_the_gpu(monkeypatch):
+    """The plan's inserts (spills, and window exits with HISPARSE_WINDOW_EXITS=1) and a row's
+    reset and seeding over every layer (core/hot_rows.py) run under torch's sync debug mode set to
+    error: nothing in them waits for the GPU."""
     monkeypatch.setattr(give_back, "WINDOW_EXITS", True)
-    real, calls = give_back.insert, []
+    calls = []
 
-    def strict(rt, steps, bt):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            real(rt, steps, bt)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        calls.append(len(steps))
+    def strict(fn, name):
+        def run(*a, **k):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                calls.append(name)
+        return run
 
-    monkeypatch.setattr(give_back, "insert", strict)
+    monkeypatch.setattr(give_back, "insert", strict(give_back.insert, "insert"))
+    monkeypatch.setattr(HotRows, "reset", strict(HotRows.reset, "reset"))
+    monkeypatch.setattr(HotRows, "step", strict(HotRows.step, "step"))
     _, stats = run_spills(GraphDriver, True)
-    assert stats["inserts"] > 0 and calls
+    assert stats["inserts"] > 0 and {"insert", "reset", "step"} <= set(calls)
 
 
 def run_stock(cls, decode_fn):

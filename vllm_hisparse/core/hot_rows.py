@@ -50,7 +50,10 @@ class HotRows(list):
         return base[:, None] + rows.to(torch.int64)[None, :]
 
     def _all(self, row: int) -> torch.Tensor:
-        return self.stacked_rows(torch.tensor([row], device=self.stacked.slot_unit.device))[:, 0]
+        """The stacked rows of one row in every hot layer (built on the device: a host tensor
+        copied there would wait for the GPU)."""
+        dev = self.stacked.slot_unit.device
+        return torch.arange(len(self.layers), dtype=torch.int64, device=dev) * self.rows + row
 
     def reset(self, row: int) -> None:
         """Empty the row in every layer (a request starts, or restarts from token 0)."""
