@@ -107,3 +107,14 @@ def test_unknown_window_exits_value_names_the_variable(monkeypatch):
     monkeypatch.setenv("HISPARSE_WINDOW_EXITS", "yes")
     with pytest.raises(ValueError, match="HISPARSE_WINDOW_EXITS='yes'"):
         give_back._window_exits()
+
+
+def test_spills_with_no_sparse_layer_insert_nothing(exits_on):
+    """Every layer dense (a dense pool holds them): spills and window exits have no hot slots to
+    fill; the runtime runs and equals resident mode."""
+    kw = dict(dense_layers=(0, 1, 2), dense_pool_gib=0.001)
+    out, stats = ex.run(True, resident_first=True, spills=ex.PARTIAL, **kw)
+    res, _ = ex.run(False, **kw)
+    assert stats["spills"] > 0 and stats["inserts"] == 0
+    for i, (a, b) in enumerate(zip(out, res, strict=True)):
+        assert torch.equal(a, b), f"step/layer {i} differs"

@@ -1,7 +1,7 @@
 """Where a decode step's time goes, per backend: one vLLM engine in this process, ``--rows`` prompts
 of ``--input-len`` tokens, then decode steps, first timed (wall ms a step, no profiler), then a
-window of them under the torch profiler: every GPU kernel (those a CUDA graph replays included) by
-name with its count and µs a step, the GPU's busy time a step (the union of the kernels'
+window of them under the torch profiler: every GPU activity CUPTI records (kernels, those a CUDA
+graph replays included, and memcpy / memset) by name with its count and µs a step, the GPU's busy time a step (the union of the kernels'
 intervals), the host's top ops, and the hisparse runtime's host time a step (plan, layers). ``diff``
 lines two runs up kernel by kernel, largest difference first: what one backend's step does that the
 other's does not.
@@ -103,7 +103,7 @@ def _engine(a, cfg: dict | None):
 
     register()
     cuda = torch.cuda.is_available()
-    mml = a.input_len + a.warm_steps + a.steps + a.profile_steps + 16
+    mml = a.input_len + a.warm_steps + a.steps + a.profile_steps + 32
     sizes = [1 << i for i in range(0, 10) if (1 << i) < 2 * a.rows]
     kw = dict(max_model_len=mml, max_num_seqs=a.rows, seed=0, skip_tokenizer_init=True,
               load_format=a.load_format, gpu_memory_utilization=a.gpu_memory_utilization,
@@ -134,7 +134,7 @@ def run(a) -> dict:
     eng = llm.llm_engine
     vocab = json.load(open(os.path.join(a.model, "config.json"))).get("vocab_size", 32000)
     rng = random.Random(0)
-    total = a.warm_steps + a.steps + a.profile_steps + 4
+    total = a.warm_steps + a.steps + a.profile_steps + 16     # slack: rows finish after the window
     sp = SamplingParams(max_tokens=total, ignore_eos=True, temperature=0.0)
     for i in range(a.rows):
         ids = [rng.randrange(min(1000, vocab // 4), vocab - 1) for _ in range(a.input_len)]
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     d.add_argument("--csv", default=None, help="write the whole joined table here")
     a = p.parse_args(argv)
     if a.cmd == "run":
-        for name in ("rows", "steps", "profile-steps", "input-len"):
+        for name in ("rows", "steps", "profile-steps", "input-len", "warm-steps"):
             if getattr(a, name.replace("-", "_")) < 1:
                 p.error(f"--{name} must be at least 1")
         run(a)

@@ -139,8 +139,8 @@ def insert(rt, steps: list, block_table: torch.Tensor | None) -> None:
     number: ``GiveBack.inserts``). No host sync."""
     ex = exits(rt, steps)
     sp = rt.given_back.spills(rt, steps)
-    if (not ex and not sp) or block_table is None:
-        return
+    if (not ex and not sp) or block_table is None or not rt.hot.layers:
+        return                                    # (no layer with hot slots: nothing to keep)
     bt = block_table.to(rt.device).long()
     nL = len(rt.hot.layers)
     if ex:                         # one selection row per batch row: its exits, -1 padded
