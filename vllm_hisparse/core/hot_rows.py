@@ -30,6 +30,7 @@ class HotRows(list):
         self.layers = sorted(hot_layers)
         self.layer_ids = torch.tensor(self.layers, dtype=torch.int64, device=device)
         self.rows = rows
+        self._base = torch.arange(len(self.layers), dtype=torch.int64, device=device) * rows
         self.stacked = None
         states: list = [None] * num_layers
         if self.layers:
@@ -43,23 +44,19 @@ class HotRows(list):
         super().__init__(states)
         self._seeded: set[int] = set()
 
-    def stacked_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """(len(layers), E) int64: the stacked state's row of each of ``rows`` (E,) in each hot
-        layer, in ``layers`` order."""
-        base = torch.arange(len(self.layers), dtype=torch.int64, device=rows.device) * self.rows
-        return base[:, None] + rows.to(torch.int64)[None, :]
-
-    def _all(self, row: int) -> torch.Tensor:
-        """The stacked rows of one row in every hot layer (built on the device: a host tensor
-        copied there would wait for the GPU)."""
-        dev = self.stacked.slot_unit.device
-        return torch.arange(len(self.layers), dtype=torch.int64, device=dev) * self.rows + row
+    def stacked_rows(self, rows) -> torch.Tensor:
+        """The stacked state's rows of ``rows`` in each hot layer, in ``layers`` order: (len(layers),
+        E) int64 for a device tensor of rows (E,), (len(layers),) for one row (an int). Built on the
+        device: a host tensor copied there would wait for the GPU."""
+        if isinstance(rows, int):
+            return self._base + rows
+        return self._base[:, None] + rows.to(torch.int64)[None, :]
 
     def reset(self, row: int) -> None:
         """Empty the row in every layer (a request starts, or restarts from token 0)."""
         self._seeded.discard(row)
         if self.stacked is not None:
-            self.stacked.reset_rows(self._all(row))
+            self.stacked.reset_rows(self.stacked_rows(row))
 
     def step(self, row: int, freed: tuple[int, int]) -> None:
         """The row's step with given-back pages ``freed`` (residency.freed_pages): at its first
@@ -67,4 +64,4 @@ class HotRows(list):
         if freed[1] <= freed[0] or row in self._seeded or self.stacked is None:
             return
         self._seeded.add(row)
-        self.stacked.seed(self._all(row), self.stacked.slots)
+        self.stacked.seed(self.stacked_rows(row), self.stacked.slots)

@@ -46,7 +46,11 @@ class CRF(Policy):
         return {"value": torch.full((rows, slots), -1, dtype=torch.int32, device=device)}
 
     def seed_state(self, state, row, n):
-        state["value"][row, :n] = 0          # present, never selected: the lowest occupied value
+        v = state["value"][:, :n]            # present, never selected: the lowest occupied value
+        if isinstance(row, torch.Tensor):    # (``v[rows] = 0`` would wait for the GPU)
+            v.index_fill_(0, row, 0)
+        else:
+            v[row] = 0
 
     def evict_order(self, state, rows, slot_unit, step):
         return torch.argsort(state["value"][rows], dim=1, stable=True)

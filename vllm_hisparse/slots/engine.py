@@ -94,8 +94,8 @@ class HotBufferState:
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self.slot_unit.device)
         if len(rows) == 0:
             return
-        self.slot_unit[rows] = -1
-        self.unit_slot[rows] = -1
+        self.slot_unit.index_fill_(0, rows, -1)      # (``x[rows] = -1`` copies the -1 to the
+        self.unit_slot.index_fill_(0, rows, -1)      # device first: a wait for the GPU)
         if self.pstate:
             self.policy.reset_rows(self.pstate, rows)
 
@@ -158,7 +158,7 @@ def resolve(state: HotBufferState, selection: torch.Tensor, rows: torch.Tensor |
         keep.scatter_(1, torch.where(valid, locs, S), True)
         drop = ~keep[:, :S] & (su[:, :S] >= 0)
         pt.scatter_(1, torch.where(drop, su[:, :S].long(), U), -1)
-        su[:, :S][drop] = -1
+        su[:, :S].masked_fill_(drop, -1)                         # (a mask index would sync)
     state.unit_slot[rows] = pt[:, :U]
     state.slot_unit[rows] = su[:, :S]
     state.policy.update(state.pstate, StepInfo(sel.to(torch.int32), locs, hit, miss, rows, scores, step))
