@@ -173,7 +173,7 @@ case "$part" in
       echo "== $b rc=$?: $(grep -E '^[a-z]+: ' "$out/run-$b.log" | tail -1)"
       if [ -z "$first" ]; then first=$b; continue; fi
       python3 -m vllm_hisparse.bench.step_profile diff "$out/$first.json" "$out/$b.json" \
-        --csv "$out/diff-$first-$b.csv" | head -40
+        --csv "$out/diff-$first-$b.csv" --top 15      # (not `| head`: the pipe's close killed it)
     done ;;
   *) echo "part: kernels, exact, exact2, cap, paper, reasoning, 4k, 32k1 or profile" >&2; exit 2 ;;
 esac
