@@ -25,7 +25,7 @@
 #                                            # BACKENDS=stock,elastic for two)
 #   bash scripts/gpu_session.sh OUT profile  # 32K / 1 row (ROWS=, INPUT_LEN=): a decode step's kernels,
 #       GPU busy time and host time per backend (BACKENDS=resident,elastic), each diffed against the
-#       first (bench.step_profile; ~2.5 min a backend)
+#       first (bench.step_profile; ~2.5 min a backend; MLP=N: the MLP's width N, a shorter step)
 set -uo pipefail
 top=$1; part=$2
 out=/tmp/gs/$part                                      # logs, CSVs: tarred into top at the end
@@ -163,6 +163,10 @@ case "$part" in
     # wall ms a step over STEPS steps, then PSTEPS steps under the torch profiler (kernels a step,
     # GPU busy time, the runtime's host time); each hisparse backend diffed against the first one
     python3 -m vllm_hisparse.bench.model_shapes llama3-8b models/llama3-8b-bench > /dev/null
+    # MLP=N: the MLP's intermediate size set to N (a shorter GPU step: does the host's per-step
+    # work, hidden behind a whole Llama-3-8B step, show once the GPU runs out of work sooner?)
+    [ -n "${MLP:-}" ] && python3 -c "import json, sys; p = 'models/llama3-8b-bench/config.json'; \
+c = json.load(open(p)); c['intermediate_size'] = int(sys.argv[1]); json.dump(c, open(p, 'w'))" "$MLP"
     first=
     for b in $(echo ${BACKENDS:-resident,elastic} | tr , ' '); do
       timeout -k 20 ${PLIMIT:-240} python3 -m vllm_hisparse.bench.step_profile run \
