@@ -52,6 +52,22 @@ def test_diff_joins_by_name_with_missing_as_zero():
     assert [r["name"] for r in sp.diff(a, b)] == ["z", "y", "x"]
 
 
+def test_slow_steps_finds_injected_spikes():
+    """Spikes injected every 16th step (from step 5) into noisy times are found with their
+    period; the extra share is recounted from the spikes' own sizes."""
+    rng = random.Random(1)
+    times = [3.0 + rng.uniform(-0.1, 0.1) for _ in range(200)]
+    spikes = list(range(5, 200, 16))
+    for i in spikes:
+        times[i] += 1.5
+    r = sp.slow_steps(times)
+    assert r["count"] == len(spikes) and r["indices"] == spikes and r["gaps"] == [16]
+    med = sorted(times)[100] / 2 + sorted(times)[99] / 2
+    want = sum(times[i] - med for i in spikes) / sum(times)
+    assert abs(r["extra_share"] - want) < 1e-12
+    assert sp.slow_steps([]) == {} and sp.slow_steps([1.0] * 10)["count"] == 0
+
+
 def test_step_stats():
     st = sp.step_stats([float(x) for x in range(1, 11)])
     assert (st["n"], st["median"], st["mean"], st["p10"], st["p90"]) == (10, 5.5, 5.5, 2.0, 10.0)

@@ -83,6 +83,20 @@ def step_stats(times_ms: list[float]) -> dict:
             "p10": pick(0.1), "p90": pick(0.9)}
 
 
+def slow_steps(times_ms: list[float], factor: float = 1.25) -> dict:
+    """The steps slower than ``factor`` x the median: how many, their indices in the timed window,
+    the share of the window's time they take beyond the median, and the gaps between them (a
+    period, e.g. the page size, names what they wait for)."""
+    if not times_ms:
+        return {}
+    med = statistics.median(times_ms)
+    idx = [i for i, t in enumerate(times_ms) if t > factor * med]
+    extra = sum(times_ms[i] - med for i in idx)
+    return {"factor": factor, "count": len(idx), "indices": idx[:64],
+            "extra_share": extra / sum(times_ms),
+            "gaps": sorted({b - a for a, b in zip(idx, idx[1:])})[:16]}
+
+
 # ---- the engine run ----------------------------------------------------------------------------
 def _profiler_events(prof) -> tuple[list, list]:
     """(kernel events (name, start, dur) µs, host ops table rows) of a finished torch profiler."""
@@ -176,6 +190,7 @@ def run(a) -> dict:
     out = {"backend": a.backend, "config": cfg, "input_len": a.input_len, "rows": a.rows,
            "device": torch.cuda.get_device_name() if cuda else "cpu",
            "prefill_s": round(prefill_s, 2), "step_wall_ms": step_stats(times),
+           "step_walls_ms": [round(t, 4) for t in times], "slow_steps": slow_steps(times),
            "wall_ms_per_step": wall_ms, "runtime_host_per_step": host, "profiled_steps": 0,
            "gpu_busy_us_per_step": 0.0, "kernels_per_step": 0.0, "kernels": [], "host_ops": []}
     _write(a, out)                  # the timing stands even if the profiler fails below
@@ -231,6 +246,8 @@ def summary_line(r: dict) -> str:
             f"{s.get('p90', 0):.3f}); GPU busy {r['gpu_busy_us_per_step']:.1f} us and "
             f"{r['kernels_per_step']:.1f} kernels a step (profiled {r['profiled_steps']}); "
             f"runtime host us a step: {h or '-'}"
+            + (f"; {sl['count']} steps over {sl['factor']}x the median ({100 * sl['extra_share']:.1f}% "
+               f"of the time), gaps {sl['gaps'][:6]}" if (sl := r.get("slow_steps")) else "")
             + (f"; profile failed: {r['profile_error']}" if r.get("profile_error") else ""))
 
 
