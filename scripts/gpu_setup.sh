@@ -25,4 +25,6 @@ printf 'Metadata-Version: 2.1\nName: vllm-hisparse\nVersion: 0.1.0\n' > "$d/META
 printf '[vllm.general_plugins]\nhisparse = vllm_hisparse.vllm.plugin:register\n\n[vllm.stat_logger_plugins]\nhisparse_steps = vllm_hisparse.vllm.step_log:StepLogger\n' > "$d/entry_points.txt"
 python3 -c "from vllm_hisparse.ops import kernels as k; assert k.available(), k.import_error(); print('extension ok')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee "$out/commit.txt" || true
+# the box's git metadata may be older than the carried tree: say how many files differ from it
+{ c=$(git rev-parse --short HEAD 2>/dev/null) && n=$(git status --porcelain 2>/dev/null | wc -l) \
+  && echo "$c$([ "$n" -gt 0 ] && echo " + $n files changed since")"; } | tee "$out/commit.txt" || true
