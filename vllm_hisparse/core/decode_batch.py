@@ -58,6 +58,7 @@ class DecodeBatch:
         self.flags = dict.fromkeys(KINDS, False)
         self.steps: list = []                         # core.step_plan.ReqStep of rows 0..n-1
         self.freed: list = []                         # dense layers read these rows from the host
+        self.host_meta = None                         # meta's host copy (core/steady_step.py)
 
     def field(self, name: str) -> torch.Tensor:
         return self._f[name]
@@ -119,9 +120,21 @@ def fill(rt, db: DecodeBatch, steps: list, host_pages: dict) -> None:
                            f"({sorted(ir.tolist())}); every sparse request must own its row")
     on = [bool(F[_KIND_OF[c]].any()) for c in KINDS]
     rt.h2d(m.reshape(-1), out=db.meta)
+    db.host_meta = m
     if rt.decode_fn is not None:
         rt.h2d(F["seq"], out=db.seq32)
     # the host's flags of an all-padding batch (vLLM's warm-up and capture runs) are all set: its
     # rows are inert, but an eager run then compiles every kernel before a capture records it
     db.flags = {c: n == 0 or f for c, f in zip(KINDS, on)}
     db.steps, db.freed = list(steps), freed
+
+
+def row_counts(steps: list, P: int) -> dict:
+    """The runtime's row counts of a decode batch of one-token rows ``steps`` (P: page size):
+    sparse rows; dense ones past their prompt's start; sparse rows with every page on the GPU
+    (block table, no misses) and with some of them (the rest go through hot slots)."""
+    sp = [s for s in steps if s.sparse]
+    return {"decode_rows": len(sp),
+            "dense_decode_rows": sum(not s.sparse and s.start > 0 for s in steps),
+            "resident_rows": sum(s.freed[1] <= s.freed[0] for s in sp),
+            "partial_rows": sum(s.freed[0] < s.freed[1] < (s.seq_len - 1) // P for s in sp)}

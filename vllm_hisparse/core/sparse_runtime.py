@@ -2,15 +2,13 @@
 
 It owns the host KV pool (the authoritative copy of every sparse request), the indexer (the
 selection state of ``cfg.indexer``, core/indexers) and the per-layer hot-slot state, keyed by
-*runtime rows* (one per live request). The adapter tells it about requests (``add`` / ``finish``), builds one ``StepPlan`` per step from the batch
-(block table, sequence lengths, query ranges) and calls ``forward_layer`` for every attention
-layer. Everything per step is decided in ``plan``; ``forward_layer`` only does the layer's work.
-The rows with one query token of a step form its decode batch (core/decode_batch.py), whose layers
+*runtime rows* (one per live request). The adapter tells it about requests (``add`` / ``finish``),
+builds one ``StepPlan`` per step (``plan``: all host work) and calls ``forward_layer`` for every
+attention layer. A step's one-token rows form its decode batch (core/decode_batch.py), whose layers
 run core/decode_body.py; a uniform decode step is planned by ``plan_full`` for vLLM's FULL CUDA
-graph of its padded size and its layers run ``full_layer`` (recorded once, then replayed).
-
-With ``cfg.trace_dir`` set, every sparse layer's selection of every decode row goes to a per-request
-trace (core/decode_trace.py; one host copy per layer: a measurement mode, not a serving mode).
+graph of its padded size (core/steady_step.py: most as the previous step plus a token) and its
+layers run ``full_layer``. ``cfg.trace_dir``: every sparse layer's selection of every decode row
+goes to a per-request trace (core/decode_trace.py; a measurement mode, not a serving mode).
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ import torch
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import decode_body, dense_groups, gpu_pools, indexers, prefill
 from vllm_hisparse.core import sparse_layer as sl
-from vllm_hisparse.core.decode_batch import DecodeBatch, fill
+from vllm_hisparse.core.decode_batch import DecodeBatch, fill, row_counts
 from vllm_hisparse.core.decode_trace import DecodeTrace
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.hot_rows import HotRows
@@ -30,6 +28,7 @@ from vllm_hisparse.core.page_table import DevicePageTable
 from vllm_hisparse.core import give_back, runtime_stats
 from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
+from vllm_hisparse.core.steady_step import SteadyStep
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
 from vllm_hisparse.core.turn_sparse import Switch, copy_context
 
@@ -91,6 +90,7 @@ class SparseRuntime:
                            if cfg.host_tier and self.sparse_possible else [],
                            max_rows + 1, self.S, self.U, cfg.policy, self.device)
         self.given_back = give_back.GiveBack()
+        self.steady = SteadyStep()               # plans of steady decode steps
         self.host_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)  # host page of each
         # Dense layers of sparse requests: every page in a GPU pool of their own (cfg.dense_pool_gib),
         # attended with the pool's page table; without it they read given-back pages from the host.
@@ -115,7 +115,8 @@ class SparseRuntime:
         self._kv: list[torch.Tensor | None] = [None] * num_layers    # bind_kv_caches
         self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
                       "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0,
-                      "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0}
+                      "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0,
+                      "steady_steps": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -165,6 +166,7 @@ class SparseRuntime:
         self.stats["shrinks"] += 1
         self.given_back.spill(req_id, r.keep)
         r.keep = keep
+        self.steady.forget()
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         """The paged KV cache of every layer (layer i: (blocks, 2, P, Hkv, D)), the tensors the
@@ -237,6 +239,7 @@ class SparseRuntime:
         """req_ids: the B requests in row order; query_start_loc: B+1 token offsets; seq_lens: B
         lengths with this step's tokens; block_table (B, W); slot_mapping (T,). All host work is
         here, once per step (forward_layer syncs nothing); one-token rows form the decode batch."""
+        self.steady.forget()
         steps, pages = self._req_steps(req_ids, query_start_loc, seq_lens, block_table)
         dec = [s for s in steps if s.t1 - s.t0 == 1]
         plan = prefill.plan(self, [s for s in steps if s.t1 - s.t0 > 1], block_table,
@@ -255,9 +258,11 @@ class SparseRuntime:
         (0..n-1, padding after them), N >= n its padded size; block_table (>= n, W) int32 on the
         device, read only when a request turns sparse. Fills decode batch N for full_layer."""
         t0 = time.perf_counter()
-        steps, pages = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens,
-                                       block_table)
-        self._fill_batch(steps, pages, N)
+        if not self.steady.advance(self, req_ids, seq_lens, self._batch(N)):
+            steps, pages = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens,
+                                           block_table)
+            self._fill_batch(steps, pages, N)
+            self.steady.remember(self, self._batch(N), req_ids, seq_lens, steps)
         self.stats["steps"] += 1
         self.stats["full_steps"] += 1
         self._host_s["plan"] += time.perf_counter() - t0
@@ -296,12 +301,8 @@ class SparseRuntime:
         self.given_back.decoded(db, dec)
         if self.trace is not None:
             self.trace.number_steps(db)
-        self.stats["decode_rows"] += sum(s.sparse for s in dec)
-        self.stats["dense_decode_rows"] += sum(not s.sparse and s.start > 0 for s in dec)
-        # sparse rows with every page on the GPU (block table, no misses); with some of them
-        self.stats["resident_rows"] += sum(s.sparse and s.freed[1] <= s.freed[0] for s in dec)
-        self.stats["partial_rows"] += sum(                # (the rest: hot slots)
-            s.sparse and s.freed[0] < s.freed[1] < (s.seq_len - 1) // self.P for s in dec)
+        for k, v in row_counts(dec, self.P).items():
+            self.stats[k] += v
         return db
 
     def _batch(self, N: int) -> DecodeBatch:
