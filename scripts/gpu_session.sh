@@ -25,7 +25,8 @@
 #                                            # BACKENDS=stock,elastic for two)
 #   bash scripts/gpu_session.sh OUT profile  # 32K / 1 row (ROWS=, INPUT_LEN=): a decode step's kernels,
 #       GPU busy time and host time per backend (BACKENDS=resident,elastic), each diffed against the
-#       first (bench.step_profile; ~2.5 min a backend; MLP=N: the MLP's width N, a shorter step)
+#       first (bench.step_profile; ~2.5 min a backend; MLP=N: the MLP's width N, a shorter step;
+#       PFLAGS=--log-stats: vLLM's per-step stats on, as in a server)
 set -uo pipefail
 top=$1; part=$2
 out=/tmp/gs/$part                                      # logs, CSVs: tarred into top at the end
@@ -48,6 +49,8 @@ engine() {
     $mode $ex/$pair > $ex/$pair/$mode.out 2>&1
   echo "== $pair $mode exit $? (124: stopped at EXACT_LIMIT)"
 }
+# the 32K / 1 runs' hisparse config (HISPARSE='{...}' replaces it in 32k1 and profile)
+cfg32k='{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}'
 case "$part" in
   kernels)
     # KTESTS / KBENCH: other test files / bench cases (a shorter call)
@@ -157,7 +160,7 @@ case "$part" in
   32k1)
     SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
       --rounds ${ROUNDS:-1} --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic,hisparse} --concurrency 1 \
-      --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' ;;
+      --hisparse "${HISPARSE:-$cfg32k}" ;;
   profile)
     # where a decode step's time goes, backend by backend, in one process each (bench.step_profile):
     # wall ms a step over STEPS steps, then PSTEPS steps under the torch profiler (kernels a step,
@@ -172,8 +175,7 @@ c = json.load(open(p)); c['intermediate_size'] = int(sys.argv[1]); json.dump(c, 
       timeout -k 20 ${PLIMIT:-240} python3 -m vllm_hisparse.bench.step_profile run \
         --model models/llama3-8b-bench --backend $b --input-len ${INPUT_LEN:-32768} \
         --rows ${ROWS:-1} --steps ${STEPS:-200} --profile-steps ${PSTEPS:-30} \
-        --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' \
-        --out "$out" > "$out/run-$b.log" 2>&1
+        --hisparse "${HISPARSE:-$cfg32k}" ${PFLAGS:-} --out "$out" > "$out/run-$b.log" 2>&1
       echo "== $b rc=$?: $(grep -E '^[a-z]+: ' "$out/run-$b.log" | tail -1)"
       if [ -z "$first" ]; then first=$b; continue; fi
       python3 -m vllm_hisparse.bench.step_profile diff "$out/$first.json" "$out/$b.json" \

@@ -88,7 +88,9 @@ def test_cpu_engine_run_and_diff(tmp_path):
         subprocess.run([sys.executable, "-m", "vllm_hisparse.bench.step_profile", "run", "--model",
                         model, "--backend", backend, "--hisparse", cfg, "--input-len", "300",
                         "--rows", "2", "--warm-steps", "2", "--steps", "4", "--profile-steps", "3",
-                        "--dtype", "float32", "--out", str(out)], check=True, env=env, timeout=600)
+                        "--dtype", "float32", "--out", str(out)]
+                       + (["--log-stats"] if backend == "elastic" else []),   # as a server runs
+                       check=True, env=env, timeout=600)
     stock, el = (json.load(open(out / f"{b}.json")) for b in ("stock", "elastic"))
     for r in (stock, el):
         assert r["profiled_steps"] >= 3 and r["step_wall_ms"]["n"] >= 1
@@ -96,6 +98,7 @@ def test_cpu_engine_run_and_diff(tmp_path):
         assert r["kernels"] == [] and r["gpu_busy_us_per_step"] == 0     # no CUDA here
     assert stock["runtime_host_per_step"] == {} and stock["config"] is None
     assert el["config"]["resident_first"] is True
+    assert el["log_stats"] is True and stock["log_stats"] is False
     host = el["runtime_host_per_step"]
     assert host["plan_us"] > 0
     assert host["dense_layers_us"] + host["sparse_layers_us"] + host["full_layers_us"] > 0

@@ -11,7 +11,8 @@ other's does not.
         --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' --out OUT
     python -m vllm_hisparse.bench.step_profile diff OUT/resident.json OUT/elastic.json
 
-Backends as ``bench.serving`` (stock, resident, hisparse, elastic). ``run`` writes OUT/BACKEND.json
+Backends as ``bench.serving`` (stock, resident, hisparse, elastic). ``--log-stats``: vLLM's per-step
+stats on (the connector's reports among them), as a server has them; off by default, as in ``LLM``. ``run`` writes OUT/BACKEND.json
 (summary and tables) and OUT/BACKEND-kernels.csv. On a machine without CUDA the kernel table is
 empty and the host table (CPU ops, self time) is what there is.
 """
@@ -121,7 +122,7 @@ def _engine(a, cfg: dict | None):
     sizes = [1 << i for i in range(0, 10) if (1 << i) < 2 * a.rows]
     kw = dict(max_model_len=mml, max_num_seqs=a.rows, seed=0, skip_tokenizer_init=True,
               load_format=a.load_format, gpu_memory_utilization=a.gpu_memory_utilization,
-              enforce_eager=not cuda, dtype=a.dtype)
+              enforce_eager=not cuda, dtype=a.dtype, disable_log_stats=not a.log_stats)
     if a.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     if cuda:
@@ -188,6 +189,7 @@ def run(a) -> dict:
         ds = max(rt.stats["steps"] - steps0, 1)
         host = {f"{k}_us": (rt._host_s[k] - host0.get(k, 0.0)) * 1e6 / ds for k in rt._host_s}
     out = {"backend": a.backend, "config": cfg, "input_len": a.input_len, "rows": a.rows,
+           "log_stats": a.log_stats,
            "device": torch.cuda.get_device_name() if cuda else "cpu",
            "prefill_s": round(prefill_s, 2), "step_wall_ms": step_stats(times),
            "step_walls_ms": [round(t, 4) for t in times], "slow_steps": slow_steps(times),
@@ -284,6 +286,8 @@ def main(argv=None) -> int:
     r.add_argument("--dtype", default="auto")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     r.add_argument("--max-num-batched-tokens", type=int, default=None)
+    r.add_argument("--log-stats", action="store_true",
+                   help="vLLM's per-step stats on, as a server has them (the connector's reports)")
     r.add_argument("--out", default="out/step_profile")
     d = sub.add_parser("diff", help="two runs' tables side by side")
     d.add_argument("a")
