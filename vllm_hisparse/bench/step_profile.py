@@ -12,9 +12,9 @@ other's does not.
     python -m vllm_hisparse.bench.step_profile diff OUT/resident.json OUT/elastic.json
 
 Backends as ``bench.serving`` (stock, resident, hisparse, elastic). ``--log-stats``: vLLM's per-step
-stats on (the connector's reports among them), as a server has them; off by default, as in ``LLM``. ``run`` writes OUT/BACKEND.json
-(summary and tables) and OUT/BACKEND-kernels.csv. On a machine without CUDA the kernel table is
-empty and the host table (CPU ops, self time) is what there is.
+stats on (the connector's reports among them), as a server has them; off by default, as in ``LLM``.
+``run`` writes OUT/BACKEND.json (summary and tables) and OUT/BACKEND-kernels.csv. On a machine
+without CUDA the kernel table is empty and the host table (CPU ops, self time) is what there is.
 """
 from __future__ import annotations
 
