@@ -27,20 +27,16 @@ against the misses they save (docs/cache-policies.md: -6% misses more on the CPU
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from vllm_hisparse.core.knobs import env_flag
 from vllm_hisparse.core.residency import freed_pages
 from vllm_hisparse.slots import resolve
 
 
 def _window_exits() -> bool:
-    v = os.environ.get("HISPARSE_WINDOW_EXITS", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"HISPARSE_WINDOW_EXITS={v!r}: use 1 (copy each page leaving a window "
-                         f"into a hot slot) or 0 (the default)")
-    return v == "1"
+    return env_flag("HISPARSE_WINDOW_EXITS", False,
+                    "copy each page leaving a window into a hot slot", "leave it to the host pool")
 
 
 WINDOW_EXITS = _window_exits()

@@ -18,11 +18,10 @@ bytes step by step. ``HISPARSE_STEADY_PLAN=0`` turns it off (an A/B knob).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from vllm_hisparse.core import give_back
+from vllm_hisparse.core.knobs import env_flag
 from vllm_hisparse.core.decode_batch import FIELDS, row_counts
 
 LENGTHS = [FIELDS.index(f) for f in ("seq", "sp_seq", "dn_seq", "dl_seq", "pool_seq")]
@@ -30,11 +29,8 @@ I_UNIT, IROW = FIELDS.index("i_unit"), FIELDS.index("irow")
 
 
 def _enabled() -> bool:
-    v = os.environ.get("HISPARSE_STEADY_PLAN", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"HISPARSE_STEADY_PLAN={v!r}: use 1 (plan a steady decode step as the "
-                         f"previous one plus a token, the default) or 0 (always the full plan)")
-    return v == "1"
+    return env_flag("HISPARSE_STEADY_PLAN", True,
+                    "plan a steady decode step as the previous one plus a token", "always in full")
 
 
 class _Last:
