@@ -6,15 +6,18 @@ Then nothing the full plan decides can change: no host or dense-pool page is han
 slides (``residency.freed_pages`` moves only when a page completes), no hot-slot state is seeded
 or reset, nothing is inserted, no request turns sparse. The decode batch (core/decode_batch.py)
 differs from the previous one only in its length fields (``seq``, ``sp_seq``, ``dn_seq``,
-``dl_seq``, ``pool_seq``: a row's seq or 0) and the indexer's unit of the new token, so
-``SteadyStep.advance`` rewrites those in the host copy of the batch and sends it with the one
-host->device copy: no per-request bookkeeping and no batch assembly. Anything else — a page
-boundary, a spill since the last plan, a new batch, a trace, window exits, the host read-back of
-dense layers — returns False and the runtime runs its full plan, which records the batch again.
+``dl_seq``, ``pool_seq``: a row's seq or 0), so ``SteadyStep.advance`` adds one to those in the
+host copy of the batch and sends it with the one host->device copy: no per-request bookkeeping and
+no batch assembly. (The indexer's unit of the new token moves only at a page's end for a page
+indexer; a token indexer's moves every step, so such a runtime always plans in full.) Anything
+else — a page boundary, a spill since the last plan, a new batch, a trace, window exits, the host
+read-back of dense layers — returns False and the runtime runs its full plan, which records the
+batch again.
 
-The plan's host time is exposed whenever the host, not the GPU, bounds the step (one long request
-on an H200: docs/gpu-results.md); tests/test_steady_step.py checks that both plans send the same
-bytes step by step. ``HISPARSE_STEADY_PLAN=0`` turns it off (an A/B knob).
+On the H200 box it takes one 32K row's plan from 105 to 42 µs of host time (resident mode) and
+from 120 to 58 µs (elastic), medians (docs/gpu-results.md, tenth session); the host time shows in
+a step whenever the host, not the GPU, bounds it. tests/test_steady_step.py checks that both plans
+send the same bytes step by step. ``HISPARSE_STEADY_PLAN=0`` turns it off (an A/B knob).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from vllm_hisparse.core.knobs import env_flag
 from vllm_hisparse.core.decode_batch import FIELDS, row_counts
 
 LENGTHS = [FIELDS.index(f) for f in ("seq", "sp_seq", "dn_seq", "dl_seq", "pool_seq")]
-I_UNIT, IROW = FIELDS.index("i_unit"), FIELDS.index("irow")
+SEQ = FIELDS.index("seq")
 
 
 def _enabled() -> bool:
@@ -35,18 +38,16 @@ def _enabled() -> bool:
 
 class _Last:
     """The last FULL-graph step planned: its batch, requests and lengths, the positions in the
-    batch's host copy that grow by one each step, the sparse rows whose indexer unit is asked
-    again (token indexers), the dense rows, and the row counts each step adds to the stats."""
-    __slots__ = ("db", "flat", "req_ids", "seq_lens", "grow", "units", "dense", "counts")
+    batch's host copy that grow by one each step, the dense rows, and the row counts each step
+    adds to the stats."""
+    __slots__ = ("db", "flat", "req_ids", "seq_lens", "grow", "dense", "counts")
 
-    def __init__(self, db, req_ids, seq_lens, steps, P, unit_tokens):
+    def __init__(self, db, req_ids, seq_lens, steps, P):
         n, N = len(steps), db.N
         self.db, self.flat = db, db.host_meta.reshape(-1)
         self.req_ids, self.seq_lens = list(req_ids), list(seq_lens)
         pos = np.array([f * N + i for f in LENGTHS for i in range(n)], dtype=np.int64)
         self.grow = pos[self.flat[pos] > 0]               # a row's seq where it has one, not 0
-        self.units = ([(I_UNIT * N + i, i, int(self.flat[IROW * N + i]))
-                       for i, s in enumerate(steps) if s.sparse] if unit_tokens == 1 else [])
         self.dense = [i for i, s in enumerate(steps) if not s.sparse]
         self.counts = row_counts(steps, P)          # the same at each step within the page, but
         self.counts["dense_decode_rows"] = len(self.dense)    # every dense row is past its start
@@ -65,9 +66,9 @@ class SteadyStep:
 
     def remember(self, rt, db, req_ids: list, seq_lens: list, steps: list) -> None:
         """After the full plan of a FULL-graph step: its decode batch and one-token rows."""
-        ok = (self.enabled and steps and db.host_meta is not None
+        ok = (self.enabled and steps and db.host_meta is not None and rt.cfg.unit_tokens > 1
               and not (db.freed and rt.dense_layers))   # (dense layers reading the host)
-        self._last = _Last(db, req_ids, seq_lens, steps, rt.P, rt.cfg.unit_tokens) if ok else None
+        self._last = _Last(db, req_ids, seq_lens, steps, rt.P) if ok else None
 
     def advance(self, rt, req_ids: list, seq_lens: list, db) -> bool:
         """Plan this FULL-graph step (decode batch ``db`` of its padded size) as the previous one
@@ -85,11 +86,9 @@ class SteadyStep:
             return False
         flat = last.flat
         flat[last.grow] += 1
-        for j, i, irow in last.units:                   # (a page's unit moves only at its end)
-            flat[j] = rt.ix.decode_unit(irow, seq_lens[i])
         rt.h2d(flat, out=db.meta)
         if rt.decode_fn is not None:
-            rt.h2d(flat[:db.N], out=db.seq32)
+            rt.h2d(flat[SEQ * db.N:(SEQ + 1) * db.N], out=db.seq32)
         for rid, s in zip(req_ids, seq_lens):
             rt.reqs[rid].start = s - 1
         last.seq_lens[:] = seq_lens
