@@ -10,7 +10,9 @@ import torch
 from test_sparse_runtime_exact import Driver
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import give_back
+from vllm_hisparse.core import sparse_runtime
 from vllm_hisparse.core.hot_rows import HotRows
+from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
 pytestmark = [pytest.mark.cuda, pytest.mark.ext]
 
@@ -144,9 +146,11 @@ def test_spill_inserts_replayed_equal_eager_and_resident():
 
 
 def test_inserts_and_row_resets_never_wait_for_the_gpu(monkeypatch):
-    """The plan's inserts (spills, and window exits with HISPARSE_WINDOW_EXITS=1) and a row's
-    reset and seeding over every layer (core/hot_rows.py) run under torch's sync debug mode set to
-    error: nothing in them waits for the GPU."""
+    """The plan's inserts (spills, and window exits with HISPARSE_WINDOW_EXITS=1), a row's reset
+    and seeding over every layer (core/hot_rows.py), the page tables' flushes (a prompt's pages in
+    one copy, a decode step's as scalar writes: core/page_table.py) and whole FULL-step plans
+    (steady ones among them: core/steady_step.py) run under torch's sync debug mode set to error:
+    nothing in them waits for the GPU."""
     monkeypatch.setattr(give_back, "WINDOW_EXITS", True)
     calls = []
 
@@ -163,8 +167,12 @@ def test_inserts_and_row_resets_never_wait_for_the_gpu(monkeypatch):
     monkeypatch.setattr(give_back, "insert", strict(give_back.insert, "insert"))
     monkeypatch.setattr(HotRows, "reset", strict(HotRows.reset, "reset"))
     monkeypatch.setattr(HotRows, "step", strict(HotRows.step, "step"))
+    monkeypatch.setattr(sparse_runtime, "flush_tables",
+                        strict(sparse_runtime.flush_tables, "flush"))
+    monkeypatch.setattr(SparseRuntime, "plan_full", strict(SparseRuntime.plan_full, "plan_full"))
     _, stats = run_spills(GraphDriver, True)
-    assert stats["inserts"] > 0 and {"insert", "reset", "step"} <= set(calls)
+    assert stats["inserts"] > 0 and stats["steady_steps"] > 0
+    assert {"insert", "reset", "step", "flush", "plan_full"} <= set(calls)
 
 
 def run_stock(cls, decode_fn):

@@ -24,7 +24,7 @@ from vllm_hisparse.core.decode_batch import DecodeBatch, fill, row_counts
 from vllm_hisparse.core.decode_trace import DecodeTrace
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.hot_rows import HotRows
-from vllm_hisparse.core.page_table import DevicePageTable
+from vllm_hisparse.core.page_table import DevicePageTable, flush_tables
 from vllm_hisparse.core import give_back, runtime_stats
 from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
@@ -345,9 +345,7 @@ class SparseRuntime:
                     dp = self.dpool.ensure(rid, n)
                     self.stats["dense_pool_pages_handed"] += self.dense_pt.grow(r.row, dp)
                 pages[rid] = (hp, dp)
-        self.host_pt.flush()
-        if self.dpool is not None:
-            self.dense_pt.flush()
+        flush_tables([self.host_pt, self.dense_pt if self.dpool is not None else None])
         if switches:
             if block_table is None:
                 raise RuntimeError("hisparse runtime: a request turns sparse in a step planned "
