@@ -258,11 +258,12 @@ class SparseRuntime:
         (0..n-1, padding after them), N >= n its padded size; block_table (>= n, W) int32 on the
         device, read only when a request turns sparse. Fills decode batch N for full_layer."""
         t0 = time.perf_counter()
-        if not self.steady.advance(self, req_ids, seq_lens, self._batch(N)):
+        db = self._batch(N)
+        if not self.steady.advance(self, req_ids, seq_lens, db):
             steps, pages = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens,
                                            block_table)
             self._fill_batch(steps, pages, N)
-            self.steady.remember(self, self._batch(N), req_ids, seq_lens, steps)
+            self.steady.remember(self, db, req_ids, seq_lens, steps)
         self.stats["steps"] += 1
         self.stats["full_steps"] += 1
         self._host_s["plan"] += time.perf_counter() - t0

@@ -26,6 +26,7 @@ import numpy as np
 from vllm_hisparse.core import give_back
 from vllm_hisparse.core.knobs import env_flag
 from vllm_hisparse.core.decode_batch import FIELDS, row_counts
+from vllm_hisparse.core.residency import is_sparse_at
 
 LENGTHS = [FIELDS.index(f) for f in ("seq", "sp_seq", "dn_seq", "dl_seq", "pool_seq")]
 SEQ = FIELDS.index("seq")
@@ -48,7 +49,7 @@ class _Last:
         self.req_ids, self.seq_lens = list(req_ids), list(seq_lens)
         pos = np.array([f * N + i for f in LENGTHS for i in range(n)], dtype=np.int64)
         self.grow = pos[self.flat[pos] > 0]               # a row's seq where it has one, not 0
-        self.dense = [i for i, s in enumerate(steps) if not s.sparse]
+        self.dense = [(i, s.req_id) for i, s in enumerate(steps) if not s.sparse]
         self.counts = row_counts(steps, P)          # the same at each step within the page, but
         self.counts["dense_decode_rows"] = len(self.dense)    # every dense row is past its start
         self.counts["steady_steps"] = 1
@@ -65,8 +66,11 @@ class SteadyStep:
         self._last = None
 
     def remember(self, rt, db, req_ids: list, seq_lens: list, steps: list) -> None:
-        """After the full plan of a FULL-graph step: its decode batch and one-token rows."""
+        """After the full plan of a FULL-graph step: its decode batch and one-token rows. (What
+        holds for the runtime's whole life — a trace, window exits, a token indexer — is checked
+        here, not at every step.)"""
         ok = (self.enabled and steps and db.host_meta is not None and rt.cfg.unit_tokens > 1
+              and rt.trace is None and not give_back.WINDOW_EXITS
               and not (db.freed and rt.dense_layers))   # (dense layers reading the host)
         self._last = _Last(db, req_ids, seq_lens, steps, rt.P) if ok else None
 
@@ -74,15 +78,14 @@ class SteadyStep:
         """Plan this FULL-graph step (decode batch ``db`` of its padded size) as the previous one
         plus a token, if it is steady; False: run the full plan."""
         last = self._last
-        if (last is None or last.db is not db or last.req_ids != req_ids or rt.trace is not None
-                or rt.given_back.spilled or give_back.WINDOW_EXITS):
+        if last is None or last.db is not db or last.req_ids != req_ids or rt.given_back.spilled:
             return False
         P = rt.P
         for s, p in zip(seq_lens, last.seq_lens):
             if s != p + 1 or (s - 1) % P == 0:          # a new page: handed out, windows slide
                 return False
-        turn = rt.cfg.min_context_tokens
-        if any(seq_lens[i] >= turn for i in last.dense):    # a dense row turns sparse
+        cfg = rt.cfg                                    # a dense row turning sparse:
+        if any(is_sparse_at(cfg, rt.reqs[rid].num_prompt, seq_lens[i]) for i, rid in last.dense):
             return False
         flat = last.flat
         flat[last.grow] += 1
