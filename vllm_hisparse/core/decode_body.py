@@ -16,8 +16,9 @@ Sparse layer, N rows, every launch over all rows (rows not of a kernel's kind re
    rows: select_resolve copies the misses in its own launch first.)
 
 Dense layer: the new token into its block (and the dense pool, or the host pool); dense decode of
-the rows whose keys are on the GPU over the cache, of sparse rows over the dense pool; sparse rows
-whose pages left the GPU without a dense pool read them back from the host (eager only).
+the rows whose keys are on the GPU over the cache, of sparse rows over the dense pool — one split and
+one combine launch for both (``kernels.dense_decode_two``); sparse rows whose pages left the GPU
+without a dense pool read them back from the host (eager only).
 
 An engine where no request can ever be sparse (``max_model_len < min_context``) with the runtime's
 ``decode_fn`` set (vLLM's FlashAttention with its own split-KV choice, the GPU adapter) runs
@@ -134,6 +135,11 @@ def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.T
     on_gpu = _dense(rt, q, kv, bt, f("dl_seq"), scale, out, max_k, work)
     if dp is None:
         db.run_kinds(("has_dl",), [on_gpu])
+    elif rt.split_dense or not q.is_cuda:
+        # rows on the cache and rows on the pool: one split + one combine launch for both
+        if db.holds("has_dl") or db.holds("has_pool"):
+            kernels.dense_decode_two(q, kv, bt, f("dl_seq"), dp, rt.dense_pt.table, f("row"),
+                                     f("pool_seq"), scale, out, work)
     else:
         in_pool = _dense(rt, q, dp, rt.dense_pt.table, f("pool_seq"), scale, out, max_k, work,
                          rows=f("row"))

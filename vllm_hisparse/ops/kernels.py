@@ -126,6 +126,25 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def dense_decode_two(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
+                     seq_k: torch.Tensor, kv2: torch.Tensor, table2: torch.Tensor,
+                     rows2: torch.Tensor, seq2: torch.Tensor, scale: float, out: torch.Tensor,
+                     work: tuple) -> torch.Tensor:
+    """A dense layer over two caches: rows with seq2 > 0 as ``dense_decode_attention(q, kv2[:, 0],
+    kv2[:, 1], table2, seq2, table_rows=rows2)``, the others with seq_k > 0 as
+    ``dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, seq_k)``, the rest of out left as
+    it is. CUDA: one split and one combine launch (ops/triton_dense_decode.py); CPU: the two calls
+    (the references), seq2's rows last."""
+    if q.is_cuda:
+        from . import triton_dense_decode
+        return triton_dense_decode.dense_decode_two(q, kv, block_table, seq_k, kv2, table2, rows2,
+                                                    seq2, scale, out, work)
+    first = torch.where(seq2 > 0, torch.zeros_like(seq_k), seq_k)
+    dense_decode_attention(q, kv[:, 0], kv[:, 1], block_table, first, scale, out, work=work)
+    return dense_decode_attention(q, kv2[:, 0], kv2[:, 1], table2, seq2, scale, out,
+                                  table_rows=rows2, work=work)
+
+
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
                      locs: torch.Tensor, units: torch.Tensor, sp_seq: torch.Tensor,
                      newest: torch.Tensor, dn_seq: torch.Tensor, scale: float, out: torch.Tensor,

@@ -93,11 +93,44 @@ def _split(Q, K, V, BT, PO, PML, scale, n_splits, r, h, sp, start, seq, split_n,
 
 
 @triton.jit
+def _two_split_kernel(Q, KV, BT, SEQ, KV2, BT2, ROWS2, SEQ2, PO, PML, scale, n_splits,
+                      s_qr, s_qh, s_n, s_c, s_p, s_h, s_br, s2_n, s2_c, s2_p, s2_h, s2_br,
+                      PAGE: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                      D: tl.constexpr, NS: tl.constexpr, MIN: tl.constexpr, BLOCK: tl.constexpr):
+    """``_dense_split_kernel`` with each row's keys in one of two paged caches: rows with
+    SEQ2[r] > 0 over KV2 through table row ROWS2[r] of BT2, the others over KV through row r of
+    BT — the same ``_split`` either way, so a row's partials are those of a one-cache call."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq2 = tl.load(SEQ2 + r)
+    if seq2 > 0:
+        split_n = _split_len(seq2, NS, MIN)
+        start = sp * split_n
+        if start < seq2:
+            bt = BT2 + tl.load(ROWS2 + r).to(tl.int64) * s2_br
+            _split(Q, KV2, KV2 + s2_c, bt, PO, PML, scale, n_splits, r, h, sp, start, seq2,
+                   split_n, s_qr, s_qh, s2_n, s2_p, s2_h, s2_n, s2_p, s2_h,
+                   PAGE, HKV, G, GP, D, BLOCK)
+    else:
+        seq = tl.load(SEQ + r)
+        split_n = _split_len(seq, NS, MIN)
+        start = sp * split_n
+        if start < seq:
+            _split(Q, KV, KV + s_c, BT + r * s_br, PO, PML, scale, n_splits, r, h, sp, start, seq,
+                   split_n, s_qr, s_qh, s_n, s_p, s_h, s_n, s_p, s_h,
+                   PAGE, HKV, G, GP, D, BLOCK)
+
+
+@triton.jit
 def _ordered_combine_kernel(PO, PML, SEQ, OUT, n_splits, s_or, s_oh, HQ: tl.constexpr,
                             D: tl.constexpr, NS: tl.constexpr, MIN: tl.constexpr,
-                            SKIP_EMPTY: tl.constexpr):
+                            SKIP_EMPTY: tl.constexpr, SEQ2=None, TWO: tl.constexpr = False):
     r = tl.program_id(0)
     seq = tl.load(SEQ + r)
+    if TWO:                                 # _two_split_kernel's rows: SEQ2's where it is > 0
+        seq2 = tl.load(SEQ2 + r)
+        seq = tl.where(seq2 > 0, seq2, seq)
     live = True
     if SKIP_EMPTY:                          # a row with no keys is not this call's: out untouched
         live = seq > 0
@@ -161,6 +194,40 @@ def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_stages=STAGES)
     _ordered_combine_kernel[(R, Hq)](po, pml, seq_k, out, ns, out.stride(0), out.stride(1), HQ=Hq,
                                      D=D, NS=SPLITS, MIN=MIN_SPLIT, SKIP_EMPTY=work is not None)
+    return out
+
+
+def dense_decode_two(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor,
+                     seq_k: torch.Tensor, kv2: torch.Tensor, table2: torch.Tensor,
+                     rows2: torch.Tensor, seq2: torch.Tensor, scale: float, out: torch.Tensor,
+                     work: tuple) -> torch.Tensor:
+    """``dense_decode_attention`` over two paged caches in one split and one combine launch (a
+    dense layer whose rows read either vLLM's cache or the dense pool): rows with seq2 > 0 attend
+    their first seq2 keys of kv2 (M, 2, P, Hkv, D) through table2[rows2[r]] (rows2 int64), the
+    others their first seq_k keys of kv (N, 2, P, Hkv, D) through block_table[r]; rows with
+    neither are left as they are. Each row gets the bits a one-cache call gives it (the same split
+    code and layout). work: the partials (``partials_numel``). No allocation, no sync."""
+    R, Hq, D = q.shape
+    P, Hkv = kv.shape[2], kv.shape[3]
+    assert kv2.shape[2:] == kv.shape[2:] and kv2.dtype == kv.dtype and kv.dtype == q.dtype
+    assert Hq % Hkv == 0 and D in DENSE_DECODE_HEAD_SIZES and q.stride(2) == 1
+    assert kv.stride(4) == 1 and kv2.stride(4) == 1
+    for t in (block_table, table2):
+        assert t.dtype == torch.int32 and t.stride(1) == 1
+    if R == 0:
+        return out
+    po, pml = partials(R, Hq, SPLITS, D, q.device, work)
+    G = Hq // Hkv
+    _two_split_kernel[(R, Hkv, SPLITS)](
+        q, kv, block_table, seq_k, kv2, table2, rows2, seq2, po, pml, float(scale), SPLITS,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        block_table.stride(0), kv2.stride(0), kv2.stride(1), kv2.stride(2), kv2.stride(3),
+        table2.stride(0),
+        PAGE=P, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, NS=SPLITS,
+        MIN=MIN_SPLIT, BLOCK=BLOCK_N if D <= 128 else 32, num_warps=WARPS, num_stages=STAGES)
+    _ordered_combine_kernel[(R, Hq)](po, pml, seq_k, out, SPLITS, out.stride(0), out.stride(1),
+                                     HQ=Hq, D=D, NS=SPLITS, MIN=MIN_SPLIT, SKIP_EMPTY=True,
+                                     SEQ2=seq2, TWO=True)
     return out
 
 
