@@ -60,7 +60,7 @@ def flush_tables(tables: list) -> None:
         for t in todo:
             flat = t.table.view(-1)
             for i, v in zip(t._idx, t._val):
-                flat[i] = v
+                flat.narrow(0, i, 1).fill_(v)      # a launch (`flat[i] = v` copies: a sync)
             t._idx, t._val = [], []
         return
     idx = np.concatenate([np.asarray(t._idx, dtype=np.int64) for t in todo])

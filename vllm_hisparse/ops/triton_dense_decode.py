@@ -103,7 +103,7 @@ def _two_split_kernel(Q, KV, BT, SEQ, KV2, BT2, ROWS2, SEQ2, PO, PML, scale, n_s
     r = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
-    seq2 = tl.load(SEQ2 + r)
+    seq2 = tl.load(SEQ2 + r).to(tl.int64)      # one type in both branches
     if seq2 > 0:
         split_n = _split_len(seq2, NS, MIN)
         start = sp * split_n
@@ -113,7 +113,7 @@ def _two_split_kernel(Q, KV, BT, SEQ, KV2, BT2, ROWS2, SEQ2, PO, PML, scale, n_s
                    split_n, s_qr, s_qh, s2_n, s2_p, s2_h, s2_n, s2_p, s2_h,
                    PAGE, HKV, G, GP, D, BLOCK)
     else:
-        seq = tl.load(SEQ + r)
+        seq = tl.load(SEQ + r).to(tl.int64)
         split_n = _split_len(seq, NS, MIN)
         start = sp * split_n
         if start < seq:
@@ -129,8 +129,8 @@ def _ordered_combine_kernel(PO, PML, SEQ, OUT, n_splits, s_or, s_oh, HQ: tl.cons
     r = tl.program_id(0)
     seq = tl.load(SEQ + r)
     if TWO:                                 # _two_split_kernel's rows: SEQ2's where it is > 0
-        seq2 = tl.load(SEQ2 + r)
-        seq = tl.where(seq2 > 0, seq2, seq)
+        seq2 = tl.load(SEQ2 + r).to(tl.int64)
+        seq = tl.where(seq2 > 0, seq2, seq.to(tl.int64))
     live = True
     if SKIP_EMPTY:                          # a row with no keys is not this call's: out untouched
         live = seq > 0
