@@ -89,7 +89,8 @@ def test_cpu_engine_run_and_diff(tmp_path):
                         model, "--backend", backend, "--hisparse", cfg, "--input-len", "300",
                         "--rows", "2", "--warm-steps", "2", "--steps", "4", "--profile-steps", "3",
                         "--dtype", "float32", "--out", str(out)]
-                       + (["--log-stats"] if backend == "elastic" else []),   # as a server runs
+                       + (["--log-stats", "--no-prefix-caching"] if backend == "elastic"
+                          else []),                                           # as a server runs
                        check=True, env=env, timeout=600)
     stock, el = (json.load(open(out / f"{b}.json")) for b in ("stock", "elastic"))
     for r in (stock, el):
@@ -98,6 +99,7 @@ def test_cpu_engine_run_and_diff(tmp_path):
         assert r["kernels"] == [] and r["gpu_busy_us_per_step"] == 0     # no CUDA here
     assert stock["runtime_host_per_step"] == {} and stock["config"] is None
     assert el["config"]["resident_first"] is True
+    assert el["prefix_caching"] is False and stock["prefix_caching"] is True
     assert el["log_stats"] is True and stock["log_stats"] is False
     host = el["runtime_host_per_step"]
     assert host["plan_us"] > 0

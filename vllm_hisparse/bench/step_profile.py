@@ -13,6 +13,7 @@ other's does not.
 
 Backends as ``bench.serving`` (stock, resident, hisparse, elastic). ``--log-stats``: vLLM's per-step
 stats on (the connector's reports among them), as a server has them; off by default, as in ``LLM``.
+``--no-prefix-caching`` and ``--capture-sizes 1,2``: as ``bench.serving``'s servers of one request.
 ``run`` writes OUT/BACKEND.json (summary and tables) and OUT/BACKEND-kernels.csv. On a machine
 without CUDA the kernel table is empty and the host table (CPU ops, self time) is what there is.
 """
@@ -119,10 +120,11 @@ def _engine(a, cfg: dict | None):
     register()
     cuda = torch.cuda.is_available()
     mml = a.input_len + a.warm_steps + a.steps + a.profile_steps + 32
-    sizes = [1 << i for i in range(0, 10) if (1 << i) < 2 * a.rows]
+    sizes = a.capture_sizes or [1 << i for i in range(0, 10) if (1 << i) < 2 * a.rows]
     kw = dict(max_model_len=mml, max_num_seqs=a.rows, seed=0, skip_tokenizer_init=True,
               load_format=a.load_format, gpu_memory_utilization=a.gpu_memory_utilization,
-              enforce_eager=not cuda, dtype=a.dtype, disable_log_stats=not a.log_stats)
+              enforce_eager=not cuda, dtype=a.dtype, disable_log_stats=not a.log_stats,
+              enable_prefix_caching=not a.no_prefix_caching)
     if a.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = a.max_num_batched_tokens
     if cuda:
@@ -189,7 +191,8 @@ def run(a) -> dict:
         ds = max(rt.stats["steps"] - steps0, 1)
         host = {f"{k}_us": (rt._host_s[k] - host0.get(k, 0.0)) * 1e6 / ds for k in rt._host_s}
     out = {"backend": a.backend, "config": cfg, "input_len": a.input_len, "rows": a.rows,
-           "log_stats": a.log_stats,
+           "log_stats": a.log_stats, "prefix_caching": not a.no_prefix_caching,
+           "capture_sizes": a.capture_sizes,
            "device": torch.cuda.get_device_name() if cuda else "cpu",
            "prefill_s": round(prefill_s, 2), "step_wall_ms": step_stats(times),
            "step_walls_ms": [round(t, 4) for t in times], "slow_steps": slow_steps(times),
@@ -288,6 +291,12 @@ def main(argv=None) -> int:
     r.add_argument("--max-num-batched-tokens", type=int, default=None)
     r.add_argument("--log-stats", action="store_true",
                    help="vLLM's per-step stats on, as a server has them (the connector's reports)")
+    r.add_argument("--no-prefix-caching", action="store_true",
+                   help="prefix caching off, as bench.serving's servers run")
+    r.add_argument("--capture-sizes", default=None,
+                   type=lambda s: [int(x) for x in s.split(",")],
+                   help="CUDA-graph sizes to capture, comma-separated (default: powers of two "
+                        "below 2 x rows; a server of --max-num-seqs 1 captures 1,2)")
     r.add_argument("--out", default="out/step_profile")
     d = sub.add_parser("diff", help="two runs' tables side by side")
     d.add_argument("a")
