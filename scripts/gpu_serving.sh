@@ -18,6 +18,7 @@ timeout -s INT -k 30 "${SERVING_LIMIT:-1000000}" \
 rc=${PIPESTATUS[0]}
 set -e
 cp "$work"/serving.csv "$work"/serving.png "$out"/ 2>/dev/null || true
-tar czf "$out/serving.tgz" -C /tmp serving      # server logs, step records, worker counters
+# server logs, step records, worker counters, profile summaries (not the raw traces: too large)
+tar czf "$out/serving.tgz" --exclude='trace-*' -C /tmp serving
 for f in "$work"/server-*.log; do echo "== $f"; grep -E "Available KV cache memory|GPU KV cache size|Maximum concurrency|hisparse: room for|cudagraph_mode|hit rate" "$f" | head -8; done
 exit "$rc"

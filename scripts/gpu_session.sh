@@ -22,7 +22,8 @@
 #                                            # OUTPUT_LEN=..., ~8 min)
 #   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
 #   bash scripts/gpu_session.sh OUT 32k1     # 32K / 256 at 1 request (ROUNDS=1), stock vs elastic vs hisparse (~7 min;
-#                                            # BACKENDS=stock,elastic for two)
+#                                            # BACKENDS=stock,elastic for two; SPROFILE=N: N decode
+#                                            # steps of each server under vLLM's profiler)
 #   bash scripts/gpu_session.sh OUT profile  # 32K / 1 row (ROWS=, INPUT_LEN=): a decode step's kernels,
 #       GPU busy time and host time per backend (BACKENDS=resident,elastic), each diffed against the
 #       first (bench.step_profile; ~2.5 min a backend; MLP=N: the MLP's width N, a shorter step;
@@ -158,9 +159,14 @@ case "$part" in
     SERVING_LIMIT=${LIMIT:-480} bash scripts/gpu_serving.sh "$out/4k" --input-len 4096 --output-len 512 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends stock,hisparse --concurrency 1,64 ;;
   32k1)
+    # SPROFILE=N: after each server's point, one more (not recorded) with N decode steps under
+    # vLLM's torch profiler (bench/served_profile.py); the summaries diffed against the first
     SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
       --rounds ${ROUNDS:-1} --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic,hisparse} --concurrency 1 \
-      --hisparse "${HISPARSE:-$cfg32k}" ;;
+      --hisparse "${HISPARSE:-$cfg32k}" ${SPROFILE:+--profile-decode $SPROFILE --profile-delay 24}
+    p0=/tmp/serving/profile-$(echo ${BACKENDS:-stock} | cut -d, -f1).json
+    for f in /tmp/serving/profile-*.json; do [ -f "$p0" ] && [ "$f" != "$p0" ] && \
+      python3 -m vllm_hisparse.bench.served_profile diff "$p0" "$f" --top 12; done ;;
   profile)
     # where a decode step's time goes, backend by backend, in one process each (bench.step_profile):
     # wall ms a step over STEPS steps, then PSTEPS steps under the torch profiler (kernels a step,

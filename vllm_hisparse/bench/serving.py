@@ -30,13 +30,16 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
+from vllm_hisparse.bench import served_profile
 from vllm_hisparse.bench import steps as st
+from vllm_hisparse.bench.worker_stats import cache_per_point, host_per_step, read_stats
 from vllm_hisparse.server_health import stop, wait_healthy
 
 BACKENDS = ("stock", "resident", "hisparse", "elastic")    # elastic: hisparse + resident_first
@@ -104,7 +107,7 @@ def max_num_seqs(args) -> int:
     return 256 if "cap" in args.concurrency else max(nums)
 
 
-def server_cmd(args, backend: str, port: int) -> list[str]:
+def server_cmd(args, backend: str, port: int, trace_dir: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--port", str(port),
            "--max-model-len", str(max_model_len(args)), "--no-enable-prefix-caching",
            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
@@ -114,6 +117,8 @@ def server_cmd(args, backend: str, port: int) -> list[str]:
     cfg = backend_config(backend, args.hisparse)
     if cfg is not None:
         cmd += ["--attention-backend", "hisparse", "--additional-config", json.dumps({"hisparse": cfg})]
+    if trace_dir is not None:          # --profile-decode: the worker's torch profiler (served_profile)
+        cmd += served_profile.profiler_args(trace_dir, args.profile_delay, args.profile_decode)
     return cmd + args.extra_server_args
 
 
@@ -148,43 +153,6 @@ def capacity(log: str, backend: str, mml: int, seqs: int) -> int:
                                f"log; give numbers to --concurrency instead of cap")
         n = min(n, int(room[-1]))
     return max(n, 1)
-
-
-def read_stats(path: str | None) -> dict | None:
-    """The hisparse worker's counters (HISPARSE_STATS_FILE), None when there are none (stock)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (TypeError, FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def host_per_step(before: dict | None, after: dict | None) -> dict:
-    """Host ms per step of the steps between two snapshots of the worker's counters: the plan, and
-    every attention layer's Python and launches (dense, sparse, FULL-graph body); {} without them."""
-    if not before or not after or after["steps"] <= before["steps"]:
-        return {}
-    n = after["steps"] - before["steps"]
-    d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)  # noqa: E731
-    layers = sum(d(f"host_ms_{k}_layers") for k in ("dense", "sparse", "full"))
-    return {"steps": n, "plan": d("host_ms_plan") / n, "layers": layers / n}
-
-
-def cache_per_point(before: dict | None, after: dict | None) -> dict:
-    """RESOLVE between two snapshots of the worker's counters: the policy, the hot slots' hit rate
-    (None when every selected page was on the block table), misses, the miss rate over every
-    selected page (comparable with and without resident_first), the pages taken through the block
-    table, resident-first spills and shrinks; {} without them or when nothing was selected."""
-    if not before or not after:
-        return {}
-    d = lambda k: after.get(k, 0) - before.get(k, 0)  # noqa: E731
-    n = d("hits") + d("misses")
-    sel = n + d("resident_units")
-    if sel <= 0:
-        return {}
-    return {"policy": after.get("policy"), "hit_rate": d("hits") / n if n else None,
-            "misses": d("misses"), "miss_rate": d("misses") / sel,
-            "resident_units": d("resident_units"), "spills": d("spills"), "shrinks": d("shrinks")}
 
 
 def _settle(step_log: str, offset: int, stats_path: str | None, timeout: float = 30.0):
@@ -259,6 +227,18 @@ async def run_point(args, backend: str, c: int, port: int, model: str, vocab: in
     return pt
 
 
+def profiled_point(args, backend: str, tag: str, c: int, vocab: int, step_log: str,
+                   trace: str) -> None:
+    """One more point at concurrency c (one round, not recorded) whose engine steps run under
+    vLLM's torch profiler (--profile-decode), so that the measured points carry none of its
+    overhead: its summary in OUT/profile-TAG.json (bench/served_profile.py)."""
+    a = argparse.Namespace(**{**vars(args), "rounds": 1})
+    served_profile.post(args.port, "/start_profile")
+    asyncio.run(run_point(a, backend, c, args.port, args.model, vocab, step_log))
+    r = served_profile.collect(args.port, trace, os.path.join(args.out, f"profile-{tag}.json"))
+    print(served_profile.summary_line(tag, r), flush=True)
+
+
 def warm_up(args, backend: str, port: int, model: str, vocab: int, step_log: str) -> None:
     """Two requests before the sweep, not measured: the first run of each kernel compiles it (Triton
     JIT, ~1 s each) and the first decode batch of each size captures its graphs; without this the
@@ -320,6 +300,12 @@ def main(argv=None) -> int:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--port", type=int, default=18000)
     p.add_argument("--ready-timeout", type=float, default=900)
+    p.add_argument("--profile-decode", type=int, default=0, metavar="N",
+                   help="after the sweep, one more point (the first concurrency, one round, not "
+                        "recorded) with N of its engine steps under vLLM's torch profiler "
+                        "(bench/served_profile.py): OUT/profile-BACKEND.json")
+    p.add_argument("--profile-delay", type=int, default=64,
+                   help="engine steps from that point's start to the profile's (past prefill)")
     p.add_argument("--out", default="out/serving")
     p.add_argument("extra_server_args", nargs="*", help="after --: passed to vllm serve")
     args = p.parse_args(argv)
@@ -337,18 +323,22 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     vocab = json.load(open(os.path.join(args.model, "config.json"))).get("vocab_size", 32000)
     rows: list[dict] = []
-    for b in backends:
+    for i, b in enumerate(backends):
         log = open(os.path.join(args.out, f"server-{b}.log"), "w")
+        k = backends[:i].count(b)                     # a backend's second server: BACKEND-2
+        tag = b if k == 0 else f"{b}-{k + 1}"
+        trace = os.path.abspath(os.path.join(args.out, f"trace-{tag}"))
+        shutil.rmtree(trace, ignore_errors=True)
+        trace = trace if args.profile_decode else None
         # the worker's counters (hit rate, host pages, host time) and the server's step records
         # land beside the CSV
         stats = os.path.abspath(os.path.join(args.out, f"stats-{b}.json"))
         step_log = os.path.abspath(os.path.join(args.out, f"steps-{b}.jsonl"))
         for f in (stats, step_log):
-            if os.path.exists(f):
-                os.remove(f)
+            os.path.exists(f) and os.remove(f)
         env = dict(os.environ, HISPARSE_STATS_FILE=stats, HISPARSE_STEP_LOG=step_log)
-        proc = subprocess.Popen(server_cmd(args, b, args.port), stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen(server_cmd(args, b, args.port, trace), stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
         try:
             wait_healthy(proc, args.port, args.ready_timeout)
             warm_up(args, b, args.port, args.model, vocab, step_log)
@@ -357,16 +347,20 @@ def main(argv=None) -> int:
                     f"{b}: the server wrote no step records to {step_log}: vLLM did not load the "
                     f"stat logger plugin (entry point vllm.stat_logger_plugins: hisparse_steps); "
                     f"reinstall the package (pip install -e .) or source scripts/gpu_setup.sh")
+            first = None
             for c in args.concurrency:
                 if c == "cap":
                     log.flush()
                     with open(log.name) as f:
                         c = capacity(f.read(), b, max_model_len(args), max_num_seqs(args))
                     print(f"{b}: capacity {c} requests", flush=True)
+                first = c if first is None else first
                 pt = asyncio.run(run_point(args, b, c, args.port, args.model, vocab, step_log,
                                            None if b == "stock" else stats))
                 rows.append(pt.row())
                 print(json.dumps(rows[-1]), flush=True)
+            if trace:
+                profiled_point(args, b, tag, first, vocab, step_log, trace)
         finally:
             stop(proc, timeout=120)
             log.close()
