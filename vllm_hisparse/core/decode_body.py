@@ -132,18 +132,19 @@ def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.T
     decode_ops.decode_write(kv, k, v, bt, f("seq"), db.newest, dst, dst_page)
     max_k = _max_k(db, q, bt, rt.P)
     work = _dense_work(q)
-    on_gpu = _dense(rt, q, kv, bt, f("dl_seq"), scale, out, max_k, work)
-    if dp is None:
-        db.run_kinds(("has_dl",), [on_gpu])
-    elif rt.split_dense or not q.is_cuda:
+    if dp is not None and (rt.split_dense or not q.is_cuda):
         # rows on the cache and rows on the pool: one split + one combine launch for both
         if db.holds("has_dl") or db.holds("has_pool"):
             kernels.dense_decode_two(q, kv, bt, f("dl_seq"), dp, rt.dense_pt.table, f("row"),
                                      f("pool_seq"), scale, out, work)
     else:
-        in_pool = _dense(rt, q, dp, rt.dense_pt.table, f("pool_seq"), scale, out, max_k, work,
-                         rows=f("row"))
-        db.run_kinds(("has_dl", "has_pool"), [on_gpu, in_pool])
+        on_gpu = _dense(rt, q, kv, bt, f("dl_seq"), scale, out, max_k, work)
+        if dp is None:
+            db.run_kinds(("has_dl",), [on_gpu])
+        else:                          # FlashAttention (split_dense_decode off): one call a cache
+            in_pool = _dense(rt, q, dp, rt.dense_pt.table, f("pool_seq"), scale, out, max_k,
+                             work, rows=f("row"))
+            db.run_kinds(("has_dl", "has_pool"), [on_gpu, in_pool])
     if db.freed:                     # no dense pool: pages that left the GPU come from the host
         prefill.dense_from_host(rt, layer, db, q, kv, bt, scale, out)
 
