@@ -111,7 +111,8 @@ def test_profiler_args_as_vllm_parses_them(tmp_path):
 
     argv = spf.profiler_args(str(tmp_path / "tr"), delay=64, steps=40)
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
-    pc = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m", *argv])).profiler_config
+    ns = parser.parse_args(["--model", str(tmp_path), *argv])      # a local folder: no hub lookup
+    pc = AsyncEngineArgs.from_cli_args(ns).profiler_config
     assert pc.profiler == "torch" and pc.torch_profiler_dir == str(tmp_path / "tr")
     assert (pc.delay_iterations, pc.max_iterations) == (64, 40)
     assert pc.ignore_frontend and not pc.torch_profiler_with_stack
