@@ -43,3 +43,11 @@ def diff(a: list[dict], b: list[dict]) -> list[dict]:
         out.append({"name": n, "a_us": ua, "b_us": ub, "delta_us": ub - ua,
                     "a_calls": ra.get("calls_per_step", 0.0), "b_calls": rb.get("calls_per_step", 0.0)})
     return sorted(out, key=lambda r: (-abs(r["delta_us"]), r["name"]))
+
+
+def print_diff(what: str, rows: list[dict], top: int) -> None:
+    """The first ``top`` rows of a ``diff`` under a heading naming the table."""
+    print(f"-- {what}: us a step (calls a step), a -> b, largest difference first")
+    for r in rows[:top]:
+        print(f"{r['delta_us']:+9.2f}  {r['a_us']:9.2f} ({r['a_calls']:5.1f}) -> {r['b_us']:9.2f} "
+              f"({r['b_calls']:5.1f})  {r['name'][:110]}")

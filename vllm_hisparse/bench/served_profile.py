@@ -4,8 +4,9 @@ the API server, as users run it).
 
 ``bench.serving --profile-decode N`` starts each server with ``profiler_args`` (vLLM 0.26's
 ``--profiler-config``: the worker's torch profiler, started ``delay`` engine steps after
-``/start_profile`` and stopped after N), calls ``/start_profile`` as its first measured point
-starts and ``/stop_profile`` after it, then ``summarize`` reads the worker's trace: vLLM annotates
+``/start_profile`` and stopped after N); after its sweep each server runs one more point, not
+recorded, between ``/start_profile`` and ``/stop_profile``, and ``summarize`` reads the worker's
+trace: vLLM annotates
 every worker step (``execute_context_C(T)_generation_G(T)``, a ``user_annotation`` over the
 step's ``execute_model`` host work), CUPTI records the kernels (those a CUDA graph replays
 included). Per decode step (context 0): the interval between steps' starts, the host time of
@@ -28,7 +29,7 @@ import sys
 import time
 import urllib.request
 
-from vllm_hisparse.bench.profile_tables import diff, kernel_table, union_us
+from vllm_hisparse.bench.profile_tables import diff, kernel_table, print_diff, union_us
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP = re.compile(r"^execute_context_(\d+)\(\d+\)_generation_(\d+)\(\d+\)$")
@@ -65,15 +66,15 @@ def summarize(events: list[dict]) -> dict:
     ``execute_model``'s host time (the annotation's length), GPU busy and idle time within the
     window from the first decode step's start to the last one's next start (or its last kernel's
     end), kernels a step and the kernel table (µs and calls a step)."""
-    steps = sorted((e["ts"], e["dur"]) for e in events if e.get("cat") == "user_annotation"
-                   and (m := STEP.match(e.get("name", ""))) and m[1] == "0" and int(m[2]) > 0)
+    every = sorted((e["ts"], e["dur"], m[1] == "0" and int(m[2]) > 0) for e in events
+                   if e.get("cat") == "user_annotation" and (m := STEP.match(e.get("name", ""))))
+    steps = [(ts, dur) for ts, dur, decode in every if decode]
     if not steps:
         return {"decode_steps": 0}
     gpu = [(e["name"], float(e["ts"]), float(e.get("dur", 0))) for e in events
            if e.get("cat") in GPU_CATS]
     starts = [s for s, _ in steps]
-    after = [e["ts"] for e in events if e.get("cat") == "user_annotation"
-             and STEP.match(e.get("name", "")) and e["ts"] > starts[-1]]
+    after = [ts for ts, _, _ in every if ts > starts[-1]]
     # the window: each step's work runs from its start to the next step's start (async
     # scheduling queues it ahead, so its kernels may end later: the last step keeps its kernels)
     lo = starts[0]
@@ -114,9 +115,15 @@ def collect(port: int, trace_dir: str, out_json: str, wait_s: float = 180.0) -> 
     else:
         raise RuntimeError(f"no whole worker trace in {trace_dir} {wait_s:.0f} s after "
                            f"/stop_profile (see the server log)")
+    return summarize_file(path, out_json)
+
+
+def summarize_file(path: str, out_json: str | None = None) -> dict:
+    """``summarize`` of the trace file at path, with the path; written to out_json if given."""
     r = {"trace": path, **summarize(load_trace(path))}
-    with open(out_json, "w") as f:
-        json.dump(r, f, indent=1)
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(r, f, indent=1)
     return r
 
 
@@ -134,10 +141,7 @@ def show_diff(pa: str, pb: str, top: int = 20) -> list[dict]:
     ra, rb = json.load(open(pa)), json.load(open(pb))
     print(f"a = {summary_line(pa, ra)}\nb = {summary_line(pb, rb)}")
     rows = diff(ra.get("kernels", []), rb.get("kernels", []))
-    print("-- kernels: us a step (calls a step), a -> b, largest difference first")
-    for r in rows[:top]:
-        print(f"  {r['delta_us']:+8.2f}  {r['a_us']:9.2f} ({r['a_calls']:5.1f}) -> "
-              f"{r['b_us']:9.2f} ({r['b_calls']:5.1f})  {r['name'][:100]}")
+    print_diff("kernels", rows, top)
     return rows
 
 
@@ -159,11 +163,7 @@ def main(argv=None) -> int:
     if path is None:
         p.error(f"no *.pt.trace.json[.gz] under {a.trace}: did the server run with "
                 f"--profiler-config and get /stop_profile?")
-    r = {"trace": path, **summarize(load_trace(path))}
-    print(summary_line(path, r))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(r, f, indent=1)
+    print(summary_line(path, summarize_file(path, a.out)))
     return 0
 
 

@@ -335,7 +335,8 @@ def main(argv=None) -> int:
         stats = os.path.abspath(os.path.join(args.out, f"stats-{b}.json"))
         step_log = os.path.abspath(os.path.join(args.out, f"steps-{b}.jsonl"))
         for f in (stats, step_log):
-            os.path.exists(f) and os.remove(f)
+            if os.path.exists(f):
+                os.remove(f)
         env = dict(os.environ, HISPARSE_STATS_FILE=stats, HISPARSE_STEP_LOG=step_log)
         proc = subprocess.Popen(server_cmd(args, b, args.port, trace), stdout=log,
                                 stderr=subprocess.STDOUT, env=env)

@@ -28,7 +28,8 @@ import statistics
 import sys
 import time
 
-from vllm_hisparse.bench.profile_tables import diff, kernel_table, union_us  # noqa: F401
+from vllm_hisparse.bench.profile_tables import (  # noqa: F401 (tests use them)
+    diff, kernel_table, print_diff, union_us)
 from vllm_hisparse.bench.serving import BACKENDS, backend_config
 
 TOP_HOST_OPS = 40
@@ -225,10 +226,7 @@ def show_diff(pa: str, pb: str, top: int = 25) -> list[dict]:
     rows = []
     for what in ("kernels", "host_ops"):
         d = diff(ra[what], rb[what])
-        print(f"-- {what}: us a step (calls a step), a -> b, largest difference first")
-        for r in d[:top]:
-            print(f"{r['delta_us']:+9.2f}  {r['a_us']:9.2f} ({r['a_calls']:5.1f}) -> {r['b_us']:9.2f} "
-                  f"({r['b_calls']:5.1f})  {r['name'][:110]}")
+        print_diff(what, d, top)
         rows += [{"table": what, **r} for r in d]
     return rows
 
