@@ -28,8 +28,7 @@ import statistics
 import sys
 import time
 
-from vllm_hisparse.bench.profile_tables import (  # noqa: F401 (tests use them)
-    diff, kernel_table, print_diff, union_us)
+from vllm_hisparse.bench.profile_tables import diff, kernel_table, print_diff, union_us
 from vllm_hisparse.bench.serving import BACKENDS, backend_config
 
 TOP_HOST_OPS = 40
