@@ -360,3 +360,22 @@ def test_gpu_cuda_select_widths(case, policy, threads, monkeypatch):
     a = compare_select(case, torch.Generator().manual_seed(90 + sum(case)), "cuda",
                        decode_ops.select_resolve, pinned_host=True, policy=policy)
     assert int(a["counts"][1]) > 0
+
+
+def test_fetch_in_attention_knob_refuses_other_values():
+    """HISPARSE_FETCH_IN_ATTENTION is read once, at import: 0 or 1, anything else refused with one
+    line naming the variable (a fresh interpreter, since the module is imported already here)."""
+    import os
+    import subprocess
+    import sys
+    code = "from vllm_hisparse.ops import decode_ops as d; print(d.FETCH_IN_ATTENTION)"
+    for value, want in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, HISPARSE_FETCH_IN_ATTENTION=value)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert r.returncode == 0 and r.stdout.split() == [want], r.stderr
+    env = dict(os.environ, HISPARSE_FETCH_IN_ATTENTION="off")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode != 0
+    assert "HISPARSE_FETCH_IN_ATTENTION='off': use 1 (misses copied in" in r.stderr.splitlines()[-1]

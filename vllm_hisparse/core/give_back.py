@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.core.knobs import env_flag
+from vllm_hisparse.knobs import env_flag
 from vllm_hisparse.core.residency import freed_pages
 from vllm_hisparse.slots import resolve
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_hisparse.core import give_back
-from vllm_hisparse.core.knobs import env_flag
+from vllm_hisparse.knobs import env_flag
 from vllm_hisparse.core.decode_batch import FIELDS, row_counts
 from vllm_hisparse.core.residency import is_sparse_at
 

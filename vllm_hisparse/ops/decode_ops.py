@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from vllm_hisparse.knobs import env_flag
+
 from . import kernels, reference
 
 
@@ -28,7 +30,9 @@ SELECT_THREADS = 512     # threads of the CUDA select's CTA (256, 512 or 1024)
 # launch fewer, a split's copies beside the other splits' attention); "0" in select_resolve's
 # miss-copy launch before it. The same bits either way (tests/test_decode_attention.py,
 # tests/test_decode_body_gpu.py); the knob is for A/B runs (env HISPARSE_FETCH_IN_ATTENTION).
-FETCH_IN_ATTENTION = os.environ.get("HISPARSE_FETCH_IN_ATTENTION", "1") != "0"
+FETCH_IN_ATTENTION = env_flag("HISPARSE_FETCH_IN_ATTENTION", True,
+                              on="misses copied in by the attention's split launch",
+                              off="by select_resolve's miss-copy launch")
 
 
 def _check_write(kv, k, v, kmin, kmax) -> None:

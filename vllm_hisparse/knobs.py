@@ -1,5 +1,6 @@
 """On/off A/B knobs read from the environment (``HISPARSE_*=0|1``): anything else is refused with a
-one-line error naming the variable and what each value does."""
+one-line error naming the variable and what each value does. At the bottom of the package's
+layers (it imports nothing of ours), so ``ops`` and ``core`` both read their knobs through it."""
 from __future__ import annotations
 
 import os
