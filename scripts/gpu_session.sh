@@ -172,6 +172,8 @@ case "$part" in
     SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
       --rounds ${ROUNDS:-1} --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic,hisparse} --concurrency 1 \
       --hisparse "${HISPARSE:-$cfg32k}" ${SPROFILE:+--profile-decode $SPROFILE --profile-delay 24}
+    # each backend's servers pooled: mean TPOT, its range, against the first backend's
+    python3 -m vllm_hisparse.bench.server_spread "$out/32k/serving.csv"
     p0=/tmp/serving/profile-$(echo ${BACKENDS:-stock} | cut -d, -f1).json
     for f in /tmp/serving/profile-*.json; do [ -f "$p0" ] && [ "$f" != "$p0" ] && \
       python3 -m vllm_hisparse.bench.served_profile diff "$p0" "$f" --top 12; done ;;
