@@ -28,6 +28,9 @@
 #       GPU busy time and host time per backend (BACKENDS=resident,elastic), each diffed against the
 #       first (bench.step_profile; ~2.5 min a backend; MLP=N: the MLP's width N, a shorter step;
 #       PFLAGS=--log-stats: vLLM's per-step stats on, as in a server)
+#   bash scripts/gpu_session.sh OUT prefill  # a 32K prompt's time to first token: its kernels, GPU
+#       busy time and host time per backend (BACKENDS=stock,resident,elastic), each diffed against
+#       the first (bench.prefill_profile; ~1.5 min a backend)
 set -uo pipefail
 top=$1; part=$2
 out=/tmp/gs/$part                                      # logs, CSVs: tarred into top at the end
@@ -197,5 +200,21 @@ c = json.load(open(p)); c['intermediate_size'] = int(sys.argv[1]); json.dump(c, 
       python3 -m vllm_hisparse.bench.step_profile diff "$out/$first.json" "$out/$b.json" \
         --csv "$out/diff-$first-$b.csv" --top 15      # (not `| head`: the pipe's close killed it)
     done ;;
-  *) echo "part: kernels, exact, exact2, cap, paper, reasoning, 4k, 32k1 or profile" >&2; exit 2 ;;
+  prefill)
+    # where a 32K prompt's time to first token goes, backend by backend (bench.prefill_profile):
+    # a warm-up prefill, REPEATS timed, one profiled; each backend diffed against the first
+    python3 -m vllm_hisparse.bench.model_shapes llama3-8b models/llama3-8b-bench > /dev/null
+    first=
+    for b in $(echo ${BACKENDS:-stock,resident,elastic} | tr , ' '); do
+      timeout -k 20 ${PLIMIT:-240} python3 -m vllm_hisparse.bench.prefill_profile run \
+        --model models/llama3-8b-bench --backend $b --input-len ${INPUT_LEN:-32768} \
+        --repeats ${REPEATS:-3} --no-prefix-caching --capture-sizes 1,2 \
+        --hisparse "${HISPARSE:-$cfg32k}" --out "$out" > "$out/prefill-$b.log" 2>&1
+      echo "== $b rc=$?: $(grep -E '^[a-z]+: ' "$out/prefill-$b.log" | tail -1)"
+      if [ -z "$first" ]; then first=$b; continue; fi
+      python3 -m vllm_hisparse.bench.prefill_profile diff "$out/$first-prefill.json" \
+        "$out/$b-prefill.json" --top 15
+    done ;;
+  *) echo "part: kernels, exact, exact2, cap, paper, reasoning, 4k, 32k1, profile or prefill" >&2
+     exit 2 ;;
 esac

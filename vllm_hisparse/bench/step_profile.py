@@ -71,7 +71,7 @@ def _profiler_events(prof) -> tuple[list, list]:
     return kernels, host
 
 
-def _engine(a, cfg: dict | None):
+def engine(a, cfg: dict | None):
     import torch
     from vllm import LLM
 
@@ -94,7 +94,7 @@ def _engine(a, cfg: dict | None):
     return LLM(a.model, **kw)
 
 
-def _runtime():
+def runtime():
     from vllm_hisparse.vllm import worker_state
     return worker_state.runtime
 
@@ -107,7 +107,7 @@ def run(a) -> dict:
     from vllm.inputs import TokensPrompt
 
     cfg = backend_config(a.backend, a.hisparse)
-    llm = _engine(a, cfg)
+    llm = engine(a, cfg)
     eng = llm.llm_engine
     vocab = json.load(open(os.path.join(a.model, "config.json"))).get("vocab_size", 32000)
     rng = random.Random(0)
@@ -139,7 +139,7 @@ def run(a) -> dict:
     t_start = time.perf_counter()
     until(a.warm_steps)
     prefill_s = time.perf_counter() - t_start
-    rt = _runtime()
+    rt = runtime()
     host0 = dict(rt._host_s) if rt is not None else {}
     steps0 = rt.stats["steps"] if rt is not None else 0
     times: list[float] = []
@@ -159,9 +159,13 @@ def run(a) -> dict:
            "wall_ms_per_step": wall_ms, "runtime_host_per_step": host, "profiled_steps": 0,
            "gpu_busy_us_per_step": 0.0, "kernels_per_step": 0.0, "kernels": [], "host_ops": []}
     _write(a, out)                  # the timing stands even if the profiler fails below
+    def window() -> int:
+        """profile_steps more decode steps; the steps run."""
+        p0 = min(made.values())
+        return until(p0 + a.profile_steps) - p0
+
     try:
-        out.update(_profile(step=lambda: until(min(made.values()) + a.profile_steps),
-                            made=made, cuda=cuda))
+        out.update(profile(window, cuda))
     except Exception as e:          # noqa: BLE001  (recorded: the timing above is still worth having)
         out["profile_error"] = f"{type(e).__name__}: {e}"
     for rid in made:
@@ -171,8 +175,9 @@ def run(a) -> dict:
     return out
 
 
-def _profile(step, made: dict, cuda: bool) -> dict:
-    """profile_steps decode steps (``step`` runs them) under the torch profiler: the tables."""
+def profile(work, cuda: bool) -> dict:
+    """``work()`` under the torch profiler; it returns how many units (decode steps, prefills) it
+    ran, and the tables are per unit."""
     import torch
 
     acts = [torch.profiler.ProfilerActivity.CPU]
@@ -180,11 +185,10 @@ def _profile(step, made: dict, cuda: bool) -> dict:
         torch.cuda.synchronize()
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
-        p0 = min(made.values())
-        p1 = step()
+        units = work()
         if cuda:
             torch.cuda.synchronize()
-    psteps = max(p1 - p0, 1)
+    psteps = max(units, 1)
     kernels, host_ops = _profiler_events(prof)
     htab = sorted(({"name": n, "calls_per_step": c / psteps, "us_per_step": t / psteps}
                    for n, c, t in host_ops), key=lambda r: -r["us_per_step"])[:TOP_HOST_OPS]
