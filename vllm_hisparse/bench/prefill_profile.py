@@ -25,7 +25,7 @@ import time
 
 from vllm_hisparse.bench import step_profile as sp
 from vllm_hisparse.bench.profile_tables import diff, print_diff
-from vllm_hisparse.bench.serving import BACKENDS, backend_config
+from vllm_hisparse.bench.serving import backend_config
 
 
 def run(a) -> dict:
@@ -113,22 +113,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="profile one backend's prefill")
-    r.add_argument("--model", required=True)
-    r.add_argument("--backend", choices=BACKENDS, required=True)
-    r.add_argument("--hisparse", default="{}", help="hisparse config (JSON), as bench.serving")
-    r.add_argument("--input-len", type=int, default=32768)
-    r.add_argument("--rows", type=int, default=1, help="prompts prefilled together")
+    sp.engine_args(r, "prompts prefilled together", "out/prefill_profile")
     r.add_argument("--repeats", type=int, default=3, help="timed prefills (no profiler)")
-    r.add_argument("--load-format", default="dummy")
-    r.add_argument("--dtype", default="auto")
-    r.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    r.add_argument("--max-num-batched-tokens", type=int, default=None)
-    r.add_argument("--no-prefix-caching", action="store_true",
-                   help="prefix caching off, as bench.serving's servers run")
-    r.add_argument("--capture-sizes", default=None,
-                   type=lambda s: [int(x) for x in s.split(",")],
-                   help="CUDA-graph sizes to capture, comma-separated (as step_profile)")
-    r.add_argument("--out", default="out/prefill_profile")
     d = sub.add_parser("diff", help="two runs' tables side by side")
     d.add_argument("a")
     d.add_argument("b")

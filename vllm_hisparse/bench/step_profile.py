@@ -234,31 +234,36 @@ def show_diff(pa: str, pb: str, top: int = 25) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="profile one backend's decode steps")
+def engine_args(r, rows_help: str, out: str) -> None:
+    """The engine's arguments (``engine`` reads them), shared with bench.prefill_profile."""
     r.add_argument("--model", required=True)
     r.add_argument("--backend", choices=BACKENDS, required=True)
     r.add_argument("--hisparse", default="{}", help="hisparse config (JSON), as bench.serving")
     r.add_argument("--input-len", type=int, default=32768)
-    r.add_argument("--rows", type=int, default=1, help="requests decoding together")
-    r.add_argument("--warm-steps", type=int, default=8, help="decode steps before the timed ones")
-    r.add_argument("--steps", type=int, default=200, help="decode steps timed (no profiler)")
-    r.add_argument("--profile-steps", type=int, default=30, help="decode steps profiled")
+    r.add_argument("--rows", type=int, default=1, help=rows_help)
     r.add_argument("--load-format", default="dummy")
     r.add_argument("--dtype", default="auto")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     r.add_argument("--max-num-batched-tokens", type=int, default=None)
-    r.add_argument("--log-stats", action="store_true",
-                   help="vLLM's per-step stats on, as a server has them (the connector's reports)")
     r.add_argument("--no-prefix-caching", action="store_true",
                    help="prefix caching off, as bench.serving's servers run")
     r.add_argument("--capture-sizes", default=None,
                    type=lambda s: [int(x) for x in s.split(",")],
                    help="CUDA-graph sizes to capture, comma-separated (default: powers of two "
                         "below 2 x rows; a server of --max-num-seqs 1 captures 1,2)")
-    r.add_argument("--out", default="out/step_profile")
+    r.add_argument("--out", default=out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="profile one backend's decode steps")
+    engine_args(r, "requests decoding together", "out/step_profile")
+    r.add_argument("--warm-steps", type=int, default=8, help="decode steps before the timed ones")
+    r.add_argument("--steps", type=int, default=200, help="decode steps timed (no profiler)")
+    r.add_argument("--profile-steps", type=int, default=30, help="decode steps profiled")
+    r.add_argument("--log-stats", action="store_true",
+                   help="vLLM's per-step stats on, as a server has them (the connector's reports)")
     d = sub.add_parser("diff", help="two runs' tables side by side")
     d.add_argument("a")
     d.add_argument("b")
