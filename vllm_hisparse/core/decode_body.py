@@ -130,7 +130,6 @@ def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.T
     else:
         dst, dst_page = rt.host_layer(layer), f("host_page")
     decode_ops.decode_write(kv, k, v, bt, f("seq"), db.newest, dst, dst_page)
-    max_k = _max_k(db, q, bt, rt.P)
     work = _dense_work(q)
     if dp is not None and (rt.split_dense or not q.is_cuda):
         # rows on the cache and rows on the pool: one split + one combine launch for both
@@ -138,6 +137,7 @@ def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.T
             kernels.dense_decode_two(q, kv, bt, f("dl_seq"), dp, rt.dense_pt.table, f("row"),
                                      f("pool_seq"), scale, out, work)
     else:
+        max_k = _max_k(db, q, bt, rt.P)
         on_gpu = _dense(rt, q, kv, bt, f("dl_seq"), scale, out, max_k, work)
         if dp is None:
             db.run_kinds(("has_dl",), [on_gpu])
