@@ -67,10 +67,7 @@ def run(a) -> dict:
         prefill()
         sync()
         walls.append((time.perf_counter() - t) * 1e3)
-    host = {}
-    if rt is not None:
-        host = {f"{k}_ms": (rt._host_s[k] - host0.get(k, 0.0)) * 1e3 / a.repeats
-                for k in rt._host_s}
+    host = sp.host_since(rt, host0, a.repeats, "ms")
     out = {"backend": a.backend, "config": cfg, "input_len": a.input_len, "rows": a.rows,
            "prefix_caching": not a.no_prefix_caching, "capture_sizes": a.capture_sizes,
            "device": torch.cuda.get_device_name() if cuda else "cpu",

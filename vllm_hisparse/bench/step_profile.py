@@ -99,6 +99,15 @@ def runtime():
     return worker_state.runtime
 
 
+def host_since(rt, before: dict | None, per: int, unit: str) -> dict:
+    """The runtime's host time (plan, layers) since ``before`` (``dict(rt._host_s)`` then) over
+    ``per`` units of work, keyed NAME_UNIT in ``unit`` ("us" or "ms"); {} without a runtime."""
+    if rt is None:
+        return {}
+    scale = {"us": 1e6, "ms": 1e3}[unit] / max(per, 1)
+    return {f"{k}_{unit}": (t - (before or {}).get(k, 0.0)) * scale for k, t in rt._host_s.items()}
+
+
 def run(a) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")    # the worker in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -146,10 +155,7 @@ def run(a) -> dict:
     t0, n0 = time.perf_counter(), min(made.values())
     n1 = until(a.warm_steps + a.steps, times)
     wall_ms = (time.perf_counter() - t0) * 1e3 / max(n1 - n0, 1)
-    host = {}
-    if rt is not None:
-        ds = max(rt.stats["steps"] - steps0, 1)
-        host = {f"{k}_us": (rt._host_s[k] - host0.get(k, 0.0)) * 1e6 / ds for k in rt._host_s}
+    host = host_since(rt, host0, rt.stats["steps"] - steps0 if rt is not None else 0, "us")
     out = {"backend": a.backend, "config": cfg, "input_len": a.input_len, "rows": a.rows,
            "log_stats": a.log_stats, "prefix_caching": not a.no_prefix_caching,
            "capture_sizes": a.capture_sizes,
@@ -159,6 +165,7 @@ def run(a) -> dict:
            "wall_ms_per_step": wall_ms, "runtime_host_per_step": host, "profiled_steps": 0,
            "gpu_busy_us_per_step": 0.0, "kernels_per_step": 0.0, "kernels": [], "host_ops": []}
     _write(a, out)                  # the timing stands even if the profiler fails below
+
     def window() -> int:
         """profile_steps more decode steps; the steps run."""
         p0 = min(made.values())
