@@ -4,8 +4,8 @@ resident,elastic,resident,elastic``), with the number of servers, the mean of a 
 across them, and the mean against a baseline backend's at the same concurrency.
 
 Two servers of one backend can differ by as much as two backends do (docs/gpu-results.md,
-"Twelfth session": up to 56 µs a step at 32K / 1 on an H100), so a one-server-each gap is no
-evidence; this puts the spread beside the gap.
+the served 32K / 1 rows), so a one-server-each gap is no evidence; this puts the spread beside
+the gap.
 
     python -m vllm_hisparse.bench.server_spread OUT/serving.csv [MORE.csv ...] \\
         [--figure tpot_mean_ms] [--baseline resident]

@@ -14,10 +14,10 @@ else — a page boundary, a spill since the last plan, a new batch, a trace, win
 read-back of dense layers — returns False and the runtime runs its full plan, which records the
 batch again.
 
-On the H200 box it takes one 32K row's plan from 105 to 42 µs of host time (resident mode) and
-from 120 to 58 µs (elastic), medians (docs/gpu-results.md, tenth session); the host time shows in
-a step whenever the host, not the GPU, bounds it. tests/test_steady_step.py checks that both plans
-send the same bytes step by step. ``HISPARSE_STEADY_PLAN=0`` turns it off (an A/B knob).
+It cuts a 32K row's plan to under half its host time, in resident mode and elastic alike
+(docs/gpu-results.md); the host time shows in a step whenever the host, not the GPU, bounds it.
+tests/test_steady_step.py checks that both plans send the same bytes step by step.
+``HISPARSE_STEADY_PLAN=0`` turns it off (an A/B knob).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ BLOCK_N = 64          # tokens per inner step (a guess, good for D=128 on Hopper
 TARGET_PROGRAMS = 528  # ~4 programs per H200 SM across (R, Hkv, splits) (a guess)
 MAX_SPLITS = 64        # the combine holds this many (one width: one compiled combine kernel)
 MIN_SPLIT_TOKENS = 64  # one BLOCK_N step per split at least; 256 left one 32K request (2064 tokens,
-                       # 8 KV heads) with 72 programs: 14.0 us, 7.7 us with 64 (H200, gpu-results)
+                       # 8 KV heads) with 72 programs, slower than 64's (docs/gpu-results.md)
 
 
 # The split layout follows the batch size (num_splits): not specialised on, so a decode batch of a
@@ -56,8 +56,9 @@ def _split(Q, KV, LOCS, UNITS, SEQ, EXTRA, ELEN, PO, PML, scale, n_sel, n_tok, s
     resident for the next step (each (token, KV head) of the selection belongs to exactly one
     program, so each byte of the page is written once). MISSED[r] (the select's): 0 for a row
     without a miss this step, whose programs then skip even the check (one scalar load beside the
-    query's, instead of a load of the row's locs and a block-wide min before the loop: ~0.5 us of a
-    one-row split on the H200). KP: a power of two >= the selected units per row."""
+    query's, instead of a load of the row's locs and a block-wide min before the loop, which
+    showed in a one-row split: docs/gpu-results.md). KP: a power of two >= the selected units per
+    row."""
     h = tl.program_id(1)
     sp = tl.program_id(2)
     og = tl.arange(0, GP)

@@ -2,7 +2,8 @@
 selected pages plus their newest page (ops/triton_attention.py's split and combine), dense rows
 over their whole paged context (ops/triton_dense_decode.py's split and ordered combine), each
 program doing what its row's kind needs — instead of four launches, two of them inert for every
-row of the other kind (each launch and the gap after it cost ~1.5-3 us at one row on the H200).
+row of the other kind (each launch and the gap after it cost microseconds at one row, however
+little it does: docs/gpu-results.md).
 
 A row's programs run exactly the code of its kind's own kernels with the same split layout, and
 the partial results only sit at a wider stride, so every row gets the bits

@@ -4,11 +4,11 @@ One query token per row attends its first ``seq_k[r]`` keys, read through its bl
 FlashAttention: called with split-KV its split count is chosen per call from the whole batch, so a
 row's result would depend on which rows share the call (and hisparse and resident mode group rows
 differently); called with ``num_splits=1`` (as for prefill) it runs one CTA per KV head, 8 CTAs for
-one Llama-3-8B row: 42 us over 4K keys, 296 us over 32K on an H200 (docs/gpu-results.md). Here the
+one Llama-3-8B row, slow for a few rows (docs/gpu-results.md). Here the
 keys of row r are cut into at most ``SPLITS`` splits of ``split_len(seq_k[r])`` keys each (a
 function of the row's own length: a 4K row gets 32 splits of 128 keys, 256 programs for one
-Llama-3-8B row, where fixed 512-key splits gave it 64 programs of 8 steps each: 15 us on the H200
-against FlashAttention's 20 for the whole layer) — and the partial results are combined one split
+Llama-3-8B row, where fixed 512-key splits gave it 64 programs of 8 steps each: too few for one
+row, docs/gpu-results.md) — and the partial results are combined one split
 after the other in that order, so a row's output is a function of its own query and keys alone:
 not of the batch, the block-table width or the call. Programs past a row's last key return at once. The plain-torch reference is
 ``ops.reference.dense_decode_attention`` (equal up to fp32 summation order).

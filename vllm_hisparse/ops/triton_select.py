@@ -3,7 +3,7 @@ scores, picks its top pages, and maps them to physical blocks — through the bl
 page is on the GPU, or through the row's hot slots otherwise (a constexpr branch per served policy of
 vllm_hisparse.slots: ``POLICY`` 0 = lru, 1 = crf); a second launch, one program per
 selected page, copies the missing pages from the pinned host pool with GPU loads (a row's misses in
-parallel: one program copying them one after the other moved 13 GB/s on the H200).
+parallel: one program copying them one after the other was far slower; docs/gpu-results.md).
 
 Per row r (program r; rows with ``seq[r] == 0`` stop at once, rows without a complete page get
 ``sel = locs = -1``):
@@ -37,10 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
-SELECT_WARPS = 16  # warps of the select program (one 32K row on the H200: 20.4 us at 16, 21.7 at 8,
-                   # 27 at 4; bench.decode_step --select-warps)
-RADIX_BITS = 8     # bits per top-k radix pass (11: at most 3 passes of 2048 bins, measured 1.7x
-                   # slower on the H200; bench.decode_step --radix-bits)
+SELECT_WARPS = 16  # warps of the select program (the fastest of 4 / 8 / 16 for a 32K row;
+                   # bench.decode_step --select-warps; docs/gpu-results.md)
+RADIX_BITS = 8     # bits per top-k radix pass (11: at most 3 passes of 2048 bins, measured
+                   # slower; bench.decode_step --radix-bits; docs/gpu-results.md)
 
 
 @triton.jit

@@ -2,8 +2,8 @@
 
 A sparse layer's first two kernels were the decode write (one program per row: the new token into
 its block, the host pool, the Quest bounds) and the Quest scores (programs (row, tile of BLOCK_U
-pages)). Each launch of the decode path costs ~2.5 us at one row on the H200 however little it
-does, so this launch runs both: program (r, ub) scores tile ub of row r like
+pages)). Each launch of the decode path costs microseconds at one row however little it does
+(docs/gpu-results.md), so this launch runs both: program (r, ub) scores tile ub of row r like
 ``triton_quest._quest_rows_kernel`` (live pages only), and the program whose tile holds row r's
 newest page also writes row r's token like ``triton_decode_write._decode_write_kernel``.
 
