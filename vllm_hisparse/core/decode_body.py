@@ -87,7 +87,7 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     def sparse():
         hot = {} if hs is None else dict(
-            hot=f("hot"), rows=f("row"), state=hs, host_pt=rt.host_pt.table, host=host, kv=kv,
+            hot=f("hot"), rows=f("row"), state=hs, host_pt=rt.host_pt.fetch, host=host, kv=kv,
             counts=rt._hit_miss, fetch=not in_attention, missed=missed)
         decode_ops.select_resolve(scores, f("sp_seq"), f("full"), K, bt, sel, locs, **hot)
         if rt.trace is not None:
@@ -100,7 +100,7 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
             from vllm_hisparse.ops.triton_decode_attention import partials_numel
             aw = tuple(torch.empty(n, dtype=torch.float32, device=dev)
                        for n in partials_numel(N, q.shape[1], kv.shape[3], K, P, q.shape[2]))
-        miss = (f("row"), rt.host_pt.table, host, missed) if in_attention else None
+        miss = (f("row"), rt.host_pt.fetch, host, missed) if in_attention else None
         kernels.decode_attention(q, kv, bt, locs, sel, f("sp_seq"), db.newest, f("dn_seq"), scale,
                                  out, aw, miss)
         return

@@ -141,7 +141,7 @@ class LatentGraphStep:
             sel = torch.where(sel < pool.max_model_len, sel, -1)
             self.locs.fill_(-1)
             resolve_given(sel, self.dec_seq, self.dec_slots, self.locs, self.hot, self.dec_rows,
-                          pool.states[layer], pool.host_rows.table,
+                          pool.states[layer], pool.host_rows.fetch,
                           self._host[layer][1], pool.rows[layer], pool.counts, self.work)
             self.out.index_copy_(0, self.dec_scatter, self.locs)
         valid.copy_((out >= 0).sum(1))

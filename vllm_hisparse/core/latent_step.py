@@ -119,7 +119,7 @@ class LatentStep:
         pool_indices(topk, self.region_base, pool.max_model_len, self.dec_tok, self.dec_rows,
                      self.dec_slots, self.dec_seq,
                      pool.states[layer] if pool.states else None,
-                     None if host is None else pool.host_rows.table,
+                     None if host is None else pool.host_rows.fetch,
                      None if host is None else host.view(host.shape[0], -1),
                      pool.rows[layer], pool.counts, out, valid)
         return out, valid

@@ -5,17 +5,37 @@ u of that row's request. It grows as the pool hands pages out (queued during the
 written by ``flush_tables``: one host->device copy for every table, one scatter a table), and a row
 is cleared when its request finishes, so RESOLVE, the write-through and the dense-pool attention
 index it without host work.
+
+``fetch`` is the table the fetches read (pages copied from the pool into the GPU); writes index
+``table``. They are one tensor, except under ``HISPARSE_TEST_CORRUPT_FETCH=1``: the negative
+control of the exactness harnesses (scripts/exact_verdict.py), refused by ``vllm serve``. Then
+``fetch`` is a second tensor in which entry [row, u] holds the page of u's neighbour (u ^ 1) where
+both have one: every page fetched from the pool is the wrong one, nothing else changes, so a
+harness that compares a run with misses against resident mode must report a mismatch.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from vllm_hisparse.knobs import env_flag
+
+CORRUPT_FETCH_ENV = "HISPARSE_TEST_CORRUPT_FETCH"
+
+
+def corrupt_fetch() -> bool:
+    """The negative control's knob (read when a table is built)."""
+    return env_flag(CORRUPT_FETCH_ENV, False,
+                    on="every page fetched from the host pool read from its neighbour: wrong "
+                       "outputs by design, a negative control for exactness harnesses",
+                    off="fetches read their own page")
+
 
 class DevicePageTable:
     def __init__(self, rows: int, width: int, device, h2d=None):
         """h2d: the runtime's core.staging.HostToDevice (copies that do not wait for the GPU)."""
         self.table = torch.full((rows, width), -1, dtype=torch.int32, device=device)
+        self.fetch = self.table.clone() if corrupt_fetch() else self.table
         self.width = width
         self._h2d = h2d or (lambda x, dtype: torch.tensor(x, dtype=dtype).to(device))
         self._len = [0] * rows
@@ -42,6 +62,19 @@ class DevicePageTable:
         if self._len[row]:
             self.table[row] = -1
             self._len[row] = 0
+            self._corrupt()
+
+    def _corrupt(self) -> None:
+        """Under the negative control: ``fetch`` = ``table`` with each pair of neighbouring
+        entries swapped where both hold a page (in place: a CUDA graph keeps its address)."""
+        if self.fetch is self.table:
+            return
+        t, w = self.table, self.width - self.width % 2
+        pairs = t[:, :w].reshape(t.shape[0], w // 2, 2)
+        swapped = pairs.flip(-1)
+        self.fetch[:, :w].copy_(torch.where((pairs >= 0) & (swapped >= 0), swapped, pairs)
+                                .reshape(t.shape[0], w))
+        self.fetch[:, w:].copy_(t[:, w:])
 
 
 FEW = 4      # queued pages up to which each is written on its own (a decode step's new pages)
@@ -62,6 +95,7 @@ def flush_tables(tables: list) -> None:
             for i, v in zip(t._idx, t._val):
                 flat.narrow(0, i, 1).fill_(v)      # a launch (`flat[i] = v` copies: a sync)
             t._idx, t._val = [], []
+            t._corrupt()
         return
     idx = np.concatenate([np.asarray(t._idx, dtype=np.int64) for t in todo])
     val = np.concatenate([np.asarray(t._val, dtype=np.int32) for t in todo])
@@ -73,3 +107,4 @@ def flush_tables(tables: list) -> None:
         t.table.view(-1).index_put_((di[off:off + k],), dv[off:off + k])
         off += k
         t._idx, t._val = [], []
+        t._corrupt()

@@ -4,8 +4,8 @@ bad arguments), checked before the engine starts where it can be. plugin.py's wr
 
 * ``check_argv(args)``, before vLLM parses: an ``--additional-config`` that names hisparse (or
   goes with ``--hisparse-config``) and is not valid JSON (vLLM's own message never says hisparse);
-* ``check_namespace(ns)``, after it parses, only when the run selects hisparse: the hisparse
-  config loads and validates, the serving runtime implements it, and its host pool is not larger
+* ``check_namespace(ns)``, after it parses, only when the run selects hisparse: the negative
+  control's knob (core/page_table.py) is off, the hisparse config loads and validates, the serving runtime implements it, and its host pool is not larger
   than the machine's RAM (or container limit). It then guards ``ns.dispatch_function`` (what
   ``vllm serve`` runs): a hisparse error raised later while vLLM builds its config in this process
   (the model-dependent checks of setup_check.py, which reach the top wrapped in pydantic's
@@ -138,9 +138,17 @@ def check_namespace(ns):
     if not selected(ns):
         return ns
     from vllm_hisparse.core.host_pool import host_memory
+    from vllm_hisparse.core.page_table import CORRUPT_FETCH_ENV, corrupt_fetch
 
     from .setup_check import check_served
 
+    try:
+        control = corrupt_fetch()
+    except ValueError as e:
+        fail(str(e))
+    if control:
+        fail(f"{CORRUPT_FETCH_ENV}=1 is the exactness harnesses' negative control (every page "
+             f"fetched from the host pool is the wrong one): vllm serve refuses it; unset it")
     try:
         cfg = load_config(ns)
         check_served(cfg)
