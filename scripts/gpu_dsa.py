@@ -1,12 +1,16 @@
 """GPU check of the DSA path (docs/dsa.md): the 4-layer DeepSeek-V3.2-shaped model (real attention
-and indexer dimensions, dummy weights) in three offline engines on the same concurrent prompts,
-greedy, with logprobs, vLLM's CUDA graphs (FULL for uniform decode steps):
+and indexer dimensions, random weights whose attention matters: load_format scaled_dummy,
+vllm/scaled_weights.py; DSA_WEIGHTS=dummy for vLLM's inert ones) in three offline engines on the
+same concurrent prompts, greedy, with logprobs, vLLM's CUDA graphs (FULL for uniform decode steps):
 
     python scripts/gpu_dsa.py run stock MODEL_DIR OUT_DIR      # FLASH_ATTN_MLA_SPARSE
     python scripts/gpu_dsa.py run hisparse MODEL_DIR OUT_DIR   # the latent pool, row sets, host
     python scripts/gpu_dsa.py run resident MODEL_DIR OUT_DIR   # the latent pool, all resident
     python scripts/gpu_dsa.py run crf MODEL_DIR OUT_DIR        # hisparse under policy crf
-    python scripts/gpu_dsa.py compare OUT_DIR                  # tokens + logprobs identical?
+    python scripts/gpu_dsa.py run control MODEL_DIR OUT_DIR    # hisparse, every fetch corrupted
+    python scripts/gpu_dsa.py compare OUT_DIR                  # tokens + logprobs identical to
+                                                               # resident? (exact_verdict.py:
+                                                               # EXACT, MISMATCH or VOID)
     python scripts/gpu_dsa.py cap stock|hisparse MODEL_DIR OUT_DIR   # capacity at one GPU budget
 
 ``cap`` (issue 17's capacity goal): both engines get the same GPU KV budget, DSA_CAP_KV_GIB
@@ -36,13 +40,19 @@ import re
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import exact_verdict  # noqa: E402
+
+LOAD = {"scaled": "scaled_dummy", "dummy": "dummy"}[os.environ.get("DSA_WEIGHTS", "scaled")]
+CONTROL_ENV = "HISPARSE_TEST_CORRUPT_FETCH"
+
 PROMPTS = [int(x) for x in os.environ.get("DSA_PROMPTS", "8000,20000,12000,16000").split(",")]
 MAX_TOKENS = int(os.environ.get("DSA_MAX_TOKENS", "48"))
 MAX_LEN = int(os.environ.get("DSA_MAX_LEN", "24576"))
 CFG = {"indexer": "dsa", "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
        "dense_layers": [], "host_pool_gib": 8, "quest_rows": len(PROMPTS),
        "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0"))}
-MODES = ("stock", "hisparse", "resident")      # the engines compare pairs (and crf when it ran)
+MODES = ("stock", "hisparse", "resident")      # each compared with resident (and crf when it ran)
 LINES = re.compile(r"(GPU KV cache size.*|Maximum concurrency.*|hisparse dsa: .*|"
                    r"Using .* backend.*|cudagraph_mode.*?[,}]|Error.*|error.*)")
 
@@ -71,28 +81,42 @@ def save(res: dict, path: str, line: str) -> int:
     return 0
 
 
+def requests(outs) -> list[dict]:
+    return [{"prompt_len": len(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
+             "logprobs": [sorted([k, v.logprob] for k, v in d.items()) for d in o.outputs[0].logprobs]}
+            for o in outs]
+
+
 def run(mode: str, model: str, out: str) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the runtime's stats in-process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if mode == "control":
+        os.environ[CONTROL_ENV] = "1"
+    else:
+        os.environ.pop(CONTROL_ENV, None)
     from vllm import LLM, SamplingParams
 
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in PROMPTS]
-    kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format="dummy",
+    ids = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPTS]
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format=LOAD,
               dtype="bfloat16", seed=0, max_model_len=MAX_LEN, max_num_seqs=8,
               max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
-    cfg = dict(CFG, host_tier=mode in ("hisparse", "crf"), policy="crf" if mode == "crf" else "lru")
+    cfg = dict(CFG, host_tier=mode in ("hisparse", "crf", "control"),
+               policy="crf" if mode == "crf" else "lru")
     llm = LLM(**kw, **backend(mode, cfg))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True,
                         detokenize=False)
     t0 = time.time()
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    res = {"mode": mode, "elapsed_s": time.time() - t0, "config": cfg, "requests": [
-        {"prompt_len": len(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
-         "logprobs": [sorted([k, v.logprob] for k, v in d.items()) for d in o.outputs[0].logprobs]}
-        for o in outs]}
+    res = {"mode": mode, "elapsed_s": time.time() - t0, "config": cfg, "load_format": LOAD,
+           "requests": requests(outs)}
+    if mode == "resident":                  # the proof that attention matters, after the batch
+        res["shuffled"] = requests(llm.generate(
+            [{"prompt_token_ids": exact_verdict.shuffle_context(p, i)} for i, p in enumerate(ids)],
+            sp, use_tqdm=False))
     return save(res, os.path.join(out, f"{mode}.json"),
                 f"== {mode}: {len(outs)} requests in {res['elapsed_s']:.1f} s")
 
@@ -119,7 +143,7 @@ def cap(mode: str, model: str, out: str) -> int:
     rng = random.Random(1)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt)]}
                for _ in range(n)]
-    kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format="dummy",
+    kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format=LOAD,
               dtype="bfloat16", seed=0, max_model_len=mml, max_num_seqs=n,
               max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
               kv_cache_memory_bytes=side["kv_cache_bytes"])
@@ -149,28 +173,24 @@ def show_log(path: str) -> None:
 
 
 def compare(out: str) -> int:
-    got = {m: json.load(open(os.path.join(out, f"{m}.json"))) for m in MODES + ("crf",)
-           if os.path.exists(os.path.join(out, f"{m}.json"))}
-    ok, compared = True, 0          # EXACT: every pair that ran identical (a pair missing is said)
-    pairs = [("hisparse", "stock"), ("resident", "stock"), ("hisparse", "resident")]
-    for a, b in pairs + ([("crf", "resident")] if "crf" in got else []):
-        if a not in got or b not in got:
-            print(f"{a} vs {b}: missing {[m for m in (a, b) if m not in got]}")
-            continue
-        compared += 1
-        for i, (x, y) in enumerate(zip(got[a]["requests"], got[b]["requests"])):
-            same_t, same_l = x["tokens"] == y["tokens"], x["logprobs"] == y["logprobs"]
-            first = next((j for j, (s, t) in enumerate(zip(x["tokens"], y["tokens"])) if s != t),
-                         None)
-            ok &= same_t and same_l
-            print(f"{a} vs {b} request {i} ({x['prompt_len']} tokens): tokens identical {same_t}"
-                  f" (first difference at {first}), logprobs identical {same_l}")
-    for m in ("hisparse", "resident", "crf"):
+    """hisparse, stock (and crf, when it ran) against resident, the shuffled-context proof and the
+    negative control (exact_verdict.py: EXACT 0, MISMATCH 1, VOID 3)."""
+    got = {m: json.load(open(os.path.join(out, f"{m}.json")))
+           for m in MODES + ("crf", "control") if os.path.exists(os.path.join(out, f"{m}.json"))}
+    if "resident" not in got:
+        print("resident.json missing: nothing to compare\nVOID")
+        return exact_verdict.VOID
+    ref, ctl = got["resident"], got.get("control")
+    code, lines = exact_verdict.verdict(
+        ref["requests"], {m: got[m]["requests"] for m in ("hisparse", "stock", "crf") if m in got},
+        None if ctl is None else ctl["requests"], ref.get("shuffled"),
+        None if ctl is None else ctl.get("stats", {}).get("misses"))
+    for m in ("hisparse", "resident", "crf", "control"):
         if m in got:
             print(f"{m} stats: {json.dumps(got[m].get('stats'))}")
-    ok &= compared > 0
-    print(f"EXACT ({compared} pairs)" if ok else "MISMATCH" if compared else "NOTHING COMPARED")
-    return 0 if ok else 1
+    print(f"weights: {ref.get('load_format', 'dummy')}")
+    print("\n".join(lines))
+    return code
 
 
 if __name__ == "__main__":

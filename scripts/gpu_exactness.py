@@ -1,13 +1,22 @@
-"""GPU check of the vLLM integration: a Llama-3-8B-shaped model with random weights
-(load_format=dummy, bf16), max_model_len 32K, gpu_memory_utilization 0.9, vLLM's CUDA graphs (FULL
-for uniform decode steps, PIECEWISE for the others).
+"""GPU check of the vLLM integration: a Llama-3-8B-shaped model with random weights whose attention
+matters (load_format=scaled_dummy, vllm/scaled_weights.py; bf16), or a real model, max_model_len
+32K, gpu_memory_utilization 0.9, vLLM's CUDA graphs (FULL for uniform decode steps, PIECEWISE for
+the others).
 
     python scripts/gpu_exactness.py run resident OUT_DIR     # one engine per call (fits 10 min)
     python scripts/gpu_exactness.py run hisparse OUT_DIR
     python scripts/gpu_exactness.py run elastic OUT_DIR      # hisparse + resident_first (issue 15)
     python scripts/gpu_exactness.py run crf OUT_DIR          # hisparse with the crf policy
+    python scripts/gpu_exactness.py run control OUT_DIR      # hisparse, every fetch corrupted
+                                                             # (the negative control)
     python scripts/gpu_exactness.py compare OUT_DIR [MODE..] # identical tokens + logprobs to
-                                                             # resident? (default: hisparse)
+                                                             # resident? (default: hisparse;
+                                                             # scripts/exact_verdict.py: EXACT,
+                                                             # MISMATCH or VOID)
+    EXACT_WEIGHTS=dummy ...                                  # vLLM's dummy weights (inert
+                                                             # attention: every verdict VOID)
+    EXACT_MODEL=DIR EXACT_PROMPTS_FILE=P.json ...            # a real model (its own weights) and
+                                                             # its prompts (lists of token ids)
     HISPARSE_EXTRA='{"dense_pool_gib": 4}' python scripts/gpu_exactness.py ...
                                                              # merged into both modes' config
     EXACT_PROMPTS=6000,20000,12000,9000 ...                  # other prompt lengths (tokens)
@@ -23,7 +32,9 @@ for uniform decode steps, PIECEWISE for the others).
                                                              # tensor parallel (scripts/gpu_tp.sh)
 
 Each run writes OUT_DIR/MODE.json (tokens, logprobs, runtime stats) and OUT_DIR/MODE.log, and
-prints vLLM's KV-capacity lines (KV memory, KV tokens, maximum concurrency at max_model_len).
+prints vLLM's KV-capacity lines (KV memory, KV tokens, maximum concurrency at max_model_len). The
+resident run also generates every prompt with its context shuffled (a second batch, after the
+first: the first batch schedules as in every other mode), the proof that attention matters.
 """
 from __future__ import annotations
 
@@ -36,6 +47,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import exact_verdict  # noqa: E402
+
+WEIGHTS = os.environ.get("EXACT_WEIGHTS", "scaled")        # scaled (attention matters) / dummy
 CFG = {"top_k": 512, "device_buffer_size": 1024, "page_size": 16, "dense_layers": [0, 1],
        "host_pool_gib": 16}
 PROMPT_LENS = tuple(int(x) for x in os.environ.get("EXACT_PROMPTS", "5000,2100,3500,1200").split(","))
@@ -47,12 +62,16 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  tie_word_embeddings=False, torch_dtype="bfloat16")
 MODES = {"resident": {"host_tier": False}, "hisparse": {"host_tier": True, "resident_first": False},
          "elastic": {"host_tier": True, "resident_first": True},
-         "crf": {"host_tier": True, "resident_first": False, "policy": "crf"}}
+         "crf": {"host_tier": True, "resident_first": False, "policy": "crf"},
+         "control": {"host_tier": True, "resident_first": False}}
+CONTROL_ENV = "HISPARSE_TEST_CORRUPT_FETCH"
 CAPACITY = re.compile(r"(Available KV cache memory.*|GPU KV cache size.*|Maximum concurrency.*|"
                       r"cudagraph_mode.*?[,}]|Capturing CUDA graphs.*)")
 
 
 def model_dir() -> str:
+    if os.environ.get("EXACT_MODEL"):
+        return os.environ["EXACT_MODEL"]
     d = os.path.join(ROOT, "models", "llama3-8b-shape")
     if not os.path.exists(os.path.join(d, "config.json")):
         from transformers import LlamaConfig
@@ -68,19 +87,32 @@ def model_dir() -> str:
 
 def run(mode: str, out: str) -> int:
     os.makedirs(out, exist_ok=True)
-    rng = random.Random(0)
-    prompts = os.path.join(out, "prompts.json")
-    with open(prompts, "w") as f:
-        json.dump([[rng.randrange(1000, 120000) for _ in range(n)] for n in PROMPT_LENS], f)
     if mode not in MODES:
         raise SystemExit(f"mode: one of {', '.join(MODES)}, got {mode!r}")
+    prompts = os.path.join(out, "prompts.json")
+    if os.environ.get("EXACT_PROMPTS_FILE"):
+        with open(os.environ["EXACT_PROMPTS_FILE"]) as f:
+            ids = json.load(f)
+    else:
+        rng = random.Random(0)
+        ids = [[rng.randrange(1000, 120000) for _ in range(n)] for n in PROMPT_LENS]
+    with open(prompts, "w") as f:
+        json.dump(ids, f)
+    batches = ["--prompts", prompts]
+    if mode == "resident":                  # the proof that attention matters: a second batch
+        shuffled = os.path.join(out, "shuffled.json")
+        with open(shuffled, "w") as f:
+            json.dump([exact_verdict.shuffle_context(p, i) for i, p in enumerate(ids)], f)
+        batches += ["--prompts", shuffled]
     # one Quest row per prompt (the default, max_num_seqs rows of 32K, is more than a small
     # EXACT_UTIL allows: the startup check refuses it)
-    cfg = {**CFG, "quest_rows": len(PROMPT_LENS), **json.loads(os.environ.get("HISPARSE_EXTRA", "{}")),
+    cfg = {**CFG, "quest_rows": len(ids), **json.loads(os.environ.get("HISPARSE_EXTRA", "{}")),
            **MODES[mode]}
+    load = ("auto" if os.environ.get("EXACT_MODEL") else
+            {"scaled": "scaled_dummy", "dummy": "dummy"}[WEIGHTS])
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "hisparse_generate.py"), "--model",
-           model_dir(), "--config", json.dumps(cfg), "--prompts", prompts, "--max-tokens", str(MAX_TOKENS),
-           "--dtype", "bfloat16", "--load-format", "dummy", "--skip-tokenizer", "--cuda-graphs",
+           model_dir(), "--config", json.dumps(cfg), *batches, "--max-tokens", str(MAX_TOKENS),
+           "--dtype", "bfloat16", "--load-format", load, "--skip-tokenizer", "--cuda-graphs",
            "--max-model-len", str(MAX_LEN), "--max-num-seqs", "32",
            "--max-num-batched-tokens", "2048",
            "--gpu-memory-utilization", os.environ.get("EXACT_UTIL", "0.9"),
@@ -91,6 +123,9 @@ def run(mode: str, out: str) -> int:
     if os.environ.get("HISPARSE_EXECUTOR"):
         cmd += ["--distributed-executor-backend", os.environ["HISPARSE_EXECUTOR"]]
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0")
+    env.pop(CONTROL_ENV, None)
+    if mode == "control":
+        env[CONTROL_ENV] = "1"
     with open(os.path.join(out, f"{mode}.log"), "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     with open(os.path.join(out, f"{mode}.log")) as f:
@@ -104,28 +139,26 @@ def run(mode: str, out: str) -> int:
 
 
 def compare(out: str, modes=("hisparse",)) -> int:
+    """Each mode against resident (tokens + logprobs), the shuffled-context proof and the negative
+    control (OUT/control.json): scripts/exact_verdict.py's EXACT (0), MISMATCH (1) or VOID (3)."""
     a = json.load(open(os.path.join(out, "resident.json")))
-    ok = True
-    for mode in modes:
-        b = json.load(open(os.path.join(out, f"{mode}.json")))
-        if not a["batches"][0] or len(a["batches"][0]) != len(b["batches"][0]):
-            print(f"{mode}: {len(b['batches'][0])} requests vs resident's "
-                  f"{len(a['batches'][0])}: nothing to compare")
-            ok = False
-        for i, (r, h) in enumerate(zip(a["batches"][0], b["batches"][0])):
-            same_t = r["tokens"] == h["tokens"]
-            same_l = r["logprobs"] == h["logprobs"]
-            ok &= same_t and same_l
-            print(f"{mode} request {i} ({r['prompt_len']} tokens): tokens identical {same_t}, "
-                  f"logprobs identical {same_l}")
+    got = {m: json.load(open(os.path.join(out, f"{m}.json"))) for m in modes}
+    ctl = os.path.join(out, "control.json")
+    ctl = json.load(open(ctl)) if os.path.exists(ctl) else None
+    code, lines = exact_verdict.verdict(
+        a["batches"][0], {m: b["batches"][0] for m, b in got.items()},
+        None if ctl is None else ctl["batches"][0], a["batches"][1] if len(a["batches"]) > 1 else None,
+        None if ctl is None else ctl["stats"].get("misses"))
+    for mode, b in got.items():
         print(f"{mode} stats:", json.dumps(b["stats"]), "peak decode blocks",
               b["peak_decode_blocks"], "vs resident", a["peak_decode_blocks"],
               "preemptions", b.get("preemptions"), "vs resident", a.get("preemptions"))
         for rank, s in enumerate(b.get("rank_stats", [])[1:], 1):
             print(f"{mode} rank {rank} stats:", json.dumps(s))
         print(f"elapsed s: resident {a['elapsed_s']:.1f} {mode} {b['elapsed_s']:.1f}")
-    print("EXACT" if ok else "MISMATCH")
-    return 0 if ok else 1
+    print(f"weights: {os.environ.get('EXACT_MODEL') or WEIGHTS}")
+    print("\n".join(lines))
+    return code
 
 
 if __name__ == "__main__":

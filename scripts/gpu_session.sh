@@ -9,15 +9,17 @@
 #                                                      # resident (RESOLVE's share) (~5 min)
 #   bash scripts/gpu_session.sh OUT exact    # exactness engines side by side on one GPU: the
 #       serving config (top_k 2048, B 4096, min_context 0, 4 prompts of 6K-20K) as resident /
-#       hisparse / elastic / crf (a KV cache smaller than the prompts: spills mid-run), and short
-#       prompts turning sparse mid-decode (issue 16); EXACT_LIMIT=S stops each engine (default
-#       420; give the call S + 90)
+#       hisparse / elastic / crf / the negative control (a KV cache smaller than the prompts:
+#       spills mid-run), on weights whose attention matters (EXACT_WEIGHTS, EXACT_MODEL), and
+#       (EXACT_PAIRS="A B") short prompts turning sparse mid-decode (issue 16); EXACT_LIMIT=S
+#       stops each engine (default 420; give the call S + 90)
 #   bash scripts/gpu_session.sh OUT exact2   # a never-sparse engine (the stock decode path) vs
 #       resident; the stock-decode GPU test; 4K decode-step bench (~5 min)
 #   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at 1 request and at each backend's
 #       capacity: stock, elastic (BACKENDS=... for others; ~2.5 min stock, ~5 min per hisparse backend)
 #   bash scripts/gpu_session.sh OUT paper    # the paper's workload, 32K in / 8K out, at each backend's
-#       capacity: stock, elastic (BACKENDS=...; ~9 min for the two: give the call LIMIT + 30 s)
+#       capacity: stock, elastic (BACKENDS=...; ~9 min for the two: give the call LIMIT + 30 s;
+#       SERVING_FLAGS="--load-format scaled_dummy": weights whose attention matters, in paper and 32k1)
 #   bash scripts/gpu_session.sh OUT reasoning  # 1K in / 12K out at each backend's capacity (issue 16;
 #                                            # OUTPUT_LEN=..., ~8 min)
 #   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
@@ -89,38 +91,49 @@ case "$part" in
     done
     since "kernels done" ;;
   exact)
-    # A: the serving config as resident / hisparse / elastic (a KV cache smaller than the prompts:
-    # spills mid-run); B: short prompts turning sparse mid-decode (issue 16). Every engine stops at
-    # EXACT_LIMIT s; each minute the engines' last log lines go to the summary (a call stopped at
-    # its limit says how far each got), each pair is compared as soon as it is done.
+    # A: the serving config as resident / hisparse / elastic / crf and the negative control (a KV
+    # cache smaller than the prompts: spills mid-run); B (EXACT_PAIRS="A B"): short prompts
+    # turning sparse mid-decode (issue 16). Weights: EXACT_WEIGHTS=scaled (attention matters, the
+    # default) or dummy; EXACT_MODEL=DIR EXACT_PROMPTS_FILE=F: a real model and its prompts. The
+    # resident engine also runs each prompt with its context shuffled (the proof that attention
+    # matters); the verdict is scripts/exact_verdict.py's EXACT, MISMATCH or VOID. Every engine
+    # stops at EXACT_LIMIT s; each minute the engines' last log lines go to the summary.
     ex=$out/exact; mkdir -p $ex/A $ex/B
     A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0}'
-    runA() { engine A $1 HISPARSE_EXTRA="$A" EXACT_PROMPTS=6000,20000,12000,9000 EXACT_KV_GIB=$2; }
+    runA() { engine A $1 HISPARSE_EXTRA="${EXACT_A:-$A}" EXACT_PROMPTS=${EXACT_PROMPTS:-6000,20000,12000,9000} \
+               EXACT_KV_GIB=$2; }
     runB() { engine B $1 HISPARSE_EXTRA='{"dense_pool_gib": 1}' EXACT_PROMPTS=1200,5000 \
                EXACT_MAX_TOKENS=1500 EXACT_KV_GIB=2 EXACT_MAX_LEN=8192; }
     ( while sleep 60 > /dev/null 2>&1; do for f in $ex/*/*.log; do
         echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
     mon=$!
-    # each engine takes ~17-23 GB (16 of weights): five at once fit an H200's 141 GB, not an
-    # H100's 80 (the eleventh session's OOM): there two run at a time and pair B after pair A
-    big=$([ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" \
-          -gt 120000 ] && echo 1)
-    runA resident 7 & a1=$!; sleep 4; runA hisparse 5 & a2=$!; sleep 4
-    if [ -n "$big" ]; then
-      runA elastic 5 & a3=$!; sleep 4; runB resident & b1=$!; sleep 4; runB hisparse & b2=$!
-    fi
-    # crf (issue 15: the served policy, same prompts as hisparse's lru) in the GPU memory the
-    # resident engine gives back (and elastic in hisparse's on a small GPU)
-    wait $a1; since "A resident done"; runA crf 5 & a4=$!
-    [ -z "$big" ] && { wait $a2; runA elastic 5 & a3=$!; }
-    wait $a2 $a3 $a4; since "engines A done"
-    grep -h "== \|rc=\|cudagraph_mode" $ex/A/*.out | cut -c1-200; grep -h "Error" $ex/A/*.log | tail -3
-    python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic crf
-    [ -z "$big" ] && { runB resident & b1=$!; sleep 4; runB hisparse & b2=$!; }
-    wait $b1 $b2; since "engines B done"
-    grep -h "== \|rc=\|cudagraph_mode" $ex/B/*.out | cut -c1-200; grep -h "Error" $ex/B/*.log | tail -3
-    EXACT_PROMPTS=1200,5000 EXACT_MAX_LEN=8192 python3 scripts/gpu_exactness.py compare $ex/B hisparse
-    rm -f $ex/*/prompts.json
+    # each 8B engine takes ~17-23 GB (16 of weights): five at once fit an H200's 141 GB, two an
+    # H100's 80 (the eleventh session's OOM with six): EXACT_PAR engines at a time, in this order
+    par=${EXACT_PAR:-$([ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | \
+          head -1)" -gt 120000 ] && echo 5 || echo 2)}
+    pids=()
+    queue() {   # queue RUNNER MODE KV_GIB: start it once fewer than $par engines run
+      while :; do
+        live=0; for p in "${pids[@]}"; do kill -0 $p 2> /dev/null && live=$((live + 1)); done
+        [ $live -lt $par ] && break; sleep 2
+      done
+      $1 $2 $3 & pids+=($!); sleep 4
+    }
+    for pair in ${EXACT_PAIRS:-A}; do
+      if [ $pair = A ]; then
+        for m in resident:${EXACT_KV_RES:-7} hisparse:5 control:5 elastic:5 crf:5; do queue runA ${m%:*} ${m#*:}; done
+      else
+        for m in resident hisparse control; do queue runB $m; done
+      fi
+    done
+    wait "${pids[@]}"; since "engines done"
+    for pair in ${EXACT_PAIRS:-A}; do
+      grep -h "== \|rc=\|cudagraph_mode" $ex/$pair/*.out | cut -c1-200; grep -h "Error" $ex/$pair/*.log | tail -3
+      if [ $pair = A ]; then python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic crf
+      else EXACT_PROMPTS=1200,5000 EXACT_MAX_LEN=8192 python3 scripts/gpu_exactness.py compare $ex/B hisparse; fi
+      echo "== verdict $pair rc=$? (0 EXACT, 1 MISMATCH, 3 VOID)"
+    done
+    rm -f $ex/*/prompts.json $ex/*/shuffled.json
     since "exact done" ;;
   exact2)
     # C: an engine where no request can be sparse (min_context past max_model_len 32768), default
@@ -155,7 +168,7 @@ case "$part" in
     paper_cfg='{"top_k": 2048, "device_buffer_size": 5632, "dense_pool_gib": 6, "host_pool_gib": 84, "quest_rows": 18}'
     SERVING_LIMIT=${LIMIT:-545} bash scripts/gpu_serving.sh "$out/paper" --input-len 32768 \
       --output-len 8192 --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} \
-      --concurrency cap --max-num-seqs 24 --hisparse "${HISPARSE:-$paper_cfg}" ;;
+      --concurrency cap --max-num-seqs 24 --hisparse "${HISPARSE:-$paper_cfg}" ${SERVING_FLAGS:-} ;;
   reasoning)
     # issue 16: short prompts that turn sparse during decode, 1K in / 12K out (16K out does not
     # fit one call with both backends), each backend at its capacity (calc: stock 17, elastic 32
@@ -174,7 +187,8 @@ case "$part" in
     # vLLM's torch profiler (bench/served_profile.py); the summaries diffed against the first
     SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/32k" --input-len 32768 --output-len 256 \
       --rounds ${ROUNDS:-1} --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic,hisparse} --concurrency 1 \
-      --hisparse "${HISPARSE:-$cfg32k}" ${SPROFILE:+--profile-decode $SPROFILE --profile-delay 24}
+      --hisparse "${HISPARSE:-$cfg32k}" ${SPROFILE:+--profile-decode $SPROFILE --profile-delay 24} \
+      ${SERVING_FLAGS:-}
     # each backend's servers pooled: mean TPOT, its range, against the first backend's
     python3 -m vllm_hisparse.bench.server_spread "$out/32k/serving.csv"
     p0=/tmp/serving/profile-$(echo ${BACKENDS:-stock} | cut -d, -f1).json

@@ -1,0 +1,138 @@
+"""The verdict of a GPU exactness run (scripts/gpu_exactness.py, scripts/gpu_dsa.py): EXACT only when
+the run could have failed and did not.
+
+Three things are checked, each printed:
+
+1. every engine's greedy tokens and logprobs equal the reference engine's (resident mode), request
+   by request; any difference is a MISMATCH;
+2. attention matters: the reference engine also ran each prompt with its context shuffled (the
+   last token kept, ``shuffled``); most prompts' greedy tokens must change. Where they do not,
+   the logits depend on the current token only (vLLM's ``dummy`` weights) and identical outputs
+   prove nothing: VOID;
+3. the negative control (hisparse with HISPARSE_TEST_CORRUPT_FETCH=1: every page fetched from the
+   host pool is its neighbour's) must differ from the reference. A control that matches shows a
+   harness that cannot see a wrong fetch: VOID. So does a control that fetched nothing (0 misses).
+
+A request is a dict with "tokens" (ids) and "logprobs" (any JSON; compared whole).
+
+    python scripts/exact_verdict.py REF.json ENGINE.json... [--control C.json] [--shuffled S.json]
+
+(each file: {"requests": [...]} or gpu_exactness's {"batches": [[...], ...]}: its first batch;
+``--shuffled`` takes the reference's second batch when given the reference file itself).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+EXACT, MISMATCH, VOID = 0, 1, 3
+WORDS = {EXACT: "EXACT", MISMATCH: "MISMATCH", VOID: "VOID"}
+
+
+def shuffle_context(prompt: list[int], seed: int = 0) -> list[int]:
+    """``prompt`` with every token but the last in a random order: what a model whose attention
+    mattered would answer differently."""
+    head = list(prompt[:-1])
+    random.Random(seed).shuffle(head)
+    return head + list(prompt[-1:])
+
+
+def first_difference(a: list, b: list) -> int | None:
+    """The first index where a and b differ (the shorter one's length if one is a prefix)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def same(ref: list[dict], got: list[dict]) -> tuple[bool, list[str]]:
+    """Tokens and logprobs of every request identical? And a line per request."""
+    if len(ref) != len(got) or not ref:
+        return False, [f"{len(got)} requests vs the reference's {len(ref)}: nothing to compare"]
+    ok, lines = True, []
+    for i, (r, g) in enumerate(zip(ref, got)):
+        st, sl = r["tokens"] == g["tokens"], r["logprobs"] == g["logprobs"]
+        ok &= st and sl
+        n = r.get("prompt_len", "?")
+        lines.append(f"request {i} ({n} tokens): tokens identical {st} (first difference at "
+                     f"{first_difference(r['tokens'], g['tokens'])}), logprobs identical {sl}")
+    return ok, lines
+
+
+def attention_matters(ref: list[dict], shuffled: list[dict]) -> tuple[bool, str]:
+    """Most prompts' greedy tokens change when their context is shuffled?"""
+    if not shuffled or len(shuffled) != len(ref):
+        return False, (f"attention matters: not shown ({len(shuffled or [])} shuffled-context "
+                       f"requests for {len(ref)} prompts)")
+    changed = sum(r["tokens"] != s["tokens"] for r, s in zip(ref, shuffled))
+    ok = 2 * changed > len(ref)
+    return ok, (f"attention matters: {'yes' if ok else 'NO'}, a shuffled context changes the "
+                f"greedy tokens of {changed} of {len(ref)} prompts")
+
+
+def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict] | None,
+            shuffled: list[dict] | None, control_misses: int | None = None) -> tuple[int, list[str]]:
+    """(EXACT / MISMATCH / VOID, the lines to print). control_misses: the control's miss count
+    when known (0: it fetched nothing, so it could not mismatch)."""
+    lines, exact = [], True
+    for name, got in engines.items():
+        ok, ls = same(ref, got)
+        exact &= ok
+        lines += [f"{name} {x}" for x in ls]
+    matters, line = attention_matters(ref, shuffled)
+    lines.append(line)
+    if control is None:
+        caught, why = False, "negative control: not run"
+    else:
+        ok, _ = same(ref, control)
+        caught = not ok
+        why = (f"negative control: {'mismatched, as it must' if caught else 'MATCHED'}"
+               + ("" if control_misses is None else f" ({control_misses} misses)"))
+        if control_misses == 0:
+            caught, why = False, why + ": it fetched nothing"
+    lines.append(why)
+    if not engines:
+        code = VOID
+        lines.append("no engine to compare")
+    elif not exact:
+        code = MISMATCH
+    elif not (matters and caught):
+        code = VOID
+    else:
+        code = EXACT
+    lines.append(f"{WORDS[code]}" + ("" if code != VOID else
+                 " (identical outputs here prove nothing: " +
+                 ", ".join(w for w, bad in (("attention did not matter", not matters),
+                                            ("the negative control did not mismatch",
+                                             not caught)) if bad) + ")"))
+    return code, lines
+
+
+def requests_of(path: str, batch: int = 0) -> list[dict]:
+    d = json.load(open(path))
+    if "requests" in d:
+        return d["requests"] if batch == 0 else d.get("shuffled", [])
+    b = d.get("batches", [])
+    return b[batch] if len(b) > batch else []
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("reference")
+    p.add_argument("engines", nargs="*")
+    p.add_argument("--control")
+    p.add_argument("--shuffled", help="the shuffled-context outputs (default: the reference's)")
+    a = p.parse_args(argv)
+    ref = requests_of(a.reference)
+    engines = {e: requests_of(e) for e in a.engines}
+    control = requests_of(a.control) if a.control else None
+    shuf = requests_of(a.shuffled or a.reference, 1)
+    code, lines = verdict(ref, engines, control, shuf)
+    print("\n".join(lines))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

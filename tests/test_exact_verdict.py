@@ -1,0 +1,145 @@
+"""The GPU exactness harnesses' verdict (scripts/exact_verdict.py) and their compare steps
+(scripts/gpu_exactness.py, scripts/gpu_dsa.py) on doctored result files: EXACT only when attention
+matters and the negative control mismatched; any engine difference is a MISMATCH; otherwise VOID."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import exact_verdict as ev  # noqa: E402
+
+
+def _requests(seed: int, n: int = 4, steps: int = 12) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_len": rng.randrange(100, 999), "tokens": [rng.randrange(50) for _ in range(steps)],
+             "logprobs": [[[rng.randrange(50), -rng.random()]] for _ in range(steps)]}
+            for _ in range(n)]
+
+
+def _case(seed=0):
+    ref = _requests(seed)
+    return ref, copy.deepcopy(ref), _requests(seed + 100)     # reference, an equal engine, shuffled
+
+
+def _doctor(reqs, what: str, rng: random.Random):
+    out = copy.deepcopy(reqs)
+    r = rng.randrange(len(out))
+    j = rng.randrange(len(out[r]["tokens"]))
+    if what == "token":
+        out[r]["tokens"][j] += 1
+    else:
+        out[r]["logprobs"][j][0][1] = out[r]["logprobs"][j][0][1] - 1e-6
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_needs_attention_that_matters_and_a_control_that_mismatches(seed):
+    rng = random.Random(seed)
+    ref, same, shuf = _case(seed)
+    control = _doctor(ref, "logprob", rng)
+    code, lines = ev.verdict(ref, {"hisparse": same, "elastic": copy.deepcopy(ref)}, control, shuf)
+    assert code == ev.EXACT and lines[-1] == "EXACT"
+    # a doctored engine (one token, or one logprob by 1e-6): MISMATCH, whatever else holds
+    for what in ("token", "logprob"):
+        code, lines = ev.verdict(ref, {"hisparse": same, "elastic": _doctor(ref, what, rng)},
+                                 control, shuf)
+        assert code == ev.MISMATCH and lines[-1] == "MISMATCH"
+        assert any(line.startswith("elastic request") and "False" in line for line in lines)
+    # inert attention (the shuffled context changes nothing): VOID
+    code, lines = ev.verdict(ref, {"hisparse": same}, control, copy.deepcopy(ref))
+    assert code == ev.VOID and "attention did not matter" in lines[-1]
+    # a control that matched, or one that fetched nothing, or none: VOID
+    for ctl, misses in ((copy.deepcopy(ref), None), (control, 0), (None, None)):
+        code, lines = ev.verdict(ref, {"hisparse": same}, ctl, shuf, misses)
+        assert code == ev.VOID and "the negative control did not mismatch" in lines[-1]
+
+
+def test_attention_matters_takes_most_prompts():
+    ref = _requests(0, n=4)
+    shuf = copy.deepcopy(ref)
+    for i in range(2):
+        shuf[i]["tokens"][0] += 1
+    assert not ev.attention_matters(ref, shuf)[0]               # 2 of 4 is not most
+    shuf[2]["tokens"][-1] += 1
+    assert ev.attention_matters(ref, shuf) == (
+        True, "attention matters: yes, a shuffled context changes the greedy tokens of 3 of 4 prompts")
+    assert not ev.attention_matters(ref, shuf[:3])[0]           # one shuffled output missing
+
+
+def test_shuffle_keeps_the_last_token_and_the_multiset():
+    p = list(range(100))
+    s = ev.shuffle_context(p, 3)
+    assert s[-1] == 99 and sorted(s) == p and s != p and s == ev.shuffle_context(p, 3)
+
+
+def _run(script: str, *args) -> tuple[int, str]:
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args],
+                       capture_output=True, text=True)
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_gpu_exactness_compare_on_doctored_files(tmp_path):
+    rng = random.Random(5)
+    ref, same, shuf = _case(5)
+
+    def write(mode, batches, misses=10):
+        json.dump({"batches": batches, "stats": {"misses": misses}, "peak_decode_blocks": 1,
+                   "elapsed_s": 1.0}, open(tmp_path / f"{mode}.json", "w"))
+
+    write("resident", [ref, shuf])
+    write("hisparse", [same])
+    write("elastic", [_doctor(ref, "logprob", rng)])
+    write("control", [_doctor(ref, "token", rng)])
+    assert _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse")[0] == ev.EXACT
+    code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse", "elastic")
+    assert code == ev.MISMATCH and out.rstrip().endswith("MISMATCH")
+    write("control", [ref], misses=3)                           # the control matched
+    code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse")
+    assert code == ev.VOID and "negative control: MATCHED (3 misses)" in out
+    write("resident", [ref])                                    # no shuffled batch
+    write("control", [_doctor(ref, "token", rng)])
+    code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse")
+    assert code == ev.VOID and "attention matters: not shown" in out
+
+
+def test_gpu_dsa_compare_on_doctored_files(tmp_path):
+    rng = random.Random(6)
+    ref, same, shuf = _case(6)
+
+    def write(mode, reqs, **kw):
+        json.dump({"mode": mode, "requests": reqs, "stats": {"misses": 7}, **kw},
+                  open(tmp_path / f"{mode}.json", "w"))
+
+    write("resident", ref, shuffled=shuf, load_format="scaled_dummy")
+    write("hisparse", same)
+    write("stock", copy.deepcopy(ref))
+    write("control", _doctor(ref, "logprob", rng))
+    code, out = _run("gpu_dsa.py", "compare", str(tmp_path))
+    assert code == ev.EXACT and "weights: scaled_dummy" in out
+    write("stock", _doctor(ref, "token", rng))
+    code, out = _run("gpu_dsa.py", "compare", str(tmp_path))
+    assert code == ev.MISMATCH and "stock request" in out
+    write("stock", copy.deepcopy(ref))
+    write("resident", ref, shuffled=copy.deepcopy(ref))      # dummy weights: attention inert
+    assert _run("gpu_dsa.py", "compare", str(tmp_path))[0] == ev.VOID
+
+
+def test_cli_on_files(tmp_path):
+    ref, same, shuf = _case(7)
+    json.dump({"requests": ref, "shuffled": shuf}, open(tmp_path / "ref.json", "w"))
+    json.dump({"requests": same}, open(tmp_path / "hs.json", "w"))
+    json.dump({"requests": _doctor(ref, "token", random.Random(0))}, open(tmp_path / "c.json", "w"))
+    code, out = _run("exact_verdict.py", str(tmp_path / "ref.json"), str(tmp_path / "hs.json"),
+                     "--control", str(tmp_path / "c.json"))
+    assert code == ev.EXACT, out
+    code, out = _run("exact_verdict.py", str(tmp_path / "ref.json"), str(tmp_path / "c.json"),
+                     "--control", str(tmp_path / "c.json"))
+    assert code == ev.MISMATCH, out
