@@ -73,6 +73,8 @@ CASES = [
      'policy=\'mru\' is invalid: use "lru" (what vLLM serves; also served: crf)'),
     ("policy not served", ["--hisparse-config", "@fifo"], "policy='fifo' is available in the simulator"),
     ("prefetch not served", hs(prefetch=True), "prefetch=True is not implemented"),
+    ("NaN", hs(host_pool_gib=float("nan")),          # Python's JSON reads NaN (issue 44)
+     "host_pool_gib=nan is invalid: NaN and Infinity are not numbers here; give a finite number"),
     ("pool larger than RAM", hs(host_pool_gib=_ram_gib()),
      f"host_pool_gib={_ram_gib()} is invalid: more than "),
     # model-dependent: raised while vLLM builds its config (through pydantic), before the engine

@@ -1,5 +1,7 @@
 """HiSparseConfig: loading and one-line errors that name the field, the value and the fix."""
+import dataclasses
 import json
+import typing
 
 import pytest
 
@@ -122,3 +124,34 @@ def test_gib_at_least_holds_the_bytes(nbytes):
     digits = f"{g:.2e}"                         # e.g. 1.45e-03: one step = 0.01e-03
     step = float("1e" + str(int(digits.split("e")[1]) - 2))
     assert int((g - step) * GIB) < nbytes
+
+
+def _numeric_fields() -> list[str]:
+    """Every field whose type admits an int or a float (bool excluded), read from the dataclass."""
+    hints = typing.get_type_hints(HiSparseConfig)
+    return [f.name for f in dataclasses.fields(HiSparseConfig)
+            if {int, float} & set(typing.get_args(hints[f.name]) or (hints[f.name],))]
+
+
+def test_numeric_fields_are_found():
+    assert {"top_k", "host_pool_gib", "dense_pool_gib", "min_context"} <= set(_numeric_fields())
+    assert "prefetch" not in _numeric_fields() and "full_decode_graphs" not in _numeric_fields()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=repr)
+@pytest.mark.parametrize("field", _numeric_fields())
+def test_non_finite_numbers_are_one_line_naming_the_field(field, value):
+    """Python's JSON reads NaN / Infinity / -Infinity (issue 44): refused in every numeric field,
+    through the loader's JSON string path, as one line naming the field and the fix."""
+    text = json.dumps({field: value})                   # e.g. {"host_pool_gib": NaN}
+    with pytest.raises(HiSparseConfigError) as e:
+        HiSparseConfig.load(text)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"hisparse config: {field}={value!r} is invalid: ")
+    assert "NaN and Infinity are not numbers here; give a finite number" in msg
+
+
+def test_non_finite_dense_layer_is_refused():
+    with pytest.raises(HiSparseConfigError, match=r"dense_layers=\[0, nan\] is invalid: NaN and "
+                                                  r"Infinity .*e.g. the default \[0, 1\]$"):
+        HiSparseConfig.load('{"dense_layers": [0, NaN]}')

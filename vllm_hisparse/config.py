@@ -325,6 +325,12 @@ _TYPES = {
 def _check_types(cfg: HiSparseConfig) -> None:
     for name, typ in _TYPES.items():
         v = getattr(cfg, name)
+        if any(isinstance(x, float) and not math.isfinite(x)
+               for x in (v if isinstance(v, tuple) else (v,))):
+            # Python's JSON reads NaN and Infinity. NaN passes every range check below (each
+            # comparison is False), infinity the lower bounds: both used to fail later, inside
+            # vLLM, with a traceback (int(nan) sizing the host pool)
+            _fail(name, list(v) if isinstance(v, tuple) else v, _finite_fix(name))
         bad = not isinstance(v, typ) or (typ is not bool and isinstance(v, bool) and bool not in
                                          (typ if isinstance(typ, tuple) else (typ,)))
         if name == "dense_layers" and not bad:
@@ -334,6 +340,13 @@ def _check_types(cfg: HiSparseConfig) -> None:
             if name == "dense_layers":
                 want = "list of int"
             _fail(name, list(v) if isinstance(v, tuple) else v, f"expected {want}")
+
+
+def _finite_fix(name: str) -> str:
+    default = HiSparseConfig.__dataclass_fields__[name].default
+    example = (" or null (the default)" if default is None
+               else f", e.g. the default {json.dumps(default)}")
+    return f"NaN and Infinity are not numbers here; give a finite number{example}"
 
 
 def _size(nbytes: int) -> str:
