@@ -392,3 +392,33 @@ def test_metrics_on_prometheus_agree_with_worker_stats(server):
     assert m["host_pool_pages_capacity"] == int(CFG["host_pool_gib"] * (1 << 30)) // (page_bytes * 4)
     assert all(m[f'requests_waiting{{reason="{r}"}}'] == 0
                for r in ("host_pool", "dense_pool", "quest_rows"))
+
+
+def test_out_of_vocabulary_prompt_ids_are_400_and_the_server_lives(server):
+    """A prompt token id equal to the vocab size passes vLLM 0.26's own check and used to crash the
+    engine, and every request in flight with it (issue 44): now a 400 naming the id, while a
+    streaming request already in flight completes and a later one is served (plugin.py,
+    _wrap_prompt_check). -1 is a 400 of the OpenAI schema (``ge=0``)."""
+    import httpx
+    from openai import OpenAI
+
+    vocab = json.loads(open(os.path.join(server.model, "config.json")).read())["vocab_size"]
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    body = dict(model=server.model, max_tokens=200, temperature=0.0,
+                extra_body={"ignore_eos": True})
+    stream = client.completions.create(prompt=prompts()[1], stream=True,
+                                       stream_options={"include_usage": True}, **body)
+    chunks = [next(stream)]                             # in flight: its first token is out
+    for bad, words in ((vocab, [f"Token id {vocab} is out of vocabulary: this model's prompt token "
+                                f"ids are 0 to {vocab - 1}"]),
+                       (-1, ["greater than or equal to 0", "'input': -1"])):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json=dict(model=server.model, prompt=[5, bad, 7], max_tokens=4))
+        assert r.status_code == 400, (bad, r.status_code, r.text)
+        assert all(w in r.json()["error"]["message"] for w in words), r.text
+    chunks += list(stream)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 200
+    after = client.completions.create(prompt=prompts()[4], **dict(body, max_tokens=8))
+    assert after.usage.completion_tokens == 8
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

@@ -257,3 +257,42 @@ def test_an_engine_that_cannot_be_sparse_keeps_full_graphs(max_model_len, dtype,
     assert (why is not None) is blocked
     if blocked and dtype == "bfloat16":
         assert "dense_pool_gib" in why
+
+
+@pytest.mark.parametrize("ids, upper, bad", [
+    ([0, 511], True, None), ([], True, None), ([5, 512, 7], True, 512), ([3, -1, 600], True, -1),
+    ([5, 512], False, None), ([5, -2], False, -2),
+])
+def test_prompt_id_error(ids, upper, bad):
+    from vllm_hisparse.vllm.plugin import prompt_id_error
+
+    why = prompt_id_error(ids, 512, upper=upper)
+    assert why == (None if bad is None else
+                   f"Token id {bad} is out of vocabulary: this model's prompt token ids are 0 to 511")
+
+
+@pytest.mark.parametrize("backend, multimodal, refused", [
+    ("hisparse", False, [512, -1]), ("hisparse", True, [-1]), ("auto", False, []),
+])
+def test_prompt_ids_checked_only_where_hisparse_runs(backend, multimodal, refused):
+    """vLLM's own check lets the id vocab_size through (an HF tokenizer's max_token_id is its
+    vocab_size); the wrapped one refuses it, and negative ids, in a hisparse run only."""
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_hisparse.vllm.plugin import register
+
+    register()
+    mc = SimpleNamespace(get_vocab_size=lambda: 512, is_multimodal_model=multimodal)
+    proc = SimpleNamespace(
+        vllm_config=SimpleNamespace(attention_config=SimpleNamespace(
+            backend=AttentionConfig.validate_backend_before(backend))),
+        model_config=mc, tokenizer=SimpleNamespace(max_token_id=512),
+        _validate_prompt_len=lambda n, kind: None)
+    for t in (511, 512, -1):
+        inp = {"type": "token", "prompt_token_ids": [5, t, 7]}
+        if t in refused:
+            with pytest.raises(ValueError, match=f"Token id {t} is out of vocabulary: this model"):
+                InputProcessor._validate_model_input(proc, inp, "decoder")
+        else:
+            InputProcessor._validate_model_input(proc, inp, "decoder")

@@ -41,6 +41,7 @@ from vllm.v1.attention.backend import (  # noqa: E402
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # noqa: E402
+from vllm.v1.engine.input_processor import InputProcessor  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # noqa: E402
 from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
@@ -53,6 +54,7 @@ __all__ = [
     "AttentionBackend", "AttentionCGSupport", "AttentionImpl", "AttentionMetadataBuilder",
     "AttentionType", "CommonAttentionMetadata", "MultipleOf", "AttentionBackendEnum",
     "register_backend", "FullAttentionManager", "FullAttentionSpec", "KVCacheSpecRegistry",
+    "InputProcessor",
     "current_platform_cls", "hisparse_config_of", "StatLoggerBase",
 ]
 

@@ -2,8 +2,8 @@
 
 ``register()`` runs in every vLLM process (API server / LLM, EngineCore, workers); it is idempotent
 and only acts when a run selects the backend (``--attention-backend hisparse``): stock runs in the
-same environment are untouched. What it installs (see patches/README.md for the three runtime
-wraps that vLLM 0.26 has no extension point for):
+same environment are untouched. What it installs (patches/README.md lists the runtime wraps: why
+each is needed and which upstream change would remove it):
   * the backend as ``AttentionBackendEnum.CUSTOM`` plus the alias ``HISPARSE``;
   * the KV connector ``HiSparseConnector`` in vLLM's connector factory;
   * ``HiSparseSpec`` -> ``HiSparseManager`` in the KV-cache spec registry;
@@ -15,6 +15,8 @@ wraps that vLLM 0.26 has no extension point for):
     sparse indexer (DeepSeek-V3.2 style) is the MLA backend (``route``), anything else the GQA one;
   * a wrap of ``MLAAttention.get_kv_cache_spec`` (hisparse MLA layers get a stub latent spec,
     docs/dsa.md section 1);
+  * a wrap of ``InputProcessor._validate_model_input``: prompt token ids outside [0, vocab size)
+    are refused with a ValueError (HTTP 400) instead of crashing the engine (``prompt_id_error``);
   * ``--hisparse-config FILE.json`` on vLLM's command line (cli_flag.py), and one-line errors
     with exit code 2 for bad hisparse input there (cli_check.py).
 """
@@ -48,6 +50,7 @@ def register() -> None:
     _wrap_get_kv_cache_spec(c)
     _wrap_mla_kv_cache_spec(c)
     _wrap_platform(c)
+    _wrap_prompt_check(c)
     _wrap_cli()
 
 
@@ -197,3 +200,43 @@ def _wrap_cuda_selection(c, plat) -> None:
 
     get_attn_backend_cls._hisparse = True
     plat.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def prompt_id_error(prompt_ids, vocab_size: int, upper: bool = True) -> str | None:
+    """Why ``prompt_ids`` cannot reach the model's embedding (an id < 0, or, with ``upper``, >=
+    ``vocab_size``), as the 400's message; None when every id is in range."""
+    if not prompt_ids:
+        return None
+    lo, hi = min(prompt_ids), max(prompt_ids)
+    bad = lo if lo < 0 else hi if upper and hi >= vocab_size else None
+    if bad is None:
+        return None
+    return (f"Token id {bad} is out of vocabulary: this model's prompt token ids are 0 to "
+            f"{vocab_size - 1}")
+
+
+def _wrap_prompt_check(c) -> None:
+    """vLLM 0.26 bounds a prompt's token ids by ``max(tokenizer.max_token_id, vocab_size - 1)``
+    only, and an HF tokenizer's ``max_token_id`` is at least its ``vocab_size`` (one past its last
+    id: vllm/tokenizers/hf.py): the id ``vocab_size``, and any negative id (from ``LLM``; the
+    OpenAI schema refuses those), pass and then index the embedding out of bounds in the worker,
+    which kills the engine and every request in flight. A hisparse run refuses them here, in the
+    front end's input processor, with a ValueError (the OpenAI server's 400). A multimodal model
+    keeps vLLM's upper bound: its tokenizer may name placeholder ids above the text vocabulary."""
+    cls = c.InputProcessor
+    orig = cls._validate_model_input
+    if getattr(orig, "_hisparse", False):
+        return
+
+    def _validate_model_input(self, prompt_input, prompt_type):
+        orig(self, prompt_input, prompt_type)
+        if prompt_input["type"] == "embeds" or not selected(self.vllm_config):
+            return
+        mc = self.model_config
+        why = prompt_id_error(prompt_input["prompt_token_ids"], mc.get_vocab_size(),
+                              upper=not mc.is_multimodal_model)
+        if why:
+            raise ValueError(why)
+
+    _validate_model_input._hisparse = True
+    cls._validate_model_input = _validate_model_input
