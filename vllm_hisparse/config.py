@@ -82,8 +82,8 @@ class HiSparseConfig:
     split_dense_decode: attend dense rows with one query token (short requests' decode steps,
         dense layers of long ones) with the split-KV decode kernel whose splits sit at fixed key
         positions (ops/triton_dense_decode.py: batch-invariant, so exactness holds), instead of
-        FlashAttention without split-KV (8 CTAs for one Llama-3-8B row: 42 us over 4K keys, 296 us
-        over 32K on an H200; the kernel: ~20 us over 4K). Rows with several query tokens (prefill)
+        FlashAttention without split-KV (8 CTAs for one Llama-3-8B row, slow for few rows; the
+        timings: docs/gpu-results.md). Rows with several query tokens (prefill)
         keep FlashAttention. None (default) = on when the KV lives on a CUDA device and the head
         size is one the kernel has (64, 128, 256), else off; True = on (refused at startup on a
         GPU for other head sizes; on the CPU the plain-torch twin runs); False = off.

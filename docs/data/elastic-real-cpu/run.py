@@ -1,7 +1,7 @@
 """Issue 15 on a selection with locality: the elastic default (resident_first) against the fixed hot
 buffer at one floor, and crf against lru, on SmolLM2-135M's real weights through vLLM 0.26's CPU
 engine, "at capacity": a KV pool that 8 floors, one prompt's prefill and the reserve fill, as the
-H200 paper run (docs/gpu-results.md, 2026-12-04 third session), where only the prefill headroom
+H200 paper run (docs/archive/gpu-diary.md, 2026-12-04 third session), where only the prefill headroom
 is spare once every prompt is in. 8 license texts of 1,330-2,048 tokens as one batch, 256 greedy
 outputs with logprobs; a resident engine (host_tier false, a pool that holds everything) is the
 exactness reference.
