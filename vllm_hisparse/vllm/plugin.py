@@ -18,7 +18,9 @@ each is needed and which upstream change would remove it):
   * a wrap of ``InputProcessor._validate_model_input``: prompt token ids outside [0, vocab size)
     are refused with a ValueError (HTTP 400) instead of crashing the engine (``prompt_id_error``);
   * ``--hisparse-config FILE.json`` on vLLM's command line (cli_flag.py), and one-line errors
-    with exit code 2 for bad hisparse input there (cli_check.py).
+    with exit code 2 for bad hisparse input there (cli_check.py);
+  * ``load_format="scaled_dummy"`` in vLLM's model-loader registry (scaled_weights.py: random
+    weights whose attention matters; vLLM's documented ``register_model_loader``, not a wrap).
 """
 from __future__ import annotations
 
@@ -52,6 +54,9 @@ def register() -> None:
     _wrap_platform(c)
     _wrap_prompt_check(c)
     _wrap_cli()
+    from . import scaled_weights
+
+    scaled_weights.register()
 
 
 def _wrap_cli() -> None:
