@@ -3,7 +3,7 @@ compiled on the CPU for the H200 (sm_90a) by Triton's NVIDIA backend and ptxas -
 misses' reads (resident rows) and with them (``miss``: a locs entry -2 - block copied from the host
 page), Llama-3-8B's attention shape, bf16: registers, spills, cp.async and SASS instructions (the
 whole kernel, a miss-copy prologue included). A loop that holds more registers than the SM gives
-it spills to local memory; docs/gpu-results.md (seventh session) records what a branch per tile
+it spills to local memory; docs/archive/gpu-diary.md (seventh session) records what a branch per tile
 cost.
 
     .venv/bin/python scripts/probes/split_registers.py
