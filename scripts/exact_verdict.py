@@ -1,8 +1,12 @@
 """The verdict of a GPU exactness run (scripts/gpu_exactness.py, scripts/gpu_dsa.py): EXACT only when
 the run could have failed and did not.
 
-Three things are checked, each printed:
+Four things are checked, each printed:
 
+0. the reference is reproducible: a second reference engine (``again``) gives the same tokens and
+   logprobs. Two engines of one config that differ (on the GPU: Inductor picking a reduction
+   config by timing, unless TORCHINDUCTOR_DETERMINISTIC=1) make any difference unattributable:
+   VOID. Required where the caller passes ``again`` (the GPU scripts); ``None``: not applicable;
 1. every engine's greedy tokens and logprobs equal the reference engine's (resident mode), request
    by request; any difference is a MISMATCH;
 2. attention matters: the reference engine also ran each prompt with its context shuffled (the
@@ -16,6 +20,7 @@ Three things are checked, each printed:
 A request is a dict with "tokens" (ids) and "logprobs" (any JSON; compared whole).
 
     python scripts/exact_verdict.py REF.json ENGINE.json... [--control C.json] [--shuffled S.json]
+        [--again REF2.json]
 
 (each file: {"requests": [...]} or gpu_exactness's {"batches": [[...], ...]}: its first batch;
 ``--shuffled`` takes the reference's second batch when given the reference file itself).
@@ -72,11 +77,27 @@ def attention_matters(ref: list[dict], shuffled: list[dict]) -> tuple[bool, str]
                 f"greedy tokens of {changed} of {len(ref)} prompts")
 
 
+def reproducible(ref: list[dict], again: list[dict] | None) -> tuple[bool, list[str]]:
+    """The reference engine run twice gives the same outputs? ``again`` None: not applicable (an
+    engine known deterministic); [] (the second run missing): not shown."""
+    if again is None:
+        return True, []
+    if not again:
+        return False, ["reference reproducible: NOT SHOWN (no second reference run)"]
+    ok, ls = same(ref, again)
+    return ok, [f"reference twice {x}" for x in ls] + [
+        f"reference reproducible: {'yes' if ok else 'NO'}, a second reference engine gives "
+        f"{'the same' if ok else 'different'} tokens and logprobs"]
+
+
 def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict] | None,
-            shuffled: list[dict] | None, control_misses: int | None = None) -> tuple[int, list[str]]:
+            shuffled: list[dict] | None, control_misses: int | None = None,
+            again: list[dict] | None = None) -> tuple[int, list[str]]:
     """(EXACT / MISMATCH / VOID, the lines to print). control_misses: the control's miss count
-    when known (0: it fetched nothing, so it could not mismatch)."""
-    lines, exact = [], True
+    when known (0: it fetched nothing, so it could not mismatch). again: a second reference run
+    (see reproducible); a reference that is not reproducible voids every comparison."""
+    stable, lines = reproducible(ref, again)
+    exact = True
     for name, got in engines.items():
         ok, ls = same(ref, got)
         exact &= ok
@@ -96,17 +117,22 @@ def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict]
     if not engines:
         code = VOID
         lines.append("no engine to compare")
+    elif not stable:
+        code = VOID
     elif not exact:
         code = MISMATCH
     elif not (matters and caught):
         code = VOID
     else:
         code = EXACT
-    lines.append(f"{WORDS[code]}" + ("" if code != VOID else
-                 " (identical outputs here prove nothing: " +
-                 ", ".join(w for w, bad in (("attention did not matter", not matters),
-                                            ("the negative control did not mismatch",
-                                             not caught)) if bad) + ")"))
+    if code == VOID and not stable:
+        lines.append("VOID (the reference is not reproducible: differences from it prove nothing)")
+    else:
+        lines.append(f"{WORDS[code]}" + ("" if code != VOID else
+                     " (identical outputs here prove nothing: " +
+                     ", ".join(w for w, bad in (("attention did not matter", not matters),
+                                                ("the negative control did not mismatch",
+                                                 not caught)) if bad) + ")"))
     return code, lines
 
 
@@ -124,12 +150,14 @@ def main(argv=None) -> int:
     p.add_argument("engines", nargs="*")
     p.add_argument("--control")
     p.add_argument("--shuffled", help="the shuffled-context outputs (default: the reference's)")
+    p.add_argument("--again", help="a second run of the reference engine (must equal it)")
     a = p.parse_args(argv)
     ref = requests_of(a.reference)
     engines = {e: requests_of(e) for e in a.engines}
     control = requests_of(a.control) if a.control else None
     shuf = requests_of(a.shuffled or a.reference, 1)
-    code, lines = verdict(ref, engines, control, shuf)
+    again = requests_of(a.again) if a.again else None
+    code, lines = verdict(ref, engines, control, shuf, again=again)
     print("\n".join(lines))
     return code
 

@@ -6,6 +6,8 @@ same concurrent prompts, greedy, with logprobs, vLLM's CUDA graphs (FULL for uni
     python scripts/gpu_dsa.py run stock MODEL_DIR OUT_DIR      # FLASH_ATTN_MLA_SPARSE
     python scripts/gpu_dsa.py run hisparse MODEL_DIR OUT_DIR   # the latent pool, row sets, host
     python scripts/gpu_dsa.py run resident MODEL_DIR OUT_DIR   # the latent pool, all resident
+    python scripts/gpu_dsa.py run resident2 MODEL_DIR OUT_DIR  # the reference again (must equal
+                                                               # resident, else every verdict VOID)
     python scripts/gpu_dsa.py run crf MODEL_DIR OUT_DIR        # hisparse under policy crf
     python scripts/gpu_dsa.py run control MODEL_DIR OUT_DIR    # hisparse, every fetch corrupted
     python scripts/gpu_dsa.py compare OUT_DIR                  # tokens + logprobs identical to
@@ -29,7 +31,9 @@ the pool), so stock's prefill chunks take the same MQA path. hisparse gets one p
 one row set per prompt (admission does not bind), so the three runs schedule the same batches and
 FA3's num_splits heuristic (``mla_num_splits`` 0, stock's) sees the same shapes (docs/dsa.md,
 "Exactness"). Each run writes OUT_DIR/MODE.json (tokens, logprobs, the runtime's hits and misses)
-and prints vLLM's KV-capacity lines and the plugin's pool line from its log.
+and prints vLLM's KV-capacity lines and the plugin's pool line from its log. Every engine runs with
+TORCHINDUCTOR_DETERMINISTIC=1 (DSA_DETERMINISTIC=0: not), so Inductor does not pick reduction
+configs by timing (two engines of one config differed otherwise, H100, 2026-12-06).
 """
 from __future__ import annotations
 
@@ -90,6 +94,8 @@ def requests(outs) -> list[dict]:
 def run(mode: str, model: str, out: str) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the runtime's stats in-process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if os.environ.get("DSA_DETERMINISTIC", "1") == "1":      # before torch._inductor reads it
+        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
     if mode == "control":
         os.environ[CONTROL_ENV] = "1"
     else:
@@ -176,7 +182,7 @@ def compare(out: str) -> int:
     """hisparse, stock (and crf, when it ran) against resident, the shuffled-context proof and the
     negative control (exact_verdict.py: EXACT 0, MISMATCH 1, VOID 3)."""
     got = {m: json.load(open(os.path.join(out, f"{m}.json")))
-           for m in MODES + ("crf", "control") if os.path.exists(os.path.join(out, f"{m}.json"))}
+           for m in MODES + ("crf", "control", "resident2") if os.path.exists(os.path.join(out, f"{m}.json"))}
     if "resident" not in got:
         print("resident.json missing: nothing to compare\nVOID")
         return exact_verdict.VOID
@@ -184,7 +190,8 @@ def compare(out: str) -> int:
     code, lines = exact_verdict.verdict(
         ref["requests"], {m: got[m]["requests"] for m in ("hisparse", "stock", "crf") if m in got},
         None if ctl is None else ctl["requests"], ref.get("shuffled"),
-        None if ctl is None else ctl.get("stats", {}).get("misses"))
+        None if ctl is None else ctl.get("stats", {}).get("misses"),
+        got["resident2"]["requests"] if "resident2" in got else [])
     for m in ("hisparse", "resident", "crf", "control"):
         if m in got:
             print(f"{m} stats: {json.dumps(got[m].get('stats'))}")

@@ -6,7 +6,7 @@
 #   bash scripts/gpu_dsa.sh OUT
 #   DSA_LIMIT=150 (s per engine) DSA_PROMPTS=8000,20000,12000,16000 DSA_MAX_TOKENS=48 DSA_B=2560
 #   DSA_SPLITS=0 (FA3 num_splits of hisparse/resident; 1 = batch-invariant) MODES="hisparse stock
-#   resident control" (add crf: hisparse under policy crf, compared with resident, its misses
+#   resident resident2 control" (add crf: hisparse under policy crf, compared with resident, its misses
 #   beside lru's; control: the negative control, which must mismatch)
 #   DSA_TESTS=0 (skip the CUDA tests) bash scripts/gpu_dsa.sh OUT
 #   DSA_CAP=1 MODES= DSA_TESTS=0 bash scripts/gpu_dsa.sh OUT   # capacity only (issue 17), ~6 min:
@@ -42,7 +42,7 @@ engine() {
   [ -f "$out/$3.json" ] || tail -25 "$out/$3.log"
   since "$3 done"
 }
-for mode in ${MODES-hisparse stock resident control}; do engine run $mode $mode ${DSA_LIMIT:-150}; done
+for mode in ${MODES-hisparse stock resident resident2 control}; do engine run $mode $mode ${DSA_LIMIT:-150}; done
 [ -n "${MODES-x}" ] && python3 scripts/gpu_dsa.py compare "$out"
 # DSA_CAP=1: issue 17's capacity at one GPU KV budget (scripts/gpu_dsa.py cap; ~2-3 min each)
 if [ "${DSA_CAP:-0}" = 1 ]; then

@@ -11,8 +11,14 @@
 #       serving config (top_k 2048, B 4096, min_context 0, 4 prompts of 6K-20K) as resident /
 #       hisparse / elastic / crf / the negative control (a KV cache smaller than the prompts:
 #       spills mid-run), on weights whose attention matters (EXACT_WEIGHTS, EXACT_MODEL), and
-#       (EXACT_PAIRS="A B") short prompts turning sparse mid-decode (issue 16); EXACT_LIMIT=S
+#       (EXACT_PAIRS="A B") short prompts turning sparse mid-decode (issue 16); EXACT_PAIRS=Q: the
+#       real Qwen2.5-Coder-1.5B (QWEN=folder, QWEN_PROMPTS=token ids of 20-32K real text) with
+#       fixed / elastic x lru / crf. Each pair runs its reference twice (resident2: a verdict is
+#       VOID unless both agree) under TORCHINDUCTOR_DETERMINISTIC=1; EXACT_LIMIT=S
 #       stops each engine (default 420; give the call S + 90)
+#   bash scripts/gpu_session.sh OUT qwen     # Qwen2.5-Coder-1.5B from its staged pieces (make_qwen.py)
+#   bash scripts/gpu_session.sh OUT quality  # Quest quality at 16K / 32K on it: teacher-forced and
+#       needle, top_k 1024-8192 (QWEN_IDS, QWEN_NEEDLE: token ids built where the texts are, .lab/)
 #   bash scripts/gpu_session.sh OUT exact2   # a never-sparse engine (the stock decode path) vs
 #       resident; the stock-decode GPU test; 4K decode-step bench (~5 min)
 #   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at 1 request and at each backend's
@@ -98,12 +104,18 @@ case "$part" in
     # resident engine also runs each prompt with its context shuffled (the proof that attention
     # matters); the verdict is scripts/exact_verdict.py's EXACT, MISMATCH or VOID. Every engine
     # stops at EXACT_LIMIT s; each minute the engines' last log lines go to the summary.
-    ex=$out/exact; mkdir -p $ex/A $ex/B
+    ex=$out/exact; mkdir -p $ex/A $ex/B $ex/Q
     A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0}'
     runA() { engine A $1 HISPARSE_EXTRA="${EXACT_A:-$A}" EXACT_PROMPTS=${EXACT_PROMPTS:-6000,20000,12000,9000} \
                EXACT_KV_GIB=$2; }
     runB() { engine B $1 HISPARSE_EXTRA='{"dense_pool_gib": 1}' EXACT_PROMPTS=1200,5000 \
                EXACT_MAX_TOKENS=1500 EXACT_KV_GIB=2 EXACT_MAX_LEN=8192; }
+    # Q (EXACT_PAIRS=Q): a real model at 20-32K, QWEN=model folder, QWEN_PROMPTS=token-id prompts
+    # (scripts/long_prompts.py), 256 outputs: exactness and the miss rates of fixed / elastic x
+    # lru / crf in one run (KV: QWEN_KV_RES GiB resident, QWEN_KV others, less than the prompts)
+    runQ() { engine Q $1 EXACT_MODEL=${QWEN:-/tmp/models/qwen2.5-coder-1.5b} \
+               EXACT_PROMPTS_FILE=${QWEN_PROMPTS:-$PWD/.lab/qwen-prompts.json} EXACT_MAX_TOKENS=${QWEN_OUT:-256} \
+               HISPARSE_EXTRA="${EXACT_A:-$A}" EXACT_UTIL=${QWEN_UTIL:-0.15} EXACT_KV_GIB=$2; }
     ( while sleep 60 > /dev/null 2>&1; do for f in $ex/*/*.log; do
         echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
     mon=$!
@@ -121,15 +133,24 @@ case "$part" in
     }
     for pair in ${EXACT_PAIRS:-A}; do
       if [ $pair = A ]; then
-        for m in resident:${EXACT_KV_RES:-7} hisparse:5 control:5 elastic:5 crf:5; do queue runA ${m%:*} ${m#*:}; done
+        for m in resident:${EXACT_KV_RES:-7} hisparse:5 resident2:${EXACT_KV_RES:-7} control:5 elastic:5 crf:5; do
+          queue runA ${m%:*} ${m#*:}; done
+      elif [ $pair = Q ]; then
+        # Qwen2.5-1.5B: ~3 GB of weights, ~10 GB an engine: QWEN_PAR at a time
+        par=${QWEN_PAR:-4}
+        for m in resident:${QWEN_KV_RES:-5} hisparse:${QWEN_KV:-2.5} resident2:${QWEN_KV_RES:-5} control:${QWEN_KV:-2.5} \
+                 elastic:${QWEN_KV:-2.5} crf:${QWEN_KV:-2.5} elastic_crf:${QWEN_KV:-2.5}; do
+          queue runQ ${m%:*} ${m#*:}; done
       else
-        for m in resident hisparse control; do queue runB $m; done
+        for m in resident resident2 hisparse control; do queue runB $m; done
       fi
     done
     wait "${pids[@]}"; since "engines done"
     for pair in ${EXACT_PAIRS:-A}; do
       grep -h "== \|rc=\|cudagraph_mode" $ex/$pair/*.out | cut -c1-200; grep -h "Error" $ex/$pair/*.log | tail -3
       if [ $pair = A ]; then python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic crf
+      elif [ $pair = Q ]; then EXACT_MODEL=${QWEN:-/tmp/models/qwen2.5-coder-1.5b} \
+        python3 scripts/gpu_exactness.py compare $ex/Q hisparse crf elastic elastic_crf
       else EXACT_PROMPTS=1200,5000 EXACT_MAX_LEN=8192 python3 scripts/gpu_exactness.py compare $ex/B hisparse; fi
       echo "== verdict $pair rc=$? (0 EXACT, 1 MISMATCH, 3 VOID)"
     done
@@ -154,6 +175,31 @@ case "$part" in
         --steps 10 --q-noise 0 $m --out "$out/ds-4k$m" 2>&1 | grep -E "^\{|Error" | cut -c1-300
     done
     since "exact2 done" ;;
+  qwen)
+    # the real Qwen2.5-Coder-1.5B folder at $QWEN from its staged pieces (scripts/make_qwen.py:
+    # every piece staged by earlier calls; this call carries gguf's wheel)
+    m=${QWEN:-/tmp/models/qwen2.5-coder-1.5b}
+    pip install -q --no-index --no-deps --target /tmp/site .qwen/gguf-*.whl
+    { python3 scripts/make_qwen.py join 1.5b --dir /tmp/qwen && \
+      python3 scripts/make_qwen.py convert /tmp/qwen/qwen2.5-coder-1.5b.gguf $m; } > $out/qwen.log 2>&1
+    echo "== qwen model rc=$?: $(ls $m 2>&1 | tr '\n' ' ')"; tail -3 $out/qwen.log
+    since "qwen done" ;;
+  quality)
+    # Quest quality on the real 32K model (issue 43 item 5), fp32 on the GPU: teacher-forced
+    # perplexity, KL, top-1 agreement and attention recall at 16K / 32K (QWEN_IDS: the texts as
+    # token ids, `bench.quality forced --save-ids`), then the needle at 16K / 32K (QWEN_NEEDLE:
+    # `bench.quality needle --save-prompts`; the transformers simulation of the served decode)
+    m=${QWEN:-/tmp/models/qwen2.5-coder-1.5b}; ks=${QTOPK:-1024,2048,4096,8192}
+    timeout ${QLIMIT:-300} python3 -m vllm_hisparse.bench.quality forced --model $m \
+      --ids ${QWEN_IDS:-.lab/qwen-quality-ids.json} --contexts 16384,32000 --steps 256 --top-k $ks \
+      --device cuda --out $out/forced > $out/forced.log 2>&1
+    echo "== forced rc=$?"; grep -E "^\||Smallest|^wrote|Error" $out/forced.log | head -30
+    since "forced done"
+    timeout ${NLIMIT:-200} python3 -m vllm_hisparse.bench.quality needle --model $m \
+      --prompts-file ${QWEN_NEEDLE:-.lab/qwen-needle.json} --no-engines --simulate-top-k $ks \
+      --device cuda --out $out/needle > $out/needle.log 2>&1
+    echo "== needle rc=$?"; grep -E "^\||^wrote|Error" $out/needle.log | head -20
+    since "quality done" ;;
   cap)
     SERVING_LIMIT=${LIMIT:-560} bash scripts/gpu_serving.sh "$out/cap" --input-len 32768 --output-len 2048 \
       --rounds 1 --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,elastic} --concurrency 1,cap \
@@ -229,6 +275,6 @@ c = json.load(open(p)); c['intermediate_size'] = int(sys.argv[1]); json.dump(c, 
       python3 -m vllm_hisparse.bench.prefill_profile diff "$out/$first-prefill.json" \
         "$out/$b-prefill.json" --top 15
     done ;;
-  *) echo "part: kernels, exact, exact2, cap, paper, reasoning, 4k, 32k1, profile or prefill" >&2
+  *) echo "part: kernels, exact, qwen, quality, exact2, cap, paper, reasoning, 4k, 32k1, profile or prefill" >&2
      exit 2 ;;
 esac

@@ -62,6 +62,24 @@ def test_exact_needs_attention_that_matters_and_a_control_that_mismatches(seed):
         assert code == ev.VOID and "the negative control did not mismatch" in lines[-1]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_reference_that_does_not_reproduce_voids_the_verdict(seed):
+    rng = random.Random(seed)
+    ref, same, shuf = _case(seed)
+    control = _doctor(ref, "token", rng)
+    code, lines = ev.verdict(ref, {"hisparse": same}, control, shuf, again=copy.deepcopy(ref))
+    assert code == ev.EXACT and "reference reproducible: yes" in "\n".join(lines)
+    for what in ("token", "logprob"):
+        flaky = _doctor(ref, what, rng)
+        # whether the engine matches the first reference or not: nothing is attributable
+        for engine in (same, _doctor(ref, "token", rng), flaky):
+            code, lines = ev.verdict(ref, {"hisparse": engine}, control, shuf, again=flaky)
+            assert code == ev.VOID and "not reproducible" in lines[-1], lines
+            assert "reference reproducible: NO" in "\n".join(lines)
+    code, lines = ev.verdict(ref, {"hisparse": same}, control, shuf, again=[])   # second run missing
+    assert code == ev.VOID and "reference reproducible: NOT SHOWN" in "\n".join(lines)
+
+
 def test_attention_matters_takes_most_prompts():
     ref = _requests(0, n=4)
     shuf = copy.deepcopy(ref)
@@ -98,6 +116,14 @@ def test_gpu_exactness_compare_on_doctored_files(tmp_path):
     write("hisparse", [same])
     write("elastic", [_doctor(ref, "logprob", rng)])
     write("control", [_doctor(ref, "token", rng)])
+    code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse")
+    assert code == ev.VOID and "NOT SHOWN" in out                # no resident2.json
+    write("resident2", [_doctor(ref, "token", rng)])            # a reference that drifts
+    code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse")
+    assert code == ev.VOID and "reference reproducible: NO" in out
+    write("resident2", [copy.deepcopy(ref)])
+    write("elastic", [_doctor(ref, "logprob", rng)])
+    write("control", [_doctor(ref, "token", rng)])
     assert _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse")[0] == ev.EXACT
     code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse", "elastic")
     assert code == ev.MISMATCH and out.rstrip().endswith("MISMATCH")
@@ -119,7 +145,13 @@ def test_gpu_dsa_compare_on_doctored_files(tmp_path):
                   open(tmp_path / f"{mode}.json", "w"))
 
     write("resident", ref, shuffled=shuf, load_format="scaled_dummy")
+    write("resident2", _doctor(ref, "logprob", rng))
     write("hisparse", same)
+    write("stock", copy.deepcopy(ref))
+    write("control", _doctor(ref, "logprob", rng))
+    code, out = _run("gpu_dsa.py", "compare", str(tmp_path))
+    assert code == ev.VOID and "reference reproducible: NO" in out
+    write("resident2", copy.deepcopy(ref))
     write("stock", copy.deepcopy(ref))
     write("control", _doctor(ref, "logprob", rng))
     code, out = _run("gpu_dsa.py", "compare", str(tmp_path))
@@ -143,3 +175,6 @@ def test_cli_on_files(tmp_path):
     code, out = _run("exact_verdict.py", str(tmp_path / "ref.json"), str(tmp_path / "c.json"),
                      "--control", str(tmp_path / "c.json"))
     assert code == ev.MISMATCH, out
+    code, out = _run("exact_verdict.py", str(tmp_path / "ref.json"), str(tmp_path / "hs.json"),
+                     "--control", str(tmp_path / "c.json"), "--again", str(tmp_path / "c.json"))
+    assert code == ev.VOID and "not reproducible" in out, out
