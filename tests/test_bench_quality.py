@@ -3,6 +3,7 @@ dense twice gives identical numbers, a Quest top_k covering the context gives th
 for bit, the recall figures are shares, and the masked attention is the runtime's sparse decode."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -204,3 +205,63 @@ def test_forced_cli_on_a_model_folder(model, tmp_path):
     md = (out / "quality.md").read_text()
     assert "--top-k 32,64" in md and "| 160 | 32 |" in md
     assert (out / "quality.png").stat().st_size > 0
+
+
+def test_forced_on_carried_token_ids_equals_texts(model, tmp_path):
+    """--save-ids where the texts are, --ids where they are not (the GPU box): the same rows."""
+    import csv
+
+    text = tmp_path / "haystack.txt"
+    text.write_text("".join(f"Row {i}: a plain haystack line, number {i * 7}.\n" for i in range(300)))
+    common = ["forced", "--model", model.name_or_path, "--contexts", "160", "--steps", "12",
+              "--top-k", "32", "--dense-layers", "0", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert quality.main(common + ["--texts", str(text), "--out", str(tmp_path / "a")]) == 0
+        assert quality.main(common + ["--texts", str(text), "--save-ids", str(tmp_path / "i.json")]) == 0
+        saved = json.load(open(tmp_path / "i.json"))
+        assert [len(v) for v in saved.values()] == [160 + 12 + 1]       # cut to what is scored
+        assert quality.main(common + ["--ids", str(tmp_path / "i.json"), "--out", str(tmp_path / "b")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    a, b = (list(csv.DictReader(open(tmp_path / d / "quality.csv"))) for d in "ab")
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert strip(a) == strip(b) and len(a) == 2
+    # the table and plot again from the CSV alone (a box without matplotlib)
+    (tmp_path / "b" / "quality.png").unlink()
+    assert quality_report.main([str(tmp_path / "b"), "tiny"]) == 0
+    assert (tmp_path / "b" / "quality.png").stat().st_size > 0
+    md = quality_report.markdown(quality_report.load_csv(str(tmp_path / "b" / "quality.csv")))
+    assert "| 160 | 32 |" in md and md == quality_report.markdown(
+        quality_report.load_csv(str(tmp_path / "a" / "quality.csv")))
+
+
+def test_needle_prompts_carried_and_simulated_per_context(model, tmp_path, monkeypatch):
+    """--save-prompts (two contexts) then --prompts-file --no-engines: the simulation only, one
+    table row per context, each prompt's planted number checked."""
+    import csv
+
+    from vllm_hisparse.bench import quality_needle as qn
+    from vllm_hisparse.sim import texts
+
+    hay = "".join(f"line {i} of a plain text haystack.\n" for i in range(400))
+    monkeypatch.setattr(texts, "load_text", lambda name: hay)
+    base = ["--model", model.name_or_path, "--texts", "hay", "--depths", "0.2,0.8",
+            "--dense-layers", "0", "--max-tokens", "3"]
+    path = tmp_path / "p.json"
+    assert qn.main(base + ["--context", "200,300", "--save-prompts", str(path)]) == 0
+    prompts = json.load(open(path))
+    assert sorted((p["context"], len(p["prompt_token_ids"])) for p in prompts) == [
+        (200, 200), (200, 200), (300, 300), (300, 300)]
+    with pytest.raises(SystemExit, match="one value with vLLM engines"):
+        qn.main(base + ["--prompts-file", str(path), "--out", str(tmp_path / "x")])
+    assert qn.main(base + ["--prompts-file", str(path), "--no-engines", "--simulate-top-k", "32",
+                           "--out", str(tmp_path / "o")]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "o" / "needle.csv")))
+    assert {(r["path"], r["context"], r["top_k"]) for r in rows} == {
+        ("simulated", c, k) for c in ("200", "300") for k in ("0", "32")}
+    assert len(rows) == 8
+    for r in rows:
+        assert r["pass"] == str(int(qn.passed(r["output"], int(r["number"]))))
+    md = (tmp_path / "o" / "needle.md").read_text()
+    assert "| 200 | simulated | dense |" in md and "| 300 | simulated | Quest top_k=32 |" in md

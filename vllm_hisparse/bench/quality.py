@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import inspect
+import json
 import math
 import os
 import sys
@@ -183,6 +184,10 @@ def forced_main(argv=None) -> int:
     p.add_argument("--top-k", default=DEFAULT_TOP_K, help="Quest top_k values (tokens)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dense-layers", default="0,1", help="layers kept dense (config dense_layers)")
+    p.add_argument("--ids", metavar="FILE", help="texts as token ids instead of --texts: a JSON "
+                   "object {name: [ids]} (--save-ids writes it where the texts are)")
+    p.add_argument("--save-ids", metavar="FILE", help="tokenize --texts, write them to FILE, stop")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (fp32 either way)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="out/quality", help="folder for the CSVs and the table")
     p.add_argument("--png", default=None, help="the plot (default OUT/quality.png)")
@@ -195,7 +200,26 @@ def forced_main(argv=None) -> int:
     contexts = _ints(a.contexts, "contexts")
     dense = _ints(a.dense_layers, "dense-layers")
     cfgs = [None] + [quest_config(k, a.page_size, dense) for k in _ints(a.top_k, "top-k")]
-    tok, model = load_smollm2() if a.model is None else load_folder(a.model)
+    if a.save_ids and a.model is not None:     # the tokenizer only: no weights to load
+        from transformers import AutoTokenizer
+
+        tok, model = AutoTokenizer.from_pretrained(a.model), None
+    else:
+        tok, model = load_smollm2() if a.model is None else load_folder(a.model)
+    if a.ids:
+        with open(a.ids) as f:
+            docs = json.load(f)
+        names = list(docs)
+    else:
+        need = max(contexts) + a.steps + 1         # what score_text reads of each text
+        docs = {n: tok(texts.load_text(n)).input_ids[:need] for n in names}
+    if a.save_ids:
+        with open(a.save_ids, "w") as f:
+            json.dump(docs, f)
+        print(f"wrote {len(docs)} texts ({', '.join(f'{n}: {len(v)}' for n, v in docs.items())} "
+              f"tokens) to {a.save_ids}")
+        return 0
+    model.to(a.device)
     window = getattr(model.config, "max_position_embeddings", None) or 8192
     if max(contexts) + a.steps + 1 > window:
         raise SystemExit(f"--contexts {max(contexts)} + --steps {a.steps} + 1 exceeds the model's "
@@ -206,7 +230,7 @@ def forced_main(argv=None) -> int:
     bar = tqdm(total=len(names) * len(contexts) * len(cfgs), desc="quality", unit="pass")
     for name in names:
         bar.set_postfix_str(name)
-        ids = tok(texts.load_text(name), return_tensors="pt").input_ids
+        ids = torch.tensor([docs[name]], device=a.device)
         r, lr, _ = score_text(model, ids, contexts, a.steps, cfgs, label=name, bar=bar)
         rows += r
         layer_rows += lr
@@ -218,7 +242,10 @@ def forced_main(argv=None) -> int:
     md = quality_report.markdown(rows, command=cmd.strip(), seconds=time.time() - t0, model=name)
     with open(os.path.join(a.out, "quality.md"), "w") as f:
         f.write(md)
-    png = quality_report.plot(rows, a.png or os.path.join(a.out, "quality.png"), model=name)
+    try:
+        png = quality_report.plot(rows, a.png or os.path.join(a.out, "quality.png"), model=name)
+    except ImportError as e:                   # a GPU box without matplotlib: the CSVs carry it all
+        png = f"no plot ({e}; python -m vllm_hisparse.bench.quality_report OUT plots the CSV)"
     print(md)
     print(f"wrote {a.out}/quality.csv, quality_layers.csv, quality.md and {png} "
           f"in {time.time() - t0:.0f} s")

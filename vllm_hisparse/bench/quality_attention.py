@@ -64,14 +64,16 @@ def quest_token_mask(q: torch.Tensor, keys: torch.Tensor, start: int, cfg: HiSpa
     P = cfg.page_size
     U = -(-T // P)
     Hkv, D = keys.shape[1:]
-    kmin = torch.empty(1, U, Hkv, D, dtype=torch.float32)
+    dev = keys.device
+    kmin = torch.empty(1, U, Hkv, D, dtype=torch.float32, device=dev)
     kmax = torch.empty_like(kmin)
-    quest_update(kmin, kmax, torch.zeros(T, dtype=torch.long), torch.arange(T), keys.float(), P)
-    pos = start + torch.arange(S)
+    quest_update(kmin, kmax, torch.zeros(T, dtype=torch.long, device=dev),
+                 torch.arange(T, device=dev), keys.float(), P)
+    pos = start + torch.arange(S, device=dev)
     newest = pos // P                     # the newest page; pages [0, newest) are complete
     k_sel = max(cfg.top_k_units - 1, 0)  # as SparseRuntime.k_sel: the newest page takes one unit
-    pages = torch.zeros(S, U, dtype=torch.bool)
-    pages[torch.arange(S), newest] = True
+    pages = torch.zeros(S, U, dtype=torch.bool, device=dev)
+    pages[torch.arange(S, device=dev), newest] = True
     kk = min(k_sel, U)
     for s0 in range(0, S, SCORE_CHUNK):
         s1 = min(S, s0 + SCORE_CHUNK)
@@ -80,10 +82,10 @@ def quest_token_mask(q: torch.Tensor, keys: torch.Tensor, start: int, cfg: HiSpa
         # quest_topk's CPU path, minus its per-row copy of the bounds (one request: they broadcast)
         scores = quest_scores(q[s0:s1].float(), kmin, kmax, newest[s0:s1])
         sel = topk_pages(topk_index(scores, kk), newest[s0:s1], k_sel).long()   # (c, k_sel), -1 pad
-        r = torch.arange(s0, s1)[:, None].expand_as(sel)
+        r = torch.arange(s0, s1, device=dev)[:, None].expand_as(sel)
         ok = sel >= 0
         pages[r[ok], sel[ok]] = True
-    causal = torch.arange(T)[None] <= pos[:, None]
+    causal = torch.arange(T, device=dev)[None] <= pos[:, None]
     return pages[:, :, None].expand(S, U, P).reshape(S, U * P)[:, :T] & causal
 
 
@@ -129,8 +131,9 @@ class Probe:
         if self.sparse(layer):
             mask = quest_token_mask(q, key[0].transpose(0, 1), start, self.cfg)
         else:
-            mask = torch.arange(T)[None] <= (start + torch.arange(S))[:, None]
-        out = torch.empty(S, Hkv, Hq // Hkv, D, dtype=query.dtype)
+            ar = torch.arange(T, device=query.device)
+            mask = ar[None] <= (start + ar[:S])[:, None]
+        out = torch.empty(S, Hkv, Hq // Hkv, D, dtype=query.dtype, device=query.device)
         stats = []
         for s0 in range(0, S, ROW_CHUNK):
             s1 = min(S, s0 + ROW_CHUNK)
@@ -141,9 +144,9 @@ class Probe:
             o = torch.matmul(p, value[0, :, None].float())              # (Hkv, G, c, D)
             out[s0:s1] = o.permute(2, 0, 1, 3).to(out.dtype)
             if self.sparse(layer):
-                r = torch.arange(s0, s1)
+                r = torch.arange(s0, s1, device=query.device)
                 r = r[r % MEASURE_EVERY == 0] - s0
-                causal = torch.arange(T)[None] <= (start + s0 + r)[:, None]
+                causal = torch.arange(T, device=query.device)[None] <= (start + s0 + r)[:, None]
                 stats.append(self._measure(logits[:, :, r], causal, m[r]))
         if stats:
             for name, i in (("recall", 0), ("overlap", 1), ("oracle", 2)):

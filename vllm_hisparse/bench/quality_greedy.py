@@ -18,7 +18,8 @@ def greedy(model, prompt_ids: list[int], cfgs, max_tokens: int) -> list[list[int
     """Greedy token ids (max_tokens each, EOS not special) per entry of cfgs (HiSparseConfig or
     None = dense), all from one dense prefill of prompt_ids."""
     n = len(prompt_ids)
-    logits, cache = _forward(model, torch.tensor([prompt_ids]), None, logits_to_keep=1)
+    dev = model.device
+    logits, cache = _forward(model, torch.tensor([prompt_ids], device=dev), None, logits_to_keep=1)
     first = int(logits[0, -1].argmax())
     outs = []
     for cfg in cfgs:
@@ -26,7 +27,7 @@ def greedy(model, prompt_ids: list[int], cfgs, max_tokens: int) -> list[list[int
         toks = [first]
         for _ in range(max_tokens - 1):
             with qa.Probe(cfg):
-                logits, cache = _forward(model, torch.tensor([[toks[-1]]]), cache)
+                logits, cache = _forward(model, torch.tensor([[toks[-1]]], device=dev), cache)
             toks.append(int(logits[0, -1].argmax()))
         outs.append(toks)
     _crop(cache, n)

@@ -138,6 +138,7 @@ def simulate(a, prompts, top_ks, dense_layers, tok) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32,
                                                  attn_implementation=qa.register()).eval()
+    model.to(a.device)
     cfgs = [None] + [quest_config(k, a.page_size, dense_layers) for k in top_ks]
     out = {k: [] for k in [0, *top_ks]}
     for pr in tqdm(prompts, desc="simulated", unit="prompt"):
@@ -156,17 +157,17 @@ def _row(path, backend, top_k, pr, toks, tok, context, **extra) -> dict:
 
 def markdown(rows, depths, command: str = "") -> str:
     lines = (["```", command, "```", ""] if command else []) + [
-        "| path | attention | " + " | ".join(f"depth {d:g}" for d in depths) + " | all | same tokens |",
-        "|---|---|" + "---|" * (len(depths) + 2)]
-    for (path, b) in dict.fromkeys((r["path"], r["backend"]) for r in rows):
-        mine = [r for r in rows if (r["path"], r["backend"]) == (path, b)]
+        "| context | path | attention | " + " | ".join(f"depth {d:g}" for d in depths)
+        + " | all | same tokens |", "|---|---|---|" + "---|" * (len(depths) + 2)]
+    for (ctx, path, b) in dict.fromkeys((r["context"], r["path"], r["backend"]) for r in rows):
+        mine = [r for r in rows if (r["context"], r["path"], r["backend"]) == (ctx, path, b)]
         cells = []
         for d in depths:
             at = [r for r in mine if r["depth"] == d]
             cells.append(f"{sum(r['pass'] for r in at)}/{len(at)}")
         ref = mine[0]["same_as"]
         same = f"{sum(r['same'] for r in mine)}/{len(mine)} as {ref}" if ref else "-"
-        lines.append(f"| {path} | {b} | " + " | ".join(cells)
+        lines.append(f"| {ctx} | {path} | {b} | " + " | ".join(cells)
                      + f" | {sum(r['pass'] for r in mine)}/{len(mine)} | {same} |")
     return "\n".join(lines) + "\n"
 
@@ -181,7 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="models/smollm2-135m",
                    help="HF model folder (python scripts/make_smollm2.py writes the default)")
     p.add_argument("--texts", default="coreutils,gettext")
-    p.add_argument("--context", type=int, default=4096, help="prompt tokens, question included")
+    p.add_argument("--context", default="4096",
+                   help="prompt tokens, question included (a comma list: one prompt set each)")
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     p.add_argument("--top-k", default="1024", help="top_k values served by vLLM (one engine each)")
     p.add_argument("--simulate-top-k", default="128,256,512,1024,2048,4096",
@@ -194,6 +196,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/needle")
+    p.add_argument("--save-prompts", metavar="FILE",
+                   help="build the prompts, write them to FILE and stop (to carry them to a machine "
+                        "without the texts)")
+    p.add_argument("--prompts-file", metavar="FILE",
+                   help="the prompts --save-prompts wrote (instead of --texts/--context/--depths)")
+    p.add_argument("--no-engines", action="store_true",
+                   help="the transformers simulation only (no vLLM engine, not even stock)")
+    p.add_argument("--device", default="cpu", help="the simulation's device (cuda on a GPU)")
     # one engine (internal: the parent runs each backend in its own process)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--hisparse", default=None, help=argparse.SUPPRESS)
@@ -216,13 +226,28 @@ def main(argv=None) -> int:
     depths = [float(x) for x in a.depths.split(",") if x]
     dense = tuple(_ints(a.dense_layers))
     tok = AutoTokenizer.from_pretrained(a.model)
-    prompts = [dict(pr, text=name) for name in a.texts.split(",") if name
-               for pr in build_prompts(tok, texts.load_text(name), a.context, depths, a.seed, name)]
+    if a.prompts_file:
+        with open(a.prompts_file) as f:
+            prompts = json.load(f)
+        depths = sorted({pr["depth"] for pr in prompts})
+    else:
+        prompts = [dict(pr, text=name, context=ctx) for ctx in _ints(a.context)
+                   for name in a.texts.split(",") if name
+                   for pr in build_prompts(tok, texts.load_text(name), ctx, depths, a.seed, name)]
+    if a.save_prompts:
+        with open(a.save_prompts, "w") as f:
+            json.dump(prompts, f)
+        print(f"wrote {len(prompts)} prompts to {a.save_prompts}")
+        return 0
+    if not a.no_engines and len({pr["context"] for pr in prompts}) > 1:
+        raise SystemExit("--context: one value with vLLM engines (their max_model_len); several "
+                         "with --no-engines")
+    a.context = max(pr["context"] for pr in prompts)
     path = os.path.join(a.out, "needle-prompts.json")
     with open(path, "w") as f:
         json.dump(prompts, f)
-    engines = [("stock", 0, None)] + [(f"hisparse top_k={k}", k, engine_config(k, a.page_size, dense))
-                                      for k in _ints(a.top_k)]
+    engines = [] if a.no_engines else [("stock", 0, None)] + [
+        (f"hisparse top_k={k}", k, engine_config(k, a.page_size, dense)) for k in _ints(a.top_k)]
     rows, served, t0 = [], {}, time.time()
     with open(os.path.join(a.out, "needle-engines.log"), "w") as log:
         bar = tqdm(engines, desc="vLLM engines", unit="engine")
@@ -232,7 +257,7 @@ def main(argv=None) -> int:
             served[k] = [o["tokens"] for o in res["outputs"]]
             for i, pr in enumerate(prompts):
                 extra = {"same_as": "stock", "same": int(served[k][i] == served[0][i])} if k else {}
-                rows.append(_row("vLLM", name, k, pr, served[k][i], tok, a.context,
+                rows.append(_row("vLLM", name, k, pr, served[k][i], tok, pr["context"],
                                  engine_start_s=round(res["start_s"], 1),
                                  generate_s=round(res["generate_s"], 1), **extra))
     sim_k = _ints(a.simulate_top_k)
@@ -243,7 +268,7 @@ def main(argv=None) -> int:
             for i, pr in enumerate(prompts):
                 extra = ({"same_as": "vLLM " + ("stock" if k == 0 else f"top_k={k}"),
                           "same": int(outs[i] == served[k][i])} if k in served else {})
-                rows.append(_row("simulated", name, k, pr, outs[i], tok, a.context, **extra))
+                rows.append(_row("simulated", name, k, pr, outs[i], tok, pr["context"], **extra))
     fields = list(dict.fromkeys(f for r in rows for f in r))
     with open(os.path.join(a.out, "needle.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)

@@ -129,3 +129,40 @@ def plot(rows, path: str, model: str = "SmolLM2-135M") -> str:
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def load_csv(path: str) -> list[dict]:
+    """bench/quality.py's quality.csv back as rows (numbers as numbers, empty cells None)."""
+    import csv
+
+    def num(v):
+        if v == "":
+            return None
+        try:
+            return int(v)
+        except ValueError:
+            try:
+                return float(v)
+            except ValueError:
+                return v
+    return [{k: num(v) for k, v in r.items()} for r in csv.DictReader(open(path))]
+
+
+def main(argv=None) -> int:
+    """python -m vllm_hisparse.bench.quality_report OUT [MODEL]: OUT/quality.png and the table
+    from OUT/quality.csv (where the run had no matplotlib)."""
+    import os
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        raise SystemExit("usage: python -m vllm_hisparse.bench.quality_report OUT [MODEL]")
+    rows = load_csv(os.path.join(argv[0], "quality.csv"))
+    model = argv[1] if len(argv) > 1 else "model"
+    print(markdown(rows, model=model))
+    print("wrote", plot(rows, os.path.join(argv[0], "quality.png"), model=model))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
