@@ -265,3 +265,16 @@ def test_needle_prompts_carried_and_simulated_per_context(model, tmp_path, monke
         assert r["pass"] == str(int(qn.passed(r["output"], int(r["number"]))))
     md = (tmp_path / "o" / "needle.md").read_text()
     assert "| 200 | simulated | dense |" in md and "| 300 | simulated | Quest top_k=32 |" in md
+
+
+def test_chunked_prefill_matches_one_pass(model, ids):
+    """Long prompts prefill in passes (sdpa's fp32 scores of a 32K prompt do not fit a GPU): the
+    last logits and every cached key agree with one pass to fp32 rounding."""
+    n = ids.shape[1] - 1
+    one_logits, one = quality._prefill(model, ids[:, :n], chunk=10**6)
+    got_logits, got = quality._prefill(model, ids[:, :n], chunk=64)
+    assert got.get_seq_length() == one.get_seq_length() == n > 4 * 64
+    torch.testing.assert_close(got_logits, one_logits, rtol=1e-4, atol=1e-4)
+    k1, k2 = one.layers[-1].keys, got.layers[-1].keys
+    torch.testing.assert_close(k2, k1, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(quality._prefill(model, ids[:, 1:], chunk=64)[0], got_logits)

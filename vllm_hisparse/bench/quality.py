@@ -72,6 +72,19 @@ def _forward(model, ids, cache, **kw):
     return out.logits, getattr(out, "cache", None) or out.past_key_values
 
 
+PREFILL_CHUNK = 4096   # prompt tokens per dense prefill pass: sdpa's fp32 path materialises the
+                       # (heads, chunk, context) scores (46 GiB for a 32K prompt in one pass)
+
+
+def _prefill(model, ids, chunk: int = PREFILL_CHUNK):
+    """Dense prefill of ids (1, N) in passes of ``chunk`` tokens (one pass up to ``chunk``, as
+    before); returns the last position's logits (1, 1, vocab) and the cache."""
+    cache, logits = None, None
+    for s in range(0, ids.shape[1], chunk):
+        logits, cache = _forward(model, ids[:, s:s + chunk], cache, logits_to_keep=1)
+    return logits, cache
+
+
 def _crop(cache, length: int) -> None:
     cache.crop(length - cache.get_seq_length())        # negative: tokens to drop (every version)
     if cache.get_seq_length() != length:
@@ -96,7 +109,7 @@ def score_text(model, ids: torch.Tensor, contexts, steps: int, cfgs, label: str 
     for cfg in cfgs:
         if cfg is not None:
             cfg.check_layers(model.config.num_hidden_layers)
-    _, cache = _forward(model, ids[:, :contexts[0]], None, logits_to_keep=1)   # dense prefill, once
+    _, cache = _prefill(model, ids[:, :contexts[0]])     # dense prefill, once
     rows, layer_rows, logprobs = [], [], {}
     for ctx in contexts:                        # longest first: each prompt is a prefix of the last
         _crop(cache, ctx)

@@ -50,6 +50,11 @@ def register() -> str:
         return _ACTIVE.attend(module.layer_idx, query, key, value, kw.get("scaling")), None
 
     AttentionInterface.register(ATTN, attention)
+    # the masks of sdpa too: transformers builds none for an unknown attention name, and sdpa's
+    # is_causal is wrong for a prefill pass that continues a cache (bench/quality.py's _prefill)
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionMaskInterface.register(ATTN, sdpa_mask)
     return ATTN
 
 

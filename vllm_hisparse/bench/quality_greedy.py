@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import quality_attention as qa
-from .quality import _crop, _forward
+from .quality import _crop, _forward, _prefill
 
 
 @torch.no_grad()
@@ -19,7 +19,7 @@ def greedy(model, prompt_ids: list[int], cfgs, max_tokens: int) -> list[list[int
     None = dense), all from one dense prefill of prompt_ids."""
     n = len(prompt_ids)
     dev = model.device
-    logits, cache = _forward(model, torch.tensor([prompt_ids], device=dev), None, logits_to_keep=1)
+    logits, cache = _prefill(model, torch.tensor([prompt_ids], device=dev))
     first = int(logits[0, -1].argmax())
     outs = []
     for cfg in cfgs:
