@@ -1,0 +1,209 @@
+"""The deployment: one config resolved against one engine's model and vLLM limits, once.
+
+``resolve(cfg, limits)`` decides every size hisparse allocates or admits by: the selection unit,
+the hot slots S, the units K a decode row attends, the indexer rows, the host and dense pool
+pages, how many requests of ``max_model_len`` tokens each tier admits at once, and, on an MLA +
+DSA model, the latent pool's row sets, regions and host rows. The vLLM adapter resolves it where
+the plugin first sees vLLM's config (vllm/deployment.py) and hands the one frozen object to the
+scheduler's connector and KV manager, the worker's runtime and pools and the startup check;
+``hisparse calc`` resolves the same function, so calc and the server cannot disagree.
+
+Names are the config's wherever the quantity is the config's (``top_k``, ``device_buffer_size``,
+``page_size``, ``quest_rows``, ``prefill_slots``); a derived quantity has one name here that the
+runtime uses too (``num_slots`` = S, ``top_k_units`` = K, ``indexer_rows``, ``host_pages``,
+``dense_pool_pages``).
+
+Which process: none in particular (plain data, picklable: it travels inside vLLM's pickled config
+to the engine core and the workers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.core import capacity, gpu_pools, indexers
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the model and vLLM fix for one tensor-parallel rank: the inputs of ``resolve``.
+
+    num_kv_heads, head_dim: this rank's KV heads (vLLM's ``get_num_kv_heads``) and head size; 0 on
+        an MLA model, whose latent rows have ``latent_row`` values (kv_lora_rank +
+        qk_rope_head_dim; 0 on a GQA model).
+    dtype_bytes: bytes of one KV value (the model dtype's).
+    """
+    num_layers: int
+    max_model_len: int
+    max_num_seqs: int
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype_bytes: int = 2
+    tensor_parallel_size: int = 1
+    latent_row: int = 0
+
+    def __post_init__(self):
+        for name in ("num_layers", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"hisparse: {name}={getattr(self, name)} must be >= 1")
+        if self.max_num_seqs < 0 or self.tensor_parallel_size < 1:
+            raise ValueError(f"hisparse: max_num_seqs={self.max_num_seqs} must be >= 0 and "
+                             f"tensor_parallel_size={self.tensor_parallel_size} >= 1")
+
+    @property
+    def mla(self) -> bool:
+        return self.latent_row > 0
+
+
+@dataclass(frozen=True)
+class LatentSizes:
+    """The DSA path's latent pool (docs/dsa.md): what the scheduler's ledger and the worker's pool
+    agree on. row_sets: requests with hot rows at once (quest_rows, else max_num_seqs); regions:
+    full-length prefill regions (prefill_slots; every request's in resident mode); host_rows:
+    latent rows (one token of every layer) the host pool holds (0 in resident mode)."""
+    row_bytes: int
+    row_sets: int
+    regions: int
+    host_rows: int
+    resident: bool
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A config resolved for one engine (``resolve``); every field is one rank's.
+
+    unit_tokens: tokens per selection unit and per hot slot (the indexer's: a page for Quest, one
+        token for DSA). num_slots: S, hot slots per request per layer. top_k_units: K, units a
+        decode row attends. min_context: the context (tokens) at which a request turns sparse.
+    sparse_possible: some request can turn sparse (max_model_len >= min_context); when False no
+        indexer row, dense pool or host pool is reserved (core/gpu_pools.py).
+    indexer_rows: indexer rows besides the scratch row = sparse requests at once;
+        indexer_rows_set_by: the setting that gave it (for startup lines and errors);
+        indexer_row_bytes: device bytes of one row (``Indexer.row_bytes``; 0 on an MLA model).
+    dense_layer_ids: the model's dense layers (cfg.dense_layers within its layer count).
+    page_bytes: one page of one layer (K and V). host_layers: the layers the host pool holds.
+    host_pages: pages of each rank's host pool (each a page of every host layer; 0 when no
+        request can be sparse). dense_pool_pages: pages of the GPU dense pool (None without one).
+    admit_pages: pages admission counts (a sparse request takes as many in the host pool as in
+        the dense pool); admit_bound: the pool that bounds them ("host" or "GPU dense").
+    latent: the DSA path's latent pool sizes (None on a GQA model).
+    """
+    cfg: HiSparseConfig
+    limits: EngineLimits
+    unit_tokens: int
+    num_slots: int
+    top_k_units: int
+    min_context: int
+    sparse_possible: bool
+    indexer_rows: int
+    indexer_rows_set_by: str
+    indexer_row_bytes: int
+    dense_layer_ids: tuple
+    page_bytes: int
+    host_layers: tuple
+    host_pages: int
+    dense_pool_pages: int | None
+    admit_pages: int
+    admit_bound: str
+    latent: LatentSizes | None = None
+
+    @property
+    def dense_pool_bytes(self) -> int:
+        """GPU bytes of the dense pool (0 without one)."""
+        if self.dense_pool_pages is None:
+            return 0
+        return self.dense_pool_pages * self.page_bytes * len(self.cfg.dense_layers)
+
+    @property
+    def pages_per_request(self) -> int:
+        """Pages of a request of max_model_len tokens."""
+        return capacity.cdiv(self.limits.max_model_len, self.cfg.page_size)
+
+    def tier_requests(self) -> dict[str, int | None]:
+        """Sparse requests of max_model_len tokens each tier holds at once: the indexer rows, the
+        host pool and the GPU dense pool (None: the tier does not bound them, i.e. resident mode
+        or no dense pool)."""
+        per_req = self.pages_per_request
+        pools = self.cfg.host_tier and self.sparse_possible
+        return {"indexer_rows": self.indexer_rows,
+                "host_pool": self.host_pages // per_req if pools else None,
+                "dense_pool": (self.dense_pool_pages // per_req
+                               if pools and self.dense_pool_pages is not None else None)}
+
+    def room(self) -> tuple[int, str]:
+        """(requests of max_model_len tokens admission lets run at once, why): the server's
+        startup line (``room_line``) and ``hisparse calc``'s."""
+        if not self.sparse_possible:
+            return self.limits.max_num_seqs, (
+                f"no request can turn sparse: max_model_len < min_context={self.min_context}, so "
+                f"no indexer row or dense pool is reserved; vLLM's KV blocks bound them")
+        room = min(n for n in self.tier_requests().values() if n is not None)
+        why = f"quest_rows={self.indexer_rows}"
+        if self.cfg.host_tier:
+            why += (f", {self.admit_bound} pool: {self.admit_pages} pages, "
+                    f"{self.pages_per_request} per request")
+        return room, why
+
+    def room_line(self) -> str:
+        n, why = self.room()
+        return (f"hisparse: room for {n} requests of max_model_len={self.limits.max_model_len} "
+                f"tokens at once ({why})")
+
+    def idle_rows_note(self) -> str | None:
+        """Startup advice when the indexer reserves rows the pool cannot fill at max_model_len
+        (``gpu_pools.idle_rows_note``); None when every row can be used or there is no pool."""
+        if not self.sparse_possible or not self.cfg.host_tier:
+            return None
+        return gpu_pools.idle_rows_note(
+            self.indexer_rows, self.admit_pages // self.pages_per_request,
+            self.limits.max_model_len, self.admit_bound,
+            "quest_rows" if self.cfg.quest_rows else "max_num_seqs: quest_rows unset")
+
+
+def resolve(cfg: HiSparseConfig, limits: EngineLimits) -> Deployment:
+    """Every size of ``cfg`` on an engine of ``limits``; pure (no allocation, no parse)."""
+    ix = indexers.get(cfg.indexer)
+    unit = ix.unit_tokens(cfg)
+    mml, P = limits.max_model_len, cfg.page_size
+    possible = gpu_pools.sparse_possible(cfg, mml)
+    latent = _latent(cfg, limits) if limits.mla else None
+    if limits.mla:
+        rows = latent.row_sets
+        set_by = "quest_rows" if cfg.quest_rows else "max_num_seqs"
+        row_bytes = page_bytes = host = 0
+        dense = None
+        host_layers: tuple = ()
+        dense_ids: tuple = ()
+    else:
+        rows = gpu_pools.quest_rows(cfg, limits.max_num_seqs, mml)
+        set_by = ("quest_rows" if cfg.quest_rows else "max_num_seqs") if possible else \
+            "rows (no request can turn sparse: max_model_len < min_context)"
+        dense_ids = tuple(i for i in range(limits.num_layers) if i in cfg.dense_layers)
+        shape = capacity.ModelShape(limits.num_layers, limits.num_kv_heads, limits.head_dim,
+                                    limits.dtype_bytes)
+        row_bytes = ix.row_bytes(limits.num_layers - len(dense_ids), limits.num_kv_heads,
+                                 limits.head_dim, limits.dtype_bytes, mml, P)
+        page_bytes = shape.token_bytes_per_layer * P
+        host_layers = tuple(cfg.host_pool_layers(limits.num_layers))
+        share = capacity.host_pool_rank_bytes(cfg.host_pool_bytes, limits.tensor_parallel_size)
+        host = share // (page_bytes * len(host_layers)) if possible and host_layers else 0
+        dense = gpu_pools.dense_pool_pages(cfg, page_bytes, limits.max_num_seqs, mml)
+    admit = host if dense is None else min(host, dense)
+    bound = "host" if dense is None or host <= dense else "GPU dense"
+    return Deployment(cfg=cfg, limits=limits, unit_tokens=unit,
+                      num_slots=cfg.device_buffer_size // unit,
+                      top_k_units=-(-cfg.top_k // unit), min_context=cfg.min_context_tokens,
+                      sparse_possible=possible, indexer_rows=rows, indexer_rows_set_by=set_by,
+                      indexer_row_bytes=row_bytes, dense_layer_ids=dense_ids,
+                      page_bytes=page_bytes, host_layers=host_layers,
+                      host_pages=host, dense_pool_pages=dense, admit_pages=admit,
+                      admit_bound=bound, latent=latent)
+
+
+def _latent(cfg: HiSparseConfig, limits: EngineLimits) -> LatentSizes:
+    row_bytes = limits.latent_row * limits.dtype_bytes
+    n = cfg.quest_rows or limits.max_num_seqs
+    host = cfg.host_pool_bytes // (row_bytes * limits.num_layers) if cfg.host_tier else 0
+    return LatentSizes(row_bytes=row_bytes, row_sets=n,
+                       regions=cfg.prefill_slots if cfg.host_tier else n, host_rows=host,
+                       resident=not cfg.host_tier)
