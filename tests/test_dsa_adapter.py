@@ -69,6 +69,7 @@ class Req(SimpleNamespace):
 def run_engine(extra: dict):
     from vllm_hisparse.vllm import dsa_state, worker_state
     from vllm_hisparse.vllm.compat import KVConnectorRole
+    from vllm_hisparse.vllm.deployment import deployment_of
     from vllm_hisparse.vllm.mla_connector import HiSparseMLAConnector
 
     dsa_state.runtime, dsa_state.pending = None, None
@@ -76,8 +77,9 @@ def run_engine(extra: dict):
     worker_state._req_to_block.clear()
     vc = vconfig(extra)
     rt = dsa_state.ensure_runtime(vc, LATENT_ROW, K, BF)
-    s = dsa_state.sizes(vc, 2 * LATENT_ROW)
-    assert rt.pool.nbytes == dsa_state.pool_bytes(s, MML, B, 2 * LATENT_ROW)
+    s = deployment_of(vc).latent
+    assert s.row_bytes == 2 * LATENT_ROW
+    assert rt.pool.nbytes == dsa_state.pool_bytes(s, LAYERS, MML, B)
     sched = HiSparseMLAConnector(vc, KVConnectorRole.SCHEDULER)
     work = HiSparseMLAConnector(vc, KVConnectorRole.WORKER)
     lat = {(f"r{i}", l): latent(f"r{i}", l) for i in range(len(PROMPTS)) for l in range(LAYERS)}

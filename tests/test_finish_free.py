@@ -65,12 +65,11 @@ def scheduler(model: str, backend: str, mml: int, blocks: int, seqs: int = SEQS)
     vc.scheduler_config.async_scheduling = True      # the GPU's default; the CPU platform's off
     spec = FullAttentionSpec(block_size=PAGE, num_kv_heads=2, head_size=32, dtype=torch.float32)
     if backend == "hisparse":
-        from vllm_hisparse.vllm.compat import hisparse_config_of
+        from vllm_hisparse.vllm.deployment import deployment_of
         from vllm_hisparse.vllm.spec import HiSparseSpec
 
         fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
-        spec = HiSparseSpec(**fields, hisparse_config=json.dumps(
-            hisparse_config_of(vc).to_dict(), sort_keys=True))
+        spec = HiSparseSpec(**fields, deployment=deployment_of(vc))
     kvc = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(4)], spec)])
     return vc, AsyncScheduler(vc, kvc, StructuredOutputManager(vc), block_size=PAGE,

@@ -5,12 +5,11 @@ pages first (a window of its newest pages stays, down to the hot-buffer floor), 
 records each request's new keep for the connector. Driven on a real vLLM BlockPool."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.core.deployment import EngineLimits, resolve
 
 pytestmark = pytest.mark.vllm
 PAGE, S = 16, 4                                  # device_buffer_size 64: 4 hot slots
@@ -24,7 +23,7 @@ def manager(num_blocks, reserve, **over):
     cfg = HiSparseConfig(**dict(dict(top_k=48, device_buffer_size=64, page_size=PAGE,
                                      min_context=64, resident_first=True), **over))
     spec = HiSparseSpec(block_size=PAGE, num_kv_heads=2, head_size=32, dtype=torch.float32,
-                        hisparse_config=json.dumps(cfg.to_dict()))
+                        deployment=resolve(cfg, EngineLimits(4, 1024, 16, 2, 32, 4)))
     pool = BlockPool(num_blocks, enable_caching=False, hash_block_size=PAGE)
     m = HiSparseManager(spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0,
                         scheduler_block_size=PAGE)

@@ -34,16 +34,21 @@ def test_each_rank_pins_its_share():
 @pytest.mark.vllm
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_every_rank_has_the_pages_of_one_rank_engine(tp):
-    """Scheduler and workers size the pool with connector.host_pages_capacity: at any TP it holds
+    """Scheduler and workers size the pool with the deployment's host_pages: at any TP it holds
     the pages of the same pool at TP=1 (Llama-3-8B, 8 KV heads), in 1/TP of the bytes per rank."""
     import torch
 
-    from vllm_hisparse.vllm.connector import host_pages_capacity
+    from vllm_hisparse.vllm.deployment import deployment_of
 
     cfg = HiSparseConfig(host_pool_gib=90)
     mc = SimpleNamespace(get_num_layers=lambda pc: 32, get_head_size=lambda: 128,
                          get_num_kv_heads=lambda pc: cap.rank_kv_heads(8, pc.tensor_parallel_size),
-                         dtype=torch.bfloat16)
+                         dtype=torch.bfloat16, max_model_len=32768)
+
+    def host_pages_capacity(cfg, mc, pc):
+        return deployment_of(SimpleNamespace(additional_config={"hisparse": cfg}, model_config=mc,
+                                             parallel_config=pc)).host_pages
+
     pages = host_pages_capacity(cfg, mc, SimpleNamespace(tensor_parallel_size=tp))
     assert pages == host_pages_capacity(cfg, mc, SimpleNamespace(tensor_parallel_size=1)) == 46080
     rank_bytes = pages * 32 * 2 * 16 * (8 // tp) * 128 * 2                 # what each rank allocates

@@ -148,7 +148,7 @@ def _layer_pages(m: ModelShape, page_size: int, layers: int | None) -> int:
 
 def indexer_row_bytes(indexer: str, m: ModelShape, max_model_len: int, page_size: int,
                       dense_layers: int) -> int:
-    """The indexer's state of one runtime row (``worker_state.ensure_indexer_state``;
+    """The indexer's state of one runtime row (``Deployment.indexer_row_bytes``;
     ``Indexer.row_bytes``: Quest's key min and max per page of every KV head,
     ``cdiv(max_model_len, page)`` pages, every sparse layer, model dtype)."""
     return indexers.get(indexer).row_bytes(m.num_layers - dense_layers, m.num_kv_heads,
@@ -216,14 +216,14 @@ def vllm_max_concurrency(blocks: int, blocks_per_request: int) -> float:
 
 def host_pool_pages(host_bytes: int, m: ModelShape, page_size: int, layers: int | None = None) -> int:
     """Pages (each one page of every host layer) the host pool holds
-    (``connector.host_pages_capacity``)."""
+    (``Deployment.host_pages``)."""
     return host_bytes // _layer_pages(m, page_size, layers)
 
 
 def host_pool_rank_bytes(host_pool_bytes: int, tensor_parallel_size: int = 1) -> int:
     """Host pool bytes one tensor-parallel rank allocates: ``host_pool_gib`` is the engine's total,
     split evenly over the ranks (each holds its own KV heads of the same page ids, so every rank
-    has the same number of pages: ``connector.host_pages_capacity``)."""
+    has the same number of pages: ``Deployment.host_pages``)."""
     return host_pool_bytes // tensor_parallel_size
 
 

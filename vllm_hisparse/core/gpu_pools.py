@@ -12,8 +12,8 @@ sparse requests of this engine can hold at once, never from the config alone:
   pages there (the connector reserves ``min(prompt + max_tokens, max_model_len)`` tokens), and at
   most ``rows`` are admitted at once, so pages beyond ``rows x that`` would never be used.
 
-The scheduler (connector admission), the worker (runtime, allocation) and ``hisparse calc`` all
-size the pools with these functions, so they agree.
+``core/deployment.resolve`` calls these functions, once per engine; the scheduler (connector
+admission), the worker (runtime, allocation) and ``hisparse calc`` read its result, so they agree.
 """
 from __future__ import annotations
 

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core import decode_body, dense_groups, gpu_pools, indexers, prefill
+from vllm_hisparse.core import decode_body, dense_groups, indexers, prefill
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.decode_batch import DecodeBatch, fill, row_counts
 from vllm_hisparse.core.decode_trace import DecodeTrace
+from vllm_hisparse.core.deployment import Deployment, EngineLimits, resolve
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.hot_rows import HotRows
 from vllm_hisparse.core.page_table import DevicePageTable, flush_tables
@@ -47,7 +48,8 @@ class SparseRuntime:
     def __init__(self, cfg: HiSparseConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, max_rows: int, max_model_len: int,
                  host_pages: int | None = None, indexer_state=None,
-                 dense_pool: HostKVPool | None = None, trace_writer=None):
+                 dense_pool: HostKVPool | None = None, trace_writer=None,
+                 deployment: Deployment | None = None):
         """max_rows: requests at once; the indexer's state and hot-slot state have one more row,
         the scratch row that padding rows of a decode batch point at (core/decode_batch.py).
         indexer_state: the indexer's ``allocate_state`` for cfg.quest_rows (default max_rows) rows,
@@ -55,36 +57,37 @@ class SparseRuntime:
         dense_pool: the GPU pool holding the dense layers of sparse requests when
         cfg.dense_pool_gib > 0 (the adapter allocates it before memory profiling); default: here.
         trace_writer: with cfg.trace_dir, the trace writer's factory ``(trace_dir, meta=dict) ->
-        writer`` (sim.recorder_hook.TraceWriter; the adapter passes it, so core imports no sim)."""
+        writer`` (sim.recorder_hook.TraceWriter; the adapter passes it, so core imports no sim).
+        deployment: the sizes (core/deployment.py: indexer rows, S, K, the dense pool); default:
+        resolved from the arguments, with the same function."""
         cfg.check_layers(num_layers)
+        dep = deployment or resolve(cfg, EngineLimits(num_layers, max_model_len, max_rows,
+                                                      num_kv_heads, head_dim, dtype.itemsize))
         self.cfg = cfg
         self.max_rows, self.scratch_row = max_rows, max_rows
         self.dtype, self.num_kv_heads, self.head_dim = dtype, num_kv_heads, head_dim
         self.P = cfg.page_size
-        self.S = cfg.num_slots
-        self.k_sel = max(cfg.top_k_units - 1, 0)       # the newest page takes one unit of top_k
+        self.S = dep.num_slots
+        self.k_sel = max(dep.top_k_units - 1, 0)       # the newest page takes one unit of top_k
         self.U = -(-max_model_len // self.P)
         self.device = torch.device(device)
         self.h2d = HostToDevice(self.device)     # per-step metadata, without waiting for the GPU
         self.num_layers = num_layers
         self.dense_layers = set(cfg.dense_layers)
-        page_bytes = HostKVPool.page_bytes(self.P, num_kv_heads, head_dim, dtype)
-        host_layers = cfg.host_pool_layers(num_layers)
+        host_layers = dep.host_layers
         self._host_layer = {layer: i for i, layer in enumerate(host_layers)}
         if host_pages is None:
-            host_pages = cfg.host_pool_pages(num_layers, page_bytes)
+            host_pages = cfg.host_pool_pages(num_layers, dep.page_bytes)
         self.pool = (HostKVPool(len(host_layers), host_pages, self.P, num_kv_heads, head_dim, dtype)
                      if cfg.host_tier else None)
-        # The indexer: one row per sparse request admitted at once (core/gpu_pools.py: none but
-        # the scratch row when no request can turn sparse) + a scratch row that decode-graph
-        # padding points at.
-        self.ix = indexers.get(cfg.indexer)(cfg, num_layers,
-                                            gpu_pools.quest_rows(cfg, max_rows, max_model_len),
-                                            max_model_len, num_kv_heads, head_dim, dtype,
-                                            self.device, state=indexer_state)
+        # The indexer: one row per sparse request admitted at once (none when no request can
+        # turn sparse) + a scratch row that decode-graph padding points at.
+        self.ix = indexers.get(cfg.indexer)(cfg, num_layers, dep.indexer_rows, max_model_len,
+                                            num_kv_heads, head_dim, dtype, self.device,
+                                            state=indexer_state)
         # no request can ever be sparse (core/gpu_pools.py): no hot slots, as in resident mode;
         # decode_fn may then take every layer (use_decode_fn; the GPU adapter plugs in FlashAttention)
-        self.sparse_possible = gpu_pools.sparse_possible(cfg, max_model_len)
+        self.sparse_possible = dep.sparse_possible
         self.decode_fn = None
         self.hot = HotRows(num_layers, [i for i in range(num_layers) if i not in self.dense_layers]
                            if cfg.host_tier and self.sparse_possible else [],
@@ -97,9 +100,8 @@ class SparseRuntime:
         self.dpool = None
         if cfg.uses_dense_pool:
             nd = len(self.dense_layers)
-            pages = gpu_pools.dense_pool_pages(cfg, page_bytes, max_rows, max_model_len)
-            self.dpool = dense_pool or HostKVPool(nd, pages, self.P, num_kv_heads, head_dim, dtype,
-                                                  device=self.device)
+            self.dpool = dense_pool or HostKVPool(nd, dep.dense_pool_pages, self.P, num_kv_heads,
+                                                  head_dim, dtype, device=self.device)
             self._dpool_layer = {layer: i for i, layer in enumerate(sorted(self.dense_layers))}
             self.dense_pt = DevicePageTable(max_rows, self.U, self.device, self.h2d)
         # Paged causal attention for prefill / dense rows: paged_dense_reference's signature. The

@@ -26,8 +26,8 @@ from .compat import (
     MultipleOf,
     extract_layer_index,
     get_current_vllm_config,
-    hisparse_config_of,
 )
+from .deployment import deployment_of
 
 
 class HiSparseBackend(AttentionBackend):
@@ -186,7 +186,9 @@ class HiSparseImpl(AttentionImpl):
                                       "are not supported")
         if kv_sharing_target_layer_name is not None:
             raise NotImplementedError("hisparse: cross-layer KV sharing is not supported")
-        if (hisparse_config_of(get_current_vllm_config()).split_dense_decode
+        vc = get_current_vllm_config()
+        dep = deployment_of(vc)
+        if (dep.cfg.split_dense_decode
                 and torch.cuda.is_available() and head_size not in DENSE_DECODE_HEAD_SIZES):
             raise NotImplementedError(
                 f"hisparse: split_dense_decode supports head sizes {DENSE_DECODE_HEAD_SIZES} on the "
@@ -196,15 +198,9 @@ class HiSparseImpl(AttentionImpl):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
-        vc = get_current_vllm_config()
-        mc = vc.model_config
-        worker_state.ensure_indexer_state(
-            hisparse_config_of(vc), mc.get_num_layers(vc.parallel_config),
-            vc.scheduler_config.max_num_seqs, mc.max_model_len, num_kv_heads, head_size, mc.dtype,
-            gpu_memory_utilization=vc.cache_config.gpu_memory_utilization)
-        worker_state.ensure_dense_pool(hisparse_config_of(vc), num_kv_heads, head_size, mc.dtype,
-                                       vc.scheduler_config.max_num_seqs, mc.max_model_len,
-                                       gpu_memory_utilization=vc.cache_config.gpu_memory_utilization)
+        dtype, util = vc.model_config.dtype, vc.cache_config.gpu_memory_utilization
+        worker_state.reserve_indexer_state(dep, dtype, gpu_memory_utilization=util)
+        worker_state.reserve_dense_pool(dep, dtype, gpu_memory_utilization=util)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

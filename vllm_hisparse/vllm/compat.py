@@ -55,7 +55,7 @@ __all__ = [
     "AttentionType", "CommonAttentionMetadata", "MultipleOf", "AttentionBackendEnum",
     "register_backend", "FullAttentionManager", "FullAttentionSpec", "KVCacheSpecRegistry",
     "InputProcessor",
-    "current_platform_cls", "hisparse_config_of", "StatLoggerBase",
+    "current_platform_cls", "StatLoggerBase",
 ]
 
 
@@ -69,12 +69,3 @@ def current_platform_cls():
     from vllm.platforms import current_platform
 
     return type(current_platform)
-
-
-def hisparse_config_of(vllm_config):
-    """The HiSparseConfig in ``additional_config["hisparse"]`` (a dict, a JSON string or the path
-    of a JSON file); defaults when absent."""
-    from vllm_hisparse.config import HiSparseConfig
-
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    return HiSparseConfig.load(extra.get("hisparse") if isinstance(extra, dict) else None)

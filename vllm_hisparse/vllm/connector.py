@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 
-from vllm_hisparse.core import capacity, gpu_pools
 from vllm_hisparse.core.residency import may_turn_sparse
-from vllm_hisparse.core.host_pool import HostKVPool, HostPoolPinError
+from vllm_hisparse.core.host_pool import HostPoolPinError
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 from vllm_hisparse.sim.recorder_hook import TraceWriter
 
@@ -43,9 +42,9 @@ from .compat import (
     SupportsHMA,
     extract_layer_index,
     get_tensor_model_parallel_rank,
-    hisparse_config_of,
     init_logger,
 )
+from .deployment import deployment_of
 
 logger = init_logger(__name__)
 STATS_ENV = "HISPARSE_STATS_FILE"      # worker writes hit-rate stats there (the demo reads it)
@@ -61,45 +60,23 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     spilled: dict[str, int] = field(default_factory=dict)  # resident_first: req -> its new keep
 
 
-def _page_bytes(cfg, model_config, parallel_config) -> int:
-    return HostKVPool.page_bytes(cfg.page_size, model_config.get_num_kv_heads(parallel_config),
-                                 model_config.get_head_size(), model_config.dtype)
-
-
-def host_pages_capacity(cfg, model_config, parallel_config) -> int:
-    """Pages of each rank's host pool: host_pool_gib is the engine's total, each tensor-parallel
-    rank allocates its share (its own KV heads of every page); scheduler and workers agree. 0
-    where no request can be sparse (max_model_len < min_context): nothing would ever use it."""
-    mml = getattr(model_config, "max_model_len", None)
-    if mml is not None and not gpu_pools.sparse_possible(cfg, mml):
-        return 0
-    share = capacity.host_pool_rank_bytes(cfg.host_pool_bytes, parallel_config.tensor_parallel_size)
-    layers = len(cfg.host_pool_layers(model_config.get_num_layers(parallel_config)))
-    return share // (_page_bytes(cfg, model_config, parallel_config) * layers)
-
-
-def dense_pages_capacity(cfg, vllm_config) -> int | None:
-    """Pages of the GPU dense pool (None without one), as the worker allocates it."""
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    return gpu_pools.dense_pool_pages(cfg, _page_bytes(cfg, mc, pc),
-                                      vllm_config.scheduler_config.max_num_seqs, mc.max_model_len)
-
-
 class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.cfg = hisparse_config_of(vllm_config)
+        # every size from the engine's one deployment (core/deployment.py), as the worker's pools
+        self.dep = dep = deployment_of(vllm_config)
+        self.cfg = dep.cfg
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        self.capacity = host_pages_capacity(self.cfg, mc, pc)
-        dense = dense_pages_capacity(self.cfg, vllm_config)
-        # A sparse request takes the same number of pages in the host pool and the dense pool.
-        self.admit_pages = self.capacity if dense is None else min(self.capacity, dense)
-        self._bound = "host" if dense is None or self.capacity <= dense else "GPU dense"
+        # pages of each rank's host pool (0 where no request can be sparse); admission counts
+        # admit_pages: a sparse request takes as many pages in the host pool as in the dense pool
+        self.capacity = dep.host_pages
+        self.admit_pages = dep.admit_pages
+        self._bound = dep.admit_bound
         self._pool_reason = "host_pool" if self._bound == "host" else "dense_pool"
-        self.max_model_len = mc.max_model_len
-        # indexer rows on the worker: one per long request admitted at once (core/gpu_pools.py)
-        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
-        self.indexer_rows = gpu_pools.quest_rows(self.cfg, self.max_num_seqs, mc.max_model_len)
+        self.max_model_len = dep.limits.max_model_len
+        self.max_num_seqs = dep.limits.max_num_seqs
+        # indexer rows on the worker: one per long request admitted at once
+        self.indexer_rows = dep.indexer_rows
         self._rows_held: set[str] = set()
         # scheduler side
         self._reserved: dict[str, int] = {}
@@ -121,11 +98,12 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))
             try:
+                lim = dep.limits
                 worker_state.runtime = SparseRuntime(
-                    self.cfg, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
-                    mc.dtype, device, vllm_config.scheduler_config.max_num_seqs, mc.max_model_len,
-                    host_pages=self.capacity, indexer_state=worker_state.indexer_state,
-                    dense_pool=worker_state.dense_pool, trace_writer=TraceWriter)
+                    self.cfg, lim.num_layers, lim.num_kv_heads, lim.head_dim, mc.dtype, device,
+                    lim.max_num_seqs, lim.max_model_len, host_pages=dep.host_pages,
+                    indexer_state=worker_state.indexer_state, dense_pool=worker_state.dense_pool,
+                    trace_writer=TraceWriter, deployment=dep)
             except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
                 raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib, e.pinned,
                                        pc.tensor_parallel_size) from e.__cause__
@@ -144,32 +122,17 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self._stats_path = os.environ.get(STATS_ENV)
             if self._stats_path and rank > 0:         # one file per rank: rank 0 keeps the name
                 self._stats_path = f"{self._stats_path}.rank{rank}"
-            self._report = metrics.WorkerReport(worker_state.runtime, rank,
-                                                _page_bytes(self.cfg, mc, pc))
+            self._report = metrics.WorkerReport(worker_state.runtime, rank, dep.page_bytes)
 
     # ---- scheduler side ----------------------------------------------------------------------
     def _log_room(self) -> None:
         """One startup line: how many requests of max_model_len tokens admission lets run at once
-        (bench/serving.py reads it for --concurrency cap)."""
-        per_req = -(-self.max_model_len // self.cfg.page_size)
-        if not gpu_pools.sparse_possible(self.cfg, self.max_model_len):
-            logger.info("hisparse: room for %d requests of max_model_len=%d tokens at once (no "
-                        "request can turn sparse: max_model_len < min_context=%d, so no indexer "
-                        "row or dense pool is reserved; vLLM's KV blocks bound them)",
-                        self.max_num_seqs, self.max_model_len, self.cfg.min_context_tokens)
-            return
-        room, why = self.indexer_rows, f"quest_rows={self.indexer_rows}"
-        if self.cfg.host_tier:
-            pool = self.admit_pages // per_req
-            why += f", {self._bound} pool: {self.admit_pages} pages, {per_req} per request"
-            room = min(room, pool)
-            note = gpu_pools.idle_rows_note(
-                self.indexer_rows, pool, self.max_model_len, self._bound,
-                "quest_rows" if self.cfg.quest_rows else "max_num_seqs: quest_rows unset")
-            if note:
-                logger.warning(note)
-        logger.info("hisparse: room for %d requests of max_model_len=%d tokens at once (%s)",
-                    room, self.max_model_len, why)
+        (``Deployment.room_line``, which ``hisparse calc`` prints too; bench/serving.py reads it
+        for --concurrency cap)."""
+        note = self.dep.idle_rows_note()
+        if note:
+            logger.warning(note)
+        logger.info("%s", self.dep.room_line())
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         """Startup check: a prompt is fully resident during its own prefill, so one max_model_len

@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 
 from vllm_hisparse.core import capacity, capacity_mla
-from vllm_hisparse.core.latent_runtime import LatentRuntime, host_pages_for
+from vllm_hisparse.core.deployment import LatentSizes
+from vllm_hisparse.core.latent_runtime import LatentRuntime
 
 from . import worker_state
-from .compat import hisparse_config_of, init_logger
+from .compat import init_logger
+from .deployment import deployment_of
 
 logger = init_logger(__name__)
 
@@ -22,27 +24,14 @@ runtime: LatentRuntime | None = None
 pending = None          # (query_start_loc, seq_lens, first_blocks) of the batch built last
 
 
-def sizes(vllm_config, row_bytes: int) -> dict:
-    """What the scheduler's ledger and the worker's pool agree on: layers, row sets N, regions,
-    host pages (0 = resident mode)."""
-    cfg = hisparse_config_of(vllm_config)
-    mc, pc, sc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.scheduler_config
-    layers = mc.get_num_layers(pc)
-    n = cfg.quest_rows or sc.max_num_seqs
-    return {"layers": layers, "row_sets": n, "regions": cfg.prefill_slots if cfg.host_tier else n,
-            "host_pages": host_pages_for(cfg.host_pool_bytes, layers, row_bytes)
-            if cfg.host_tier else 0,
-            "resident": not cfg.host_tier}
-
-
-def pool_bytes(s: dict, max_model_len: int, buffer: int, row_bytes: int) -> int:
-    """GPU bytes the latent pool allocates: capacity_mla's regions and row sets (newest = 0), for
-    latent rows of row_bytes (checked equal to LatentPool.nbytes by tests/test_dsa_adapter.py)."""
+def pool_bytes(s: LatentSizes, layers: int, max_model_len: int, buffer: int) -> int:
+    """GPU bytes the latent pool allocates: capacity_mla's regions and row sets (newest = 0)
+    (checked equal to LatentPool.nbytes by tests/test_dsa_adapter.py)."""
     # capacity_mla sizes a latent row by its bytes alone (latent_bytes): one value of row_bytes B
-    m = capacity_mla.MLAShape(s["layers"], kv_lora_rank=row_bytes, qk_rope_head_dim=0,
+    m = capacity_mla.MLAShape(layers, kv_lora_rank=s.row_bytes, qk_rope_head_dim=0,
                               dtype_bytes=1)
-    sets = 0 if s["resident"] else s["row_sets"]
-    return (s["regions"] * capacity_mla.prefill_region_bytes(m, max_model_len)
+    sets = 0 if s.resident else s.row_sets
+    return (s.regions * capacity_mla.prefill_region_bytes(m, max_model_len)
             + sets * capacity_mla.latent_row_set_bytes(m, buffer, 0, max_model_len))
 
 
@@ -53,11 +42,11 @@ def ensure_runtime(vllm_config, row: int, top_k: int, dtype: torch.dtype) -> Lat
     global runtime
     if runtime is not None:
         return runtime
-    cfg = hisparse_config_of(vllm_config)
+    dep = deployment_of(vllm_config)
+    cfg, s, layers = dep.cfg, dep.latent, dep.limits.num_layers
     mc, sc = vllm_config.model_config, vllm_config.scheduler_config
-    row_bytes = row * torch.empty((), dtype=dtype).element_size()
-    s = sizes(vllm_config, row_bytes)
-    need = pool_bytes(s, mc.max_model_len, cfg.device_buffer_size, row_bytes)
+    assert s.row_bytes == row * dtype.itemsize, "the deployment's latent row is the impl's"
+    need = pool_bytes(s, layers, mc.max_model_len, cfg.device_buffer_size)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     if dev != "cpu":
         free, total = torch.cuda.mem_get_info(dev)
@@ -67,8 +56,8 @@ def ensure_runtime(vllm_config, row: int, top_k: int, dtype: torch.dtype) -> Lat
         if need > budget:
             raise ValueError(
                 f"hisparse: the latent pool needs {need / (1 << 30):.2f} GiB (regions="
-                f"{s['regions']} x max_model_len={mc.max_model_len}, row sets={s['row_sets']} x "
-                f"device_buffer_size={cfg.device_buffer_size}, {s['layers']} layers), more than "
+                f"{s.regions} x max_model_len={mc.max_model_len}, row sets={s.row_sets} x "
+                f"device_buffer_size={cfg.device_buffer_size}, {layers} layers), more than "
                 f"the {budget / (1 << 30):.2f} GiB allowed; lower prefill_slots, quest_rows or "
                 f"--max-model-len")
     max_tokens = max(sc.max_num_batched_tokens,
@@ -76,15 +65,15 @@ def ensure_runtime(vllm_config, row: int, top_k: int, dtype: torch.dtype) -> Lat
     # built while vLLM constructs the model, under its `with torch.device("cuda")`: a tensor made
     # without a device (the host pool's, its page tables) must stay on the CPU, as in the tests
     with torch.device("cpu"):
-        runtime = LatentRuntime(s["layers"], mc.max_model_len, cfg.device_buffer_size,
-                                s["row_sets"], s["regions"], s["host_pages"], max_tokens,
+        runtime = LatentRuntime(layers, mc.max_model_len, cfg.device_buffer_size,
+                                s.row_sets, s.regions, s.host_rows, max_tokens,
                                 sc.max_num_seqs, top_k, row, dtype, dev, policy=cfg.policy)
     logger.info("hisparse dsa: latent pool %.2f GiB on %s (%d regions x %d rows, %d row sets x "
                 "B=%d, %d layers, policy %s), host pool %.2f GiB (%d rows)%s",
-                runtime.pool.nbytes / (1 << 30), dev, s["regions"], mc.max_model_len,
-                0 if s["resident"] else s["row_sets"], cfg.device_buffer_size, s["layers"],
-                cfg.policy, runtime.stats()["host_pool_bytes"] / (1 << 30), s["host_pages"],
-                " (resident mode)" if s["resident"] else "")
+                runtime.pool.nbytes / (1 << 30), dev, s.regions, mc.max_model_len,
+                0 if s.resident else s.row_sets, cfg.device_buffer_size, layers,
+                cfg.policy, runtime.stats()["host_pool_bytes"] / (1 << 30), s.host_rows,
+                " (resident mode)" if s.resident else "")
     return runtime
 
 

@@ -8,13 +8,13 @@ import torch
 from vllm_hisparse.ops.kernels import DENSE_DECODE_HEAD_SIZES
 
 from . import flash_dense
-from .compat import hisparse_config_of
+from .deployment import config_of
 
 
 def blocker(vllm_config) -> str | None:
     """Why FULL decode graphs cannot run with this config and model (None: they can; the CPU has
     no CUDA graphs, which is no reason to refuse: the body then runs eagerly, as CI tests it)."""
-    cfg = hisparse_config_of(vllm_config)
+    cfg = config_of(vllm_config)
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     # no request can be sparse: every layer decodes through FlashAttention (decode_body.stock_layer,
     # where it can run), so nothing of the sparse body (host reads, the split-KV kernel) matters
@@ -37,7 +37,7 @@ def blocker(vllm_config) -> str | None:
 
 def full_graphs(vllm_config) -> bool:
     """FULL decode graphs on for this run: not switched off, nothing blocks them, a CUDA device."""
-    if hisparse_config_of(vllm_config).full_decode_graphs is False:
+    if config_of(vllm_config).full_decode_graphs is False:
         return False
     return torch.cuda.is_available() and blocker(vllm_config) is None
 

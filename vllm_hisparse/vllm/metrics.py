@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from .compat import (KVConnectorPromMetrics, KVConnectorStats, create_metric_per_engine,
-                     hisparse_config_of)
+from .compat import KVConnectorPromMetrics, KVConnectorStats, create_metric_per_engine
+from .deployment import config_of
 
 COUNTERS = ("hits", "lookups", "miss_bytes", "sparse_rows", "dense_rows")   # deltas per report
 WAIT_REASONS = ("host_pool", "dense_pool", "quest_rows")
@@ -187,7 +187,7 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
         self.waiting = make(gauge, "vllm:hisparse_requests_waiting",
                             "Requests held back by hisparse admission, by what is full.",
                             ("reason", WAIT_REASONS), **mp)
-        policy = hisparse_config_of(vllm_config).policy
+        policy = config_of(vllm_config).policy
         info = make(gauge, "vllm:hisparse_policy_info",
                     "The hot-buffer replacement policy RESOLVE runs (value 1): join the hit rate "
                     "(hits / lookups) on it to compare policies.", ("policy", (policy,)), **mp)

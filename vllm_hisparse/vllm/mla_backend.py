@@ -31,7 +31,8 @@ from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
 
 from . import dsa_state
 from .backend import _host_first_blocks, _host_seq_lens
-from .compat import extract_layer_index, get_current_vllm_config, hisparse_config_of
+from .compat import extract_layer_index, get_current_vllm_config
+from .deployment import config_of
 
 
 class HiSparseMLASparseBackend(FlashAttnMLASparseBackend):
@@ -75,7 +76,7 @@ class HiSparseMLASparseImpl(FlashAttnMLASparseImpl):
         vc = get_current_vllm_config()
         self._static = vc.compilation_config.static_forward_context
         self._layer: int | None = None
-        self.num_splits = hisparse_config_of(vc).mla_num_splits
+        self.num_splits = config_of(vc).mla_num_splits
         assert self.topk_indices_buffer is not None
         dsa_state.ensure_runtime(vc, self.kv_lora_rank + self.qk_rope_head_dim,
                                  self.topk_indices_buffer.shape[1], vc.model_config.dtype)

@@ -31,10 +31,9 @@ from .compat import (
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
-    hisparse_config_of,
     init_logger,
 )
-from .mla_setup import latent_row_bytes
+from .deployment import deployment_of
 
 logger = init_logger(__name__)
 STATS_ENV = "HISPARSE_STATS_FILE"      # worker writes its hit/miss counts there at each finish
@@ -57,19 +56,19 @@ def admission_of(request, max_model_len: int) -> tuple[int, int]:
 class HiSparseMLAConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.cfg = hisparse_config_of(vllm_config)
-        mc = vllm_config.model_config
-        self.max_model_len = mc.max_model_len
+        dep = deployment_of(vllm_config)
+        self.cfg = dep.cfg
+        self.max_model_len = dep.limits.max_model_len
         if role == KVConnectorRole.SCHEDULER:
-            s = dsa_state.sizes(vllm_config, latent_row_bytes(mc.hf_config))
-            self.ledger = LatentLedger(s["row_sets"], s["regions"], s["host_pages"],
-                                       mc.max_model_len, s["resident"])
+            s = dep.latent           # the latent pool's sizes, as the worker's (dsa_state)
+            self.ledger = LatentLedger(s.row_sets, s.regions, s.host_rows, self.max_model_len,
+                                       s.resident)
             self._prefill: dict[str, int] = {}     # req -> tokens its (re)computed prefill covers
             self._waiting: dict[str, str] = {}     # req -> why it waits (logged once)
             logger.info("hisparse dsa: admission of %d requests at once (%s)",
-                        s["regions"] if s["resident"] else s["row_sets"],
-                        "resident: a full-length region each" if s["resident"] else
-                        f"{s['regions']} prefill regions, {s['host_pages']} host rows")
+                        s.regions if s.resident else s.row_sets,
+                        "resident: a full-length region each" if s.resident else
+                        f"{s.regions} prefill regions, {s.host_rows} host rows")
         else:
             self.rt = dsa_state.get_runtime()
             self._stats_path = os.environ.get(STATS_ENV)

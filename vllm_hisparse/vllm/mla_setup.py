@@ -7,15 +7,11 @@ from __future__ import annotations
 from vllm_hisparse.config import HiSparseConfig, gib_at_least
 from vllm_hisparse.config import HiSparseConfigError as Refused
 from vllm_hisparse.core.capacity_mla import MLA_BLOCK
-from vllm_hisparse.core.latent_runtime import host_pages_for
+
+from .deployment import deployment_of
 
 CONNECTOR = ("HiSparseMLAConnector", "vllm_hisparse.vllm.mla_connector")
 LATENT_DTYPES = ("auto", "bfloat16", "float16")
-
-
-def latent_row_bytes(hf_config) -> int:
-    """One latent row (kv_lora_rank + qk_rope_head_dim values, bf16/fp16): 1152 B for V3.2."""
-    return 2 * (hf_config.kv_lora_rank + hf_config.qk_rope_head_dim)
 
 
 def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
@@ -71,9 +67,9 @@ def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
         raise Refused("hisparse: vLLM chose its V2 GPU model runner, which hisparse is not "
                       "verified with; start vLLM with VLLM_USE_V2_MODEL_RUNNER=0")
     if cfg.host_tier:
-        layers = mc.get_num_layers(pc)
-        row = latent_row_bytes(mc.hf_config)
-        if host_pages_for(cfg.host_pool_bytes, layers, row) < mc.max_model_len:
+        dep = deployment_of(vllm_config)
+        layers, row = dep.limits.num_layers, dep.latent.row_bytes   # 1152 B a row for V3.2
+        if dep.latent.host_rows < mc.max_model_len:
             need = mc.max_model_len * layers * row
             raise Refused(f"hisparse: host_pool_gib={cfg.host_pool_gib} cannot hold one request of "
                           f"max_model_len={mc.max_model_len} ({layers} layers x {row} B a token); "

@@ -24,8 +24,6 @@ each is needed and which upstream change would remove it):
 """
 from __future__ import annotations
 
-import json
-
 BACKEND_PATH = "vllm_hisparse.vllm.backend.HiSparseBackend"
 MLA_BACKEND_PATH = "vllm_hisparse.vllm.mla_backend.HiSparseMLASparseBackend"
 CONNECTOR = ("HiSparseConnector", "vllm_hisparse.vllm.connector")
@@ -124,11 +122,11 @@ def _wrap_get_kv_cache_spec(c) -> None:
         if type(spec) is not c.FullAttentionSpec or spec.sliding_window is not None:
             raise ValueError(f"hisparse supports full-attention decoder layers only; layer "
                              f"{getattr(layer, 'layer_name', '?')} has {type(spec).__name__}")
+        from .deployment import deployment_of
         from .spec import HiSparseSpec
 
-        cfg = c.hisparse_config_of(vllm_config)
         fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
-        return HiSparseSpec(**fields, hisparse_config=json.dumps(cfg.to_dict(), sort_keys=True))
+        return HiSparseSpec(**fields, deployment=deployment_of(vllm_config))
 
     _wrap_spec(c.Attention, convert)
 

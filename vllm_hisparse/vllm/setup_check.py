@@ -6,10 +6,9 @@ from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.config import HiSparseConfigError as Refused   # a ValueError; the CLI prints its
                                                                   # line alone (cli_check.py)
 
-from vllm_hisparse.core import gpu_pools
-
 from . import graph_mode
-from .compat import KVTransferConfig, hisparse_config_of, init_logger
+from .compat import KVTransferConfig, init_logger
+from .deployment import config_of, deployment_of
 
 logger = init_logger(__name__)
 SUPPORTED = ("hisparse supports decoder-only GQA/MHA models (Llama, Qwen, Mistral style) with "
@@ -31,7 +30,10 @@ def check_served(cfg: HiSparseConfig) -> None:
 
 
 def prepare_config(vllm_config) -> None:
-    cfg = hisparse_config_of(vllm_config)          # validated: errors name field, value and fix
+    """Validate the hisparse setup and make the config changes it needs. The plugin's first look
+    at this VllmConfig: ``config_of`` parses the hisparse settings here, once, and keeps the result
+    on the config, from which every process reads it (vllm/deployment.py)."""
+    cfg = config_of(vllm_config)          # validated: errors name field, value and fix
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     check_served(cfg)
     if mc is not None and getattr(mc, "use_mla", False):
@@ -77,15 +79,12 @@ def prepare_config(vllm_config) -> None:
     if cc.enable_prefix_caching:
         logger.warning("hisparse: prefix caching is switched off (not compatible yet)")
         cc.enable_prefix_caching = False
-    if cfg.host_tier and mc is not None and gpu_pools.sparse_possible(cfg, mc.max_model_len):
-        from vllm_hisparse.core.host_pool import HostKVPool
-
-        tp = pc.tensor_parallel_size
-        pb = HostKVPool.page_bytes(cfg.page_size, mc.get_num_kv_heads(pc), mc.get_head_size(),
-                                   mc.dtype)                     # one page of one layer, per rank
+    dep = deployment_of(vllm_config) if mc is not None else None
+    if cfg.host_tier and dep is not None and dep.sparse_possible:
+        tp = dep.limits.tensor_parallel_size
+        pb = dep.page_bytes                                      # one page of one layer, per rank
         # host_pool_gib is the engine's total: a request's pages take pb on every rank
-        cfg.check_host_pool(mc.max_model_len, pb // cfg.page_size * tp,
-                            len(cfg.host_pool_layers(mc.get_num_layers(pc))))
+        cfg.check_host_pool(mc.max_model_len, pb // cfg.page_size * tp, len(dep.host_layers))
         check_host_memory(cfg, vllm_config)
         cfg.check_dense_pool(mc.max_model_len, pb // cfg.page_size)
         if cfg.dense_layers and not cfg.uses_dense_pool:

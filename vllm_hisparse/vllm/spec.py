@@ -21,7 +21,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core.gpu_pools import sparse_possible
+from vllm_hisparse.core.deployment import Deployment
 from vllm_hisparse.core.residency import freed_pages, spill_order
 
 from .compat import FullAttentionManager, FullAttentionSpec
@@ -29,28 +29,30 @@ from .compat import FullAttentionManager, FullAttentionSpec
 
 @dataclass(frozen=True, kw_only=True)
 class HiSparseSpec(FullAttentionSpec):
-    hisparse_config: str = "{}"          # HiSparseConfig as JSON (specs must hash and pickle)
+    # the engine's deployment (core/deployment.py; frozen, so the spec still hashes and pickles):
+    # the KV manager gets no vLLM config, so its sizes travel here
+    deployment: Deployment | None = None
 
     @property
     def cfg(self) -> HiSparseConfig:
-        return HiSparseConfig.load(self.hisparse_config)
+        return self.deployment.cfg
 
     @classmethod
     def merge(cls, specs):
         # FullAttentionSpec.merge rebuilds cls(...) from a fixed field list and drops ours.
         merged = super().merge(specs)
-        assert len({s.hisparse_config for s in specs}) == 1, "one hisparse config per KV group"
-        return replace(merged, hisparse_config=specs[0].hisparse_config)
+        assert len({s.deployment for s in specs}) == 1, "one hisparse deployment per KV group"
+        return replace(merged, deployment=specs[0].deployment)
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
         """Steady-state GPU bytes of one request: S hot blocks + the newest page (hisparse mode);
         the full length in resident mode or when no request can turn sparse (max_model_len below
         min_context). (The prompt's own prefill is still fully resident.)"""
-        cfg = self.cfg
+        dep = self.deployment
         full = super().max_memory_usage_bytes(vllm_config)
-        if not cfg.host_tier or not sparse_possible(cfg, vllm_config.model_config.max_model_len):
+        if not dep.cfg.host_tier or not dep.sparse_possible:
             return full
-        return min(full, (cfg.num_slots + 1) * self.page_size_bytes)
+        return min(full, (dep.num_slots + 1) * self.page_size_bytes)
 
 
 @dataclass

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.core import capacity, gpu_pools, indexers
+from vllm_hisparse.core import capacity, indexers
+from vllm_hisparse.core.deployment import Deployment, EngineLimits, resolve
 from vllm_hisparse.core.sparse_runtime import SparseRuntime
 
 from .compat import init_logger
@@ -24,37 +25,39 @@ _req_to_block: dict[str, int] = {}
 def ensure_indexer_state(cfg, num_layers: int, rows: int, max_model_len: int, num_kv_heads: int,
                          head_dim: int, dtype: torch.dtype,
                          gpu_memory_utilization: float | None = None) -> None:
+    """``reserve_indexer_state`` for an engine of these limits (rows: max_num_seqs)."""
+    reserve_indexer_state(resolve(cfg, EngineLimits(num_layers, max_model_len, rows, num_kv_heads,
+                                                     head_dim, dtype.itemsize)),
+                          dtype, gpu_memory_utilization)
+
+
+def reserve_indexer_state(dep: Deployment, dtype: torch.dtype,
+                          gpu_memory_utilization: float | None = None) -> None:
     """Allocate the indexer's state (core/indexers, ``Indexer.allocate_state``; Quest: every
     sparse layer's page bounds, 2 x rows x cdiv(max_model_len, page) x Hkv x D elements per layer)
     while the model is being built, so vLLM's memory profiling counts it before it sizes the KV
-    cache; rows = ``gpu_pools.quest_rows`` (none but the scratch row when no request can turn
+    cache; rows = ``dep.indexer_rows`` (none but the scratch row when no request can turn
     sparse). On CUDA, first fail with the flags to change when it would take more than half of the
     GPU memory vLLM may still use (``capacity.check_indexer_reservation``)."""
     global indexer_state
     if indexer_state is not None:
         return
+    cfg, lim = dep.cfg, dep.limits
     ix = indexers.get(cfg.indexer)
-    set_by = "quest_rows" if cfg.quest_rows else "max_num_seqs"
-    rows = gpu_pools.quest_rows(cfg, rows, max_model_len)
-    if not gpu_pools.sparse_possible(cfg, max_model_len):
-        set_by = "rows (no request can turn sparse: max_model_len < min_context)"
+    rows, set_by, row_bytes = dep.indexer_rows, dep.indexer_rows_set_by, dep.indexer_row_bytes
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    dense = sum(1 for i in range(num_layers) if i in cfg.dense_layers)
-    model = capacity.ModelShape(num_layers, num_kv_heads, head_dim,
-                                torch.empty((), dtype=dtype).element_size())
-    row_bytes = capacity.indexer_row_bytes(cfg.indexer, model, max_model_len, cfg.page_size, dense)
     if dev != "cpu":
         free, total = torch.cuda.mem_get_info(dev)
         budget = capacity.reservation_budget_bytes(free, total, gpu_memory_utilization,
                                                    torch.cuda.memory_reserved(dev))
-        capacity.check_indexer_reservation(rows, row_bytes, budget, max_model_len, cfg.page_size,
-                                           set_by, ix.state_name)
+        capacity.check_indexer_reservation(rows, row_bytes, budget, lim.max_model_len,
+                                           cfg.page_size, set_by, ix.state_name)
     logger.info("hisparse: %s reserve %.2f GiB on %s (%s=%d + 1 scratch row x %.1f MiB: %d pages "
                 "x %d sparse layers)", ix.state_name, (rows + 1) * row_bytes / (1 << 30), dev,
-                set_by, rows, row_bytes / (1 << 20), capacity.cdiv(max_model_len, cfg.page_size),
-                num_layers - dense)
-    indexer_state = ix.allocate_state(cfg, num_layers, rows, max_model_len, num_kv_heads, head_dim,
-                                      dtype, dev)
+                set_by, rows, row_bytes / (1 << 20), dep.pages_per_request,
+                lim.num_layers - len(dep.dense_layer_ids))
+    indexer_state = ix.allocate_state(cfg, lim.num_layers, rows, lim.max_model_len,
+                                      lim.num_kv_heads, lim.head_dim, dtype, dev)
 
 
 def get_runtime() -> SparseRuntime:
@@ -119,18 +122,27 @@ dense_pool = None       # core.host_pool.HostKVPool on the GPU: dense layers of 
 def ensure_dense_pool(cfg, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                       max_num_seqs: int, max_model_len: int,
                       gpu_memory_utilization: float | None = None) -> None:
-    """Allocate the GPU pool of the dense layers (cfg.dense_pool_gib, at most what the Quest rows'
-    sparse requests can fill: ``gpu_pools.dense_pool_pages``) while the model is being built, like
+    """``reserve_dense_pool`` for an engine of these limits (the layer count is not known here:
+    enough layers to hold every dense layer)."""
+    layers = max(cfg.dense_layers, default=0) + 1
+    reserve_dense_pool(resolve(cfg, EngineLimits(layers, max_model_len, max_num_seqs,
+                                                 num_kv_heads, head_dim, dtype.itemsize)),
+                       dtype, gpu_memory_utilization)
+
+
+def reserve_dense_pool(dep: Deployment, dtype: torch.dtype,
+                       gpu_memory_utilization: float | None = None) -> None:
+    """Allocate the GPU pool of the dense layers (``dep.dense_pool_pages``: dense_pool_gib, at
+    most what the indexer rows' sparse requests can fill) while the model is being built, like
     the indexer state, so vLLM's memory profiling counts it before sizing the KV cache. On CUDA,
     first refuse a pool larger than half of the GPU memory vLLM may still use."""
     global dense_pool
+    cfg, lim = dep.cfg, dep.limits
     if dense_pool is not None or not cfg.uses_dense_pool:
         return
     from vllm_hisparse.core.host_pool import HostKVPool
 
-    page_bytes = 2 * cfg.page_size * num_kv_heads * head_dim * dtype.itemsize   # K+V, one layer
-    pages = gpu_pools.dense_pool_pages(cfg, page_bytes, max_num_seqs, max_model_len)
-    nbytes = gpu_pools.dense_pool_bytes(cfg, page_bytes, max_num_seqs, max_model_len)
+    pages, nbytes = dep.dense_pool_pages, dep.dense_pool_bytes
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     if dev != "cpu":
         free, total = torch.cuda.mem_get_info(dev)
@@ -144,5 +156,5 @@ def ensure_dense_pool(cfg, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                 f"{len(cfg.dense_layers)} dense layers x N tokens of K/V there)")
     logger.info("hisparse: the dense pool reserves %.2f GiB on %s (%d pages x %d dense layers)",
                 nbytes / (1 << 30), dev, pages, len(cfg.dense_layers))
-    dense_pool = HostKVPool(len(cfg.dense_layers), pages, cfg.page_size, num_kv_heads, head_dim,
-                            dtype, device=dev)
+    dense_pool = HostKVPool(len(cfg.dense_layers), pages, cfg.page_size, lim.num_kv_heads,
+                            lim.head_dim, dtype, device=dev)
