@@ -57,6 +57,15 @@ def probe(model: str, out: str) -> None:
             peak["gpu_blocks"] = max(peak["gpu_blocks"], real)
 
     HiSparseManager.remove_skipped_blocks = spy
+    from vllm_hisparse.config import HiSparseConfig
+
+    parses, post_init = [], HiSparseConfig.__post_init__
+
+    def counted(self):                           # every HiSparseConfig built is one parse
+        parses.append(1)
+        post_init(self)
+
+    HiSparseConfig.__post_init__ = counted
     llm = LLM(model, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=256, enforce_eager=True, seed=0, attention_backend="hisparse",
               additional_config={"hisparse": CFG}, kv_cache_memory_bytes=KV_BYTES)
@@ -99,6 +108,7 @@ def probe(model: str, out: str) -> None:
         "pool_pages": rt.pool.num_pages, "pool_layers": rt.pool.data.shape[0],
         "pool_page_bytes": rt.pool.data[0, 0].numel() * rt.pool.data.element_size(),
         "connector_capacity": conn.capacity, "generated": len(o.outputs[0].token_ids), **peak,
+        "config_parses": len(parses),
     }
     with open(out, "w") as f:
         json.dump(res, f)
@@ -177,6 +187,16 @@ def test_host_matches_runtime(engine):
     assert h["host_bytes_per_request"] == e["host_reserved"] * e["pool_layers"] * e["pool_page_bytes"]
     assert e["host_pages"] == e["host_reserved"] == -(-MAX_MODEL_LEN // PAGE)
     assert e["pool_page_bytes"] == e["page_size_bytes"]       # a host page = a GPU block
+
+
+def test_one_config_parse_and_calc_prints_the_startup_line(engine):
+    """Starting the engine (front end, engine core and worker in one process here) and serving a
+    request parsed the hisparse config once (vllm/deployment.py keeps it on the VllmConfig); calc
+    prints the connector's startup line word for word (both are Deployment.room_line)."""
+    e = engine
+    assert e["config_parses"] == 1
+    h = calc(e["model"], KV_BYTES + e["quest_bytes"], "--max-num-seqs", MAX_NUM_SEQS)["hisparse"]
+    assert re.findall(r"hisparse: room for [^\n]*", e["log"]) == [h["startup_line"]]
 
 
 def test_stock_lines_match_vllm(engine):

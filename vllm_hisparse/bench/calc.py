@@ -16,6 +16,7 @@ bench/calc_mla.py: stock FLASH_ATTN_MLA_SPARSE vs the design of docs/dsa.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -23,7 +24,7 @@ from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.bench import calc_mla, calc_report
 from vllm_hisparse.bench.calc_report import gib_str as _gib
 from vllm_hisparse.core import capacity as cap
-from vllm_hisparse.core import gpu_pools
+from vllm_hisparse.core.deployment import EngineLimits, resolve
 from vllm_hisparse.core.residency import may_turn_sparse
 
 GIB = 1 << 30
@@ -224,25 +225,32 @@ def _compute(args, hf: dict) -> dict:
                 "kv_cache_bytes": gpu, "num_blocks": b_blocks,
                 **vllm_lines(b_blocks, cap.baseline_blocks(mml, P))}
 
-    # hisparse: KV budget minus the Quest rows
-    row = cap.indexer_row_bytes("quest", m, mml, P, args.dense_layers)
+    # hisparse: the engine's own sizing (core/deployment.py) on this rank's shape; the Quest rows
+    # are max_num_seqs here (cfg.quest_rows = 0), so a deployment per candidate row count
+    engine = EngineLimits(m.num_layers, mml, 0, m.num_kv_heads, m.head_dim, m.dtype_bytes, tp)
+
+    def deployment(rows: int):
+        return resolve(cfg, dataclasses.replace(engine, max_num_seqs=rows))
+
+    dep = deployment(0)
+    row = dep.indexer_row_bytes                        # KV budget minus the Quest rows
     h_bpr = cap.hisparse_blocks(args.context, P, S, sparse)
-    host_layers = len(cfg.host_pool_layers(m.num_layers))     # the sparse ones with a dense pool
-    possible = gpu_pools.sparse_possible(cfg, mml)
+    host_layers = len(dep.host_layers)                 # the sparse ones with a dense pool
+    possible = dep.sparse_possible
     if not possible:                   # no host pool is pinned: nothing would ever use it
         host = 0
-    host_pages = cap.host_pool_pages(host, m, P, host_layers)
+    host_pages = dep.host_pages
     h_pages = cap.hisparse_host_pages(args.context, P, sparse)
     n_host = host_pages // h_pages if h_pages else None
-    # the GPU pools (core/gpu_pools.py): none when no request can turn sparse; else the dense pool
+    # the GPU pools: none when no request can turn sparse; else the dense pool
     # (cfg.uses_dense_pool) is dense_pool_gib, at most what the Quest rows' requests can fill; a
     # sparse request takes as many pages there (its dense layers) as in the host pool
-    page_bytes = m.token_bytes_per_layer * P           # one page of one layer
 
     def dense_pool(rows: int) -> tuple[int, int | None, int | None]:
-        pages = gpu_pools.dense_pool_pages(cfg, page_bytes, rows, mml)  # rows: cfg.quest_rows = 0
+        d = deployment(rows)
+        pages = d.dense_pool_pages
         n = pages // h_pages if pages is not None and h_pages else None
-        return (pages or 0) * page_bytes * args.dense_layers, pages, n
+        return d.dense_pool_bytes, pages, n
 
     dense_bytes, dense_pages, n_dense = dense_pool(1 << 40)     # dense_pool_gib (not yet capped)
     n_pools = min((x for x in (n_host, n_dense) if x is not None), default=None)
@@ -313,6 +321,10 @@ def _compute(args, hf: dict) -> dict:
             f"warning: {n_seqs - n_h} of the {n_seqs} Quest rows are never used ({by_h} admits "
             f"{n_h} requests): they take {_gib(unused)} from the KV cache; set quest_rows to "
             f"{fit_rows} ({fit_rows} requests)")}
+    # the server's own startup line for these settings (connector._log_room prints the same
+    # Deployment.room_line): quest_rows as given, max_num_seqs as calc says to pass it
+    server = resolve(dataclasses.replace(cfg, quest_rows=args.quest_rows or 0),
+                     dataclasses.replace(engine, max_num_seqs=vllm_seqs))
     hisparse = {"gpu_bytes_per_request": cap.hisparse_gpu_bytes(m, args.context, P, S, sparse),
                 "peak_blocks_per_request": cap.hisparse_peak_blocks(
                     prompt, args.context, P, S, cfg.min_context_tokens, sparse),
@@ -327,7 +339,7 @@ def _compute(args, hf: dict) -> dict:
                 "gpu_bound": {**gpu_terms(h_blocks, vllm_seqs), "requests": limits["gpu"],
                               "max_num_batched_tokens": args.max_num_batched_tokens,
                               "resident_first": args.resident_first, "watermark": args.watermark},
-                "quest_rows_warning": rows_warning,
+                "quest_rows_warning": rows_warning, "startup_line": server.room_line(),
                 "host_pool_pages": host_pages, "host_pool_bytes_per_rank": host,
                 "dense_pool_bytes": dense_bytes, "dense_pool_pages": dense_pages,
                 "dense_pool_bytes_per_request": (h_pages * P * m.token_bytes_per_layer

@@ -67,6 +67,7 @@ def report(args, r: dict) -> None:
     if not h["prefill_fits"]:
         print(f"hisparse would not start: a max_model_len={mml} prompt does not fit the KV cache "
               f"during its prefill")
+    print(f"the server's line: {h['startup_line']}")
     for name, v in (("baseline", b), ("hisparse", h)):
         print(f"vLLM's lines, {name}: GPU KV cache size: {v['vllm_kv_cache_tokens']:,} tokens; "
               f"Maximum concurrency for {mml:,} tokens per request: {v['vllm_max_concurrency']:.2f}x")
