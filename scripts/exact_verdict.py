@@ -1,7 +1,7 @@
 """The verdict of a GPU exactness run (scripts/gpu_exactness.py, scripts/gpu_dsa.py): EXACT only when
 the run could have failed and did not.
 
-Four things are checked, each printed:
+Five things are checked, each printed:
 
 0. the reference is reproducible: a second reference engine (``again``) gives the same tokens and
    logprobs. Two engines of one config that differ (on the GPU: Inductor picking a reduction
@@ -13,7 +13,10 @@ Four things are checked, each printed:
    last token kept, ``shuffled``); most prompts' greedy tokens must change. Where they do not,
    the logits depend on the current token only (vLLM's ``dummy`` weights) and identical outputs
    prove nothing: VOID;
-3. the negative control (hisparse with HISPARSE_TEST_CORRUPT_FETCH=1: every page fetched from the
+3. (where the engines recorded them) the batches: vLLM is not batch-invariant, so an engine whose
+   outputs differ while its schedule (tokens per request per step) differs from the reference's
+   proves nothing either way: its difference is unattributable (VOID), not a MISMATCH;
+4. the negative control (hisparse with HISPARSE_TEST_CORRUPT_FETCH=1: every page fetched from the
    host pool is its neighbour's) must differ from the reference. A control that matches shows a
    harness that cannot see a wrong fetch: VOID. So does a control that fetched nothing (0 misses).
 
@@ -90,18 +93,36 @@ def reproducible(ref: list[dict], again: list[dict] | None) -> tuple[bool, list[
         f"{'the same' if ok else 'different'} tokens and logprobs"]
 
 
+def schedule_difference(ref: list | None, got: list | None) -> int | None | str:
+    """The first step where two engines' schedules differ (None: identical; "unknown": one was not
+    recorded)."""
+    if ref is None or got is None:
+        return "unknown"
+    return first_difference(ref, got)
+
+
 def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict] | None,
             shuffled: list[dict] | None, control_misses: int | None = None,
-            again: list[dict] | None = None) -> tuple[int, list[str]]:
+            again: list[dict] | None = None,
+            schedules: dict[str, list] | None = None) -> tuple[int, list[str]]:
     """(EXACT / MISMATCH / VOID, the lines to print). control_misses: the control's miss count
     when known (0: it fetched nothing, so it could not mismatch). again: a second reference run
-    (see reproducible); a reference that is not reproducible voids every comparison."""
+    (see reproducible); a reference that is not reproducible voids every comparison. schedules:
+    each engine's recorded batches by name, the reference's as "reference" (see check 3)."""
     stable, lines = reproducible(ref, again)
-    exact = True
+    exact, unattributable = True, []
+    schedules = schedules or {}
     for name, got in engines.items():
         ok, ls = same(ref, got)
-        exact &= ok
         lines += [f"{name} {x}" for x in ls]
+        d = schedule_difference(schedules.get("reference"), schedules.get(name))
+        if d != "unknown":
+            lines.append(f"{name} schedule: " + ("identical to the reference's" if d is None else
+                         f"differs from the reference's at step {d}"))
+        if not ok and d not in (None, "unknown"):
+            unattributable.append(name)       # other batches: vLLM's own numerics differ
+        else:
+            exact &= ok
     matters, line = attention_matters(ref, shuffled)
     lines.append(line)
     if control is None:
@@ -121,12 +142,17 @@ def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict]
         code = VOID
     elif not exact:
         code = MISMATCH
+    elif unattributable:
+        code = VOID
     elif not (matters and caught):
         code = VOID
     else:
         code = EXACT
     if code == VOID and not stable:
         lines.append("VOID (the reference is not reproducible: differences from it prove nothing)")
+    elif code == VOID and unattributable:
+        lines.append(f"VOID ({', '.join(unattributable)}: outputs differ but so do the batches "
+                     f"vLLM ran: not attributable)")
     else:
         lines.append(f"{WORDS[code]}" + ("" if code != VOID else
                      " (identical outputs here prove nothing: " +

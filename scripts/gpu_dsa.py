@@ -31,9 +31,8 @@ the pool), so stock's prefill chunks take the same MQA path. hisparse gets one p
 one row set per prompt (admission does not bind), so the three runs schedule the same batches and
 FA3's num_splits heuristic (``mla_num_splits`` 0, stock's) sees the same shapes (docs/dsa.md,
 "Exactness"). Each run writes OUT_DIR/MODE.json (tokens, logprobs, the runtime's hits and misses)
-and prints vLLM's KV-capacity lines and the plugin's pool line from its log. Every engine runs with
-TORCHINDUCTOR_DETERMINISTIC=1 (DSA_DETERMINISTIC=0: not), so Inductor does not pick reduction
-configs by timing (two engines of one config differed otherwise, H100, 2026-12-06).
+and prints vLLM's KV-capacity lines and the plugin's pool line from its log. DSA_DETERMINISTIC=1 runs
+every engine with TORCHINDUCTOR_DETERMINISTIC=1 (Inductor picks no reduction config by timing).
 """
 from __future__ import annotations
 
@@ -94,7 +93,7 @@ def requests(outs) -> list[dict]:
 def run(mode: str, model: str, out: str) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the runtime's stats in-process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if os.environ.get("DSA_DETERMINISTIC", "1") == "1":      # before torch._inductor reads it
+    if os.environ.get("DSA_DETERMINISTIC", "0") == "1":      # before torch._inductor reads it
         os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
     if mode == "control":
         os.environ[CONTROL_ENV] = "1"

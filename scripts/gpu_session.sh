@@ -14,7 +14,8 @@
 #       (EXACT_PAIRS="A B") short prompts turning sparse mid-decode (issue 16); EXACT_PAIRS=Q: the
 #       real Qwen2.5-Coder-1.5B (QWEN=folder, QWEN_PROMPTS=token ids of 20-32K real text) with
 #       fixed / elastic x lru / crf. Each pair runs its reference twice (resident2: a verdict is
-#       VOID unless both agree) under TORCHINDUCTOR_DETERMINISTIC=1; EXACT_LIMIT=S
+#       VOID unless both agree) and records its batches (differences under other batches are
+#       unattributable: VOID); EXACT_LIMIT=S
 #       stops each engine (default 420; give the call S + 90)
 #   bash scripts/gpu_session.sh OUT qwen     # Qwen2.5-Coder-1.5B from its staged pieces (make_qwen.py)
 #   bash scripts/gpu_session.sh OUT quality  # Quest quality at 16K / 32K on it: teacher-forced and

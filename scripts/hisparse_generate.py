@@ -14,7 +14,8 @@ statistics come back through ``LLM.collective_rpc``, one dict per rank ("rank_st
 rank 0's).
 The output: {"batches": [[{"tokens": [...], "logprobs": [[[id, lp], ...], ...]}, ...]], "stats":
 {...}, "peak_decode_blocks": int, "batch_info": [{"stats": {...}, "peak_decode_blocks": int,
-"peak_sparse_blocks": int}, ...] (per batch: the runtime's statistics after it, peaks during it)}.
+"peak_sparse_blocks": int, "schedule": [[[request, tokens], ...], ...]}, ...] (per batch: the
+runtime's statistics after it, peaks during it, the tokens each step scheduled per request)}.
 """
 from __future__ import annotations
 
@@ -95,6 +96,20 @@ def main(argv=None) -> int:
         return orig_preempt(self, request, timestamp)
 
     Scheduler._preempt_request = count_preempt
+    # the batches vLLM ran: per step, [request ordinal, tokens scheduled] (vLLM is not
+    # batch-invariant: engines compare only where these are equal; scripts/exact_verdict.py)
+    order: dict[str, int] = {}
+    schedule: list[list[list[int]]] = []
+    orig_schedule = Scheduler.schedule
+
+    def record_schedule(self, *args, **kw):
+        out = orig_schedule(self, *args, **kw)
+        n = out.num_scheduled_tokens
+        if n:
+            schedule.append(sorted([order.setdefault(r, len(order)), int(t)] for r, t in n.items()))
+        return out
+
+    Scheduler.schedule = record_schedule
     llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=not a.cuda_graphs,
               seed=0, attention_backend="hisparse", additional_config={"hisparse": cfg.to_dict()},
@@ -131,14 +146,16 @@ def main(argv=None) -> int:
                             logprobs=a.logprobs, ignore_eos=True, detokenize=not a.skip_tokenizer)
         prompts = [{"prompt_token_ids": x} if isinstance(x, list) else x for x in spec["prompts"]]
         peak["batch_blocks"] = peak["sparse_blocks"] = 0
+        schedule.clear()
         outs = llm.generate(prompts, sp, use_tqdm=False)
+        batch_schedule = list(schedule)
         batches.append([{"tokens": list(o.outputs[0].token_ids),
                          "logprobs": [sorted([k, v.logprob] for k, v in d.items())
                                       for d in o.outputs[0].logprobs],
                          "prompt_len": len(o.prompt_token_ids)} for o in outs])
         stats = drained()
         info.append({"stats": stats[0], "peak_decode_blocks": peak["batch_blocks"],
-                     "peak_sparse_blocks": peak["sparse_blocks"]})
+                     "peak_sparse_blocks": peak["sparse_blocks"], "schedule": batch_schedule})
     res = {"batches": batches, "stats": stats[0], "rank_stats": stats, "batch_info": info,
            "peak_decode_blocks": peak["blocks"], "config": cfg.to_dict(),
            "elapsed_s": time.time() - t0, "preemptions": preempt["n"]}

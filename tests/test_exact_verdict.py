@@ -80,6 +80,35 @@ def test_a_reference_that_does_not_reproduce_voids_the_verdict(seed):
     assert code == ev.VOID and "reference reproducible: NOT SHOWN" in "\n".join(lines)
 
 
+def test_differences_under_other_batches_are_unattributable():
+    """vLLM is not batch-invariant: an engine that ran other batches and differs proves nothing
+    (VOID); one that ran the same batches and differs is a MISMATCH; unrecorded: MISMATCH."""
+    rng = random.Random(9)
+    ref, same, shuf = _case(9)
+    control = _doctor(ref, "token", rng)
+    sched = [[[0, 16], [1, 16]], [[0, 1], [1, 1]], [[0, 1], [1, 1]]]
+    other = copy.deepcopy(sched)
+    other[1] = [[0, 1]]
+    diff = _doctor(ref, "logprob", rng)
+    kw = dict(control=control, shuffled=shuf)
+    code, lines = ev.verdict(ref, {"hisparse": same, "elastic": diff}, **kw,
+                             schedules={"reference": sched, "hisparse": sched, "elastic": other})
+    assert code == ev.VOID and "elastic: outputs differ but so do the batches" in lines[-1]
+    assert "elastic schedule: differs from the reference's at step 1" in lines
+    assert "hisparse schedule: identical to the reference's" in lines
+    for sch in ({"reference": sched, "hisparse": sched, "elastic": sched}, {"reference": sched}, None):
+        code, lines = ev.verdict(ref, {"hisparse": same, "elastic": diff}, **kw, schedules=sch)
+        assert code == ev.MISMATCH, (sch, lines)
+    # a true mismatch beside an unattributable one: MISMATCH
+    code, _ = ev.verdict(ref, {"hisparse": _doctor(ref, "token", rng), "elastic": diff}, **kw,
+                         schedules={"reference": sched, "hisparse": sched, "elastic": other})
+    assert code == ev.MISMATCH
+    # same outputs under other batches: fine
+    code, _ = ev.verdict(ref, {"hisparse": same}, **kw,
+                         schedules={"reference": sched, "hisparse": other})
+    assert code == ev.EXACT
+
+
 def test_attention_matters_takes_most_prompts():
     ref = _requests(0, n=4)
     shuf = copy.deepcopy(ref)
@@ -122,6 +151,20 @@ def test_gpu_exactness_compare_on_doctored_files(tmp_path):
     code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse")
     assert code == ev.VOID and "reference reproducible: NO" in out
     write("resident2", [copy.deepcopy(ref)])
+    # elastic ran other batches and differs: unattributable; then the same batches: MISMATCH
+    res = json.load(open(tmp_path / "resident.json"))
+    res["batch_info"] = [{"schedule": [[[0, 8]], [[0, 1]]]}]
+    json.dump(res, open(tmp_path / "resident.json", "w"))
+    el = json.load(open(tmp_path / "elastic.json"))
+    el["batch_info"] = [{"schedule": [[[0, 8]], [[0, 1], [1, 4]]]}]
+    json.dump(el, open(tmp_path / "elastic.json", "w"))
+    code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse", "elastic")
+    assert code == ev.VOID and "differs from the reference's at step 1" in out, out
+    el["batch_info"] = [{"schedule": [[[0, 8]], [[0, 1]]]}]
+    json.dump(el, open(tmp_path / "elastic.json", "w"))
+    code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse", "elastic")
+    assert code == ev.MISMATCH and "elastic schedule: identical" in out, out
+    write("resident", [ref, shuf])
     write("elastic", [_doctor(ref, "logprob", rng)])
     write("control", [_doctor(ref, "token", rng)])
     assert _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse")[0] == ev.EXACT

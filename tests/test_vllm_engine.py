@@ -107,6 +107,16 @@ def test_tokens_and_logprobs_identical(runs):
         for i, (r, h) in enumerate(zip(b_res, b_hs)):
             assert h["tokens"] == r["tokens"], f"request {i}: tokens differ"
             assert h["logprobs"] == r["logprobs"], f"request {i}: logprobs differ"
+    # the batches each engine ran (scripts/hisparse_generate.py's schedule, which the GPU verdict
+    # compares): recorded, equal, and covering every prompt and fed-back token of each request
+    for res in runs:
+        for b, info in zip(res["batches"], res["batch_info"], strict=True):
+            totals = {}
+            for step in info["schedule"]:
+                for req, n in step:
+                    totals[req] = totals.get(req, 0) + n
+            assert sorted(totals.values()) == sorted(r["prompt_len"] + len(r["tokens"]) - 1 for r in b)
+    assert [i["schedule"] for i in resident["batch_info"]] == [i["schedule"] for i in hisparse["batch_info"]]
 
 
 def test_builder_reads_the_host_block_table(runs):
