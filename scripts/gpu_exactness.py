@@ -19,6 +19,9 @@ the others).
     EXACT_DETERMINISTIC=1 ...                                # TORCHINDUCTOR_DETERMINISTIC=1 (no
                                                              # timed choice of reduction configs;
                                                              # Qwen2.5 fails to compile with it)
+    EXACT_COMPILE=0 ...                                      # no torch.compile: no per-config
+                                                             # Inductor kernels (FULL decode
+                                                             # graphs only)
     EXACT_WEIGHTS=dummy ...                                  # vLLM's dummy weights (inert
                                                              # attention: every verdict VOID)
     EXACT_MODEL=DIR EXACT_PROMPTS_FILE=P.json ...            # a real model (its own weights) and
@@ -125,6 +128,8 @@ def run(mode: str, out: str) -> int:
            "--gpu-memory-utilization", os.environ.get("EXACT_UTIL", "0.9"),
            "--out", os.path.join(out, f"{mode}.json"),
            "--tensor-parallel-size", os.environ.get("HISPARSE_TP", "1")]
+    if os.environ.get("EXACT_COMPILE"):      # 0: no torch.compile (FULL decode graphs only)
+        cmd += ["--compile-mode", os.environ["EXACT_COMPILE"]]
     if os.environ.get("EXACT_KV_GIB"):
         cmd += ["--kv-cache-gib", os.environ["EXACT_KV_GIB"]]
     if os.environ.get("HISPARSE_EXECUTOR"):

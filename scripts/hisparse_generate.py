@@ -26,6 +26,19 @@ import sys
 import time
 
 
+def compilation(cuda_graphs: bool, mode: int | None) -> dict:
+    """LLM kwargs for vLLM's compilation: none eager; with graphs the capture sizes, and with
+    ``mode`` 0 no torch.compile (so no Inductor kernels), FULL graphs for decode steps only."""
+    if not cuda_graphs:
+        return {}
+    cc: dict = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}
+    if mode is not None:
+        cc["mode"] = mode
+        if mode == 0:                     # piecewise graphs need the compiled graph's pieces
+            cc["cudagraph_mode"] = "FULL_DECODE_ONLY"
+    return {"compilation_config": cc}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -47,6 +60,9 @@ def main(argv=None) -> int:
                         "several engines can start side by side on one GPU)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="no --enforce-eager: vLLM's piecewise CUDA graphs around attention")
+    p.add_argument("--compile-mode", type=int, default=None,
+                   help="vLLM's compilation mode (0: no torch.compile, FULL decode graphs only; "
+                        "the exactness bisection of per-config compiled graphs)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--distributed-executor-backend", default=None, help="mp or ray (TP > 1)")
     p.add_argument("--heartbeat", type=float, default=0,
@@ -118,8 +134,7 @@ def main(argv=None) -> int:
               tensor_parallel_size=a.tensor_parallel_size,
               **({"kv_cache_memory_bytes": int(a.kv_cache_gib * 2**30)} if a.kv_cache_gib else {}),
               distributed_executor_backend=a.distributed_executor_backend,
-              **({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}
-                 if a.cuda_graphs else {}))
+              **compilation(a.cuda_graphs, a.compile_mode))
     if a.tensor_parallel_size == 1:
         rank_stats = lambda: [_runtime_stats(worker_state.get_runtime())]  # noqa: E731
     else:                                     # the runtimes live in the worker processes

@@ -221,3 +221,18 @@ def test_cli_on_files(tmp_path):
     code, out = _run("exact_verdict.py", str(tmp_path / "ref.json"), str(tmp_path / "hs.json"),
                      "--control", str(tmp_path / "c.json"), "--again", str(tmp_path / "c.json"))
     assert code == ev.VOID and "not reproducible" in out, out
+
+
+def test_generate_compilation_kwargs():
+    """scripts/hisparse_generate.py's compilation settings: eager runs pass none; graphs the
+    capture sizes; mode 0 (the bisection's no-Inductor engines) FULL decode graphs only."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hg", os.path.join(ROOT, "scripts", "hisparse_generate.py"))
+    hg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hg)
+    assert hg.compilation(False, 0) == {}
+    assert hg.compilation(True, None) == {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}
+    cc = hg.compilation(True, 0)["compilation_config"]
+    assert cc["mode"] == 0 and cc["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert "cudagraph_mode" not in hg.compilation(True, 3)["compilation_config"]
