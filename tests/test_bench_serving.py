@@ -162,3 +162,27 @@ def test_cache_counters_per_point():
     rs = [RequestResult(ttft=0.5, latency=2.5, output_tokens=5)]
     row = Point("hisparse", 1, rs, wall=1.0, cache=c).row()
     assert (row["policy"], row["hit_rate"], row["misses"], row["spills"]) == ("crf", 0.9, 10, 2)
+
+
+def test_real_text_prompts_are_distinct_windows(tmp_path):
+    """--text-ids: each request reads input_len tokens of the text at its own offset; the file's
+    three layouts load to the same tokens; a text shorter than a prompt is refused."""
+    import random
+
+    from vllm_hisparse.bench.serving import load_text_ids, text_prompts
+
+    a, b = list(range(1000, 1600)), list(range(5000, 5400))
+    for i, d in enumerate(({"x": a, "y": b}, [a, b], a + b)):
+        path = tmp_path / f"ids{i}.json"
+        path.write_text(json.dumps(d))
+        assert load_text_ids(str(path)) == a + b
+    toks = a + b
+    ps = text_prompts(toks, 300, 20, random.Random(3))
+    assert len(ps) == 20 and all(len(p) == 300 for p in ps)
+    starts = [toks.index(p[0]) for p in ps]
+    assert len(set(starts)) == 20                                    # no shared prefix
+    assert all(toks[s:s + 300] == p for s, p in zip(starts, ps))    # windows of the text
+    assert ps == text_prompts(toks, 300, 20, random.Random(3))       # seeded
+    assert len(text_prompts(toks, 999, 5, random.Random(0))) == 5    # 2 offsets: repeats allowed
+    with pytest.raises(SystemExit, match="cannot fill --input-len 1001"):
+        text_prompts(toks, 1001, 1, random.Random(0))

@@ -1,7 +1,8 @@
 """Serving benchmark: throughput, TTFT, TPOT, the decode phase's rate and running requests vs
 concurrency, per backend.
 
-Starts `vllm serve` once per backend, then for each concurrency sends random-token prompts through the
+Starts `vllm serve` once per backend, then for each concurrency sends random-token (or, with
+--text-ids, real-text) prompts through the
 OpenAI-compatible completions API (streaming, outputs forced with ignore_eos); each server is warmed
 up first (not measured). The server records every engine step (``HISPARSE_STEP_LOG``, the stat
 logger of vllm/step_log.py): decode_tok_s is the rate over the steps in which no request was in
@@ -194,6 +195,29 @@ async def one_request(client, model: str, prompt: list[int], out_len: int) -> Re
     return RequestResult(float("nan") if ttft is None else ttft, time.perf_counter() - t0, usage)
 
 
+def load_text_ids(path: str) -> list[int]:
+    """Real text as token ids: a JSON list of ids, a list of lists, or {name: [ids]} (what
+    ``bench.quality forced --save-ids`` writes), concatenated in order."""
+    with open(path) as f:
+        d = json.load(f)
+    parts = list(d.values()) if isinstance(d, dict) else d
+    if parts and isinstance(parts[0], int):
+        parts = [parts]
+    return [int(t) for part in parts for t in part]
+
+
+def text_prompts(tokens: list[int], n: int, count: int, rng: random.Random) -> list[list[int]]:
+    """``count`` prompts of ``n`` tokens of real text, each read at its own offset (distinct while
+    the text has room: no two requests share a prefix, so stock's prefix cache gives no one a
+    head start)."""
+    room = len(tokens) - n + 1
+    if room < 1:
+        raise SystemExit(f"--text-ids: {len(tokens)} tokens cannot fill --input-len {n}")
+    offsets = rng.sample(range(room), count) if count <= room else \
+        [rng.randrange(room) for _ in range(count)]
+    return [tokens[o:o + n] for o in offsets]
+
+
 async def run_point(args, backend: str, c: int, port: int, model: str, vocab: int,
                     step_log: str, stats_path: str | None = None) -> Point:
     """One concurrency point; its step records (from ``step_log``, appended by the server) and the
@@ -204,7 +228,11 @@ async def run_point(args, backend: str, c: int, port: int, model: str, vocab: in
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=3600)
     rng = random.Random(1000 + c)
     n_req = max(c * args.rounds, c)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)] for _ in range(n_req)]
+    if args.text_ids:
+        prompts = text_prompts(load_text_ids(args.text_ids), args.input_len, n_req, rng)
+    else:
+        prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)]
+                   for _ in range(n_req)]
     sem = asyncio.Semaphore(c)
     pt = Point(backend, c)
 
@@ -298,6 +326,11 @@ def main(argv=None) -> int:
                         "6 GiB GPU dense pool (neither reserved when max_model_len < min_context, "
                         "e.g. at 4K: core/gpu_pools.py)")
     p.add_argument("--load-format", default="dummy")
+    p.add_argument("--text-ids", metavar="FILE",
+                   help="prompts of real text (token ids of the model's tokenizer: a JSON list, "
+                        "lists, or {name: ids} as `bench.quality forced --save-ids` writes), each "
+                        "request at its own offset; default: random tokens (with a real model "
+                        "use --load-format auto and real text, so the selection is real)")
     p.add_argument("--port", type=int, default=18000)
     p.add_argument("--ready-timeout", type=float, default=900)
     p.add_argument("--profile-decode", type=int, default=0, metavar="N",
