@@ -116,7 +116,9 @@ case "$part" in
     # lru / crf in one run (KV: QWEN_KV_RES GiB resident, QWEN_KV others, less than the prompts)
     runQ() { engine Q $1 EXACT_MODEL=${QWEN:-/tmp/models/qwen2.5-coder-1.5b} \
                EXACT_PROMPTS_FILE=${QWEN_PROMPTS:-$PWD/.lab/qwen-prompts.json} EXACT_MAX_TOKENS=${QWEN_OUT:-256} \
-               HISPARSE_EXTRA="${EXACT_A:-$A}" EXACT_UTIL=${QWEN_UTIL:-0.15} EXACT_KV_GIB=$2; }
+               HISPARSE_EXTRA="${EXACT_A:-$QA}" EXACT_UTIL=${QWEN_UTIL:-0.15} EXACT_KV_GIB=$2; }
+    # (four engines at once: 8 GiB of pinned host pool each, 4.3 GiB of prompts)
+    QA='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0, "host_pool_gib": 8}'
     ( while sleep 60 > /dev/null 2>&1; do for f in $ex/*/*.log; do
         echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
     mon=$!
