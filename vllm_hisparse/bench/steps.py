@@ -1,9 +1,9 @@
 """The serving benchmark's per-step figures, from the server's own step records (one per engine
 step, written by the front end as it handles the step: ``vllm/step_log.py``, the format there).
 
-A scrape of ``/metrics`` every 0.5 s from the client could fall behind or stop under load (at 32K
-input / 2K output and 22 requests its "decode peak" read 87.8 tok/s while the run averaged 316.7
-end to end, H200); these records miss no step and time each one on the engine's clock.
+A scrape of ``/metrics`` every 0.5 s from the client could fall behind or stop under load (its
+"decode peak" could read below the run's end-to-end average); these records miss no step and
+time each one on the engine's clock.
 
 *Decode-only* steps are those in which no request is in prefill: every running request generated
 one token, none got its first one (no prefill completed), none is waiting. Their rate is the

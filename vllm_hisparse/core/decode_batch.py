@@ -22,9 +22,9 @@ before the forward. Per row (one int64 field each, ``FIELDS``):
 and four host-side batch flags (``KINDS``): any sparse row, any dense row, any dense-layer row on
 the cache, on the pool. An eager run launches only the kernels of the kinds the batch holds; a
 graph records them all (it serves any batch of its size, and each kernel returns at once for rows
-not of its kind: conditional graph nodes that skipped them measured slower on the H200,
-docs/gpu-results.md). The flags of an all-padding batch (vLLM's warm-up before a capture) are all
-set, so that run compiles every kernel.
+not of its kind: conditional graph nodes that skipped them were slower, docs/gpu-results.md).
+The flags of an all-padding batch (vLLM's warm-up before a capture) are all set, so that run
+compiles every kernel.
 """
 from __future__ import annotations
 

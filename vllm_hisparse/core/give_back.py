@@ -22,7 +22,7 @@ One step's inserts are one resolve over every sparse layer's rows at once (core/
 stacked state) and one fixed-size block copy per layer, with no host sync: ~120 launches a step
 that has any, where a resolve per layer took ~3,400 torch ops and a sync per layer (CPU count,
 30 layers). Window exits come at one step in ``page_size`` for every partial row; they stay an
-A/B knob, ``HISPARSE_WINDOW_EXITS=1``, off by default, until the H200 measures their host time
+A/B knob, ``HISPARSE_WINDOW_EXITS=1``, off by default, until a GPU run weighs their host time
 against the misses they save (docs/cache-policies.md: -6% misses more on the CPU).
 """
 from __future__ import annotations

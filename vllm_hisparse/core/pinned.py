@@ -2,7 +2,7 @@
 
 torch's pinned allocator (``pin_memory=True``) is a caching allocator that rounds every block up to
 the next power of two: a 52 GiB host pool pins 64 GiB, and an 80 GiB one asks the driver for 128
-GiB and fails on a 128 GiB host (seen on the H200 box, 2026-11-30). Here the memory comes from the
+GiB, which a 128 GiB host cannot give. Here the memory comes from the
 ordinary CPU allocator and is registered with CUDA (``cudaHostRegister``, portable + mapped: every
 device reaches it through UVA, which RESOLVE and the write-through kernel use), so pinning costs
 exactly the tensor's bytes. ``tensor.is_pinned()`` is True for registered memory.

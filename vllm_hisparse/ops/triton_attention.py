@@ -17,7 +17,7 @@ import triton.language as tl
 from .triton_online_softmax import online_softmax_step, partials, store_partials
 
 BLOCK_N = 64          # tokens per inner step (a guess, good for D=128 on Hopper; see bench)
-TARGET_PROGRAMS = 528  # ~4 programs per H200 SM across (R, Hkv, splits) (a guess)
+TARGET_PROGRAMS = 528  # ~4 programs per SM of a 132-SM GPU across (R, Hkv, splits) (a guess)
 MAX_SPLITS = 64        # the combine holds this many (one width: one compiled combine kernel)
 MIN_SPLIT_TOKENS = 64  # one BLOCK_N step per split at least; 256 left one 32K request (2064 tokens,
                        # 8 KV heads) with 72 programs, slower than 64's (docs/gpu-results.md)

@@ -46,7 +46,7 @@ def capture_full_batch(vllm_config, logger=None) -> None:
     """Make max_num_seqs a CUDA-graph capture size. vLLM captures FULL decode graphs only for
     capture sizes <= max_num_seqs and pads a decode batch up to the next capture size; with
     max_num_seqs = 22 and sizes [1, 2, 4, 8, 16, 24, ...] a batch of 17-22 rows found no FULL graph
-    and ran every layer eagerly (the host then sets the pace: 32K serving at capacity, H200,
+    and ran every layer eagerly (the host then sets the pace; the 32K serving figures:
     docs/gpu-results.md). Called from the startup check, after vLLM has chosen its sizes."""
     cc, n = vllm_config.compilation_config, vllm_config.scheduler_config.max_num_seqs
     sizes = list(cc.cudagraph_capture_sizes or [])

@@ -95,7 +95,7 @@ def prepare_config(vllm_config) -> None:
     # kv_producer, not kv_both: with a consumer connector and async scheduling vLLM defers the
     # free of a preempted request's blocks until its in-flight step is processed
     # (Scheduler.defer_block_free), so one missing block preempts every running request after
-    # the one asking (53 -> 18 running on the H200). Our worker writes vLLM's blocks only on the
+    # the one asking. Our worker writes vLLM's blocks only on the
     # forward's stream, as stock vLLM does, so nothing needs the deferral.
     ktc = vllm_config.kv_transfer_config
     if ktc is None or ktc.kv_connector is None:
@@ -141,8 +141,8 @@ def check_host_memory(cfg, vllm_config) -> None:
     Once per engine: vLLM's engine core runs the platform's config check again after its workers
     have built the model and pinned the pools (``EngineCore._perform_handshakes`` ends with
     ``vllm_config.__post_init__()``), when the available RAM no longer counts them; checked there
-    again, a pool bigger than half the host refused itself (H200, 2026-12-01: host_pool_gib=84
-    on 125.8 GiB). The mark travels with the config to the engine core's process."""
+    again, a pool bigger than half the host would refuse itself. The mark travels with the config
+    to the engine core's process."""
     from vllm_hisparse.core import capacity
     from vllm_hisparse.core.host_pool import check_host_room
 
