@@ -175,7 +175,7 @@ def _settle(step_log: str, offset: int, stats_path: str | None, timeout: float =
 async def one_request(client, model: str, prompt: list[int], out_len: int) -> RequestResult:
     """One streamed completion. Tokens are counted from the final usage chunk, not from the text
     chunks: under load vLLM's API server merges several tokens into one chunk (counting chunks
-    read 59 tokens for 512 on the H200, 2026-11-30)."""
+    undercounts the tokens)."""
     t0 = time.perf_counter()
     ttft, chunks, usage = None, 0, None
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=out_len,
@@ -185,7 +185,7 @@ async def one_request(client, model: str, prompt: list[int], out_len: int) -> Re
     async for chunk in stream:
         if chunk.choices:                  # a token event, even with no text yet: dummy weights
             if ttft is None:               # make tokens that decode to "" (partial UTF-8), and a
-                ttft = time.perf_counter() - t0    # whole 4K reply did so on the H200 (TTFT read 0)
+                ttft = time.perf_counter() - t0    # whole reply can (timed on text, TTFT read 0)
             chunks += 1
         if getattr(chunk, "usage", None) is not None:
             usage = chunk.usage.completion_tokens
@@ -270,7 +270,7 @@ def profiled_point(args, backend: str, tag: str, c: int, vocab: int, step_log: s
 def warm_up(args, backend: str, port: int, model: str, vocab: int, step_log: str) -> None:
     """Two requests before the sweep, not measured: the first run of each kernel compiles it (Triton
     JIT, ~1 s each) and the first decode batch of each size captures its graphs; without this the
-    concurrency-1 point's TTFT carried ~4 s of compilation (H200, 2026-11-30)."""
+    concurrency-1 point's TTFT would carry the compilation."""
     a = argparse.Namespace(**{**vars(args), "rounds": 1, "output_len": min(args.output_len, 32)})
     t0 = time.perf_counter()
     for c in (1, 2):
