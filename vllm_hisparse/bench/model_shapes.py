@@ -9,7 +9,7 @@ model hub here); generated tokens stay decodable, and the embedding/LM head shri
 DeepSeek-V3.2 (MLA + DSA indexer): ``deepseek-v3.2`` has the real config (61 layers; for
 ``hisparse calc``, far too large to load on one GPU); ``deepseek-v3.2-l4`` keeps every attention and
 indexer dimension (so per-layer KV bytes are real) with 4 layers and 16 routed experts, small
-enough for one H200 with dummy weights. vLLM picks the ``deepseek_v32`` tokenizer mode for this
+enough for one 80 GB GPU with dummy weights. vLLM picks the ``deepseek_v32`` tokenizer mode for this
 architecture: serve these folders with ``--tokenizer-mode hf`` (they carry the tiny tokenizer).
 """
 from __future__ import annotations
