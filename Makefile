@@ -16,7 +16,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 .PHONY: setup test test-gpu test-all demo build clean help qwen
 
 help:
-	@echo "make demo      serve a tiny model with hisparse and print the answer + hit rates"
+	@echo "make demo      serve a tiny model with hisparse; print the answer + what hisparse did"
 	@echo "make test      the CPU test suite (what CI runs)"
 	@echo "make test-gpu  the GPU tests (on a machine with CUDA)"
 	@echo "make build     rebuild the CUDA extension after editing csrc/"

@@ -1,10 +1,14 @@
 """`hisparse demo`: serve a tiny model with hisparse through `vllm serve` on this machine (CPU or
-GPU), send one long request with the OpenAI client, print the answer and the hot-buffer stats.
+GPU), send one long request with the OpenAI client, print the answer and what hisparse did.
 `hisparse demo --core`: the core alone on a built-in example, no vLLM needed.
 
 The vLLM demo builds a tiny random Llama offline (vllm_hisparse.tiny_model), so its answer is
-gibberish; what it shows is the path: `--attention-backend hisparse`, Quest selection, misses
-fetched from the host pool, GPU blocks shrinking to the hot buffer, the host pool empty at the end.
+gibberish; what it shows is the path (`--attention-backend hisparse`, Quest selection) and what
+hisparse did (``report``): the tier each sparse decode step ran in, spills, the hot buffer's hits
+and misses, the host pool empty at the end. With the default config (resident_first on) the one
+request keeps all its GPU blocks, so no page goes through a hot buffer; with
+`--config '{..., "resident_first": false}'` it keeps only its hot buffer after the prompt and its
+misses are fetched from the host pool.
 `--model smollm2` serves the real SmolLM2-135M instead (vllm_hisparse.smollm2, built on first use);
 `--model DIR` any HF model folder. The pools are sized from the model for MAX_MODEL_LEN tokens.
 """
@@ -159,14 +163,44 @@ def _talk(proc, port, model, max_tokens, stats_path, log_path, cfg) -> int:
     if not st:
         print("demo: no stats from the worker")
         return 1
-    rate = st["hit_rate"]
-    print(f"demo: decode steps {st['decode_rows']}, pages resolved {st['resolved_units']}, "
-          f"hits {st['hits']}, misses fetched from host {st['misses']}, hit rate "
-          f"{'n/a' if rate is None else f'{rate:.1%}'}")
-    print(f"demo: GPU keeps {cfg.num_slots} hot pages + the newest page per request per layer "
-          f"(top_k={cfg.top_k} tokens, B={cfg.device_buffer_size}); host pool pages still used "
-          f"after the request: {st['host_pages_used']}")
+    for line in report(st, cfg):
+        print(f"demo: {line}")
     return 0
+
+
+def report(st: dict, cfg: HiSparseConfig) -> list[str]:
+    """What hisparse did, from the worker's stats (core/runtime_stats.py) once the requests are
+    done: the tier each sparse decode step ran in (resident: every page in the request's own GPU
+    blocks; partial: its newest pages there, older ones through its hot buffer; host-backed: the
+    hot buffer alone, misses fetched from the host pool), spills, and the hot buffer's hits and
+    misses. The hot buffer is named only where a request used one: with resident_first (the
+    default) a request stays resident until the KV pool needs its blocks."""
+    rows, res, part = st["decode_rows"], st["resident_rows"], st["partial_rows"]
+    host = rows - res - part
+    out = [f"sparse decode steps {rows}: {res} resident (every page in the request's own GPU "
+           f"blocks), {part} partial (newest pages there, older ones through its hot buffer), "
+           f"{host} host-backed (hot buffer + host pool); dense decode steps "
+           f"{st['dense_decode_rows']}"]
+    if not cfg.resident_first:
+        out.append(f"requests finished {st['finished']} (resident_first off: a sparse request "
+                   f"gives its GPU blocks back after its prompt, keeping its hot buffer)")
+    elif rows and res == rows and not st["spills"]:
+        out.append(f"requests finished {st['finished']}, spills 0: no GPU block was given back, "
+                   f"every sparse step ran resident (resident_first)")
+    else:
+        out.append(f"requests finished {st['finished']}, spills {st['spills']} (requests that left "
+                   f"resident, giving GPU blocks back to the KV pool), shrinks {st['shrinks']}")
+    direct = f"selected pages read from the request's own GPU blocks {st['resident_units']}"
+    if st["resolved_units"]:
+        out.append(f"hot buffer: pages resolved {st['resolved_units']}, hits {st['hits']}, misses "
+                   f"fetched from host {st['misses']}, hit rate {st['hit_rate']:.1%}; {direct}")
+        out.append(f"GPU keeps {cfg.num_slots} hot pages + the newest page per layer for each "
+                   f"request not resident (top_k={cfg.top_k} tokens, B={cfg.device_buffer_size})")
+    else:
+        out.append(f"no page went through a hot buffer (no hit, no miss, nothing fetched from the "
+                   f"host pool); {direct}")
+    out.append(f"host pool pages still used after the requests: {st['host_pages_used']}")
+    return out
 
 
 def run_core(args) -> int:
