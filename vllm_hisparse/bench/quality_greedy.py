@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import quality_attention as qa
-from .quality import _crop, _forward, _prefill
+from .quality_model import _crop, _forward, _prefill
 
 
 @torch.no_grad()

@@ -119,7 +119,7 @@ def run_engine(a, name: str, cfg: dict | None, prompts_path: str, log) -> dict:
 
 def engine_config(top_k: int, page_size: int, dense_layers) -> dict:
     """The served hisparse config: the bench's Quest config, B = 2 x top_k, small pools (CPU)."""
-    from .quality import quest_config
+    from .quality_model import quest_config
 
     cfg = quest_config(top_k, page_size, dense_layers)
     return dict(cfg.to_dict(), device_buffer_size=2 * cfg.device_buffer_size, host_pool_gib=1.0,
@@ -133,7 +133,7 @@ def simulate(a, prompts, top_ks, dense_layers, tok) -> dict:
     from transformers import AutoModelForCausalLM
 
     from . import quality_attention as qa
-    from .quality import quest_config
+    from .quality_model import quest_config
     from .quality_greedy import greedy
 
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
+from .head_sizes import DENSE_DECODE_HEAD_SIZES  # noqa: F401  (public here as before)
 
 _ext = None
 _err: str | None = None
@@ -97,9 +98,6 @@ def sparse_decode_attention(q: torch.Tensor, kv: torch.Tensor, locs: torch.Tenso
         return triton_attention.sparse_decode_attention(q, kv, locs, units, seq_lens, scale, extra_kv,
                                                         extra_lens, out)
     return reference.sparse_decode_attention(q, kv, locs, units, seq_lens, scale, extra_kv, extra_lens, out)
-
-
-DENSE_DECODE_HEAD_SIZES = (64, 128, 256)    # what the CUDA path of dense_decode_attention has
 
 
 def dense_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import DENSE_DECODE_HEAD_SIZES
+from .head_sizes import DENSE_DECODE_HEAD_SIZES
 from .triton_online_softmax import online_softmax_step, partials, store_partials
 
 SPLITS = 32           # splits per row at most (the grid's third dimension)

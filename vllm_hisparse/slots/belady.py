@@ -10,13 +10,11 @@ from typing import Callable
 
 import torch
 
-from . import register
 from .base import Policy
 
 NEVER = 1 << 62
 
 
-@register
 class Belady(Policy):
     name = "belady"
     offline = True

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from . import register
 from .base import Policy, StepInfo
 
 HIT = 1024          # fixed-point weight of one selection (so decay rounding stays small)
 
 
-@register
 class CRF(Policy):
     name = "crf"
     kernel = 1

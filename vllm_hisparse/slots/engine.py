@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import make
+from .registry import make
 from .base import Policy, StepInfo
 
 
@@ -166,7 +166,7 @@ def resolve(state: HotBufferState, selection: torch.Tensor, rows: torch.Tensor |
 
 
 def _served() -> list[str]:
-    from . import served
+    from .registry import served
     return served()
 
 

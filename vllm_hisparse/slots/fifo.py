@@ -2,12 +2,10 @@
 state and eviction order (victims from the back), without LRU's move of hits to the front."""
 from __future__ import annotations
 
-from . import register
 from .base import StepInfo, reorder
 from .lru import LRU
 
 
-@register
 class FIFO(LRU):
     name = "fifo"
     kernel = None            # not served: no RESOLVE kernel branch

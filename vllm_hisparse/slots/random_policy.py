@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from . import register
 from .base import Policy
 
 
-@register
 class Random(Policy):
     name = "random"
 
