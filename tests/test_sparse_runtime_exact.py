@@ -150,11 +150,27 @@ def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0, sp
     return d.outs, stats
 
 
+_RUNS: dict = {}
+
+
+def shared_run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, full=False, policy="lru",
+               resident_first=False):
+    """``run`` without spills, once per argument set for this module: the runs are deterministic
+    (fixed seeds, CPU), so the resident reference and the spill-at-once run that several tests
+    compare against are computed once and shared, as an engine is. A run that fails raises in
+    every test that asks for it (nothing is kept). Tests that patch the runtime call ``run``."""
+    key = (host_tier, tuple(dense_layers), dense_pool_gib, full, policy, resident_first)
+    if key not in _RUNS:
+        _RUNS[key] = run(host_tier, dense_layers, dense_pool_gib, full=full, policy=policy,
+                         resident_first=resident_first)
+    return _RUNS[key]
+
+
 @pytest.mark.parametrize("full", [False, True])
 @pytest.mark.parametrize("dense_layers,dense_pool_gib", [((0,), 0.0), ((), 0.0), ((0, 2), 0.001)])
 def test_hisparse_equals_resident_with_freed_blocks_poisoned(dense_layers, dense_pool_gib, full):
-    hs, stats = run(True, dense_layers, dense_pool_gib, full=full)
-    res, _ = run(False, dense_layers, full=full)
+    hs, stats = shared_run(True, dense_layers, dense_pool_gib, full=full)
+    res, _ = shared_run(False, dense_layers, full=full)
     assert len(hs) == len(res)
     for i, (a, b) in enumerate(zip(hs, res)):
         assert not torch.isnan(a).any(), f"step/layer {i}: NaN (read a freed block or missed a row)"
@@ -171,8 +187,8 @@ def test_crf_equals_lru_and_resident(full):
     """The served crf policy changes where pages sit, never what is attended: every layer's output
     of every step equals the LRU run's and resident mode's; the same lookups, other misses."""
     crf, s_crf = run(True, full=full, policy="crf")
-    lru, s_lru = run(True, full=full)
-    res, _ = run(False, full=full)
+    lru, s_lru = shared_run(True, full=full)
+    res, _ = shared_run(False, full=full)
     for i, (a, b, c) in enumerate(zip(crf, lru, res, strict=True)):
         assert torch.equal(a, b) and torch.equal(a, c), f"step/layer {i} differs"
     assert s_crf["policy"] == "crf" and s_lru["policy"] == "lru"
@@ -194,8 +210,8 @@ def test_resident_first_with_forced_spills_equals_resident(dense_layers, dense_p
     pools empty afterwards."""
     rf, s_rf = run(True, dense_layers, dense_pool_gib, full=full, resident_first=True,
                    spills=SPILLS)
-    now, s_now = run(True, dense_layers, dense_pool_gib, full=full)
-    res, _ = run(False, dense_layers, full=full)
+    now, s_now = shared_run(True, dense_layers, dense_pool_gib, full=full)
+    res, _ = shared_run(False, dense_layers, full=full)
     for i, (a, b, c) in enumerate(zip(rf, now, res, strict=True)):
         assert not torch.isnan(a).any(), f"step/layer {i}: NaN (read a given-back block)"
         assert torch.equal(a, c) and torch.equal(b, c), f"step/layer {i} differs"
@@ -222,7 +238,7 @@ def test_resident_first_with_partial_spills_equals_resident(dense_layers, dense_
                        spills=PARTIAL)
     floor, s_floor = run(True, dense_layers, dense_pool_gib, full=full, resident_first=True,
                          spills={i: [r for r, _ in v] for i, v in PARTIAL.items()})
-    res, _ = run(False, dense_layers, full=full)
+    res, _ = shared_run(False, dense_layers, full=full)
     for i, (a, b, c) in enumerate(zip(part, floor, res, strict=True)):
         assert not torch.isnan(a).any(), f"step/layer {i}: NaN (read a given-back block)"
         assert torch.equal(a, c) and torch.equal(b, c), f"step/layer {i} differs"
@@ -238,7 +254,7 @@ def test_resident_first_with_partial_spills_equals_resident(dense_layers, dense_
 def test_resident_first_without_pressure_never_misses():
     """No spill: every sparse decode row resolves through the block table, zero misses."""
     rf, s = run(True, resident_first=True)
-    res, _ = run(False)
+    res, _ = shared_run(False)
     assert all(torch.equal(a, b) for a, b in zip(rf, res, strict=True))
     assert s["misses"] == s["hits"] == 0 and s["resident_rows"] > 0 and s["decode_rows"] > 0
 
