@@ -1,7 +1,8 @@
 """The real vLLM 0.26 engine (CPU) with the hisparse backend: hisparse == resident, bit for bit.
 
-One engine per mode for the whole module (engine start is ~40-70 s on 2 cores), each in its own
-process through scripts/hisparse_generate.py. k and B are tiny (3 pages selected of up to 24,
+Each engine config runs once for the whole module (engine start is ~20 s on 2 cores), each in its
+own process through scripts/hisparse_generate.py, the module's offline runs started together by
+the engines fixture and run side by side (tests/engine_jobs.py). k and B are tiny (3 pages selected of up to 24,
 4 hot slots) so that misses happen on almost every decode step. Short prompts that generate past
 min_context turn sparse on the way (core/residency.py's length rule).
 """
@@ -67,7 +68,9 @@ def ever_sparse(n: int, max_tokens: int) -> bool:
     return n + max_tokens - 1 >= MIN_CONTEXT
 
 
-def generate(tmp, model: str, cfg: dict, batches: list[list], tag: str, extra=()) -> dict:
+def generate_job(tmp, model: str, cfg: dict, batches: list[list], tag: str, extra=()) -> tuple:
+    """(argv, env) of one engine run through scripts/hisparse_generate.py (its prompt files
+    written to tmp); ``finish`` reads what it wrote."""
     args = [PY, os.path.join(ROOT, "scripts", "hisparse_generate.py"), "--model", model,
             "--config", json.dumps(cfg), "--max-tokens", str(MAX_TOKENS),
             "--out", str(tmp / f"{tag}.json"), *extra]
@@ -75,25 +78,70 @@ def generate(tmp, model: str, cfg: dict, batches: list[list], tag: str, extra=()
         path = tmp / f"{tag}-prompts{i}.json"
         path.write_text(json.dumps(b))
         args += ["--prompts", str(path)]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    return args, dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+
+
+def finish(tmp, tag: str, r: subprocess.CompletedProcess) -> dict:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     res = json.loads((tmp / f"{tag}.json").read_text())
     res["log"] = r.stdout + r.stderr
     return res
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("engine")
-    model = make_tiny_model()
+def generate(tmp, model: str, cfg: dict, batches: list[list], tag: str, extra=()) -> dict:
+    args, env = generate_job(tmp, model, cfg, batches, tag, extra)
+    return finish(tmp, tag, subprocess.run(args, capture_output=True, text=True, env=env,
+                                           timeout=600))
+
+
+def generate_all(tmp, model: str, runs: dict) -> dict:
+    """{tag: (cfg, batches, extra)} run side by side (tests/engine_jobs.py), longest first;
+    {tag: a function giving the run's result}: a run that failed fails only the tests that read
+    it."""
+    from engine_jobs import run_all
+
+    done = run_all({tag: generate_job(tmp, model, cfg, batches, tag, extra)
+                    for tag, (cfg, batches, extra) in runs.items()})
+    return {tag: (lambda tag=tag: finish(tmp, tag, done[tag])) for tag in runs}
+
+
+# Every offline engine run of this module, started together by the engines fixture (each alone
+# in its own process, with the requests and settings its test gives it), longest first.
+def engine_runs(tmp) -> dict:
     cfg = dict(CFG, min_context=MIN_CONTEXT)
-    resident = generate(tmp, model, dict(cfg, host_tier=False), batches(), "resident")
-    # hisparse keeps the dense layer of long requests in a GPU dense pool (dense_pool_gib); the
-    # host read-back of dense layers is covered by the pool-full and preemption runs below.
-    hisparse = generate(tmp, model, dict(cfg, trace_dir=str(tmp / "traces"), dense_pool_gib=0.01),
-                        batches(), "hisparse")
-    hisparse["trace_dir"] = tmp / "traces"
+    rng = random.Random(1)
+    preempt = [[rng.randrange(3, 512) for _ in range(n)] for n in (40, 41, 42, 43)]
+    page_bytes_all_layers = 2 * PAGE * 2 * 32 * 4 * 4        # K+V, Hkv=2, D=32, fp32, 4 layers
+    return {
+        # hisparse keeps the dense layer of long requests in a GPU dense pool (dense_pool_gib);
+        # the host read-back of dense layers is covered by the pool-full and preemption runs.
+        "hisparse": (dict(cfg, trace_dir=str(tmp / "traces"), dense_pool_gib=0.01), batches(),
+                     ()),
+        # 20 KV blocks for 4 requests of 40 + 200 tokens (test_preemption_recovers)
+        "preempt": (cfg, [preempt], ["--num-blocks", "20", "--max-tokens", "200",
+                                     "--max-model-len", "256"]),
+        "full": (dict(cfg, dense_pool_gib=0.01, full_decode_graphs=True), batches(), ()),
+        "crf": (dict(cfg, dense_pool_gib=0.01, policy="crf"), batches(), ()),
+        "resident": (dict(cfg, host_tier=False), batches(), ()),
+        # a host pool that holds one max-length request: 36 pages of all layers
+        "poolfull": (dict(cfg, host_pool_gib=36 * page_bytes_all_layers / (1 << 30)),
+                     [prompts()], ["--max-model-len", "512"]),
+        "questrows": (dict(cfg, quest_rows=1), [prompts()], ()),
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    out = generate_all(tmp, make_tiny_model(), engine_runs(tmp))
+    out["trace_dir"] = tmp / "traces"
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(engines):
+    resident, hisparse = engines["resident"](), engines["hisparse"]()
+    hisparse["trace_dir"] = engines["trace_dir"]
     return resident, hisparse
 
 
@@ -214,16 +262,14 @@ def test_gpu_blocks_shrink_to_hot_buffer(runs):
 
 
 
-def test_full_decode_graphs_with_dense_pool_equal_resident(runs, tmp_path):
+def test_full_decode_graphs_with_dense_pool_equal_resident(runs, engines):
     """full_decode_graphs true and a dense pool: the builder declares FULL-graph support (on the
     CPU vLLM captures no graphs, so every uniform decode step calls the layers eagerly); each such
     step is planned once from the connector's start_load_kv as one decode batch (plan_full) whose
     layers run core/decode_body.py, mixed sparse and dense rows together, the dense layers of the
     long requests from the dense pool. Tokens and logprobs equal the resident run's."""
     resident, _ = runs
-    model = make_tiny_model()
-    cfg = dict(CFG, min_context=MIN_CONTEXT, dense_pool_gib=0.01, full_decode_graphs=True)
-    full = generate(tmp_path, model, cfg, batches(), "full")
+    full = engines["full"]()
     s = full["stats"]
     assert s["full_steps"] >= MAX_TOKENS - 1 and s["host_ms_full_layers"] > 0, s
     assert s["misses"] > 0 and s["decode_rows"] > 0, s
@@ -235,14 +281,12 @@ def test_full_decode_graphs_with_dense_pool_equal_resident(runs, tmp_path):
             assert f["logprobs"] == r["logprobs"], f"request {i}: logprobs differ"
 
 
-def test_policy_crf_equals_lru_and_resident(runs, tmp_path):
+def test_policy_crf_equals_lru_and_resident(runs, engines):
     """policy crf (its branch of the select_resolve kernel's reference on the CPU): the same
     tokens and logprobs as the resident run and the lru run, over the same lookups, with its own
     misses; pools empty afterwards."""
     resident, lru = runs
-    model = make_tiny_model()
-    crf = generate(tmp_path, model, dict(CFG, min_context=MIN_CONTEXT, dense_pool_gib=0.01,
-                                         policy="crf"), batches(), "crf")
+    crf = engines["crf"]()
     for b_res, b_lru, b_crf in zip(resident["batches"], lru["batches"], crf["batches"], strict=True):
         for i, (r, h, c) in enumerate(zip(b_res, b_lru, b_crf, strict=True)):
             assert c["tokens"] == r["tokens"] == h["tokens"], f"request {i}: tokens differ"
@@ -254,43 +298,32 @@ def test_policy_crf_equals_lru_and_resident(runs, tmp_path):
     assert s["host_pages_used"] == 0 and s["dense_pool_pages_used"] == 0 and s["live_requests"] == 0
 
 
-def test_host_pool_full_requests_wait(tmp_path):
+def test_host_pool_full_requests_wait(engines):
     """A host pool that holds one max-length request (32 pages of 16 tokens): the 5 requests need
     ~70 pages in all, so some wait for others to finish; all complete, none crashes."""
-    model = make_tiny_model()
-    page_bytes_all_layers = 2 * PAGE * 2 * 32 * 4 * 4        # K+V, Hkv=2, D=32, fp32, 4 layers
-    gib = 36 * page_bytes_all_layers / (1 << 30)
-    cfg = dict(CFG, min_context=MIN_CONTEXT, host_pool_gib=gib)
-    res = generate(tmp_path, model, cfg, [prompts()], "poolfull",
-                   extra=["--max-model-len", "512"])
+    res = engines["poolfull"]()
     assert "host pool full" in res["log"]
     assert [len(b["tokens"]) for b in res["batches"][0]] == [MAX_TOKENS] * len(PROMPT_LENS)
     assert res["stats"]["host_pages_used"] == 0 and res["stats"]["finished"] == len(PROMPT_LENS)
 
 
-def test_quest_rows_full_requests_wait(tmp_path):
+def test_quest_rows_full_requests_wait(engines):
     """quest_rows=1: one Quest bounds row on the worker, so the four long requests run one at a time
     (the short one needs no row and runs beside them); all complete, nothing leaks."""
-    model = make_tiny_model()
-    res = generate(tmp_path, model, dict(CFG, min_context=MIN_CONTEXT, quest_rows=1),
-                   [prompts()], "questrows")
+    res = engines["questrows"]()
     assert "indexer rows full" in res["log"]
     assert res["stats"]["full_steps"] > 0
     assert [len(b["tokens"]) for b in res["batches"][0]] == [MAX_TOKENS] * len(PROMPT_LENS)
     assert res["stats"]["host_pages_used"] == 0 and res["stats"]["finished"] == len(PROMPT_LENS)
 
 
-def test_preemption_recovers(tmp_path):
+def test_preemption_recovers(engines):
     """20 KV blocks for 4 requests of 40 + 200 tokens, each turning sparse at min_context (64
     tokens) and holding S + 2 = 6 blocks while decoding from then on (max_model_len 256: one whole
     prompt must fit the blocks during its prefill, a startup check): one gets preempted, resumes
     (recomputed from token 0, sparse again at once), completes; the host pool ends empty. (A resumed request recomputes its generated tokens
     with dense prefill attention, so its continuation may differ from an uninterrupted run.)"""
-    model = make_tiny_model()
-    rng = random.Random(1)
-    batch = [[rng.randrange(3, 512) for _ in range(n)] for n in (40, 41, 42, 43)]
-    res = generate(tmp_path, model, dict(CFG, min_context=MIN_CONTEXT), [batch], "preempt",
-                   extra=["--num-blocks", "20", "--max-tokens", "200", "--max-model-len", "256"])
+    res = engines["preempt"]()
     assert res["preemptions"] > 0
     assert [len(b["tokens"]) for b in res["batches"][0]] == [200] * 4
     assert res["stats"]["host_pages_used"] == 0 and res["stats"]["live_requests"] == 0
