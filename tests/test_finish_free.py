@@ -150,9 +150,7 @@ def probe(model: str, backend: str, engine: str, out: str) -> None:
         observe()
     leaked = None                 # what the worker and the scheduler side still hold at the end
     if work is not None:
-        from vllm_hisparse.vllm import worker_state
-
-        leaked = [sorted(worker_state.get_runtime().reqs), sorted(worker_state._req_to_block),
+        leaked = [sorted(work.worker.runtime.reqs), sorted(work.worker.rows.req_to_block),
                   sorted(conn._reserved), sorted(conn._rows_held), sorted(conn._sent)]
     with open(out, "w") as f:
         json.dump({"finished": finished, "gone": gone, "released": released,
@@ -162,19 +160,21 @@ def probe(model: str, backend: str, engine: str, out: str) -> None:
 
 def run_probes(d, script: str, cases: list[tuple]) -> dict:
     """The tiny model made in d, then ``script MODEL *case OUT`` in a process of its own for each
-    case (vLLM's scheduler state is per process); {case: the JSON it wrote}."""
+    case (vLLM's scheduler state is per process), side by side (tests/engine_jobs.py); {case: the
+    JSON it wrote}."""
     model = str(d / "tiny-llama")
     subprocess.run([PY, os.path.join(ROOT, "scripts", "make_tiny_model.py"), model], check=True,
                    capture_output=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    from engine_jobs import run_all
+
+    outs = {case: str(d / ("-".join(case) + ".json")) for case in cases}
+    done = run_all({case: ([PY, script, model, *case, outs[case]], env) for case in cases})
     res = {}
     for case in cases:
-        out = str(d / ("-".join(case) + ".json"))
-        p = subprocess.run([PY, script, model, *case, out], env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        with open(out) as f:
+        assert done[case].returncode == 0, done[case].stderr[-3000:]
+        with open(outs[case]) as f:
             res[case] = json.load(f)
     return res
 

@@ -2,11 +2,11 @@
 starve short work, with one config for both loads (a dense pool and Quest rows sized for long
 requests, as bench/serving.py's).
 
-Each engine runs in a subprocess (this file as a script, in-process engine core). On a GPU vLLM
-profiles memory after the model is built, so hisparse's KV cache is stock's budget less what the
-backend reserved while it was built (Quest rows, dense pool); on the CPU the KV size is explicit.
-So the probe measures the bytes the engine really reserved and gives it the blocks a GPU would:
-stock's less ``cdiv(reserved, block bytes)``.
+Each engine runs in a subprocess (this file as a script, in-process engine core), the three side
+by side (tests/engine_jobs.py). On a GPU vLLM profiles memory after the model is built, so
+hisparse's KV cache is stock's budget less what the backend reserved while it was built (Quest
+rows, dense pool); on the CPU the KV size is explicit. So the probe measures the bytes the engine
+really reserved and gives it the blocks a GPU would: stock's less ``cdiv(reserved, block bytes)``.
 
 * short server (max_model_len 96 < min_context 128: no request can turn sparse): only the scratch
   Quest row is reserved (less than one block), and 12 requests of 60 + 20 tokens run with as many
@@ -88,36 +88,48 @@ def probe(model: str, backend: str, mml: int, num_blocks: int, prompt: int, out:
         json.dump(res, f)
 
 
-def run(tmp, model, backend, mml, num_blocks, prompt=PROMPT) -> dict:
-    out = tmp / f"{backend}-{mml}-{num_blocks}.json"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               HF_HUB_OFFLINE="1")
-    r = subprocess.run([PY, __file__, model, backend, str(mml), str(num_blocks), str(prompt),
-                        str(out)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    return json.loads(out.read_text())
-
-
 def cdiv(a, b):
     return -(-a // b)
 
 
+def job(tmp, model, backend, mml, num_blocks, prompt=PROMPT) -> tuple:
+    out = tmp / f"{backend}-{mml}-{num_blocks}.json"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               HF_HUB_OFFLINE="1")
+    return [PY, __file__, model, backend, str(mml), str(num_blocks), str(prompt), str(out)], env
+
+
+def result(runs, tag) -> dict:
+    r = runs[tag]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return json.loads(open(r.args[-1]).read())
+
+
+SHORT_MML, LONG_MML = 96, 512
+# what a GPU run would reserve on the short server: the scratch Quest row of the 3 sparse layers (6
+# pages) and no dense pool, so its KV cache is stock's blocks less cdiv(that, block bytes)
+SCRATCH = 2 * (LAYERS - 1) * cdiv(SHORT_MML, PAGE) * HKV * D * ELT
+HS_BLOCKS = STOCK_BLOCKS - cdiv(SCRATCH, BLOCK_BYTES)
+
+
 @pytest.fixture(scope="module")
-def model():
-    return subprocess.run([PY, os.path.join(ROOT, "scripts", "make_tiny_model.py")], check=True,
-                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
+def runs(tmp_path_factory):
+    """The three engines of this module, side by side (tests/engine_jobs.py), each alone in its
+    own process: {tag: CompletedProcess}."""
+    from engine_jobs import run_all
+
+    tmp = tmp_path_factory.mktemp("pools")
+    model = subprocess.run([PY, os.path.join(ROOT, "scripts", "make_tiny_model.py")], check=True,
+                           capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return run_all({"long": job(tmp, model, "hisparse", LONG_MML, 200, prompt=200),  # sparse
+                    "stock": job(tmp, model, "stock", SHORT_MML, STOCK_BLOCKS),
+                    "short": job(tmp, model, "hisparse", SHORT_MML, HS_BLOCKS)})
 
 
-def test_short_server_runs_as_many_requests_as_stock(model, tmp_path):
-    mml = 96
-    # what a GPU run would reserve: the scratch Quest row of the 3 sparse layers (6 pages) and no
-    # dense pool, so its KV cache is stock's blocks less cdiv(that, block bytes)
-    scratch = 2 * (LAYERS - 1) * cdiv(mml, PAGE) * HKV * D * ELT
-    hs_blocks = STOCK_BLOCKS - cdiv(scratch, BLOCK_BYTES)
+def test_short_server_runs_as_many_requests_as_stock(runs):
+    scratch, hs_blocks = SCRATCH, HS_BLOCKS
     assert STOCK_BLOCKS - hs_blocks <= 1
-    stock = run(tmp_path, model, "stock", mml, STOCK_BLOCKS)
-    hs = run(tmp_path, model, "hisparse", mml, hs_blocks)
+    stock, hs = result(runs, "stock"), result(runs, "short")
     # ... which is what the engine reserved
     assert (hs["quest_bytes"], hs["dense_pool_bytes"], hs["quest_rows"]) == (scratch, 0, 0)
     assert hs["host_pages"] == 0                   # and no host pool: nothing would use it
@@ -133,9 +145,9 @@ def test_short_server_runs_as_many_requests_as_stock(model, tmp_path):
     assert before // BLOCK_BYTES > STOCK_BLOCKS
 
 
-def test_long_server_keeps_its_pools(model, tmp_path):
-    mml = 512
-    res = run(tmp_path, model, "hisparse", mml, 200, prompt=200)      # sparse from the start
+def test_long_server_keeps_its_pools(runs):
+    mml = LONG_MML
+    res = result(runs, "long")                                        # sparse from the start
     rows, pages = CFG["quest_rows"], cdiv(mml, PAGE)
     assert res["quest_rows"] == rows
     assert res["host_pages"] == int(CFG["host_pool_gib"] * (1 << 30)) // (
