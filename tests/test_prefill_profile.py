@@ -17,12 +17,16 @@ def test_cpu_engine_prefill_run_and_diff(tmp_path):
                       "host_pool_gib": 0.05, "min_context": 64})
     out = tmp_path / "prof"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    for backend in ("stock", "elastic"):
-        subprocess.run([sys.executable, "-m", "vllm_hisparse.bench.prefill_profile", "run",
-                        "--model", model, "--backend", backend, "--hisparse", cfg, "--input-len",
-                        "300", "--rows", "2", "--repeats", "2", "--dtype", "float32",
-                        "--no-prefix-caching", "--out", str(out)],
-                       check=True, env=env, timeout=600)
+    from engine_jobs import run_all
+
+    done = run_all({backend: ([sys.executable, "-m", "vllm_hisparse.bench.prefill_profile", "run",
+                               "--model", model, "--backend", backend, "--hisparse", cfg,
+                               "--input-len", "300", "--rows", "2", "--repeats", "2",
+                               "--dtype", "float32", "--no-prefix-caching", "--out", str(out)],
+                              env)
+                    for backend in ("elastic", "stock")})             # side by side
+    for r in done.values():
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     stock, el = (json.load(open(out / f"{b}-prefill.json")) for b in ("stock", "elastic"))
     for r in (stock, el):
         assert r["prefill_wall_ms"]["n"] == 2 and len(r["prefill_walls_ms"]) == 2
