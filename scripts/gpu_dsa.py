@@ -75,9 +75,9 @@ def backend(mode: str, cfg: dict) -> dict:
 def save(res: dict, path: str, line: str) -> int:
     """Add the runtime's stats (hisparse, resident), write ``res`` to ``path``, print ``line``."""
     if res["mode"] != "stock":
-        from vllm_hisparse.vllm import dsa_state
+        from vllm_hisparse.vllm import worker_state
 
-        res["stats"] = dsa_state.get_runtime().stats()
+        res["stats"] = worker_state.get_runtime().stats()
     with open(path, "w") as f:
         json.dump(res, f)
     print(f"{line}; stats {json.dumps(res.get('stats', {}))}", flush=True)

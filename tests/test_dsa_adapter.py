@@ -1,13 +1,13 @@
 """The DSA adapter's CPU-runnable parts against vLLM 0.26's interfaces, without an engine (the CPU
 platform has no MLA backend): the connector (vllm/mla_connector.py) in both roles driven by a
 scripted vLLM scheduler (chunked prefill under a token budget, FULL-graph padding rows and tokens,
-a preemption, requests waiting for a region), the worker state the MLA impl uses
-(vllm/dsa_state.py: ``ensure_runtime``, ``note_batch``, the write and conversion the impl forwards
+a preemption, requests waiting for a region), the worker object the MLA impl makes
+(vllm/mla_worker.py: ``LatentWorker.start``, ``note``, the write and conversion the impl forwards
 to), attention by ops/sparse_mla.py where the impl calls FA3.
 
 Every attention output (prefill and decode, every layer) must be bit-identical to the same
 attention over the ground-truth rows gathered by the selection (a different computation: no pool,
-no conversion), in hisparse and in resident mode; the pool's size is what dsa_state computes;
+no conversion), in hisparse and in resident mode; the pool's size is what mla_worker computes;
 nothing is held at the end."""
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def vconfig(extra: dict):
         parallel_config=SimpleNamespace(),
         scheduler_config=SimpleNamespace(max_num_seqs=SEQS, max_num_batched_tokens=BUDGET),
         cache_config=SimpleNamespace(gpu_memory_utilization=0.9),
-        compilation_config=SimpleNamespace(max_cudagraph_capture_size=0),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=0,
+                                           static_forward_context={}),
         kv_transfer_config=SimpleNamespace(kv_connector="HiSparseMLAConnector"))
 
 
@@ -66,20 +67,29 @@ class Req(SimpleNamespace):
     pass
 
 
+def with_worker(vc, w):
+    """vc's static forward context holds a layer whose impl keeps ``w``, as the first MLA impl
+    leaves it (vllm/worker.py)."""
+    vc.compilation_config.static_forward_context["model.layers.0.self_attn.mla_attn"] = \
+        SimpleNamespace(impl=SimpleNamespace(hisparse_worker=w))
+    return vc
+
+
 def run_engine(extra: dict):
-    from vllm_hisparse.vllm import dsa_state, worker_state
     from vllm_hisparse.vllm.compat import KVConnectorRole
     from vllm_hisparse.vllm.deployment import deployment_of
     from vllm_hisparse.vllm.mla_connector import HiSparseMLAConnector
+    from vllm_hisparse.vllm.mla_worker import LatentWorker, pool_bytes
 
-    dsa_state.runtime, dsa_state.pending = None, None
-    worker_state._block_to_req.clear()
-    worker_state._req_to_block.clear()
     vc = vconfig(extra)
-    rt = dsa_state.ensure_runtime(vc, LATENT_ROW, K, BF)
+    w = LatentWorker.start(vc, LATENT_ROW, K, BF)
+    rt = w.runtime
     s = deployment_of(vc).latent
     assert s.row_bytes == 2 * LATENT_ROW
-    assert rt.pool.nbytes == dsa_state.pool_bytes(s, LAYERS, MML, B)
+    assert rt.pool.nbytes == pool_bytes(s, LAYERS, MML, B)
+    with pytest.raises(RuntimeError, match="without the MLA attention backend"):
+        HiSparseMLAConnector(vc, KVConnectorRole.WORKER)          # no impl made the worker
+    with_worker(vc, w)
     sched = HiSparseMLAConnector(vc, KVConnectorRole.SCHEDULER)
     work = HiSparseMLAConnector(vc, KVConnectorRole.WORKER)
     lat = {(f"r{i}", l): latent(f"r{i}", l) for i in range(len(PROMPTS)) for l in range(LAYERS)}
@@ -130,7 +140,7 @@ def run_engine(extra: dict):
         qsl.append(qsl[-1])
         seq.append(0)
         first.append(-1)
-        dsa_state.note_batch(qsl, seq, first)
+        w.note(qsl, seq, first)
         work.bind_connector_metadata(md)
         work.start_load_kv(None)
         max_prefill = max(max_prefill, sum(g.in_region for g in rt.adm.grants.values()))
@@ -184,7 +194,7 @@ def run_engine(extra: dict):
                             scheduled_cached_reqs=SimpleNamespace(
                                 req_ids=[], resumed_req_ids=set(), new_block_ids=[],
                                 num_computed_tokens=[]))
-    dsa_state.note_batch([0], [], [])
+    w.note([0], [], [])
     work.bind_connector_metadata(sched.build_connector_meta(empty))    # the last releases
     work.start_load_kv(None)
     assert preempted and all(r.outputs == r.max_tokens for r in reqs)
@@ -242,7 +252,7 @@ def test_impl_writes_and_converts_for_its_own_layer_and_calls_fa3_over_the_pool(
     import sys
     import types
 
-    from vllm_hisparse.vllm import dsa_state, worker_state
+    from vllm_hisparse.vllm.mla_worker import LatentWorker
 
     calls = []
 
@@ -270,14 +280,14 @@ def test_impl_writes_and_converts_for_its_own_layer_and_calls_fa3_over_the_pool(
     assert mb.HiSparseMLASparseBackend.get_name() == "CUSTOM"
     assert mb.HiSparseMLASparseBackend.get_kv_cache_shape(10, 64, 1, 8) == (10, 64, 8)
 
-    dsa_state.runtime, dsa_state.pending = None, None
-    worker_state._block_to_req.clear()
-    worker_state._req_to_block.clear()
-    rt = dsa_state.ensure_runtime(vconfig({}), LATENT_ROW, K, BF)
+    w = LatentWorker.start(vconfig({}), LATENT_ROW, K, BF)
+    rt = w.runtime
     monkeypatch.setattr(mb.FlashAttnMLASparseMetadataBuilder, "build",
                         lambda self, cpl, cm, fast_build=False: "stock metadata")
     builder = object.__new__(mb.HiSparseMLASparseMetadataBuilder)
+    builder.worker = w                                   # what __init__ finds through the layers
     impl = object.__new__(mb.HiSparseMLASparseImpl)
+    impl.hisparse_worker = w
     impl.kv_lora_rank, impl.qk_rope_head_dim = KV_LORA_RANK, LATENT_ROW - KV_LORA_RANK
     impl.scale, impl.num_splits, impl._layer = SCALE, 0, None
     impl.topk_indices_buffer = torch.full((BUDGET, K), -1, dtype=torch.int32)
@@ -286,7 +296,7 @@ def test_impl_writes_and_converts_for_its_own_layer_and_calls_fa3_over_the_pool(
                     "model.layers.0.self_attn.indexer.k_cache": SimpleNamespace(),
                     layer.layer_name: layer}
     rt.apply([("admit", "a", 30, 6)])
-    worker_state.bind_request("a", 7)
+    w.rows.bind("a", 7)
     lat = latent("a", 1)
     layer0 = rt.pool.rows[0].clone()
     stub = torch.zeros(4, 64, 8, dtype=BF)
@@ -298,7 +308,7 @@ def test_impl_writes_and_converts_for_its_own_layer_and_calls_fa3_over_the_pool(
                              _seq_lens_cpu=torch.tensor([first + n, 0]),
                              block_table_tensor=torch.tensor([[7, 9], [0, 0]], dtype=torch.int32))
         assert builder.build(0, cm) == "stock metadata"      # a padding row after the request's
-        dsa_state.plan_pending()
+        w.plan()
         pos = list(range(first, first + n))
         impl.do_kv_cache_update(lat[pos, :KV_LORA_RANK], lat[pos, None, KV_LORA_RANK:], stub,
                                 torch.zeros(n, dtype=torch.int64), "auto", None)

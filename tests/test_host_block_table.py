@@ -28,10 +28,10 @@ def test_finds_the_runner_table_by_its_device_tensor():
     rows = [torch.randint(1, 500, (int(n),), generator=g).tolist() for n in (5, 1, 12)]
     bt = _block_table(rows)
     dev = bt.get_device_tensor(3)
-    host = host_block_table(dev)
+    host = host_block_table(dev, {})
     assert host is not None and host.data_ptr() == bt.block_table.cpu.data_ptr()
     assert torch.equal(host[:3], dev.cpu())
-    assert host_block_table(torch.zeros(3, 12, dtype=torch.int32)) is None   # not a runner's
+    assert host_block_table(torch.zeros(3, 12, dtype=torch.int32), {}) is None   # not a runner's
 
 
 def test_found_up_the_stack_when_the_heap_is_frozen():
@@ -50,7 +50,7 @@ def test_found_up_the_stack_when_the_heap_is_frozen():
             self.input_batch = Batch(table)
 
         def build(self):
-            return hbt.host_block_table(self.input_batch.block_table.get_device_tensor(2))
+            return hbt.host_block_table(self.input_batch.block_table.get_device_tensor(2), {})
 
     bt = _block_table([[11, 12], [13]])
     gc.freeze()
@@ -68,5 +68,6 @@ def test_builder_first_blocks_skip_padding_rows():
     rows = [[41, 7], [9], [300, 2, 5], [77]]
     bt = _block_table(rows)
     dev = bt.get_device_tensor(4)
-    assert _host_first_blocks(dev, [0, 1, 2, 3, 4]) == [41, 9, 300, 77]
-    assert _host_first_blocks(dev, [0, 1, 2, 2, 2]) == [41, 9, -1, -1]     # rows 2-3: padding
+    found = {}
+    assert _host_first_blocks(dev, [0, 1, 2, 3, 4], found) == [41, 9, 300, 77]
+    assert _host_first_blocks(dev, [0, 1, 2, 2, 2], found) == [41, 9, -1, -1]     # rows 2-3: padding

@@ -109,13 +109,40 @@ def test_quest_reservation_when_not_one_sequence_fits():
         cap.check_indexer_reservation(1, ROW, ROW - 1, 32768, 16)
 
 
-@pytest.fixture
-def worker_state(monkeypatch):
-    pytest.importorskip("vllm")
-    from vllm_hisparse.vllm import worker_state as ws
+class _Reservations:
+    """A fresh worker object's reservations (vllm/gqa_worker.py ``HiSparseWorker``) for an engine
+    of the given limits; the last one's indexer state and dense pool stay readable here."""
 
-    monkeypatch.setattr(ws, "indexer_state", None)
-    return ws
+    def __init__(self, gqa_worker):
+        self.mod, self.logger = gqa_worker, gqa_worker.logger
+        self.indexer_state = self.dense_pool = None
+
+    def _worker(self, cfg, layers, mml, rows, heads, head_dim, dtype):
+        from vllm_hisparse.core.deployment import EngineLimits, resolve
+
+        return self.mod.HiSparseWorker(resolve(cfg, EngineLimits(layers, mml, rows, heads,
+                                                                 head_dim, dtype.itemsize)))
+
+    def ensure_indexer_state(self, cfg, num_layers, rows, max_model_len, num_kv_heads, head_dim,
+                             dtype, gpu_memory_utilization=None):
+        w = self._worker(cfg, num_layers, max_model_len, rows, num_kv_heads, head_dim, dtype)
+        w.reserve_indexer_state(dtype, gpu_memory_utilization)
+        self.indexer_state = w.indexer_state
+
+    def ensure_dense_pool(self, cfg, num_kv_heads, head_dim, dtype, max_num_seqs, max_model_len,
+                          gpu_memory_utilization=None):
+        layers = max(cfg.dense_layers, default=0) + 1       # enough layers for every dense one
+        w = self._worker(cfg, layers, max_model_len, max_num_seqs, num_kv_heads, head_dim, dtype)
+        w.reserve_dense_pool(dtype, gpu_memory_utilization)
+        self.dense_pool = w.dense_pool
+
+
+@pytest.fixture
+def worker_state():
+    pytest.importorskip("vllm")
+    from vllm_hisparse.vllm import gqa_worker
+
+    return _Reservations(gqa_worker)
 
 
 def test_ensure_indexer_state_fails_before_allocating(worker_state, monkeypatch):

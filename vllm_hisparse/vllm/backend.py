@@ -3,7 +3,8 @@
 KV cache per layer: (num_blocks, 2, block_size, Hkv, D), FlashInfer's NHD paged layout, with
 block_size == HiSparseConfig.page_size (one block = one page = one hot slot). The backend writes
 K/V itself (``forward_includes_kv_cache_update``) and forwards every layer to the vLLM-free
-``core.sparse_runtime.SparseRuntime``; the metadata builder only copies what that needs.
+``core.sparse_runtime.SparseRuntime`` through the process's worker object
+(``gqa_worker.HiSparseWorker``, vllm/worker.py); the metadata builder only copies what that needs.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 
 from vllm_hisparse.ops.kernels import DENSE_DECODE_HEAD_SIZES
 
-from . import graph_mode, worker_state
+from . import graph_mode, worker
+from .gqa_worker import HiSparseWorker
 from .host_block_table import host_block_table
 from .compat import (
     AttentionBackend,
@@ -102,7 +104,7 @@ class HiSparseMetadata:
     plan: Any = None                  # core.sparse_runtime.StepPlan, made by the first layer
     full: int = 0                     # a uniform decode step: N, its (padded) single-token batch size
     full_rows: int = 0                # its real rows (the first ones; vLLM pads after them)
-    pending: bool = False             # plan_full not yet run (worker_state.resolve_full)
+    pending: bool = False             # plan_full not yet run (HiSparseWorker.plan)
 
 
 def _host_seq_lens(cm: CommonAttentionMetadata, B: int) -> list[int]:
@@ -112,11 +114,12 @@ def _host_seq_lens(cm: CommonAttentionMetadata, B: int) -> list[int]:
     return (host if host is not None else cm.seq_lens)[:B].tolist()
 
 
-def _host_first_blocks(bt: torch.Tensor, qsl: list[int]) -> list[int]:
+def _host_first_blocks(bt: torch.Tensor, qsl: list[int], found: dict) -> list[int]:
     """Block 0 of each row (its request's identity) from vLLM's host block table; -1 (no request)
     for rows without query tokens, vLLM's padding of a FULL-graph batch, whose host rows may be
-    stale. Without the host table, the device copy (a GPU sync)."""
-    host = host_block_table(bt)
+    stale. Without the host table, the device copy (a GPU sync). found: the worker's
+    ``host_tables``."""
+    host = host_block_table(bt, found)
     if host is None:
         return bt[:, 0].cpu().tolist()
     first = host[:bt.shape[0], 0].tolist()
@@ -128,6 +131,7 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.worker: HiSparseWorker = worker.of_layer(vllm_config, layer_names[0])
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -147,22 +151,21 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
             num_actual_tokens=cm.num_actual_tokens,
             query_start_loc=qsl,
             seq_lens=_host_seq_lens(cm, B),
-            first_blocks=_host_first_blocks(bt, qsl),
+            first_blocks=_host_first_blocks(bt, qsl, self.worker.host_tables),
             block_table=bt,
             slot_mapping=cm.slot_mapping[:cm.num_actual_tokens],
         )
-        if B and cm.max_query_len == 1 and worker_state.runtime is not None:
+        if B and cm.max_query_len == 1 and self.worker.runtime is not None:
             # A uniform decode step (one query token per row), maybe padded by vLLM to a FULL
             # graph's size (padding rows: no query token, seq_len 0, after the real rows): one
             # decode batch of B rows whatever vLLM then does (replay a graph, or call us eagerly).
             # Its requests are known only once the connector has bound this step's metadata, so
-            # plan_full runs there (start_load_kv, still before a graph replay) or, on a run
+            # the worker plans it there (start_load_kv, still before a graph replay) or, on a run
             # without it, in the first layer. (No runtime yet: vLLM's memory profiling runs before
             # the connector exists; those runs attend nothing.)
             md.full = B
             md.full_rows = sum(1 for i in range(B) if qsl[i + 1] > qsl[i] and md.seq_lens[i] > 0)
-            md.pending = True
-            worker_state.pending_full = md
+            self.worker.note(md)
         return md
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
@@ -170,9 +173,7 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
         here, outside the capture: the plan copies from the host)."""
         md = self.build(0, common_attn_metadata)
         if md.full:
-            md.pending = False
-            worker_state.pending_full = None
-            worker_state.get_runtime().plan_full([], [], md.full)
+            self.worker.plan_capture(md)
         return md
 
 
@@ -198,39 +199,22 @@ class HiSparseImpl(AttentionImpl):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
+        # the process's worker object: made by the first layer, found by the next ones
+        self.hisparse_worker: HiSparseWorker = worker.find(vc) or HiSparseWorker(dep)
         dtype, util = vc.model_config.dtype, vc.cache_config.gpu_memory_utilization
-        worker_state.reserve_indexer_state(dep, dtype, gpu_memory_utilization=util)
-        worker_state.reserve_dense_pool(dep, dtype, gpu_memory_utilization=util)
+        self.hisparse_worker.reserve_indexer_state(dtype, gpu_memory_utilization=util)
+        self.hisparse_worker.reserve_dense_pool(dtype, gpu_memory_utilization=util)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if attn_metadata is None:                 # profile, warm-up or vLLM's graph-capture run
             return output
         md: HiSparseMetadata = attn_metadata
-        if md.full:                               # a uniform decode step: the decode batch body
-            worker_state.resolve_full(md)
-            N = md.full
-            rt = worker_state.get_runtime()
-            rt.full_layer(extract_layer_index(layer.layer_name), N,
-                          query[:N].view(N, self.num_heads, self.head_size),
-                          key[:N].view(N, self.num_kv_heads, self.head_size),
-                          value[:N].view(N, self.num_kv_heads, self.head_size), kv_cache,
-                          md.block_table, self.scale,
-                          output[:N].view(N, self.num_heads, self.head_size))
-            return output
-        if md.plan is None:
-            ids = worker_state.req_ids_of(md.first_blocks)
-            if ids is None:                       # dummy batch: nothing to attend to
-                return output
-            rt = worker_state.get_runtime()
-            md.plan = rt.plan(ids, md.query_start_loc, md.seq_lens, md.block_table,
-                              md.slot_mapping)
-        rt = worker_state.get_runtime()
-        T = md.num_actual_tokens
+        T = md.full or md.num_actual_tokens       # a uniform decode step: its N rows
         q = query[:T].view(T, self.num_heads, self.head_size)
         k = key[:T].view(T, self.num_kv_heads, self.head_size)
         v = value[:T].view(T, self.num_kv_heads, self.head_size)
         out = output[:T].view(T, self.num_heads, self.head_size)
-        rt.forward_layer(extract_layer_index(layer.layer_name), md.plan, q, k, v, kv_cache,
-                         self.scale, out)
+        self.hisparse_worker.run(extract_layer_index(layer.layer_name), md, q, k, v, kv_cache,
+                                 self.scale, out)
         return output

@@ -14,6 +14,7 @@ if not VERSION.startswith(SUPPORTED):
 from vllm.config import VllmConfig, get_current_vllm_config  # noqa: E402
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
@@ -49,7 +50,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 __all__ = [
     "VERSION", "VllmConfig", "get_current_vllm_config", "CUDAGraphMode", "KVTransferConfig", "KVConnectorFactory", "KVConnectorBase_V1", "KVConnectorMetadata",
-    "KVConnectorRole", "SupportsHMA", "KVConnectorStats", "KVConnectorPromMetrics",
+    "KVConnectorRole", "SupportsHMA", "get_kv_transfer_group", "has_kv_transfer_group", "KVConnectorStats", "KVConnectorPromMetrics",
     "create_metric_per_engine", "get_tensor_model_parallel_rank", "init_logger", "Attention", "MLAAttention", "extract_layer_index",
     "AttentionBackend", "AttentionCGSupport", "AttentionImpl", "AttentionMetadataBuilder",
     "AttentionType", "CommonAttentionMetadata", "MultipleOf", "AttentionBackendEnum",

@@ -16,8 +16,10 @@ Scheduler process (role SCHEDULER):
     request that never could be sparse holds nothing of the kind and frees them at once, as in
     stock vLLM (-> False; the worker drops it unreported: vLLM asserts that every id it reports
     is still a live request).
-Worker process (role WORKER): owns the ``SparseRuntime`` (host pool + hot-slot state) that the
-attention backend forwards to; registers requests and frees their host pages.
+Worker process (role WORKER): holds the process's worker object (``gqa_worker.HiSparseWorker``,
+made by the attention impls: vllm/worker.py) as ``self.worker``, starts its ``SparseRuntime`` (host
+pool + hot-slot state) that the attention backend forwards to; registers requests and frees their
+host pages; plans each FULL decode step in ``start_load_kv``.
 """
 from __future__ import annotations
 
@@ -28,13 +30,10 @@ from typing import Any
 import torch
 
 from vllm_hisparse.core.residency import may_turn_sparse
-from vllm_hisparse.core.host_pool import HostPoolPinError
-from vllm_hisparse.core.sparse_runtime import SparseRuntime
-from vllm_hisparse.sim.recorder_hook import TraceWriter
 
-from . import metrics, worker_state
+from . import metrics, worker
+from .gqa_worker import HiSparseWorker
 from .spec import ledger_of
-from .flash_dense import make_decode_fn, make_dense_fn, stock_decode
 from .compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -95,34 +94,15 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._log_room()
         if role == KVConnectorRole.WORKER:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if torch.cuda.is_available() else torch.device("cpu"))
-            try:
-                lim = dep.limits
-                worker_state.runtime = SparseRuntime(
-                    self.cfg, lim.num_layers, lim.num_kv_heads, lim.head_dim, mc.dtype, device,
-                    lim.max_num_seqs, lim.max_model_len, host_pages=dep.host_pages,
-                    indexer_state=worker_state.indexer_state, dense_pool=worker_state.dense_pool,
-                    trace_writer=TraceWriter, deployment=dep)
-            except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
-                raise HostPoolPinError(e.nbytes, e.cause, self.cfg.host_pool_gib, e.pinned,
-                                       pc.tensor_parallel_size) from e.__cause__
-            fa = make_dense_fn(mc.dtype, mc.get_head_size())
-            if fa is not None:
-                worker_state.runtime.dense_fn = fa
-            dec = (make_decode_fn(mc.dtype, mc.get_head_size()) if stock_decode(self.cfg, mc)
-                   else None)
-            if dec is not None:
-                worker_state.runtime.use_decode_fn(dec)
-                logger.info("hisparse: no request can be sparse (max_model_len=%d < "
-                            "min_context=%d): decode through FlashAttention with its own "
-                            "split-KV, like stock vLLM", mc.max_model_len,
-                            self.cfg.min_context_tokens)
+            # the impls' worker object; none when no layer made one (a connector built outside
+            # an engine: tests), then this connector's own
+            self.worker: HiSparseWorker = worker.find(vllm_config) or HiSparseWorker(dep)
+            rt = self.worker.start_runtime(mc, pc.tensor_parallel_size)
             rank = get_tensor_model_parallel_rank()
             self._stats_path = os.environ.get(STATS_ENV)
             if self._stats_path and rank > 0:         # one file per rank: rank 0 keeps the name
                 self._stats_path = f"{self._stats_path}.rank{rank}"
-            self._report = metrics.WorkerReport(worker_state.runtime, rank, dep.page_bytes)
+            self._report = metrics.WorkerReport(rt, rank, dep.page_bytes)
 
     # ---- scheduler side ----------------------------------------------------------------------
     def _log_room(self) -> None:
@@ -280,13 +260,13 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer KV caches (the tensors the attention layers are called with): a
         request turning sparse copies its KV so far from them (core/turn_sparse.py)."""
-        rt = worker_state.get_runtime()
+        rt = self.worker.get_runtime()
         by_layer = {extract_layer_index(name): t for name, t in kv_caches.items()}
         rt.bind_kv_caches([by_layer.get(i) for i in range(rt.num_layers)])
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        rt = worker_state.get_runtime()
+        rt = self.worker.get_runtime()
         for rid in connector_metadata.finished:
             self._drop(rt, rid)
         for rid in connector_metadata.freed:
@@ -298,12 +278,12 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
                 rt.spill(rid, keep)
         for rid, (num_prompt, first_block) in connector_metadata.new.items():
             rt.add(rid, num_prompt)
-            worker_state.bind_request(rid, first_block)
+            self.worker.rows.bind(rid, first_block)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         # full_decode_graphs: plan a single-token step now that its requests are bound, before
         # vLLM replays the step's FULL graph (which calls no backend code)
-        worker_state.resolve_full(worker_state.pending_full)
+        self.worker.plan()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -316,7 +296,7 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _drop(self, rt, rid: str, report: bool = True) -> None:
         if rt.finish(rid):
-            worker_state.unbind_request(rid)
+            self.worker.rows.unbind(rid)
             self._dropped = True
             if report:
                 self._done.add(rid)
@@ -324,8 +304,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]):
         # after the step's forward: a plan_full request left by a run that never reached
         # start_load_kv (a dummy run) must not be resolved by a later hook
-        worker_state.pending_full = None
-        rt = worker_state.get_runtime()
+        self.worker.forget()
+        rt = self.worker.get_runtime()
         # finished_req_ids come from the scheduler output whose metadata was bound before this
         # step: its ``freed`` ids were dropped then (unreported), so rt.finish skips them here
         for rid in finished_req_ids:

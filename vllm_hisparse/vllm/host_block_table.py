@@ -1,5 +1,5 @@
 """The host copy of vLLM's block table, so the metadata builder reads each row's first block (the
-request's identity, worker_state.bind_request) without a device->host copy.
+request's identity, request_rows.RequestRows) without a device->host copy.
 
 ``CommonAttentionMetadata`` hands the builder only the device block table; ``.cpu()`` on it waits for
 every kernel queued before (the previous step's forward, under asynchronous scheduling), so the GPU
@@ -10,6 +10,7 @@ by the device tensor's address: first up the call stack (the builder is called f
 runner's ``_build_attention_metadata``: its ``self.input_batch.block_table``), else among the live
 objects (``gc.get_objects``, which misses what vLLM froze with ``gc.freeze()`` after startup — the
 engine's own tables). Not found (another runner): None, and the caller keeps the device copy.
+What was found is kept in the caller's ``found`` dict (the worker object's ``host_tables``).
 """
 from __future__ import annotations
 
@@ -20,22 +21,21 @@ import sys
 import torch
 
 logger = logging.getLogger(__name__)
-# device address -> (the device tensor, kept alive so the address is not reused; its host twin)
-_found: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
 
-def host_block_table(device_table: torch.Tensor) -> torch.Tensor | None:
+def host_block_table(device_table: torch.Tensor, found: dict) -> torch.Tensor | None:
     """The host tensor whose rows vLLM copies into ``device_table`` (any view starting at its row 0),
-    or None."""
+    or None. ``found``: device address -> (the device tensor, kept alive so the address is not
+    reused; its host twin or None), filled on the first call for each table."""
     ptr = device_table.data_ptr()
-    if ptr not in _found:
+    if ptr not in found:
         width = device_table.shape[-1]
         host = _from_stack(ptr, width)
-        _found[ptr] = (device_table, host if host is not None else _search(ptr, width))
-        if _found[ptr][1] is None:
+        found[ptr] = (device_table, host if host is not None else _search(ptr, width))
+        if found[ptr][1] is None:
             logger.warning("hisparse: vLLM's host block table not found; the metadata builder "
                            "copies the first blocks from the device (one GPU sync per step)")
-    return _found[ptr][1]
+    return found[ptr][1]
 
 
 def _match(table, ptr: int, width: int) -> torch.Tensor | None:

@@ -3,7 +3,8 @@
 
 Registered as CUSTOM like the GQA backend (plugin.route picks this class for MLA layers with a
 sparse indexer). vLLM's blocks of these layers hold a stub (vllm/mla_spec.py), never read; the
-impl forwards to the worker's ``core.latent_runtime.LatentRuntime``:
+impl forwards to the ``core.latent_runtime.LatentRuntime`` of the process's worker object
+(``mla_worker.LatentWorker``, vllm/worker.py):
 
 - ``do_kv_cache_update``: the step's latent rows to the host pool (write-through) and, for requests
   holding a region (prefill; resident mode: always), to the region (``LatentRuntime.write``);
@@ -29,8 +30,9 @@ from vllm.v1.attention.backends.mla.flashattn_mla_sparse import (
 )
 from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
 
-from . import dsa_state
+from . import worker
 from .backend import _host_first_blocks, _host_seq_lens
+from .mla_worker import LatentWorker
 from .compat import extract_layer_index, get_current_vllm_config
 from .deployment import config_of
 
@@ -58,15 +60,20 @@ class HiSparseMLASparseBackend(FlashAttnMLASparseBackend):
 
 class HiSparseMLASparseMetadataBuilder(FlashAttnMLASparseMetadataBuilder):
     """The stock builder (its metadata, its CUDA-graph support), which also notes the batch's
-    host-side shape for the connector to plan (dsa_state.note_batch)."""
+    host-side shape for the connector to plan (``LatentWorker.note``)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.worker: LatentWorker = worker.of_layer(vllm_config, layer_names[0])
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         cm = common_attn_metadata
         B = cm.num_reqs
         qsl = cm.query_start_loc_cpu[:B + 1].tolist()
-        dsa_state.note_batch(qsl, _host_seq_lens(cm, B),
-                             _host_first_blocks(cm.block_table_tensor[:B], qsl))
+        self.worker.note(qsl, _host_seq_lens(cm, B),
+                         _host_first_blocks(cm.block_table_tensor[:B], qsl,
+                                            self.worker.host_tables))
         return md
 
 
@@ -78,8 +85,10 @@ class HiSparseMLASparseImpl(FlashAttnMLASparseImpl):
         self._layer: int | None = None
         self.num_splits = config_of(vc).mla_num_splits
         assert self.topk_indices_buffer is not None
-        dsa_state.ensure_runtime(vc, self.kv_lora_rank + self.qk_rope_head_dim,
-                                 self.topk_indices_buffer.shape[1], vc.model_config.dtype)
+        # the process's worker object: made by the first layer, found by the next ones
+        self.hisparse_worker: LatentWorker = worker.find(vc) or LatentWorker.start(
+            vc, self.kv_lora_rank + self.qk_rope_head_dim, self.topk_indices_buffer.shape[1],
+            vc.model_config.dtype)
 
     def _layer_index(self) -> int:
         """This impl's layer (vLLM passes do_kv_cache_update no layer): found once by name in the
@@ -96,14 +105,14 @@ class HiSparseMLASparseImpl(FlashAttnMLASparseImpl):
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
                            k_scale) -> None:
         # the stub cache and slot_mapping are ignored: rows go where the step's plan says
-        dsa_state.get_runtime().write(self._layer_index(), kv_c_normed, k_pe)
+        self.hisparse_worker.runtime.write(self._layer_index(), kv_c_normed, k_pe)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         if not isinstance(q, tuple):
             raise NotImplementedError("HiSparseMLASparseImpl expects split (q_nope, q_rope) input")
         q_nope, q_rope = q
         T = q_rope.shape[0]
-        rt = dsa_state.get_runtime()
+        rt = self.hisparse_worker.runtime
         li = self._layer_index()
         idx, valid = rt.convert(li, self.topk_indices_buffer[:T])
         kv = rt.pool.rows[li]                                  # (M, kv_lora_rank + rope)

@@ -1,7 +1,8 @@
 """HiSparseMLAConnector: the DSA path's request lifecycle through vLLM's KV connector API
 (docs/dsa.md sections 5-6). The vLLM-facing class only forwards: admission to
 ``core.latent_ledger.LatentLedger`` (scheduler), the pool to ``core.latent_runtime.LatentRuntime``
-(worker, allocated by the MLA impls: vllm/dsa_state.py).
+(worker, allocated by the MLA impls with the process's worker object: vllm/mla_worker.py,
+vllm/worker.py).
 
 Scheduler process (role SCHEDULER):
   * admission (``get_num_new_matched_tokens``): a row set, a prefill region and host rows for
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 from vllm_hisparse.core.latent_ledger import LatentLedger
 
-from . import dsa_state, worker_state
+from . import worker
 from .compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -60,7 +61,7 @@ class HiSparseMLAConnector(KVConnectorBase_V1, SupportsHMA):
         self.cfg = dep.cfg
         self.max_model_len = dep.limits.max_model_len
         if role == KVConnectorRole.SCHEDULER:
-            s = dep.latent           # the latent pool's sizes, as the worker's (dsa_state)
+            s = dep.latent           # the latent pool's sizes, as the worker's (mla_worker)
             self.ledger = LatentLedger(s.row_sets, s.regions, s.host_rows, self.max_model_len,
                                        s.resident)
             self._prefill: dict[str, int] = {}     # req -> tokens its (re)computed prefill covers
@@ -70,7 +71,12 @@ class HiSparseMLAConnector(KVConnectorBase_V1, SupportsHMA):
                         "resident: a full-length region each" if s.resident else
                         f"{s.regions} prefill regions, {s.host_rows} host rows")
         else:
-            self.rt = dsa_state.get_runtime()
+            self.worker = worker.find(vllm_config)        # made by the MLA impls
+            if self.worker is None:
+                raise RuntimeError("hisparse: the DSA KV connector runs without the MLA attention "
+                                   "backend; start vLLM with --attention-backend hisparse so the "
+                                   "plugin configures both")
+            self.rt = self.worker.runtime
             self._stats_path = os.environ.get(STATS_ENV)
 
     # ---- scheduler side ----------------------------------------------------------------------
@@ -126,13 +132,13 @@ class HiSparseMLAConnector(KVConnectorBase_V1, SupportsHMA):
         md = connector_metadata
         for ev in md.events:
             if ev[0] == "release":
-                worker_state.unbind_request(ev[1])
+                self.worker.rows.unbind(ev[1])
         self.rt.apply(md.events)
         for rid, first_block in md.bind.items():
-            worker_state.bind_request(rid, first_block)
+            self.worker.rows.bind(rid, first_block)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        dsa_state.plan_pending()
+        self.worker.plan()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -144,7 +150,7 @@ class HiSparseMLAConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def get_finished(self, finished_req_ids: set[str]):
-        dsa_state.pending = None          # a batch noted by a run that never reached start_load_kv
+        self.worker.forget()              # a batch noted by a run that never reached start_load_kv
         if finished_req_ids and self._stats_path:
             with open(self._stats_path, "w") as f:
                 json.dump(self.rt.stats(), f)

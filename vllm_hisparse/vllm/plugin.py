@@ -27,14 +27,12 @@ from __future__ import annotations
 BACKEND_PATH = "vllm_hisparse.vllm.backend.HiSparseBackend"
 MLA_BACKEND_PATH = "vllm_hisparse.vllm.mla_backend.HiSparseMLASparseBackend"
 CONNECTOR = ("HiSparseConnector", "vllm_hisparse.vllm.connector")
-_done = False
 
 
 def register() -> None:
-    global _done
-    if _done:
-        return
-    _done = True
+    """Install everything listed above. Each step is idempotent on its own (a registry entry
+    set again to the same value, a wrap that finds its own marker), so calling it again is a
+    no-op; nothing records that it ran."""
     from . import compat as c
 
     c.register_backend(c.AttentionBackendEnum.CUSTOM, BACKEND_PATH)

@@ -64,7 +64,7 @@ class SpillLedger:
     reserve: int | None = None        # free blocks to keep; None (no connector bound): spill at once
     spilled: dict[str, int] = field(default_factory=dict)     # req -> keep, this step's shrinks
     bound: bool = False               # a HiSparseManager uses it (one per pool: one sparse group;
-                                      # a flag, not the manager, which holds the pool: weak key)
+                                      # a flag and a weak reference: the pool holds the ledger)
     _manager: "weakref.ref | None" = None
 
     def take(self) -> dict[str, int]:
@@ -79,14 +79,16 @@ class SpillLedger:
             m.spill_until(blocks)
 
 
-_LEDGERS: "weakref.WeakKeyDictionary[object, SpillLedger]" = weakref.WeakKeyDictionary()
+LEDGER_ATTR = "_hisparse_spill_ledger"     # the attribute of vLLM's BlockPool that holds it
 
 
 def ledger_of(block_pool) -> SpillLedger:
-    """The spill ledger of a vLLM BlockPool (created on first use; lives as long as the pool)."""
-    led = _LEDGERS.get(block_pool)
+    """The spill ledger of a vLLM BlockPool (scheduler process; created on first use and kept
+    on the pool itself, so it lives as long as the pool)."""
+    led = getattr(block_pool, LEDGER_ATTR, None)
     if led is None:
-        led = _LEDGERS[block_pool] = SpillLedger()
+        led = SpillLedger()
+        setattr(block_pool, LEDGER_ATTR, led)
     return led
 
 

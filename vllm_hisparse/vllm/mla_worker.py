@@ -1,0 +1,115 @@
+"""LatentWorker: the DSA path's one object per worker process (vllm/worker.py says how vLLM's
+pieces reach it). It owns the ``LatentRuntime`` (latent pool, host pool, row sets), which the first
+MLA attention impl allocates while vLLM builds the model (``start``: its memory profiling then
+counts the pool), the batch rows' requests (``rows``), vLLM's host block tables (``host_tables``)
+and the batch the metadata builder noted (``note``), which the KV connector plans in
+``start_load_kv`` (``plan``), before vLLM runs or replays the step.
+
+A batch row maps to its request through ``block_table[row, 0]`` (request_rows.py, as on the GQA
+path): block 0 of a request is never freed while it lives (nothing of vLLM's blocks is).
+Every method runs in the worker process.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_hisparse.core import capacity, capacity_mla
+from vllm_hisparse.core.deployment import LatentSizes
+from vllm_hisparse.core.latent_runtime import LatentRuntime
+
+from .compat import init_logger
+from .deployment import deployment_of
+from .request_rows import RequestRows
+
+logger = init_logger(__name__)
+
+
+def pool_bytes(s: LatentSizes, layers: int, max_model_len: int, buffer: int) -> int:
+    """GPU bytes the latent pool allocates: capacity_mla's regions and row sets (newest = 0)
+    (checked equal to LatentPool.nbytes by tests/test_dsa_adapter.py)."""
+    # capacity_mla sizes a latent row by its bytes alone (latent_bytes): one value of row_bytes B
+    m = capacity_mla.MLAShape(layers, kv_lora_rank=s.row_bytes, qk_rope_head_dim=0,
+                              dtype_bytes=1)
+    sets = 0 if s.resident else s.row_sets
+    return (s.regions * capacity_mla.prefill_region_bytes(m, max_model_len)
+            + sets * capacity_mla.latent_row_set_bytes(m, buffer, 0, max_model_len))
+
+
+class LatentWorker:
+    def __init__(self, runtime: LatentRuntime):
+        self.runtime = runtime
+        self.rows = RequestRows()
+        self.host_tables: dict = {}    # vllm/host_block_table.py's finds
+        self._noted = None             # (query_start_loc, seq_lens, first_blocks) built last
+
+    @classmethod
+    def start(cls, vllm_config, row: int, top_k: int, dtype: torch.dtype) -> "LatentWorker":
+        """The worker and its LatentRuntime (first MLA layer's impl, while the model is built). On
+        CUDA, first refuse a pool larger than half of the GPU memory vLLM may still use, naming
+        the settings that size it."""
+        dep = deployment_of(vllm_config)
+        cfg, s, layers = dep.cfg, dep.latent, dep.limits.num_layers
+        mc, sc = vllm_config.model_config, vllm_config.scheduler_config
+        assert s.row_bytes == row * dtype.itemsize, "the deployment's latent row is the impl's"
+        need = pool_bytes(s, layers, mc.max_model_len, cfg.device_buffer_size)
+        dev = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+               else "cpu")
+        if dev != "cpu":
+            free, total = torch.cuda.mem_get_info(dev)
+            budget = capacity.reservation_budget_bytes(
+                free, total, vllm_config.cache_config.gpu_memory_utilization,
+                torch.cuda.memory_reserved(dev))
+            if need > budget:
+                raise ValueError(
+                    f"hisparse: the latent pool needs {need / (1 << 30):.2f} GiB (regions="
+                    f"{s.regions} x max_model_len={mc.max_model_len}, row sets={s.row_sets} x "
+                    f"device_buffer_size={cfg.device_buffer_size}, {layers} layers), more than "
+                    f"the {budget / (1 << 30):.2f} GiB allowed; lower prefill_slots, quest_rows or "
+                    f"--max-model-len")
+        max_tokens = max(sc.max_num_batched_tokens,
+                         getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0)
+                         or 0)
+        # built while vLLM constructs the model, under its `with torch.device("cuda")`: a tensor
+        # made without a device (the host pool's, its page tables) must stay on the CPU
+        with torch.device("cpu"):
+            rt = LatentRuntime(layers, mc.max_model_len, cfg.device_buffer_size, s.row_sets,
+                               s.regions, s.host_rows, max_tokens, sc.max_num_seqs, top_k, row,
+                               dtype, dev, policy=cfg.policy)
+        logger.info("hisparse dsa: latent pool %.2f GiB on %s (%d regions x %d rows, %d row sets "
+                    "x B=%d, %d layers, policy %s), host pool %.2f GiB (%d rows)%s",
+                    rt.pool.nbytes / (1 << 30), dev, s.regions, mc.max_model_len,
+                    0 if s.resident else s.row_sets, cfg.device_buffer_size, layers,
+                    cfg.policy, rt.stats()["host_pool_bytes"] / (1 << 30), s.host_rows,
+                    " (resident mode)" if s.resident else "")
+        return cls(rt)
+
+    def get_runtime(self) -> LatentRuntime:
+        return self.runtime
+
+    def note(self, query_start_loc: list[int], seq_lens: list[int],
+             first_blocks: list[int]) -> None:
+        """The builder's batch (query_start_loc (B+1,), seq_lens (B,), first_blocks (B,), -1 =
+        padding row), planned in the connector's start_load_kv. Until then (and for a batch that
+        never reaches it: vLLM's dummy and capture runs) the plan is a no-op."""
+        self.runtime.clear()
+        self._noted = (query_start_loc, seq_lens, first_blocks)
+
+    def plan(self) -> None:
+        """Plan the noted batch (its requests are bound by now): rows without query tokens are
+        padding; a batch of no live request stays a no-op."""
+        if self._noted is None:
+            return
+        qsl, seq, first = self._noted
+        self._noted = None
+        live = [i for i in range(len(seq)) if qsl[i + 1] > qsl[i]]
+        ids = self.rows.ids_of([first[i] for i in live]) if live else None
+        if ids is None:
+            return
+        keys: list = [None] * len(seq)
+        for i, rid in zip(live, ids):
+            keys[i] = rid
+        self.runtime.plan(keys, qsl, seq)
+
+    def forget(self) -> None:
+        """A batch noted by a run that never reached start_load_kv (connector get_finished)."""
+        self._noted = None
