@@ -117,19 +117,19 @@ def test_one_sparse_group_per_pool():
 
 def connector_view(ledger, max_model_len=512, batched=64, seqs=4, watermark=0.0, full_isl=True):
     """The scheduler-side connector's pieces that size R and a waiting request's room (no engine):
-    what HiSparseConnector.bind_gpu_block_pool sets up, on a SimpleNamespace."""
+    what ConnectorScheduler.bind_gpu_block_pool sets up, on a SimpleNamespace."""
     from types import SimpleNamespace
 
     sc = SimpleNamespace(max_num_batched_tokens=batched, max_num_seqs=seqs, watermark=watermark,
                          scheduler_reserve_full_isl=full_isl)
     cfg = HiSparseConfig(top_k=48, device_buffer_size=64, page_size=PAGE, min_context=64,
                          resident_first=True)
-    from vllm_hisparse.vllm.connector import HiSparseConnector
+    from vllm_hisparse.vllm.connector_scheduler import ConnectorScheduler
 
     me = SimpleNamespace(cfg=cfg, max_model_len=max_model_len, _ledger=ledger,
                          _vllm_config=SimpleNamespace(scheduler_config=sc),
                          _watermark_blocks=int(watermark * 101))
-    me.admission_blocks = lambda request: HiSparseConnector.admission_blocks(me, request)
+    me.admission_blocks = lambda request: ConnectorScheduler.admission_blocks(me, request)
     return me
 
 
@@ -139,7 +139,7 @@ def test_room_for_the_waiting_requests_own_prompt():
     the connector admits it, before vLLM's full-sequence check, by spilling just enough."""
     from types import SimpleNamespace
 
-    from vllm_hisparse.vllm.connector import HiSparseConnector as C
+    from vllm_hisparse.vllm.connector_scheduler import ConnectorScheduler as C
 
     m, pool, led = manager(101, reserve=None)
     me = connector_view(led, watermark=0.02)           # 2 watermark blocks

@@ -201,17 +201,17 @@ def test_prompt_that_cannot_prefill_on_gpu_is_refused_at_startup():
     from types import SimpleNamespace
 
     from vllm_hisparse.config import HiSparseConfig
-    from vllm_hisparse.vllm.connector import HiSparseConnector
+    from vllm_hisparse.vllm.connector_scheduler import ConnectorScheduler
 
     me = SimpleNamespace(cfg=HiSparseConfig(top_k=32, device_buffer_size=64, page_size=16,
                                              resident_first=False),   # the check alone
                          max_model_len=1000)                     # 63 pages + the newest
-    HiSparseConnector.bind_gpu_block_pool(me, SimpleNamespace(num_gpu_blocks=65))
+    ConnectorScheduler.bind_gpu_block_pool(me, SimpleNamespace(num_gpu_blocks=65))
     with pytest.raises(ValueError, match=r"holds 63 blocks of 16 tokens.*needs 64 during its own "
                                          r"prefill; lower --max-model-len"):
-        HiSparseConnector.bind_gpu_block_pool(me, SimpleNamespace(num_gpu_blocks=64))
+        ConnectorScheduler.bind_gpu_block_pool(me, SimpleNamespace(num_gpu_blocks=64))
     resident = SimpleNamespace(cfg=HiSparseConfig(host_tier=False), max_model_len=10**6)
-    HiSparseConnector.bind_gpu_block_pool(resident, SimpleNamespace(num_gpu_blocks=2))
+    ConnectorScheduler.bind_gpu_block_pool(resident, SimpleNamespace(num_gpu_blocks=2))
 
 
 @pytest.mark.parametrize("sizes, max_size, n, want", [

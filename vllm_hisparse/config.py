@@ -14,8 +14,11 @@ from typing import Any, Mapping, Optional
 
 GIB = 1 << 30
 
-# Registered names; the policy registry in slots/ checks the same list at use.
-INDEXERS = ("quest", "dsa")
+# The indexers a config may name, each with its selection unit: "page" (page_size tokens) or
+# "token" (one). core/indexers maps each name to its class; ``indexers.register`` adds a name to
+# both (this table sits below core/ in the layers, so the config can check a name without it).
+INDEXERS = {"quest": "page", "dsa": "token"}
+UNITS = ("page", "token")
 
 
 class HiSparseConfigError(ValueError):
@@ -31,7 +34,8 @@ class HiSparseConfig:
         multiple of the selection unit (page_size for page indexers, 1 for token indexers).
     page_size: tokens per selection unit for page/block indexers (Quest/NSA) and per host-pool page.
     indexer: "quest" (page-level, any Llama/Qwen-style model) or "dsa" (token-level); the class
-        comes from the registry in core/indexers (vLLM serves "quest" only, docs/dsa.md).
+        comes from the registry in core/indexers (``indexers.register`` adds one; vLLM serves a
+        GQA model with a page indexer such as "quest", and "dsa" on MLA models, docs/dsa.md).
     host_pool_gib: pinned host memory for the authoritative KV of every request.
     io_chunk_bytes: bytes one GPU thread moves per load loop when fetching misses from host.
     policy: hot-buffer replacement policy (vllm_hisparse.slots.available(); served: slots.served()).
@@ -175,7 +179,7 @@ class HiSparseConfig:
     @property
     def unit_tokens(self) -> int:
         """Tokens per selection unit: a page for Quest, one token for DSA."""
-        return self.page_size if self.indexer == "quest" else 1
+        return self.page_size if INDEXERS[self.indexer] == "page" else 1
 
     @property
     def top_k_units(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.core import indexers
 from vllm_hisparse.config import HiSparseConfigError as Refused   # a ValueError; the CLI prints its
                                                                   # line alone (cli_check.py)
 
@@ -46,7 +47,7 @@ def prepare_config(vllm_config) -> None:
         copy_env_to_ray_workers()
         logger.info("hisparse: %s", cfg.to_dict())
         return
-    if cfg.indexer != "quest":
+    if indexers.get(cfg.indexer).serves != "gqa":
         raise Refused(f"hisparse: indexer={cfg.indexer!r} needs an MLA model with a DSA indexer "
                       f"(DeepSeek-V3.2 style, docs/dsa.md); this model is not MLA: use "
                       f"\"quest\"")

@@ -2,13 +2,15 @@
 interface (``base.Indexer``), one folder per indexer, chosen by the config field ``indexer``.
 
 The runtime, the decode batch and body, capacity and admission talk to ``base.Indexer`` only;
-``get(cfg.indexer)`` gives the class. Adding an indexer: a folder here with a subclass, a line in
-``_PATHS`` and its name in ``config.INDEXERS``.
+``get(cfg.indexer)`` gives the class. Adding an indexer: a file (or folder) with a subclass and
+one line: a built-in one in ``_PATHS`` and ``config.INDEXERS``, any other ``register(name, path,
+unit)`` (tests/test_third_indexer.py serves a test-only one through vLLM that way).
 """
 from __future__ import annotations
 
 import importlib
 
+from vllm_hisparse import config
 from vllm_hisparse.core.indexers.base import Indexer
 
 _PATHS = {
@@ -18,14 +20,25 @@ _PATHS = {
 NAMES = tuple(_PATHS)
 
 
+def register(name: str, path: str, unit: str) -> None:
+    """Make ``name`` a choice of the config field ``indexer``: ``path`` ("module:Class") names a
+    subclass of ``base.Indexer`` whose ``name`` is ``name``, ``unit`` its selection unit ("page":
+    page_size tokens, "token": one). Every process that loads a config naming it must have
+    registered it (a vLLM engine's processes: from a general plugin, or an in-process engine)."""
+    if unit not in config.UNITS:
+        raise ValueError(f"unit={unit!r}: choose one of {', '.join(config.UNITS)}")
+    _PATHS[name] = path
+    config.INDEXERS[name] = unit
+
+
 def get(name: str) -> type[Indexer]:
     """The indexer class registered as ``name`` (the config field ``indexer``)."""
     path = _PATHS.get(name)
     if path is None:
         raise ValueError(f"indexer={name!r} is not known; set the hisparse config's indexer to one "
-                         f"of {', '.join(NAMES)}")
+                         f"of {', '.join(_PATHS)}")
     mod, cls = path.split(":")
     return getattr(importlib.import_module(mod), cls)
 
 
-__all__ = ["Indexer", "NAMES", "get"]
+__all__ = ["Indexer", "NAMES", "get", "register"]

@@ -32,6 +32,8 @@ class Indexer:
 
     name = ""
     state_name = ""          # what the state is called in startup lines and errors
+    serves = "gqa"           # the models vLLM serves it on: "gqa" (the runtime's decode body) or
+                             # "mla" (DeepSeek-V3.2 style, vLLM's own indexer selects: docs/dsa.md)
 
     # ---- sizing (class level: capacity, admission, startup checks) ------------------------------
     @staticmethod

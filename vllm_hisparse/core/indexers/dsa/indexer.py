@@ -23,6 +23,7 @@ from vllm_hisparse.ops.dsa_indexer import indexer_logits, k_token_bytes, quantiz
 class DSAIndexer(Indexer):
     name = "dsa"
     state_name = "DSA indexer K cache"
+    serves = "mla"
 
     @staticmethod
     def unit_tokens(cfg) -> int:

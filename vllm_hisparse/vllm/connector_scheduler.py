@@ -1,0 +1,234 @@
+"""The scheduler half of the GQA path's KV connector (vllm/connector.py forwards to it): the host
+KV pool's request lifecycle, in the scheduler process (engine core).
+
+  * admission: a request that may be sparse at some step of its life (core/residency.py: its
+    prompt + max_tokens reaches min_context, so a short prompt that may generate past it too)
+    reserves an indexer row (core/indexers) and the host pages of its whole life (prompt +
+    max_tokens) before it is scheduled; when the pool or the rows cannot hold it the request
+    *waits* (``None`` from ``get_num_new_matched_tokens``) until finished requests give them back;
+  * ``build_connector_meta`` ships each newly scheduled (or resumed) request's prompt length and
+    first GPU block to the worker, and (resident_first) the requests the KV manager took blocks
+    from in this step with their new ``keep`` (vllm/spec.py ``SpillLedger``), which the worker
+    applies before the step's forward;
+  * finish: a request holding host pages or an indexer row frees its GPU blocks only after the
+    worker has dropped it (delayed free, ``request_finished`` -> True, the worker reports it
+    through ``get_finished``), so no new request is admitted onto what the worker still holds; a
+    request that never could be sparse holds nothing of the kind and frees them at once, as in
+    stock vLLM (-> False; the worker drops it unreported: vLLM asserts that every id it reports
+    is still a live request).
+Every method runs in the scheduler process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_hisparse.core.deployment import Deployment
+from vllm_hisparse.core.residency import may_turn_sparse
+
+from . import metrics
+from .compat import KVConnectorMetadata, init_logger
+from .spec import ledger_of
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class HiSparseConnectorMetadata(KVConnectorMetadata):
+    new: dict[str, tuple[int, int]] = field(default_factory=dict)   # req -> (prompt len, block 0)
+    finished: list[str] = field(default_factory=list)   # dropped before ``new`` takes their rows
+    # dropped like ``finished`` but never reported in finished_sending: vLLM freed their blocks
+    # at once (never sparse: no host page, no indexer row) and has forgotten them
+    freed: list[str] = field(default_factory=list)
+    spilled: dict[str, int] = field(default_factory=dict)  # resident_first: req -> its new keep
+
+
+class ConnectorScheduler:
+    def __init__(self, vllm_config, dep: Deployment):
+        self._vllm_config = vllm_config
+        # every size from the engine's one deployment (core/deployment.py), as the worker's pools
+        self.dep = dep
+        self.cfg = dep.cfg
+        # pages of each rank's host pool (0 where no request can be sparse); admission counts
+        # admit_pages: a sparse request takes as many pages in the host pool as in the dense pool
+        self.capacity = dep.host_pages
+        self.admit_pages = dep.admit_pages
+        self._bound = dep.admit_bound
+        self._pool_reason = "host_pool" if self._bound == "host" else "dense_pool"
+        self.max_model_len = dep.limits.max_model_len
+        self.max_num_seqs = dep.limits.max_num_seqs
+        # indexer rows on the worker: one per long request admitted at once
+        self.indexer_rows = dep.indexer_rows
+        self._rows_held: set[str] = set()
+        self._reserved: dict[str, int] = {}
+        self._reserved_total = 0
+        self._prompt: dict[str, int] = {}
+        self._sent: set[str] = set()
+        self._finishing: list[str] = []        # finished, blocks freed once the worker reports
+        self._freed: list[str] = []            # finished, blocks freed at once (never sparse)
+        self._waiting_logged: set[str] = set()
+        self._waiting: dict[str, str] = {}     # req -> what it waits for (metrics.WAIT_REASONS)
+        self._sched_report: dict | None = None
+        self._ledger = None                    # resident_first: the KV manager's spills
+        self._watermark_blocks = 0
+        self._log_room()
+
+    def _log_room(self) -> None:
+        """One startup line: how many requests of max_model_len tokens admission lets run at once
+        (``Deployment.room_line``, which ``hisparse calc`` prints too; bench/serving.py reads it
+        for --concurrency cap)."""
+        note = self.dep.idle_rows_note()
+        if note:
+            logger.warning(note)
+        logger.info("%s", self.dep.room_line())
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        """Startup check: a prompt is fully resident during its own prefill, so one max_model_len
+        prompt must fit in the GPU blocks (else it would wait forever); vLLM's own check only sees
+        the bounded steady-state footprint of HiSparseSpec. resident_first: the reserve R of free
+        blocks the KV manager keeps by spilling (docs/vllm-integration.md, "Residency states")."""
+        if not self.cfg.host_tier:
+            return
+        if self.cfg.resident_first:
+            self._ledger = ledger_of(gpu_block_pool)
+            self._watermark_blocks = int(self._vllm_config.scheduler_config.watermark
+                                         * gpu_block_pool.num_gpu_blocks)
+            self._ledger.reserve = self.spill_reserve()
+        need = -(-self.max_model_len // self.cfg.page_size) + 1
+        have = gpu_block_pool.num_gpu_blocks - 1                 # block 0 is vLLM's null block
+        if have < need:
+            raise ValueError(
+                f"hisparse: the GPU KV cache holds {have} blocks of {self.cfg.page_size} tokens, but "
+                f"a max_model_len={self.max_model_len} prompt needs {need} during its own prefill; "
+                f"lower --max-model-len or raise --gpu-memory-utilization")
+
+    def spill_reserve(self) -> int:
+        """R, kept free at every KV-manager call: every block one step's allocations of running
+        requests can take (its batched tokens plus a partial block per request) and vLLM's
+        watermark. A waiting request's own blocks are made free when it is admitted
+        (``admission_blocks``, from get_num_new_matched_tokens, before vLLM checks them)."""
+        sc, page = self._vllm_config.scheduler_config, self.cfg.page_size
+        return (-(-sc.max_num_batched_tokens // page) + sc.max_num_seqs
+                + self._watermark_blocks)
+
+    def admission_blocks(self, request) -> int:
+        """Free blocks a waiting request (new, or preempted: prompt and output so far) needs when
+        vLLM allocates it: its whole sequence (scheduler_reserve_full_isl, vLLM's default, checks
+        it fits before anything is allocated; else its first chunk), vLLM's watermark and one
+        block of slack (the copy of a partial prefix-cache hit)."""
+        sc, page = self._vllm_config.scheduler_config, self.cfg.page_size
+        n = min(request.num_tokens, self.max_model_len)
+        if not getattr(sc, "scheduler_reserve_full_isl", True):
+            n = min(n, sc.max_num_batched_tokens)
+        return -(-n // page) + self._watermark_blocks + 1
+
+    def _make_room(self, request) -> None:
+        """resident_first: the KV manager spills until this admitted request's blocks are free,
+        before vLLM's checks in this same step (running requests were scheduled already)."""
+        if self._ledger is not None:
+            self._ledger.make_room(self.admission_blocks(request))
+
+    def _may_be_sparse(self, request) -> bool:
+        """Sparse at some step of its life: a long prompt, or a short one whose prompt +
+        max_tokens reaches min_context (it turns sparse when its context does)."""
+        max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
+        # its context never exceeds max_model_len (so with max_model_len < min_context none does)
+        max_tokens = min(max_tokens, self.max_model_len - request.num_prompt_tokens)
+        return may_turn_sparse(self.cfg, request.num_prompt_tokens, max_tokens)
+
+    def _pages_needed(self, request) -> int:
+        if not self.cfg.host_tier or not self._may_be_sparse(request):
+            return 0
+        max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
+        n = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
+        return -(-n // self.cfg.page_size)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        rid = request.request_id
+        self._prompt[rid] = request.num_prompt_tokens
+        if rid in self._reserved:
+            self._make_room(request)
+            return 0, False
+        need = self._pages_needed(request)
+        sparse = self._may_be_sparse(request)
+        if sparse and len(self._rows_held) >= self.indexer_rows:
+            self._waiting[rid] = "quest_rows"
+            if rid not in self._waiting_logged:
+                self._waiting_logged.add(rid)
+                logger.warning("hisparse: indexer rows full (quest_rows=%d long requests at "
+                               "once); request %s waits", self.indexer_rows, rid)
+            return None, False
+        if self._reserved_total + need > self.admit_pages:
+            self._waiting[rid] = self._pool_reason
+            if rid not in self._waiting_logged:
+                self._waiting_logged.add(rid)
+                logger.warning("hisparse: %s pool full (%d of %d pages reserved); request %s "
+                               "(%d pages) waits", self._bound, self._reserved_total,
+                               self.admit_pages, rid, need)
+            return None, False
+        self._waiting_logged.discard(rid)
+        self._waiting.pop(rid, None)
+        if sparse:
+            self._rows_held.add(rid)
+        self._reserved[rid] = need
+        self._reserved_total += need
+        self._make_room(request)
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        return None
+
+    def build_connector_meta(self, scheduler_output) -> HiSparseConnectorMetadata:
+        md = HiSparseConnectorMetadata(finished=self._finishing, freed=self._freed)
+        self._finishing, self._freed = [], []
+        if self._ledger is not None:          # after every allocation of the step
+            md.spilled = self._ledger.take()
+        for r in scheduler_output.scheduled_new_reqs:
+            md.new[r.req_id] = (self._prompt.get(r.req_id, len(r.prompt_token_ids or ())),
+                                r.block_ids[0][0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                md.new[rid] = (self._prompt[rid], cached.new_block_ids[i][0][0])
+        self._sent.update(md.new)
+        return md
+
+    def _release(self, rid: str) -> None:
+        self._reserved_total -= self._reserved.pop(rid, 0)
+        self._rows_held.discard(rid)
+        self._prompt.pop(rid, None)
+        self._sent.discard(rid)
+        self._waiting_logged.discard(rid)
+        self._waiting.pop(rid, None)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """True (delay the free) only for a request the worker knows that holds host pages or an
+        indexer row: they are released once the worker has dropped it (``get_finished`` ->
+        ``update_connector_output``). A request that never could be sparse holds on the worker
+        only its runtime row and first-block binding, which the next step's metadata drops
+        (``freed``) before it binds any new request: its blocks go back at once, as in stock
+        vLLM."""
+        rid = request.request_id
+        if rid in self._sent:
+            if self._reserved.get(rid, 0) or rid in self._rows_held:
+                self._finishing.append(rid)
+                return True, None
+            self._freed.append(rid)
+        self._release(rid)
+        return False, None
+
+    def update_connector_output(self, connector_output) -> None:
+        for rid in connector_output.finished_sending or ():
+            self._release(rid)
+
+    def stats(self):
+        """The scheduler's part of vllm/metrics.py (vLLM asks every step): None when unchanged."""
+        waiting = {f"waiting_{r}": 0 for r in metrics.WAIT_REASONS}
+        for reason in self._waiting.values():
+            waiting[f"waiting_{reason}"] += 1
+        pages = self.capacity if self.cfg.host_tier else 0         # resident mode has no pool
+        now = {"host_pages_reserved": self._reserved_total, "host_pages": pages, **waiting}
+        if now == self._sched_report:
+            return None
+        self._sched_report = now
+        return metrics.HiSparseStats(data={"sched": dict(now)})
