@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from test_vllm_engine import PY, ROOT, generate
+from test_vllm_engine import PY, ROOT, generate_all
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,10 +33,11 @@ def test_smollm2_hisparse_equals_resident(tmp_path):
             pytest.skip(f"{path} missing (Debian license texts are the real-text corpus)")
         ids = tok(open(path, errors="ignore").read())["input_ids"]
         prompts.append(ids[:PROMPT_TOKENS - 100 * len(prompts)])     # different lengths
-    resident = generate(tmp_path, model, dict(CFG, host_tier=False), [prompts], "resident",
-                        extra=["--max-model-len", "1536", "--max-num-batched-tokens", "512"])
-    hisparse = generate(tmp_path, model, CFG, [prompts], "hisparse",
-                        extra=["--max-model-len", "1536", "--max-num-batched-tokens", "512"])
+    extra = ["--max-model-len", "1536", "--max-num-batched-tokens", "512"]
+    runs = generate_all(tmp_path, model, {"hisparse": (CFG, [prompts], extra),   # side by side
+                                          "resident": (dict(CFG, host_tier=False), [prompts],
+                                                       extra)})
+    resident, hisparse = runs["resident"](), runs["hisparse"]()
     for i, (r, h) in enumerate(zip(resident["batches"][0], hisparse["batches"][0])):
         assert h["tokens"] == r["tokens"], f"{DOCS[i]}: tokens differ"
         assert h["logprobs"] == r["logprobs"], f"{DOCS[i]}: logprobs differ"
