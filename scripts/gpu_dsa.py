@@ -90,6 +90,15 @@ def requests(outs) -> list[dict]:
             for o in outs]
 
 
+def compilation() -> dict:
+    """The engines' compilation config; DSA_COMPILE=0: no torch.compile (no Inductor kernels, whose
+    per-config compilation can pick other kernels), FULL graphs for decode steps only."""
+    cc: dict = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
+    if os.environ.get("DSA_COMPILE") == "0":
+        cc.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
+    return cc
+
+
 def run(mode: str, model: str, out: str) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the runtime's stats in-process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -108,7 +117,7 @@ def run(mode: str, model: str, out: str) -> int:
     kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format=LOAD,
               dtype="bfloat16", seed=0, max_model_len=MAX_LEN, max_num_seqs=8,
               max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
-              compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+              compilation_config=compilation())
     cfg = dict(CFG, host_tier=mode in ("hisparse", "crf", "control"),
                policy="crf" if mode == "crf" else "lru")
     llm = LLM(**kw, **backend(mode, cfg))

@@ -8,7 +8,8 @@
 #   DSA_SPLITS=0 (FA3 num_splits of hisparse/resident; 1 = batch-invariant) MODES="hisparse stock
 #   resident resident2 control" (add crf: hisparse under policy crf, compared with resident, its misses
 #   beside lru's; control: the negative control, which must mismatch)
-#   DSA_TESTS=0 (skip the CUDA tests) bash scripts/gpu_dsa.sh OUT
+#   DSA_TESTS=0 (skip the CUDA tests) bash scripts/gpu_dsa.sh OUT; DSA_COMPILE=0: no torch.compile (FULL
+#   decode graphs only), DSA_DETERMINISTIC=1: Inductor's deterministic mode
 #   DSA_CAP=1 MODES= DSA_TESTS=0 bash scripts/gpu_dsa.sh OUT   # capacity only (issue 17), ~6 min:
 #   stock and hisparse at one GPU KV budget (DSA_CAP_KV_GIB=2, DSA_CAP_HOST_GIB=6, DSA_CAP_OUT=256)
 set -uo pipefail
