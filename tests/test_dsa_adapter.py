@@ -1,9 +1,9 @@
 """The DSA adapter's CPU-runnable parts against vLLM 0.26's interfaces, without an engine (the CPU
-platform has no MLA backend): the connector (vllm/mla_connector.py) in both roles driven by a
-scripted vLLM scheduler (chunked prefill under a token budget, FULL-graph padding rows and tokens,
-a preemption, requests waiting for a region), the worker object the MLA impl makes
-(vllm/mla_worker.py: ``LatentWorker.start``, ``note``, the write and conversion the impl forwards
-to), attention by ops/sparse_mla.py where the impl calls FA3.
+platform has no MLA backend): the connector (vllm/connector.py, with vllm/mla_connector.py's MLA
+halves) in both roles driven by a scripted vLLM scheduler (chunked prefill under a token budget,
+FULL-graph padding rows and tokens, a preemption, requests waiting for a region), the worker
+object the MLA impl makes (vllm/mla_worker.py: ``LatentWorker.start``, ``note``, the write and
+conversion the impl forwards to), attention by ops/sparse_mla.py where the impl calls FA3.
 
 Every attention output (prefill and decode, every layer) must be bit-identical to the same
 attention over the ground-truth rows gathered by the selection (a different computation: no pool,
@@ -78,7 +78,7 @@ def with_worker(vc, w):
 def run_engine(extra: dict):
     from vllm_hisparse.vllm.compat import KVConnectorRole
     from vllm_hisparse.vllm.deployment import deployment_of
-    from vllm_hisparse.vllm.mla_connector import HiSparseMLAConnector
+    from vllm_hisparse.vllm.connector import HiSparseConnector as HiSparseMLAConnector
     from vllm_hisparse.vllm.mla_worker import LatentWorker, pool_bytes
 
     vc = vconfig(extra)

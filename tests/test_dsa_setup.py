@@ -47,7 +47,7 @@ def test_prepare_config_sets_what_the_dsa_path_needs(host_tier, policy):
     assert cfg.attention_config.sparse_mla_force_mqa is True
     ktc = cfg.kv_transfer_config
     assert (ktc.kv_connector, ktc.kv_connector_module_path, ktc.kv_role) == (
-        "HiSparseMLAConnector", "vllm_hisparse.vllm.mla_connector", "kv_both")
+        "HiSparseConnector", "vllm_hisparse.vllm.connector", "kv_both")     # the one connector
 
 
 REFUSED = [

@@ -1,10 +1,10 @@
-"""HiSparseMLAConnector: the DSA path's request lifecycle through vLLM's KV connector API
-(docs/dsa.md sections 5-6). The vLLM-facing class only forwards: admission to
-``core.latent_ledger.LatentLedger`` (scheduler), the pool to ``core.latent_runtime.LatentRuntime``
-(worker, allocated by the MLA impls with the process's worker object: vllm/mla_worker.py,
-vllm/worker.py).
+"""The DSA path's two halves of the KV connector (docs/dsa.md sections 5-6); vllm/connector.py's
+``HiSparseConnector`` picks them on an MLA model and only forwards to the half of its role.
+Admission is ``core.latent_ledger.LatentLedger``'s (scheduler), the pool
+``core.latent_runtime.LatentRuntime``'s (worker, allocated by the MLA impls with the process's
+worker object: vllm/mla_worker.py, vllm/worker.py).
 
-Scheduler process (role SCHEDULER):
+``LatentConnectorScheduler`` (scheduler process, role SCHEDULER):
   * admission (``get_num_new_matched_tokens``): a row set, a prefill region and host rows for
     prompt + max_tokens, all or nothing, else the request waits (``None``); a request asked again
     (preempted, or not scheduled after its admission) gives everything back and is admitted again:
@@ -15,8 +15,9 @@ Scheduler process (role SCHEDULER):
     this one is planned);
   * finish: everything back at once (``request_finished`` -> False: vLLM's blocks hold only the
     stub and the indexer K, which the worker never touches after the request's last step).
-Worker process (role WORKER): applies the events, binds first blocks, and plans the step the MLA
-builder noted in ``start_load_kv`` (before vLLM runs or replays the step's graph).
+``LatentConnectorWorker`` (worker process, role WORKER): applies the events, binds first blocks,
+and plans the step the MLA builder noted in ``start_load_kv`` (before vLLM runs or replays the
+step's graph).
 """
 from __future__ import annotations
 
@@ -24,17 +25,11 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from vllm_hisparse.core.deployment import Deployment
 from vllm_hisparse.core.latent_ledger import LatentLedger
 
 from . import worker
-from .compat import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    SupportsHMA,
-    init_logger,
-)
-from .deployment import deployment_of
+from .compat import KVConnectorMetadata, init_logger
 
 logger = init_logger(__name__)
 STATS_ENV = "HISPARSE_STATS_FILE"      # worker writes its hit/miss counts there at each finish
@@ -54,32 +49,25 @@ def admission_of(request, max_model_len: int) -> tuple[int, int]:
     return prompt, max(0, min(max_tokens, max_model_len - prompt))
 
 
-class HiSparseMLAConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config, role, kv_cache_config=None):
-        super().__init__(vllm_config, role, kv_cache_config)
-        dep = deployment_of(vllm_config)
+class LatentConnectorScheduler:
+    """Every method runs in the scheduler process."""
+
+    def __init__(self, vllm_config, dep: Deployment):
         self.cfg = dep.cfg
         self.max_model_len = dep.limits.max_model_len
-        if role == KVConnectorRole.SCHEDULER:
-            s = dep.latent           # the latent pool's sizes, as the worker's (mla_worker)
-            self.ledger = LatentLedger(s.row_sets, s.regions, s.host_rows, self.max_model_len,
-                                       s.resident)
-            self._prefill: dict[str, int] = {}     # req -> tokens its (re)computed prefill covers
-            self._waiting: dict[str, str] = {}     # req -> why it waits (logged once)
-            logger.info("hisparse dsa: admission of %d requests at once (%s)",
-                        s.regions if s.resident else s.row_sets,
-                        "resident: a full-length region each" if s.resident else
-                        f"{s.regions} prefill regions, {s.host_rows} host rows")
-        else:
-            self.worker = worker.find(vllm_config)        # made by the MLA impls
-            if self.worker is None:
-                raise RuntimeError("hisparse: the DSA KV connector runs without the MLA attention "
-                                   "backend; start vLLM with --attention-backend hisparse so the "
-                                   "plugin configures both")
-            self.rt = self.worker.runtime
-            self._stats_path = os.environ.get(STATS_ENV)
+        s = dep.latent               # the latent pool's sizes, as the worker's (mla_worker)
+        self.ledger = LatentLedger(s.row_sets, s.regions, s.host_rows, self.max_model_len,
+                                   s.resident)
+        self._prefill: dict[str, int] = {}     # req -> tokens its (re)computed prefill covers
+        self._waiting: dict[str, str] = {}     # req -> why it waits (logged once)
+        logger.info("hisparse dsa: admission of %d requests at once (%s)",
+                    s.regions if s.resident else s.row_sets,
+                    "resident: a full-length region each" if s.resident else
+                    f"{s.regions} prefill regions, {s.host_rows} host rows")
 
-    # ---- scheduler side ----------------------------------------------------------------------
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        return None                   # no startup check: a prompt's latent is in the plugin's pool
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         rid = request.request_id
         self.ledger.release(rid)                  # asked again: preempted or not yet scheduled
@@ -123,12 +111,30 @@ class HiSparseMLAConnector(KVConnectorBase_V1, SupportsHMA):
         self._waiting.pop(rid, None)
         return False, None
 
-    def request_finished_all_groups(self, request, block_ids):
-        return self.request_finished(request, block_ids)
+    def update_connector_output(self, connector_output) -> None:
+        return None                   # nothing is reported back: every free is immediate
 
-    # ---- worker side -------------------------------------------------------------------------
+    def stats(self):
+        """No KV-connector stats on the DSA path (vllm/metrics.py is the GQA path's)."""
+        return None
+
+
+class LatentConnectorWorker:
+    """Every method runs in the worker process."""
+
+    def __init__(self, vllm_config, dep: Deployment):
+        self.worker = worker.find(vllm_config)        # made by the MLA impls
+        if self.worker is None:
+            raise RuntimeError("hisparse: the DSA KV connector runs without the MLA attention "
+                               "backend; start vLLM with --attention-backend hisparse so the "
+                               "plugin configures both")
+        self.rt = self.worker.runtime
+        self._stats_path = os.environ.get(STATS_ENV)
+
+    def register_kv_caches(self, kv_caches) -> None:
+        return None                   # vLLM's blocks hold the stub and the indexer K: never read
+
     def bind_connector_metadata(self, connector_metadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
         md = connector_metadata
         for ev in md.events:
             if ev[0] == "release":
@@ -137,21 +143,25 @@ class HiSparseMLAConnector(KVConnectorBase_V1, SupportsHMA):
         for rid, first_block in md.bind.items():
             self.worker.rows.bind(rid, first_block)
 
-    def start_load_kv(self, forward_context, **kwargs) -> None:
+    def start_load_kv(self) -> None:
         self.worker.plan()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        return None                       # write-through happens in do_kv_cache_update
+        return None                   # write-through happens in do_kv_cache_update
 
     def wait_for_save(self) -> None:
         return None
 
     def get_finished(self, finished_req_ids: set[str]):
-        self.worker.forget()              # a batch noted by a run that never reached start_load_kv
+        self.worker.forget()          # a batch noted by a run that never reached start_load_kv
         if finished_req_ids and self._stats_path:
             with open(self._stats_path, "w") as f:
                 json.dump(self.rt.stats(), f)
         return None, None
+
+    def stats(self):
+        """No KV-connector stats on the DSA path (vllm/metrics.py is the GQA path's)."""
+        return None

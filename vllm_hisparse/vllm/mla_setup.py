@@ -10,7 +10,8 @@ from vllm_hisparse.core.capacity_mla import MLA_BLOCK
 
 from .deployment import deployment_of
 
-CONNECTOR = ("HiSparseMLAConnector", "vllm_hisparse.vllm.mla_connector")
+# the one connector of every hisparse run (plugin.CONNECTOR): it picks the MLA halves (connector.py)
+CONNECTOR = ("HiSparseConnector", "vllm_hisparse.vllm.connector")
 LATENT_DTYPES = ("auto", "bfloat16", "float16")
 
 
@@ -80,7 +81,8 @@ def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
 def prepare_mla(cfg: HiSparseConfig, vllm_config, logger) -> None:
     """Check, then make the changes the DSA path needs: block size 64, prefix caching off (the
     latent is not in vLLM's blocks), every prefill token through ``forward_mqa`` (the dense-MHA
-    prefill reads vLLM's blocks: ``attention_config.sparse_mla_force_mqa``), our KV connector."""
+    prefill reads vLLM's blocks: ``attention_config.sparse_mla_force_mqa``), our KV connector
+    (``HiSparseConnector``, as on GQA models; kv_both here)."""
     from .compat import KVTransferConfig
 
     check_mla(cfg, vllm_config)

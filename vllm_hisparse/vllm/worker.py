@@ -4,7 +4,8 @@ A worker object owns the process's runtime (GQA: ``gqa_worker.HiSparseWorker`` a
 ``core.sparse_runtime.SparseRuntime``; MLA/DSA: ``mla_worker.LatentWorker`` around
 ``core.latent_runtime.LatentRuntime``), the batch rows' requests (``RequestRows``), the host block
 tables the metadata builder found, and the step the builder noted until the connector plans it.
-Both kinds answer the small ``Worker`` protocol below, which is all the connectors use.
+Both kinds answer the small ``Worker`` protocol below, which is all the connector's worker halves
+use (vllm/connector.py picks the half of the model's kind).
 
 No module global holds it; it is reached through vLLM's own handles:
   * the first hisparse attention impl makes it while vLLM builds the model (so vLLM's memory
@@ -24,7 +25,7 @@ ATTR = "hisparse_worker"          # the attribute of an attention impl that hold
 
 
 class Worker(Protocol):
-    """What the worker-side connectors use (worker process)."""
+    """What the connector's worker halves use (worker process)."""
 
     rows: RequestRows             # the batch rows' requests (bound by the connector)
     runtime: object               # SparseRuntime or LatentRuntime (None before it is made)

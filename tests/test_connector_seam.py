@@ -1,0 +1,143 @@
+"""One connector seam (issue 44 item 3): ``HiSparseConnector`` (vllm/connector.py) is the one
+vLLM-facing connector of GQA and MLA/DSA models, picks its two halves from the deployment's
+attention kind, and does no work itself: every public connector method it defines hands its
+arguments to the half of its role and returns what the half returns. Stand-in halves record each
+call, so a facade method that reads an argument, loops, or answers without its half fails here."""
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+# facade methods whose half method has another name (vLLM's HMA name; the metrics' name)
+RENAMED = {"request_finished_all_groups": "request_finished", "get_kv_connector_stats": "stats"}
+BOTH_ROLES = {"get_kv_connector_stats"}      # vLLM asks the connector of each role
+KINDS = ("gqa", "mla")
+
+
+class Recorder:
+    """A stand-in half: any method, each call recorded as (name, args, kwargs), answering a fresh
+    object."""
+
+    def __init__(self, kind: str, role: str, vllm_config, dep):
+        self.kind, self.role, self.calls = kind, role, []
+        self.worker = ("worker of", kind)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def method(*args, **kwargs):
+            out = object()
+            self.calls.append((name, args, kwargs, out))
+            return out
+        return method
+
+
+@pytest.fixture
+def seam(monkeypatch):
+    """connector.HALVES with Recorder halves per kind; the deployment's kind set by the config."""
+    from vllm_hisparse.vllm import connector
+
+    def halves(kind):
+        return connector.Halves(lambda vc, dep: Recorder(kind, "scheduler", vc, dep),
+                                lambda vc, dep: Recorder(kind, "worker", vc, dep),
+                                prom_metrics=kind == "gqa")
+
+    monkeypatch.setattr(connector, "HALVES", {k: halves(k) for k in KINDS})
+    monkeypatch.setattr(connector, "deployment_of",
+                        lambda vc: SimpleNamespace(limits=SimpleNamespace(mla=vc.mla)))
+    return connector
+
+
+def make(connector, kind: str, role: str):
+    from vllm_hisparse.vllm.compat import KVConnectorRole
+
+    vc = SimpleNamespace(mla=kind == "mla", kv_transfer_config=SimpleNamespace())
+    r = KVConnectorRole.SCHEDULER if role == "scheduler" else KVConnectorRole.WORKER
+    return connector.HiSparseConnector(vc, r, None)
+
+
+def facade_methods(cls) -> list[str]:
+    """The public instance methods the facade class itself defines."""
+    return sorted(n for n, v in vars(cls).items()
+                  if not n.startswith("_") and inspect.isfunction(v))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_deployment_picks_the_halves_of_one_facade(seam, kind):
+    for role in ("scheduler", "worker"):
+        c = make(seam, kind, role)
+        half = c.connector_scheduler if role == "scheduler" else c.connector_worker
+        other = c.connector_worker if role == "scheduler" else c.connector_scheduler
+        assert (half.kind, half.role, other) == (kind, role, None)
+    assert make(seam, kind, "worker").worker == ("worker of", kind)
+    assert make(seam, kind, "scheduler").worker is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_public_method_only_forwards_to_its_half(seam, kind):
+    names = facade_methods(seam.HiSparseConnector)
+    assert {"get_num_new_matched_tokens", "build_connector_meta", "request_finished",
+            "bind_connector_metadata", "start_load_kv", "get_finished",
+            "save_kv_layer"} <= set(names)
+    for name in names:
+        served = []
+        for role in ("scheduler", "worker"):
+            c = make(seam, kind, role)
+            half = c.connector_scheduler if role == "scheduler" else c.connector_worker
+            fn = getattr(c, name)
+            args = [object() for p in inspect.signature(fn).parameters.values()
+                    if p.kind is p.POSITIONAL_OR_KEYWORD]
+            try:
+                got = fn(*args)
+            except AttributeError:      # the other role's half is None: not this role's method
+                got = None
+            if not half.calls:          # not this role's (a hook of the other role answers None)
+                assert got is None, (name, role)
+                continue
+            served.append(role)
+            assert len(half.calls) == 1, (name, role, half.calls)
+            called, cargs, ckw, out = half.calls[0]
+            assert called == RENAMED.get(name, name), (name, called)
+            assert got is out, f"{name}: the facade must return what its half returns"
+            it = iter(args)             # the half gets the facade's arguments, in order, as given
+            assert all(any(a is b for b in it) for a in cargs) and not ckw, (name, cargs)
+        want = 2 if name in BOTH_ROLES else 1
+        assert len(served) == want, f"{name} is served by {served or 'no'} role"
+
+
+def test_a_hook_a_half_leaves_out_is_vllms_default(seam):
+    """GQA's worker half has no per-layer hooks: the facade answers vLLM's base default."""
+    c = make(seam, "gqa", "worker")
+    c.connector_worker = SimpleNamespace()
+    assert c.wait_for_layer_load("l") is None and c.wait_for_save() is None
+    assert c.save_kv_layer("l", None, None) is None
+
+
+def test_bind_connector_metadata_keeps_vllms_record(seam):
+    c = make(seam, "mla", "worker")
+    md = object()
+    c.bind_connector_metadata(md)
+    assert c._get_connector_metadata() is md
+
+
+def test_dsa_path_exports_no_prometheus_series(seam):
+    vc = SimpleNamespace(mla=True)
+    assert seam.HiSparseConnector.build_prom_metrics(vc, {}, [], {}) is None
+
+
+def test_the_real_halves_serve_their_kind():
+    from vllm_hisparse.vllm import connector
+    from vllm_hisparse.vllm.connector_scheduler import ConnectorScheduler
+    from vllm_hisparse.vllm.mla_connector import LatentConnectorScheduler, LatentConnectorWorker
+
+    assert connector.HALVES["gqa"].scheduler is ConnectorScheduler
+    assert connector.HALVES["mla"].scheduler is LatentConnectorScheduler
+    assert connector.HALVES["mla"].worker is LatentConnectorWorker
+    for kind, mla in (("gqa", False), ("mla", True)):
+        dep = SimpleNamespace(limits=SimpleNamespace(mla=mla))
+        assert connector.kind_of(dep) == kind
