@@ -11,7 +11,9 @@ impl forwards to the ``core.latent_runtime.LatentRuntime`` of the process's work
 - ``forward_mqa``: the stock method with ``triton_convert_req_index_to_global_index`` replaced by
   ``LatentRuntime.convert`` (region rows for prefill, RESOLVE of the indexer's selection into the
   row set's hot slots for decode), then the same FA3 call over ``pool.rows[layer]``, with FA3's
-  ``num_splits`` from the config (``mla_num_splits``; 0 = stock's).
+  ``num_splits`` from the config (``mla_num_splits``; 0 = stock's). The selection is the
+  configured indexer's (core/indexers, ``Indexer.mla_selection`` through ``LatentWorker.select``;
+  DSA's is vLLM's ``topk_indices_buffer`` as its lightning indexer wrote it).
 
 The plan both read lives in fixed-address buffers (core/latent_graph.py), loaded by the KV
 connector's ``start_load_kv`` from the batch this builder notes, so vLLM's FULL decode CUDA graphs
@@ -114,7 +116,8 @@ class HiSparseMLASparseImpl(FlashAttnMLASparseImpl):
         T = q_rope.shape[0]
         rt = self.hisparse_worker.runtime
         li = self._layer_index()
-        idx, valid = rt.convert(li, self.topk_indices_buffer[:T])
+        topk = self.hisparse_worker.select(li, self.topk_indices_buffer, T)   # the indexer's
+        idx, valid = rt.convert(li, topk)
         kv = rt.pool.rows[li]                                  # (M, kv_lora_rank + rope)
         k_cache = kv[:, self.kv_lora_rank:].view(-1, 1, 1, self.qk_rope_head_dim)
         v_cache = kv[:, :self.kv_lora_rank].view(-1, 1, 1, self.kv_lora_rank)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from vllm_hisparse.config import HiSparseConfig, gib_at_least
 from vllm_hisparse.config import HiSparseConfigError as Refused
+from vllm_hisparse.core import indexers
 from vllm_hisparse.core.capacity_mla import MLA_BLOCK
 
 from .deployment import deployment_of
@@ -24,9 +25,10 @@ def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
                       "DeepSeek-V3 style dense MLA); hisparse serves MLA models with a DSA indexer "
                       "(DeepSeek-V3.2 style) and GQA/MHA models; serve it without "
                       "--attention-backend hisparse")
-    if cfg.indexer != "dsa":
+    if indexers.get(cfg.indexer).serves != "mla":       # the registry's (core/indexers)
+        hint = " or ".join(f'"{n}"' for n in indexers.serving("mla"))
         raise Refused(f"hisparse: indexer={cfg.indexer!r} cannot select for an MLA model with a "
-                      f"DSA indexer (its own indexer selects); set \"indexer\": \"dsa\"")
+                      f"DSA indexer (its own indexer selects); set \"indexer\": {hint}")
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
     if device != "cuda":
         raise Refused(f"hisparse: indexer='dsa' runs on CUDA only (vLLM's {device} platform has no "

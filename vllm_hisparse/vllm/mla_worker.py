@@ -1,9 +1,11 @@
 """LatentWorker: the DSA path's one object per worker process (vllm/worker.py says how vLLM's
 pieces reach it). It owns the ``LatentRuntime`` (latent pool, host pool, row sets), which the first
 MLA attention impl allocates while vLLM builds the model (``start``: its memory profiling then
-counts the pool), the batch rows' requests (``rows``), vLLM's host block tables (``host_tables``)
-and the batch the metadata builder noted (``note``), which the KV connector plans in
-``start_load_kv`` (``plan``), before vLLM runs or replays the step.
+counts the pool), the indexer class the config names (``indexer``, looked up in the registry of
+core/indexers: its ``mla_selection`` gives each layer's top-k, ``select``), the batch rows'
+requests (``rows``), vLLM's host block tables (``host_tables``) and the batch the metadata builder
+noted (``note``), which the KV connector plans in ``start_load_kv`` (``plan``), before vLLM runs or
+replays the step.
 
 A batch row maps to its request through ``block_table[row, 0]`` (request_rows.py, as on the GQA
 path): block 0 of a request is never freed while it lives (nothing of vLLM's blocks is).
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.core import capacity, capacity_mla
+from vllm_hisparse.core import capacity, capacity_mla, indexers
 from vllm_hisparse.core.deployment import LatentSizes
 from vllm_hisparse.core.latent_runtime import LatentRuntime
 
@@ -36,8 +38,9 @@ def pool_bytes(s: LatentSizes, layers: int, max_model_len: int, buffer: int) -> 
 
 
 class LatentWorker:
-    def __init__(self, runtime: LatentRuntime):
+    def __init__(self, runtime: LatentRuntime, indexer: type[indexers.Indexer]):
         self.runtime = runtime
+        self.indexer = indexer         # a class serving "mla" (its state lives in vLLM's model)
         self.rows = RequestRows()
         self.host_tables: dict = {}    # vllm/host_block_table.py's finds
         self._noted = None             # (query_start_loc, seq_lens, first_blocks) built last
@@ -49,6 +52,10 @@ class LatentWorker:
         the settings that size it."""
         dep = deployment_of(vllm_config)
         cfg, s, layers = dep.cfg, dep.latent, dep.limits.num_layers
+        ix = indexers.get(cfg.indexer)
+        if ix.serves != "mla":      # mla_setup refused it at startup; a worker built without it
+            raise ValueError(f"hisparse: indexer={cfg.indexer!r} does not serve MLA models; use "
+                             f"one of {', '.join(indexers.serving('mla'))}")
         mc, sc = vllm_config.model_config, vllm_config.scheduler_config
         assert s.row_bytes == row * dtype.itemsize, "the deployment's latent row is the impl's"
         need = pool_bytes(s, layers, mc.max_model_len, cfg.device_buffer_size)
@@ -81,10 +88,15 @@ class LatentWorker:
                     0 if s.resident else s.row_sets, cfg.device_buffer_size, layers,
                     cfg.policy, rt.stats()["host_pool_bytes"] / (1 << 30), s.host_rows,
                     " (resident mode)" if s.resident else "")
-        return cls(rt)
+        return cls(rt, ix)
 
     def get_runtime(self) -> LatentRuntime:
         return self.runtime
+
+    def select(self, layer: int, topk_buffer: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """(T, K) int32 logical positions, -1 = none, the step's T = num_tokens query tokens
+        attend in ``layer`` (the indexer's ``mla_selection`` over vLLM's topk_indices_buffer)."""
+        return self.indexer.mla_selection(topk_buffer, num_tokens, layer)
 
     def note(self, query_start_loc: list[int], seq_lens: list[int],
              first_blocks: list[int]) -> None:

@@ -2,7 +2,10 @@
 interface (``base.Indexer``), one folder per indexer, chosen by the config field ``indexer``.
 
 The runtime, the decode batch and body, capacity and admission talk to ``base.Indexer`` only;
-``get(cfg.indexer)`` gives the class. Adding an indexer: a file (or folder) with a subclass and
+``get(cfg.indexer)`` gives the class. Both served paths look it up here: GQA models (the
+runtime's decode body) and MLA models (vllm/mla_worker.py keeps the class, whose
+``mla_selection`` the MLA backend asks every layer; vllm/mla_setup.py accepts the indexers whose
+``serves`` is "mla"). Adding an indexer: a file (or folder) with a subclass and
 one line: a built-in one in ``_PATHS`` and ``config.INDEXERS``, any other ``register(name, path,
 unit)`` (tests/test_third_indexer.py serves a test-only one through vLLM that way).
 """
@@ -41,4 +44,9 @@ def get(name: str) -> type[Indexer]:
     return getattr(importlib.import_module(mod), cls)
 
 
-__all__ = ["Indexer", "NAMES", "get", "register"]
+def serving(kind: str) -> list[str]:
+    """The registered names whose class serves ``kind`` ("gqa" or "mla": ``Indexer.serves``)."""
+    return [name for name in _PATHS if get(name).serves == kind]
+
+
+__all__ = ["Indexer", "NAMES", "get", "register", "serving"]

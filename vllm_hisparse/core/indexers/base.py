@@ -33,7 +33,7 @@ class Indexer:
     name = ""
     state_name = ""          # what the state is called in startup lines and errors
     serves = "gqa"           # the models vLLM serves it on: "gqa" (the runtime's decode body) or
-                             # "mla" (DeepSeek-V3.2 style, vLLM's own indexer selects: docs/dsa.md)
+                             # "mla" (DeepSeek-V3.2 style: ``mla_selection``, docs/dsa.md)
 
     # ---- sizing (class level: capacity, admission, startup checks) ------------------------------
     @staticmethod
@@ -54,6 +54,17 @@ class Indexer:
         """The state of ``rows`` rows + 1 scratch row, every layer (None for dense layers):
         allocated by the vLLM adapter before memory profiling, or by the runtime."""
         raise NotImplementedError
+
+    # ---- the served MLA path (serves == "mla": vllm/mla_backend.py, class level) -----------------
+    @classmethod
+    def mla_selection(cls, topk_buffer: torch.Tensor, num_tokens: int, layer: int) -> torch.Tensor:
+        """The logical positions each of the step's query tokens attends in ``layer``: (T, K) int32,
+        -1 = none, T = num_tokens, which the latent runtime turns into pool rows
+        (``LatentRuntime.convert``). topk_buffer: vLLM's (max_num_batched_tokens, K) int32
+        ``topk_indices_buffer``, which the model's own indexer module fills before the layer's
+        attention. Called from ``forward_mqa`` of every layer, also while vLLM captures a CUDA
+        graph: device work on fixed shapes only, no host sync."""
+        raise NotImplementedError(f"indexer {cls.name!r} does not serve MLA models")
 
     # ---- runtime --------------------------------------------------------------------------------
     def __init__(self, cfg, num_layers: int, rows: int, max_model_len: int, num_kv_heads: int,

@@ -7,9 +7,11 @@ decode row's scores are the lightning indexer's logits over its tokens; their to
 selection (``dsa_indexer.indexer_topk``, or the runtime's select_resolve on the same logits).
 
 On the GPU the indexer K stays where vLLM 0.26 puts it (its paged cache, in the latent's KV-cache
-group; docs/dsa.md) and vLLM's indexer writes it: this class is the CPU reference of that state
-and of the selection. The GQA-shaped interface arguments read as: ``head_dim`` = index_head_dim,
-``k`` (T, D) or (T, 1, D) the indexer keys, ``q`` of ``score`` the pair (q (R, H, D), w (R, H)).
+group; docs/dsa.md) and vLLM's indexer writes it and selects: the served path (vllm/mla_backend.py,
+through the registry) asks this class only for ``mla_selection``, vLLM's top-k buffer as it is;
+instances are the CPU reference of that state and of the selection. The GQA-shaped interface
+arguments read as: ``head_dim`` = index_head_dim, ``k`` (T, D) or (T, 1, D) the indexer keys,
+``q`` of ``score`` the pair (q (R, H, D), w (R, H)).
 """
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ class DSAIndexer(Indexer):
     @staticmethod
     def unit_tokens(cfg) -> int:
         return 1
+
+    @classmethod
+    def mla_selection(cls, topk_buffer, num_tokens, layer):
+        """The served path: vLLM's lightning indexer (the model's ``Indexer`` module) selected
+        already; its top-k rows of the step's tokens, as written (a view, no copy)."""
+        return topk_buffer[:num_tokens]
 
     @classmethod
     def row_bytes(cls, sparse_layers, num_kv_heads, head_dim, dtype_bytes, max_model_len,
