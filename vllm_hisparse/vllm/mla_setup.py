@@ -58,10 +58,11 @@ def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
             raise Refused(f"hisparse: {name}={value} is not supported with indexer 'dsa' yet "
                           f"(one GPU); set it to 1")
     # no policy check here: setup_check.check_served refused those without a RESOLVE kernel branch
-    unused = [f"{k}={v!r}" for k, v, default in (
-        ("full_decode_graphs", cfg.full_decode_graphs, None),
-        ("split_dense_decode", cfg.split_dense_decode, None), ("trace_dir", cfg.trace_dir, None),
-        ("dense_pool_gib", cfg.dense_pool_gib, 0.0)) if v != default]
+    unused = [f"{k}={v!r}" for k, v, unset in (
+        ("full_decode_graphs", cfg.full_decode_graphs, (None,)),
+        ("split_dense_decode", cfg.split_dense_decode, (None,)),
+        ("trace_dir", cfg.trace_dir, (None,)),
+        ("dense_pool_gib", cfg.dense_pool_gib, (None, 0.0))) if v not in unset]
     if unused:
         raise Refused(f"hisparse: {', '.join(unused)} are Quest (GQA) settings, not used by "
                       f"indexer 'dsa' (vLLM's --compilation-config decides its CUDA graphs); drop "
