@@ -12,6 +12,10 @@ from calc_cli import (GIB, L, LLAMA3_8B, MIB, TOK, admitted, calc, calc_json, cd
 
 from vllm_hisparse.core import capacity as cap
 
+# the sizes of a config that sets them, as before auto sizing: no dense pool, quest_rows unset
+# (0: --max-num-seqs, else the most that fit); auto sizes: tests/test_auto_size.py
+GIVEN = ("--dense-pool-gib", 0, "--quest-rows", 0)
+
 
 def test_stock_matches_vllm_measured_concurrency(model_dir):
     # vLLM 0.26 FLASH_ATTN on the H200 at 0.9: 108.8 GiB KV -> 27 requests of 32K (measured 2026-11-29)
@@ -30,7 +34,7 @@ def test_hisparse_lines_match_h200_log(model_dir):
     kv = blocks * 16 * TOK * L
     out = calc_json(model_dir, "--context", 32768, "--top-k", 512, "--buffer", 1024,
                     "--gpu-kv-gib", repr((kv + (rows + 1) * row) / GIB), "--host-gib", 16,
-                    "--max-num-seqs", rows)
+                    "--max-num-seqs", rows, *GIVEN)
     h = out["hisparse"]
     assert (h["num_blocks"], h["kv_cache_bytes"], h["quest_meta_bytes"]) == (blocks, kv, (rows + 1) * row)
     assert h["vllm_kv_cache_tokens"] == 28_272_230 and f"{h['vllm_max_concurrency']:.2f}" == "862.80"
@@ -53,7 +57,8 @@ def test_bytes_from_first_principles(model_dir, context, B, page, dense, seqs, h
     extra = ("--max-model-len", mml) if mml else ()
     out = calc_json(model_dir, "--context", context, "--buffer", B, "--top-k", B // 2,
                     "--page-size", page, "--dense-layers", dense, "--gpu-kv-gib", G,
-                    "--host-gib", host_gib, "--max-num-seqs", seqs, "--min-context", 0, *extra)
+                    "--host-gib", host_gib, "--max-num-seqs", seqs, "--min-context", 0, *extra,
+                    *GIVEN)
     mml = mml or context
     pages, block = cdiv(context, page), page * TOK * L          # a block / host page, all layers
     # stock: every page in every layer
@@ -89,7 +94,8 @@ def test_bytes_from_first_principles(model_dir, context, B, page, dense, seqs, h
 def test_auto_max_num_seqs_is_the_fixed_point(model_dir):
     """Without --max-num-seqs: the largest N such that N requests fit next to N Quest rows."""
     def run(**kw):
-        args = {"context": 32768, "buffer": 1024, "top_k": 512, "gpu_kv_gib": 100, "host_gib": 10000}
+        args = {"context": 32768, "buffer": 1024, "top_k": 512, "gpu_kv_gib": 100, "host_gib": 10000,
+                "dense_pool_gib": 0, "quest_rows": 0}
         args.update(kw)
         return calc_json(model_dir, *[x for k, v in args.items() for x in (f"--{k.replace('_', '-')}", v)])
 
@@ -179,7 +185,8 @@ def test_quest_rows(model_dir):
     """--quest-rows sizes the Quest reservation and bounds the long requests, whatever
     --max-num-seqs says (the runtime's config quest_rows)."""
     out = calc_json(model_dir, "--context", 32768, "--gpu-kv-gib", 40, "--host-gib", 400,
-                    "--max-num-seqs", 1024, "--quest-rows", 10, "--dense-layers", 2)
+                    "--max-num-seqs", 1024, "--quest-rows", 10, "--dense-layers", 2,
+                    "--dense-pool-gib", 0)
     h = out["hisparse"]
     row = 30 * 2 * 2048 * 8 * 128 * 2
     assert (h["quest_rows"], h["quest_meta_bytes"]) == (10, 11 * row)
@@ -193,7 +200,7 @@ def test_default_min_context_keeps_short_requests_resident(model_dir):
     host bytes, no Quest row); at 2 x B it is sparse."""
     B = random.choice([1024, 2048, 4096])
     args = ("--buffer", B, "--top-k", B // 2, "--gpu-kv-gib", 100, "--host-gib", 50,
-            "--max-num-seqs", 8, "--max-model-len", 4 * B)
+            "--max-num-seqs", 8, "--max-model-len", 4 * B, *GIVEN)
     short = calc_json(model_dir, "--context", 2 * B - 16, *args)["hisparse"]
     long_ = calc_json(model_dir, "--context", 2 * B, *args)["hisparse"]
     pages, block = cdiv(2 * B - 16, 16), 16 * TOK * L
@@ -208,7 +215,7 @@ def test_short_prompt_with_long_output_is_sparse(model_dir):
     whole context, a Quest row, S + 1 blocks once sparse; before that it holds every page up to
     min_context (its peak). A 1K prompt with 1K of output never gets there: resident."""
     B = 4096
-    args = ("--buffer", B, "--gpu-kv-gib", 40, "--host-gib", 100, "--max-num-seqs", 8)
+    args = ("--buffer", B, "--gpu-kv-gib", 40, "--host-gib", 100, "--max-num-seqs", 8, *GIVEN)
     grow = calc_json(model_dir, "--context", 17408, "--prompt", 1024, *args)
     h = grow["hisparse"]
     block = 16 * TOK * L

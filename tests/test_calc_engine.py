@@ -30,7 +30,9 @@ PAGE, MAX_MODEL_LEN, MAX_NUM_SEQS = 16, 256, 64
 KV_BYTES = 5_000_000
 PROMPT, MAX_TOKENS = 200, 56                # one request of exactly max_model_len tokens
 CFG = {"top_k": 32, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
-       "host_pool_gib": 0.02, "resident_first": False}   # the floor calc counts
+       "host_pool_gib": 0.02, "resident_first": False,   # the floor calc counts
+       "quest_rows": 0, "dense_pool_gib": 0}   # given: max_num_seqs rows, no dense pool (the auto
+                                               # sizes: tests/test_auto_size_engine.py)
 
 
 def probe(model: str, out: str) -> None:
@@ -133,6 +135,7 @@ def calc(model: str, gpu_bytes: int, *extra) -> dict:
     args = ["--model", model, "--context", MAX_MODEL_LEN, "--dtype", "fp32", "--page-size", PAGE,
             "--top-k", CFG["top_k"], "--buffer", CFG["device_buffer_size"],
             "--dense-layers", len(CFG["dense_layers"]), "--host-gib", CFG["host_pool_gib"],
+            "--quest-rows", CFG["quest_rows"], "--dense-pool-gib", CFG["dense_pool_gib"],
             "--gpu-kv-gib", repr(gpu_bytes / GIB), *extra, "--json"]   # exact: bytes / 2^30
     r = subprocess.run([PY, "-m", "vllm_hisparse.cli", "calc", *map(str, args)],
                        capture_output=True, text=True, timeout=120)
@@ -192,10 +195,13 @@ def test_host_matches_runtime(engine):
 def test_one_config_parse_and_calc_prints_the_startup_line(engine):
     """Starting the engine (front end, engine core and worker in one process here) and serving a
     request parsed the hisparse config once (vllm/deployment.py keeps it on the VllmConfig); calc
-    prints the connector's startup line word for word (both are Deployment.room_line)."""
+    prints the connector's startup line word for word (both are Deployment.room_line), given the
+    engine's KV size as vLLM takes it (--kv-cache-memory-bytes: the reservations come on top)."""
     e = engine
     assert e["config_parses"] == 1
-    h = calc(e["model"], KV_BYTES + e["quest_bytes"], "--max-num-seqs", MAX_NUM_SEQS)["hisparse"]
+    h = calc(e["model"], KV_BYTES, "--explicit-kv", "--max-num-seqs", MAX_NUM_SEQS,
+             "--no-resident-first")["hisparse"]
+    assert "; GPU KV 4.8 MiB (kv_cache_memory_bytes): " in h["startup_line"]
     assert re.findall(r"hisparse: room for [^\n]*", e["log"]) == [h["startup_line"]]
 
 

@@ -54,8 +54,9 @@ def _old(cfg: HiSparseConfig, lim: EngineLimits) -> dict:
 
 @pytest.mark.parametrize("over, lim", CASES)
 def test_sizes_are_the_old_functions(over, lim):
-    cfg = HiSparseConfig(**over)
-    dep = resolve(cfg, lim)
+    dep = resolve(HiSparseConfig(**over), lim)
+    cfg = dep.cfg              # without a machine, the auto sizes are the fixed ones of before
+    assert not cfg.auto_fields and dep.auto == ()
     old = _old(cfg, lim)
     assert {k: getattr(dep, k) for k in old} == old
     assert dep.unit_tokens == cfg.page_size and dep.latent is None
@@ -79,13 +80,17 @@ def test_the_dsa_latent_pool_is_the_old_sizing():
 
 def test_room_line_counts_the_smaller_tier():
     dep = resolve(HiSparseConfig(host_pool_gib=16), EngineLimits(32, 32768, 256, 8, 128, 2))
-    assert dep.room() == (4, "quest_rows=256, host pool: 8192 pages, 2048 per request")
+    assert dep.room() == (4, "quest_rows=256; host pool 16.00 GiB: 8192 pages = 4 requests of "
+                             "2048")
     assert dep.room_line().startswith("hisparse: room for 4 requests of max_model_len=32768 ")
     assert "252 rows serve only shorter requests" in dep.idle_rows_note()
     assert dep.tier_requests() == {"indexer_rows": 256, "host_pool": 4, "dense_pool": None}
     dense = resolve(HiSparseConfig(dense_pool_gib=1), EngineLimits(32, 32768, 2, 8, 128, 2))
     assert dense.tier_requests() == {"indexer_rows": 2, "host_pool": 4, "dense_pool": 2}
-    assert dense.room() == (2, "quest_rows=2, GPU dense pool: 4096 pages, 2048 per request")
+    # the host pool holds the 30 sparse layers (16 GiB / 30 x 64 KiB); the dense pool is capped
+    # at what the 2 rows fill: 2 x 2048 pages x 2 layers x 64 KiB = 0.5 GiB
+    assert dense.room() == (2, "quest_rows=2; host pool 16.00 GiB: 8738 pages = 4 requests of "
+                               "2048; GPU dense pool 0.50 GiB: 4096 pages = 2 requests")
     short = resolve(HiSparseConfig(), EngineLimits(32, 4096, 64, 8, 128, 2))
     assert short.room()[0] == 64 and "no request can turn sparse" in short.room()[1]
     assert (short.indexer_rows, short.host_pages, short.idle_rows_note()) == (0, 0, None)

@@ -193,7 +193,8 @@ def test_calc_tensor_parallel(tmp_path):
     half of --host-gib), a request's host bytes stay the engine's; with the same per-GPU KV twice
     the requests fit the GPUs, and the host pool still bounds hisparse at the same count."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
-    args = ("--context", 32768, "--gpu-kv-gib", 100, "--host-gib", 90, "--max-num-seqs", 16)
+    args = ("--context", 32768, "--gpu-kv-gib", 100, "--host-gib", 90, "--max-num-seqs", 16,
+            "--dense-pool-gib", 0, "--quest-rows", 0)    # the sizes given (no auto sizing)
     one = calc_json(tmp_path, *args)
     two = calc_json(tmp_path, *args, "--tensor-parallel-size", 2)
     h1, h2, b1, b2 = one["hisparse"], two["hisparse"], one["baseline"], two["baseline"]

@@ -5,6 +5,7 @@ Loaded from a dict (vLLM's ``--additional-config '{"hisparse": {...}}'``) or a J
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -19,6 +20,7 @@ GIB = 1 << 30
 # both (this table sits below core/ in the layers, so the config can check a name without it).
 INDEXERS = {"quest": "page", "dsa": "token"}
 UNITS = ("page", "token")
+AUTO_FIELDS = ("host_pool_gib", "quest_rows", "dense_pool_gib")   # absent/"auto": core/auto_size
 
 
 class HiSparseConfigError(ValueError):
@@ -36,7 +38,9 @@ class HiSparseConfig:
     indexer: "quest" (page-level, any Llama/Qwen-style model) or "dsa" (token-level); the class
         comes from the registry in core/indexers (``indexers.register`` adds one; vLLM serves a
         GQA model with a page indexer such as "quest", and "dsa" on MLA models, docs/dsa.md).
-    host_pool_gib: pinned host memory for the authoritative KV of every request.
+    host_pool_gib: pinned host memory for the authoritative KV of every request, the engine's
+        total (each tensor-parallel rank pins 1/TP). Absent or "auto" (None): from this host's
+        available RAM, at most what the indexer rows' requests fill (core/auto_size.py).
     io_chunk_bytes: bytes one GPU thread moves per load loop when fetching misses from host.
     policy: hot-buffer replacement policy (vllm_hisparse.slots.available(); served: slots.served()).
     dense_layers: layers kept fully resident and dense (Quest skips the first two).
@@ -45,7 +49,7 @@ class HiSparseConfig:
         back. 0 = no pool: a dense layer then reads the given-back pages from the host pool every
         step (exact, but PCIe-bound). Requests wait when the pool is full. The runtime allocates at
         most quest_rows x cdiv(max_model_len, page_size) pages, none when max_model_len <
-        min_context (core/gpu_pools.py).
+        min_context (core/gpu_pools.py). Absent or "auto" (None): that cap (core/auto_size.py).
     min_context: a request is sparse from the step its context (prompt + generated tokens)
         reaches this (core/residency.py): a longer prompt from its first token, a shorter one from
         the step it grows past it; until then, and for requests that never reach it, fully resident
@@ -53,9 +57,10 @@ class HiSparseConfig:
         device_buffer_size: below that the hot buffer saves less than half of the request's KV,
         not worth the slower sparse decode. 0 = every request sparse.
     quest_rows: Quest page-bound rows on the GPU = long (sparse) requests admitted at once; each row
-        is 2 x cdiv(max_model_len, page_size) x Hkv x D per sparse layer. 0 = --max-num-seqs. Set it
-        when vLLM's max_num_seqs x max_model_len would not fit (requests beyond it wait). None are
-        reserved when max_model_len < min_context (no request can turn sparse: core/gpu_pools.py).
+        is 2 x cdiv(max_model_len, page_size) x Hkv x D per sparse layer. 0 = --max-num-seqs.
+        Absent or "auto" (None): the requests of max_model_len tokens the GPU KV budget (less the
+        rows and dense pool) and the host pool admit, at most --max-num-seqs (core/auto_size.py).
+        None are reserved when max_model_len < min_context (core/gpu_pools.py).
     prefill_slots: indexer "dsa" only: full-length latent regions on the GPU, i.e. prompts in
         prefill at once (a prompt's chunks select top-k anywhere in it; docs/dsa.md section 2);
         requests beyond it wait. Each is max_model_len x 1152 B per layer.
@@ -98,13 +103,13 @@ class HiSparseConfig:
     device_buffer_size: int = 4096
     page_size: int = 16
     indexer: str = "quest"
-    host_pool_gib: float = 16.0
+    host_pool_gib: Optional[float] = None     # None (as dense_pool_gib, quest_rows) = auto
     io_chunk_bytes: int = 64
     policy: str = "lru"
     dense_layers: tuple = (0, 1)
-    dense_pool_gib: float = 0.0
+    dense_pool_gib: Optional[float] = None
     min_context: Optional[int] = None
-    quest_rows: int = 0
+    quest_rows: Optional[int] = None
     prefill_slots: int = 1
     mla_num_splits: int = 0
     prefetch: bool = False
@@ -115,6 +120,9 @@ class HiSparseConfig:
     trace_dir: Optional[str] = None
 
     def __post_init__(self):
+        for name in AUTO_FIELDS:                  # "auto" is spelled None from here on
+            if getattr(self, name) == "auto":
+                object.__setattr__(self, name, None)
         _check_types(self)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             _fail("page_size", self.page_size, "use a power of two such as 16 or 64")
@@ -130,10 +138,12 @@ class HiSparseConfig:
             up = -(-self.device_buffer_size // unit) * unit
             _fail("device_buffer_size", self.device_buffer_size,
                   f"must be a multiple of the selection unit ({unit} tokens, page_size); try {up}")
-        if self.host_pool_gib <= 0:
-            _fail("host_pool_gib", self.host_pool_gib, "use a positive size in GiB such as 16")
-        if self.dense_pool_gib < 0:
-            _fail("dense_pool_gib", self.dense_pool_gib, "use 0 (no pool) or a size in GiB such as 4")
+        if self.host_pool_gib is not None and self.host_pool_gib <= 0:
+            _fail("host_pool_gib", self.host_pool_gib,
+                  "use a positive size in GiB such as 16, or \"auto\" (sized from the host's RAM)")
+        if self.dense_pool_gib is not None and self.dense_pool_gib < 0:
+            _fail("dense_pool_gib", self.dense_pool_gib,
+                  "use 0 (no pool), a size in GiB such as 4, or \"auto\"")
         c = self.io_chunk_bytes
         if c < 16 or c > 256 or c & (c - 1):     # the CUDA RESOLVE kernel's range
             _fail("io_chunk_bytes", c, "use a power of two from 16 to 256 (64 is a good start)")
@@ -145,8 +155,9 @@ class HiSparseConfig:
         if self.mla_num_splits < 0:
             _fail("mla_num_splits", self.mla_num_splits, "use 0 (FA3's heuristic, as stock) or 1 "
                   "(no split: batch-invariant)")
-        if self.quest_rows < 0:
-            _fail("quest_rows", self.quest_rows, "use 0 (= --max-num-seqs) or a positive row count")
+        if self.quest_rows is not None and self.quest_rows < 0:
+            _fail("quest_rows", self.quest_rows,
+                  "use a positive row count, 0 (= --max-num-seqs) or \"auto\"")
         if self.min_context is not None and self.min_context < 0:
             _fail("min_context", self.min_context,
                   "use 0 (all requests sparse), a token count, or null (2 x device_buffer_size)")
@@ -167,7 +178,7 @@ class HiSparseConfig:
         if self.trace_dir is not None:
             return ("tracing copies selections to the host every layer; set full_decode_graphs "
                     "false or drop trace_dir")
-        if self.host_tier and self.dense_layers and self.dense_pool_gib <= 0:
+        if self.host_tier and self.dense_layers and self.dense_pool_gib == 0:
             return (f"dense_layers {list(self.dense_layers)} would read given-back pages from the "
                     f"host pool, which a CUDA graph cannot capture: set dense_pool_gib > 0 (e.g. "
                     f"4), dense_layers [], or full_decode_graphs false")
@@ -196,17 +207,31 @@ class HiSparseConfig:
         return self.device_buffer_size // self.unit_tokens
 
     @property
-    def host_pool_bytes(self) -> int:
-        return int(self.host_pool_gib * GIB)
+    def auto_fields(self) -> tuple:
+        """The sizes left to ``core.auto_size`` (absent or "auto"); none in a resolved config."""
+        return tuple(f for f in AUTO_FIELDS if getattr(self, f) is None)
+
+    def with_sizes(self, **sizes) -> "HiSparseConfig":
+        """A copy with auto sizes filled in (computed values: not validated, not a parse)."""
+        new = copy.copy(self)
+        for name, value in sizes.items():
+            assert name in AUTO_FIELDS, name
+            object.__setattr__(new, name, value)
+        return new
+
+    @property
+    def host_pool_bytes(self) -> int:            # 0 while auto (unresolved), as dense_pool_bytes
+        return int((self.host_pool_gib or 0) * GIB)
 
     @property
     def dense_pool_bytes(self) -> int:
-        return int(self.dense_pool_gib * GIB)
+        return int((self.dense_pool_gib or 0) * GIB)
 
     @property
     def uses_dense_pool(self) -> bool:
-        """The dense layers of sparse requests live in the GPU dense pool."""
-        return self.host_tier and bool(self.dense_layers) and self.dense_pool_gib > 0
+        """The dense layers of sparse requests live in the GPU dense pool (false while the size
+        is auto, i.e. unresolved)."""
+        return self.host_tier and bool(self.dense_layers) and (self.dense_pool_gib or 0) > 0
 
     def host_pool_layers(self, num_layers: int) -> list[int]:
         """Layers the host pool holds: all of them, or only the sparse ones when the dense layers
@@ -315,9 +340,9 @@ class HiSparseConfig:
 
 _TYPES = {
     "top_k": int, "device_buffer_size": int, "page_size": int, "indexer": str,
-    "host_pool_gib": (int, float), "io_chunk_bytes": int, "policy": str, "dense_layers": tuple,
-    "dense_pool_gib": (int, float),
-    "min_context": (int, type(None)), "quest_rows": int, "prefill_slots": int,
+    "host_pool_gib": (int, float, type(None)), "io_chunk_bytes": int, "policy": str,
+    "dense_layers": tuple, "dense_pool_gib": (int, float, type(None)),
+    "min_context": (int, type(None)), "quest_rows": (int, type(None)), "prefill_slots": int,
     "mla_num_splits": int, "prefetch": bool, "resident_first": bool,
     "host_tier": bool,
     "full_decode_graphs": (bool, type(None)),
@@ -348,7 +373,8 @@ def _check_types(cfg: HiSparseConfig) -> None:
 
 def _finite_fix(name: str) -> str:
     default = HiSparseConfig.__dataclass_fields__[name].default
-    example = (" or null (the default)" if default is None
+    example = (" or \"auto\" (the default)" if name in AUTO_FIELDS else
+               " or null (the default)" if default is None
                else f", e.g. the default {json.dumps(default)}")
     return f"NaN and Infinity are not numbers here; give a finite number{example}"
 

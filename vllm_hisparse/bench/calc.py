@@ -22,115 +22,14 @@ import os
 
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.bench import calc_mla, calc_report
+from vllm_hisparse.bench.calc_args import _opt, add_arguments, machine  # noqa: F401 (the CLI's)
 from vllm_hisparse.bench.calc_report import gib_str as _gib
 from vllm_hisparse.core import capacity as cap
+from vllm_hisparse.core.auto_size import host_rank_room
 from vllm_hisparse.core.deployment import EngineLimits, resolve
 from vllm_hisparse.core.residency import may_turn_sparse
 
 GIB = 1 << 30
-
-EPILOG = """\
---gpu-kv-gib is the KV memory a stock vLLM run gets on this GPU (its "Available KV cache memory"
-line, or --kv-cache-memory-bytes). hisparse allocates its Quest page bounds for --max-num-seqs rows
-(+ one scratch row) while the model is built, before vLLM profiles memory, so its KV cache gets that minus the
-reservation. Without --max-num-seqs, calc picks the largest N such that N requests still fit once N
-rows are reserved: pass that N to vLLM (its own default, 256, or 1024 on >=70 GiB GPUs, can
-reserve more than the KV cache at long max_model_len). With an explicit N, N also caps both
-backends' max requests (vLLM never runs more than max_num_seqs at once). A --max-model-len below
-min_context reserves no Quest row but the scratch row and no dense pool (no request can turn
-sparse: core/gpu_pools.py), and the dense pool is at most the Quest rows' requests of
-max_model_len tokens.
-
-max requests counts decoding requests of --context tokens: whole blocks, vLLM's null block left out;
-a hisparse request keeps S+1 = B/page+1 blocks in every layer after its prefill (dense layers
-included: they are not kept resident yet) and all its pages during prefill. The GPU bound is the N
-at which N-1 requests hold S+1 blocks while the last one admitted holds its peak (its whole prompt:
-vLLM's scheduler_reserve_full_isl) + vLLM's watermark (+1 with resident_first: the connector's
-admission_blocks): the engine's own admission. With resident_first the KV manager also tries to
-keep R = cdiv(max_num_batched_tokens, page) + max_num_seqs + watermark blocks free by spilling
-(connector.spill_reserve); admission does not wait for R, so it is reported, not subtracted.
-
---buffer auto: the largest B (a multiple of the page, up to max_model_len) whose max requests are
-those at B = 2 x top_k: the GPU memory free at full capacity goes to a bigger hot buffer.
-
-A request is sparse when its context (prompt + output) reaches min_context, whatever its prompt
-(a short prompt turns sparse at the step its context does): then it holds host pages for its whole
-context and a Quest row from admission on. With --prompt P shorter than min_context it holds every
-page until then: "peak blocks" (per request; vLLM preempts when too many requests peak at once:
-the report says how many fit when all of them hold that peak together, as requests sent at once do).
-
-With --tensor-parallel-size N every GPU holds 1/N of the KV heads (or one head when there are fewer
-heads than GPUs, as vLLM does): GPU bytes, blocks, Quest rows and vLLM's lines are per GPU, host
-bytes per request are the engine's (all ranks), and each rank pins --host-gib / N."""
-
-
-def add_arguments(p):
-    p.epilog = EPILOG
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--model", required=True, help="HF model directory or config.json")
-    p.add_argument("--context", type=int, required=True,
-                   help="tokens per request (prompt + output: max_tokens)")
-    p.add_argument("--prompt", type=int, default=None,
-                   help="prompt tokens of a request (default: --context): a prompt shorter than "
-                        "min_context holds every page until its context reaches min_context")
-    p.add_argument("--top-k", type=int, default=2048, help="tokens attended per step (default 2048)")
-    p.add_argument("--buffer", type=_buffer, default=4096,
-                   help="hot-buffer tokens B (default 4096), or auto: the largest B that keeps the "
-                        "requests of B = 2 x --top-k")
-    p.add_argument("--gpu-kv-gib", type=float, required=True,
-                   help="KV memory a stock vLLM run gets, GiB (see below)")
-    p.add_argument("--host-gib", type=float, required=True, help="host pool size, GiB (host_pool_gib)")
-    p.add_argument("--page-size", type=int, default=16,
-                   help="tokens per page = vLLM block, both backends (default 16)")
-    p.add_argument("--dtype", default=None,
-                   help="model = KV dtype (default: the model's, else bf16)")
-    p.add_argument("--dense-layers", type=int, default=2,
-                   help="how many leading layers attend densely (default 2, as Quest)")
-    p.add_argument("--dense-pool-gib", type=float, default=0.0,
-                   help="hisparse dense_pool_gib: GPU pool keeping the dense layers of long requests "
-                        "resident (default 0: they read the host pool)")
-    p.add_argument("--quest-rows", type=int, default=None,
-                   help="hisparse quest_rows: Quest rows reserved = long requests at once "
-                        "(default: --max-num-seqs, else the most that fit)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="vLLM --max-num-seqs: Quest rows reserved (default: the most that fit)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="vLLM --max-model-len: sizes the Quest rows and vLLM's lines "
-                        "(default: --context)")
-    p.add_argument("--min-context", type=int, default=None,
-                   help="hisparse min_context: a request whose --context stays below this stays "
-                        "resident "
-                        "(default: the config's, 2 x --buffer)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="vLLM --tensor-parallel-size N: each GPU holds 1/N of the KV heads "
-                        "(--gpu-kv-gib and --dense-pool-gib are per GPU); --host-gib is the "
-                        "engine's total host pool, each rank pinning 1/N (default 1)")
-    p.add_argument("--newest-rows", type=int, default=0,
-                   help="MLA/DSA: latent rows per request per layer besides the B hot slots "
-                        "(default 0: docs/dsa.md writes the newest token through to the host)")
-    p.add_argument("--prefill-slots", type=int, default=1,
-                   help="MLA/DSA: full-length latent regions for prompts in prefill (default 1)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="vLLM --max-num-batched-tokens, its step budget (default 8192): with "
-                        "resident_first the KV manager tries to keep cdiv(this, page) + "
-                        "max_num_seqs + watermark blocks free by spilling (reported as R)")
-    p.add_argument("--resident-first", action=argparse.BooleanOptionalAction, default=True,
-                   help="hisparse resident_first (default on, as the config): the connector's "
-                        "extra admission block and the KV manager's reserve R")
-    p.add_argument("--watermark", type=float, default=0.0,
-                   help="vLLM scheduler watermark, a fraction of the GPU blocks kept free at "
-                        "admission (default 0.0, vLLM 0.26's)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _buffer(v: str):
-    if v == "auto":
-        return v
-    try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r}: a token count or auto") from None
-
 
 def _hf_config(path: str) -> dict:
     if os.path.isdir(path):
@@ -180,11 +79,18 @@ def _auto_buffer(args, hf: dict) -> dict:
 
 def _compute(args, hf: dict) -> dict:
     if "kv_lora_rank" in hf:
+        if args.host_gib == "auto":      # the RAM share, as core/deployment._latent_sizes
+            room = host_rank_room(machine(args, 0, args.tensor_parallel_size))
+            if room <= 0:
+                raise SystemExit("--host-gib auto: the host has no RAM to give; pass --host-gib")
+            args.host_gib = room * args.tensor_parallel_size / GIB
         return calc_mla.compute(args, hf)
     mml = args.max_model_len or args.context
-    cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=args.page_size,
-                         host_pool_gib=args.host_gib, dense_layers=tuple(range(args.dense_layers)),
-                         min_context=args.min_context, dense_pool_gib=args.dense_pool_gib)
+    asked = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer,
+                           page_size=args.page_size, host_pool_gib=_opt(args.host_gib),
+                           dense_layers=tuple(range(args.dense_layers)),
+                           min_context=args.min_context, dense_pool_gib=_opt(args.dense_pool_gib),
+                           quest_rows=_opt(args.quest_rows), resident_first=args.resident_first)
     try:
         m = cap.ModelShape.from_hf_config(hf, args.dtype)
     except (ValueError, KeyError) as e:
@@ -202,8 +108,14 @@ def _compute(args, hf: dict) -> dict:
         raise SystemExit(f"--context {args.context} exceeds --max-model-len {mml}")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: use 1 or more, or leave it out")
-    P, S, seqs = args.page_size, cfg.num_slots, args.max_num_seqs
-    gpu, host = int(args.gpu_kv_gib * GIB), cap.host_pool_rank_bytes(cfg.host_pool_bytes, tp)
+    P, seqs, gpu = args.page_size, args.max_num_seqs, int(args.gpu_kv_gib * GIB)
+    # the auto sizes first, as the server resolves them (core/auto_size.py); then as if given
+    engine = EngineLimits(m.num_layers, mml, 0, m.num_kv_heads, m.head_dim, m.dtype_bytes, tp)
+    sized = resolve(asked, dataclasses.replace(engine, max_num_seqs=seqs or 0,
+                                               machine=machine(args, gpu, tp)))
+    cfg, S = sized.cfg, sized.cfg.num_slots
+    quest_rows = cfg.quest_rows or None        # 0 (= max_num_seqs): as unset below
+    host = cap.host_pool_rank_bytes(cfg.host_pool_bytes, tp)
     prompt = args.context if args.prompt is None else args.prompt
     if not 0 < prompt <= args.context:
         raise SystemExit(f"--prompt {prompt}: use 1..--context ({args.context}), or leave it out")
@@ -226,11 +138,10 @@ def _compute(args, hf: dict) -> dict:
                 **vllm_lines(b_blocks, cap.baseline_blocks(mml, P))}
 
     # hisparse: the engine's own sizing (core/deployment.py) on this rank's shape; the Quest rows
-    # are max_num_seqs here (cfg.quest_rows = 0), so a deployment per candidate row count
-    engine = EngineLimits(m.num_layers, mml, 0, m.num_kv_heads, m.head_dim, m.dtype_bytes, tp)
-
+    # are max_num_seqs here (quest_rows 0), so a deployment per candidate row count
     def deployment(rows: int):
-        return resolve(cfg, dataclasses.replace(engine, max_num_seqs=rows))
+        return resolve(cfg.with_sizes(quest_rows=0), dataclasses.replace(engine,
+                                                                         max_num_seqs=rows))
 
     dep = deployment(0)
     row = dep.indexer_row_bytes                        # KV budget minus the Quest rows
@@ -280,11 +191,11 @@ def _compute(args, hf: dict) -> dict:
         return cap.gpu_requests(nb, h_bpr, t["admit_blocks"])
 
     # Quest rows: quest_rows, else max_num_seqs, else the most that fit (+ one scratch row)
-    auto = args.quest_rows is None and seqs is None and possible
+    auto = quest_rows is None and seqs is None and possible
     if not possible:       # no request can turn sparse: the scratch row only
         n_seqs = 0
-    elif args.quest_rows is not None:
-        n_seqs = args.quest_rows
+    elif quest_rows is not None:
+        n_seqs = quest_rows
     elif seqs is None:
         n_seqs = cap.auto_max_num_seqs(gpu_kv - row, row, lambda kv, n: min(
             fit_gpu(kv, n), n_pools if n_pools is not None else 1 << 62))
@@ -295,7 +206,7 @@ def _compute(args, hf: dict) -> dict:
     def at_rows(rows: int) -> tuple[int, dict]:
         """KV bytes and the limits other than the Quest rows with ``rows`` rows reserved."""
         d_bytes, _, n_d = dense_pool(rows)                      # what `rows` rows can fill
-        kv_ = gpu - d_bytes - (rows + 1) * row
+        kv_ = gpu if args.explicit_kv else gpu - d_bytes - (rows + 1) * row
         return kv_, {"gpu": fit_gpu(kv_, vllm_seqs), "host": n_host, "dense_pool": n_d,
                      "max_num_seqs": seqs}
 
@@ -322,9 +233,10 @@ def _compute(args, hf: dict) -> dict:
             f"{n_h} requests): they take {_gib(unused)} from the KV cache; set quest_rows to "
             f"{fit_rows} ({fit_rows} requests)")}
     # the server's own startup line for these settings (connector._log_room prints the same
-    # Deployment.room_line): quest_rows as given, max_num_seqs as calc says to pass it
-    server = resolve(dataclasses.replace(cfg, quest_rows=args.quest_rows or 0),
-                     dataclasses.replace(engine, max_num_seqs=vllm_seqs))
+    # Deployment.room_line): the sizes as given (auto included), max_num_seqs as calc says to
+    # pass it
+    server = resolve(asked, dataclasses.replace(engine, max_num_seqs=vllm_seqs,
+                                                machine=machine(args, gpu, tp)))
     hisparse = {"gpu_bytes_per_request": cap.hisparse_gpu_bytes(m, args.context, P, S, sparse),
                 "peak_blocks_per_request": cap.hisparse_peak_blocks(
                     prompt, args.context, P, S, cfg.min_context_tokens, sparse),
@@ -347,6 +259,9 @@ def _compute(args, hf: dict) -> dict:
                 # HiSparseSpec.max_memory_usage_bytes: S+1 blocks (whatever the prompt) when some
                 # request can turn sparse, else every page
                 **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S, possible))}
+    hisparse["auto"] = {f: getattr(cfg, f) for f in sized.auto}
+    hisparse["host_ram_bytes"] = (sized.limits.machine.host_available_bytes
+                                  if "host_pool_gib" in sized.auto else None)
     return {"max_model_len": mml, "tensor_parallel_size": tp, "min_context": cfg.min_context_tokens,
             "buffer": args.buffer, "baseline": baseline,
             "hisparse": hisparse}

@@ -17,7 +17,9 @@ def report(args, r: dict) -> None:
     tp = r["tensor_parallel_size"]
     per_gpu = f" per GPU x {tp} GPUs" if tp > 1 else ""
     print(f"context {args.context} tokens (max_model_len {mml}), B={args.buffer}, top_k={args.top_k}, "
-          f"page {args.page_size}, GPU KV {args.gpu_kv_gib} GiB{per_gpu}, host pool {args.host_gib} GiB"
+          f"page {args.page_size}, GPU KV {args.gpu_kv_gib} GiB{per_gpu}, host pool "
+          f"{h['host_pool_bytes_per_rank'] * tp / GIB:.2f} GiB"
+          + (" (auto)" if "host_pool_gib" in h["auto"] else "")
           + (f" ({gib_str(h['host_pool_bytes_per_rank'])} pinned by each of {tp} ranks)" if tp > 1 else ""))
     print(f"{'':10s} {'GPU/request' if tp == 1 else 'GPU/req/GPU':>14s} {'host/request':>14s} "
           f"{'max requests':>13s}  bound by")
@@ -25,9 +27,11 @@ def report(args, r: dict) -> None:
         print(f"{name:10s} {gib_str(v['gpu_bytes_per_request']):>14s} {gib_str(v['host_bytes_per_request']):>14s}"
               f" {v['max_requests']:13d}  {v['bound_by']}")
     how = ("none: no request can turn sparse, max_model_len < min_context"
-           if r["min_context"] > mml else "--quest-rows" if args.quest_rows is not None else
+           if r["min_context"] > mml else
+           "auto, as the server sizes it: core/auto_size.py" if "quest_rows" in h["auto"] else
+           "--quest-rows" if args.quest_rows else
            "--max-num-seqs" if args.max_num_seqs is not None else
-           "auto: pass it as the hisparse quest_rows")
+           "the most that fit: pass it as the hisparse quest_rows")
     print(f"hisparse Quest bounds: {gib_str(h['quest_meta_bytes_per_request'])} per row x "
           f"({h['quest_rows']} + 1 scratch) rows ({how}) = {gib_str(h['quest_meta_bytes'])} out of the "
           f"KV budget "
@@ -67,6 +71,12 @@ def report(args, r: dict) -> None:
     if not h["prefill_fits"]:
         print(f"hisparse would not start: a max_model_len={mml} prompt does not fit the KV cache "
               f"during its prefill")
+    if h["auto"]:
+        ram = (f" and a host with {h['host_ram_bytes'] / GIB:.2f} GiB of RAM to give "
+               f"(--host-ram-gib)" if h["host_ram_bytes"] is not None else "")
+        print(f"auto sizes (from --gpu-kv-gib{ram}): "
+              + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in h["auto"].items()))
     print(f"the server's line: {h['startup_line']}")
     for name, v in (("baseline", b), ("hisparse", h)):
         print(f"vLLM's lines, {name}: GPU KV cache size: {v['vllm_kv_cache_tokens']:,} tokens; "

@@ -6,7 +6,9 @@ pages, how many requests of ``max_model_len`` tokens each tier admits at once, a
 DSA model, the latent pool's row sets, regions and host rows. The vLLM adapter resolves it where
 the plugin first sees vLLM's config (vllm/deployment.py) and hands the one frozen object to the
 scheduler's connector and KV manager, the worker's runtime and pools and the startup check;
-``hisparse calc`` resolves the same function, so calc and the server cannot disagree.
+``hisparse calc`` resolves the same function, so calc and the server cannot disagree. Sizes the
+config leaves out (host_pool_gib, quest_rows, dense_pool_gib absent or "auto") are computed here
+from the machine the limits carry (core/auto_size.py); ``Deployment.cfg`` has them filled in.
 
 Names are the config's wherever the quantity is the config's (``top_k``, ``device_buffer_size``,
 ``page_size``, ``quest_rows``, ``prefill_slots``); a derived quantity has one name here that the
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core import capacity, gpu_pools, indexers
+from vllm_hisparse.config import HiSparseConfig, _size
+from vllm_hisparse.core import auto_size, capacity, gpu_pools, indexers
+from vllm_hisparse.core.auto_size import Machine
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class EngineLimits:
         an MLA model, whose latent rows have ``latent_row`` values (kv_lora_rank +
         qk_rope_head_dim; 0 on a GQA model).
     dtype_bytes: bytes of one KV value (the model dtype's).
+    machine: the host RAM and GPU KV budget the auto sizes come from (core/auto_size.py); None
+        outside vLLM and calc (the fixed sizes of before).
     """
     num_layers: int
     max_model_len: int
@@ -41,6 +46,7 @@ class EngineLimits:
     dtype_bytes: int = 2
     tensor_parallel_size: int = 1
     latent_row: int = 0
+    machine: Machine | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "max_model_len"):
@@ -87,6 +93,9 @@ class Deployment:
     admit_pages: pages admission counts (a sparse request takes as many in the host pool as in
         the dense pool); admit_bound: the pool that bounds them ("host" or "GPU dense").
     latent: the DSA path's latent pool sizes (None on a GQA model).
+    auto: the config's fields sized from the machine (core/auto_size.py); cfg has their values.
+    gpu_requests: requests of max_model_len tokens the machine's GPU KV budget runs with the
+        indexer rows and dense pool reserved (None: budget unknown).
     """
     cfg: HiSparseConfig
     limits: EngineLimits
@@ -106,6 +115,8 @@ class Deployment:
     admit_pages: int
     admit_bound: str
     latent: LatentSizes | None = None
+    auto: tuple = ()
+    gpu_requests: int | None = None
 
     @property
     def dense_pool_bytes(self) -> int:
@@ -131,18 +142,35 @@ class Deployment:
                                if pools and self.dense_pool_pages is not None else None)}
 
     def room(self) -> tuple[int, str]:
-        """(requests of max_model_len tokens admission lets run at once, why): the server's
-        startup line (``room_line``) and ``hisparse calc``'s."""
+        """(requests of max_model_len tokens admission lets run at once, why: each tier's size and
+        requests, "auto" after a size core/auto_size.py chose): the server's startup line
+        (``room_line``) and ``hisparse calc``'s."""
         if not self.sparse_possible:
             return self.limits.max_num_seqs, (
                 f"no request can turn sparse: max_model_len < min_context={self.min_context}, so "
                 f"no indexer row or dense pool is reserved; vLLM's KV blocks bound them")
-        room = min(n for n in self.tier_requests().values() if n is not None)
-        why = f"quest_rows={self.indexer_rows}"
-        if self.cfg.host_tier:
-            why += (f", {self.admit_bound} pool: {self.admit_pages} pages, "
-                    f"{self.pages_per_request} per request")
-        return room, why
+        tiers = self.tier_requests()
+        room = min(n for n in tiers.values() if n is not None)
+        per = self.pages_per_request
+        parts = [f"quest_rows={self.indexer_rows}{self._auto('quest_rows')}"]
+        if tiers["host_pool"] is not None:
+            parts.append(f"host pool {_size(self.cfg.host_pool_bytes)}"
+                         f"{self._auto('host_pool_gib')}: {self.host_pages} pages = "
+                         f"{tiers['host_pool']} requests of {per}")
+        if tiers["dense_pool"] is not None:
+            parts.append(f"GPU dense pool {_size(self.dense_pool_bytes)}"
+                         f"{self._auto('dense_pool_gib')}: {self.dense_pool_pages} pages = "
+                         f"{tiers['dense_pool']} requests")
+        m = self.limits.machine
+        if self.gpu_requests is not None:
+            parts.append(f"GPU KV {_size(m.gpu_kv_bytes)} ({m.gpu_kv_source}): "
+                         f"{self.gpu_requests} requests")
+        if "host_pool_gib" in self.auto and m.host_available_bytes is not None:
+            parts.append(f"host RAM available {_size(m.host_available_bytes)}")
+        return room, "; ".join(parts)
+
+    def _auto(self, field: str) -> str:
+        return " auto" if field in self.auto else ""
 
     def room_line(self) -> str:
         n, why = self.room()
@@ -157,17 +185,22 @@ class Deployment:
         return gpu_pools.idle_rows_note(
             self.indexer_rows, self.admit_pages // self.pages_per_request,
             self.limits.max_model_len, self.admit_bound,
+            "quest_rows auto" if "quest_rows" in self.auto else
             "quest_rows" if self.cfg.quest_rows else "max_num_seqs: quest_rows unset")
 
 
 def resolve(cfg: HiSparseConfig, limits: EngineLimits) -> Deployment:
-    """Every size of ``cfg`` on an engine of ``limits``; pure (no allocation, no parse)."""
+    """Every size of ``cfg`` on an engine of ``limits``; pure (no allocation, no parse). Auto
+    sizes come from ``limits.machine`` (core/auto_size.py); explicit ones are kept."""
     ix = indexers.get(cfg.indexer)
     unit = ix.unit_tokens(cfg)
     mml, P = limits.max_model_len, cfg.page_size
     possible = gpu_pools.sparse_possible(cfg, mml)
-    latent = _latent(cfg, limits) if limits.mla else None
+    auto = cfg.auto_fields
+    gpu_n = None
     if limits.mla:
+        cfg = _latent_sizes(cfg, limits)
+        latent = _latent(cfg, limits)
         rows = latent.row_sets
         set_by = "quest_rows" if cfg.quest_rows else "max_num_seqs"
         row_bytes = page_bytes = host = 0
@@ -175,15 +208,23 @@ def resolve(cfg: HiSparseConfig, limits: EngineLimits) -> Deployment:
         host_layers: tuple = ()
         dense_ids: tuple = ()
     else:
-        rows = gpu_pools.quest_rows(cfg, limits.max_num_seqs, mml)
-        set_by = ("quest_rows" if cfg.quest_rows else "max_num_seqs") if possible else \
-            "rows (no request can turn sparse: max_model_len < min_context)"
+        latent = None
         dense_ids = tuple(i for i in range(limits.num_layers) if i in cfg.dense_layers)
         shape = capacity.ModelShape(limits.num_layers, limits.num_kv_heads, limits.head_dim,
                                     limits.dtype_bytes)
         row_bytes = ix.row_bytes(limits.num_layers - len(dense_ids), limits.num_kv_heads,
                                  limits.head_dim, limits.dtype_bytes, mml, P)
         page_bytes = shape.token_bytes_per_layer * P
+        pool = (cfg.host_tier and bool(dense_ids) and possible
+                and (cfg.dense_pool_gib is None or cfg.dense_pool_gib > 0))
+        gpu = auto_size.GpuModel(cfg, limits.machine, limits.num_layers, mml, page_bytes,
+                                 row_bytes, len(dense_ids), pool)
+        cfg, gpu_n = auto_size.size_gqa(cfg, limits.machine, possible, limits.max_num_seqs,
+                                        limits.tensor_parallel_size, gpu)
+        rows = gpu_pools.quest_rows(cfg, limits.max_num_seqs, mml)
+        set_by = ((("quest_rows auto" if "quest_rows" in auto else "quest_rows")
+                   if cfg.quest_rows else "max_num_seqs") if possible else
+                  "rows (no request can turn sparse: max_model_len < min_context)")
         host_layers = tuple(cfg.host_pool_layers(limits.num_layers))
         share = capacity.host_pool_rank_bytes(cfg.host_pool_bytes, limits.tensor_parallel_size)
         host = share // (page_bytes * len(host_layers)) if possible and host_layers else 0
@@ -197,7 +238,25 @@ def resolve(cfg: HiSparseConfig, limits: EngineLimits) -> Deployment:
                       indexer_row_bytes=row_bytes, dense_layer_ids=dense_ids,
                       page_bytes=page_bytes, host_layers=host_layers,
                       host_pages=host, dense_pool_pages=dense, admit_pages=admit,
-                      admit_bound=bound, latent=latent)
+                      admit_bound=bound, latent=latent,
+                      auto=auto if limits.machine is not None else (), gpu_requests=gpu_n)
+
+
+def _latent_sizes(cfg: HiSparseConfig, limits: EngineLimits) -> HiSparseConfig:
+    """The DSA path's auto sizes: row sets = max_num_seqs (as quest_rows 0), no dense pool, and a
+    host pool of ``auto_size.HOST_SHARE`` of the RAM (rule 3), at most the row sets' requests."""
+    auto, m = cfg.auto_fields, limits.machine
+    if m is None:
+        return cfg.with_sizes(**{f: auto_size.FIXED[f] for f in auto})
+    sizes = {"quest_rows": 0, "dense_pool_gib": 0.0}
+    sizes = {f: v for f, v in sizes.items() if f in auto}
+    if "host_pool_gib" in auto:
+        token = limits.latent_row * limits.dtype_bytes * limits.num_layers
+        rows = (cfg.quest_rows or limits.max_num_seqs) * limits.max_model_len
+        if m.host_available_bytes is not None:
+            rows = min(rows, auto_size.host_rank_room(m) // token)
+        sizes["host_pool_gib"] = rows * token / (1 << 30) if cfg.host_tier else 0.0
+    return cfg.with_sizes(**sizes)
 
 
 def _latent(cfg: HiSparseConfig, limits: EngineLimits) -> LatentSizes:

@@ -10,13 +10,20 @@ runtime and pools all read the same object and nothing parses again (a file give
 ``--hisparse-config`` is read once). A config whose hisparse settings changed since (only tests do
 that) is parsed again; one whose limits changed (vLLM may re-run the config check) is resolved again
 from the parsed config, without a parse.
+
+The machine the auto sizes come from (core/auto_size.py: this host's available RAM, one GPU's KV
+budget) is measured once too, with the parse, and travels with it: the engine core re-runs the
+config check after its workers pinned their pools, when the RAM left is no longer the RAM the pools
+were sized from.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.core.auto_size import Machine
 from vllm_hisparse.core.deployment import Deployment, EngineLimits, resolve
 
 ATTR = "_hisparse_deployment"      # the attribute of the VllmConfig that holds it
@@ -27,6 +34,7 @@ class _Held:
     key: str                      # the hisparse settings it was parsed from, as JSON
     cfg: HiSparseConfig
     deployment: Deployment | None
+    machine: Machine | None = None
 
 
 def _source(vllm_config):
@@ -53,24 +61,28 @@ def _held(vllm_config) -> _Held:
 
 def config_of(vllm_config) -> HiSparseConfig:
     """The HiSparseConfig of ``additional_config["hisparse"]`` (defaults when absent), parsed once
-    per VllmConfig object."""
-    return _held(vllm_config).cfg
+    per VllmConfig object; once resolved, with its auto sizes filled in (``Deployment.cfg``)."""
+    held = _held(vllm_config)
+    return held.deployment.cfg if held.deployment is not None else held.cfg
 
 
 def deployment_of(vllm_config) -> Deployment:
     """The config resolved for this engine (``core.deployment.resolve``), once per VllmConfig."""
     held = _held(vllm_config)
-    limits = limits_of(vllm_config)
+    if held.machine is None:
+        held = replace(held, machine=machine_of(vllm_config))
+        setattr(vllm_config, ATTR, held)
+    limits = limits_of(vllm_config, held.machine)
     if held.deployment is not None and held.deployment.limits == limits:
         return held.deployment
     if limits is None:
         raise ValueError("hisparse: the engine's config has no model config to size the pools by")
     dep = resolve(held.cfg, limits)
-    setattr(vllm_config, ATTR, _Held(held.key, held.cfg, dep))
+    setattr(vllm_config, ATTR, replace(held, deployment=dep))
     return dep
 
 
-def limits_of(vllm_config) -> EngineLimits | None:
+def limits_of(vllm_config, machine: Machine | None = None) -> EngineLimits | None:
     """The model's shape and vLLM's limits for one tensor-parallel rank (None without a model
     config). Scheduler and parallel settings a partial config lacks count as their defaults."""
     mc = getattr(vllm_config, "model_config", None)
@@ -88,4 +100,64 @@ def limits_of(vllm_config) -> EngineLimits | None:
     return EngineLimits(num_layers=mc.get_num_layers(pc), max_model_len=mc.max_model_len,
                         max_num_seqs=getattr(sc, "max_num_seqs", 0) or 0,
                         dtype_bytes=mc.dtype.itemsize,
-                        tensor_parallel_size=getattr(pc, "tensor_parallel_size", 1) or 1, **kw)
+                        tensor_parallel_size=getattr(pc, "tensor_parallel_size", 1) or 1,
+                        machine=machine, **kw)
+
+
+GPU_OVERHEAD = 3 << 30    # guess: what vLLM's profiling finds besides the weights (activations at
+                          # max_num_batched_tokens, the CUDA context, NCCL and graph buffers)
+
+
+def machine_of(vllm_config) -> Machine:
+    """This host's RAM available for the host pools (``host_pool.host_room``: MemAvailable, or a
+    container limit less its use) with the ranks pinning here, and one GPU's KV budget: an explicit
+    KV cache size (``--kv-cache-memory-bytes``; on the CPU ``VLLM_CPU_KVCACHE_SPACE``) as is, else
+    on CUDA an estimate: gpu_memory_utilization x the GPU's memory, less the weights of one rank
+    (from the model's shape: ``weight_bytes``) and ``GPU_OVERHEAD``."""
+    from vllm_hisparse.core.host_pool import host_memory, host_room
+
+    pc = getattr(vllm_config, "parallel_config", None)
+    world = getattr(pc, "world_size", 1) or 1
+    ranks = getattr(pc, "local_world_size", world) * max(1, getattr(pc, "data_parallel_size_local",
+                                                                    1) or 1)
+    kv, fixed, source = _kv_budget(vllm_config)
+    return Machine(host_available_bytes=host_room(host_memory()), host_ranks=max(ranks, 1),
+                   gpu_kv_bytes=kv, gpu_kv_fixed=fixed, gpu_kv_source=source)
+
+
+def _kv_budget(vllm_config) -> tuple[int | None, bool, str]:
+    cc = getattr(vllm_config, "cache_config", None)
+    explicit = getattr(cc, "kv_cache_memory_bytes", None)
+    if explicit:
+        return int(explicit), True, "kv_cache_memory_bytes"
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if device == "cpu" and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30, True, "VLLM_CPU_KVCACHE_SPACE"
+    mc = getattr(vllm_config, "model_config", None)
+    weights = weight_bytes(mc, getattr(vllm_config, "parallel_config", None))
+    if device != "cuda" or weights is None:
+        return None, False, ""
+    from vllm.platforms import current_platform
+
+    total = current_platform.get_device_total_memory(0)
+    kv = int(cc.gpu_memory_utilization * total) - weights - GPU_OVERHEAD
+    return max(kv, 0), False, "estimate: utilization x memory - weights - overhead"
+
+
+def weight_bytes(mc, pc) -> int | None:
+    """One tensor-parallel rank's weights, from a Llama/Qwen-style shape (embeddings, attention,
+    gated MLP); None when the config lacks those fields (MoE, MLA: no estimate)."""
+    hf = getattr(mc, "hf_config", None)
+    try:
+        H, V, L = hf.hidden_size, hf.vocab_size, hf.num_hidden_layers
+        heads, inter = hf.num_attention_heads, hf.intermediate_size
+    except AttributeError:
+        return None
+    if getattr(hf, "num_local_experts", None) or getattr(hf, "kv_lora_rank", None):
+        return None
+    hd = getattr(hf, "head_dim", None) or H // heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    layer = 2 * H * heads * hd + 2 * H * kv * hd + 3 * H * inter + 2 * H
+    embed = V * H * (1 if getattr(hf, "tie_word_embeddings", False) else 2)
+    tp = getattr(pc, "tensor_parallel_size", 1) or 1
+    return (embed + L * layer + H) * mc.dtype.itemsize // tp

@@ -33,7 +33,8 @@ def check_served(cfg: HiSparseConfig) -> None:
 def prepare_config(vllm_config) -> None:
     """Validate the hisparse setup and make the config changes it needs. The plugin's first look
     at this VllmConfig: ``config_of`` parses the hisparse settings here, once, and keeps the result
-    on the config, from which every process reads it (vllm/deployment.py)."""
+    on the config, from which every process reads it (vllm/deployment.py). Sizes left auto are
+    resolved here too (core/auto_size.py), so every check below sees the sizes the engine uses."""
     cfg = config_of(vllm_config)          # validated: errors name field, value and fix
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     check_served(cfg)
@@ -41,6 +42,7 @@ def prepare_config(vllm_config) -> None:
         # DeepSeek-V3.2 style: the latent pool behind vLLM's sparse-MLA backend (docs/dsa.md)
         from .mla_setup import prepare_mla
 
+        cfg = deployment_of(vllm_config).cfg        # auto sizes filled in
         prepare_mla(cfg, vllm_config, logger)
         if cfg.host_tier:
             check_host_memory(cfg, vllm_config)
@@ -56,6 +58,7 @@ def prepare_config(vllm_config) -> None:
             raise Refused(f"hisparse: encoder-decoder models are not supported; {SUPPORTED}")
         cfg.check_layers(mc.get_num_layers(pc))
         warn_never_sparse(cfg, mc.max_model_len)
+        cfg = deployment_of(vllm_config).cfg        # auto sizes filled in
     dc = getattr(vllm_config, "device_config", None)
     if getattr(dc, "device_type", None) == "cuda" and getattr(vllm_config, "use_v2_model_runner",
                                                              False):
@@ -81,6 +84,9 @@ def prepare_config(vllm_config) -> None:
         logger.warning("hisparse: prefix caching is switched off (not compatible yet)")
         cc.enable_prefix_caching = False
     dep = deployment_of(vllm_config) if mc is not None else None
+    if dep is not None and dep.auto:
+        logger.info("hisparse: sized from this machine (%s): %s", ", ".join(dep.auto),
+                    ", ".join(f"{f}={getattr(cfg, f)}" for f in dep.auto))
     if cfg.host_tier and dep is not None and dep.sparse_possible:
         tp = dep.limits.tensor_parallel_size
         pb = dep.page_bytes                                      # one page of one layer, per rank
@@ -88,7 +94,7 @@ def prepare_config(vllm_config) -> None:
         cfg.check_host_pool(mc.max_model_len, pb // cfg.page_size * tp, len(dep.host_layers))
         check_host_memory(cfg, vllm_config)
         cfg.check_dense_pool(mc.max_model_len, pb // cfg.page_size)
-        if cfg.dense_layers and not cfg.uses_dense_pool:
+        if dep.dense_layer_ids and not cfg.uses_dense_pool:
             logger.warning("hisparse: dense_layers=%s without dense_pool_gib: those layers read the "
                            "given-back pages of long requests from the host pool every decode step "
                            "(exact, but PCIe-bound); set dense_pool_gib to keep them on the GPU",

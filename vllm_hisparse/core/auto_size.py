@@ -1,0 +1,195 @@
+"""The sizes a config leaves to the machine: ``host_pool_gib``, ``quest_rows`` and
+``dense_pool_gib`` absent (or "auto"). ``core/deployment.resolve`` calls ``size_gqa`` once per
+engine, on the ``Machine`` the vLLM adapter measured once (vllm/deployment.py) or ``hisparse calc``
+was given, so the server and calc size the same way. Explicit values win, field by field.
+
+The rule, in the order it is applied (every count is of requests of ``max_model_len`` tokens):
+
+1. ``quest_rows``: the most long requests both the host pool and the GPU KV budget admit: at most
+   max_num_seqs and the requests the host pool (auto: rule 3's RAM share) holds, and the largest
+   R such that, with R indexer rows + the scratch row and R requests'
+   dense pages taken out of the budget, the KV cache still runs R requests (R - 1 at their hot
+   buffer's S + 1 blocks while the last one admitted holds its whole prompt:
+   ``capacity.gpu_requests``), and those reservations take at most ``RESERVATION_SHARE`` of the
+   budget (the worker's own startup check then passes). With an explicit KV cache size
+   (``--kv-cache-memory-bytes``, a CPU run) vLLM gives the KV cache that size whatever hisparse
+   reserves, so only the KV cache counts. Unknown budget: the host's bound (or max_num_seqs).
+   A row the host pool cannot fill would serve only shorter requests, at the GPU memory of a row.
+2. ``dense_pool_gib``: the pages those rows' requests fill in the dense layers (R x
+   cdiv(max_model_len, page_size) pages of each dense layer), i.e. what core/gpu_pools.py caps an
+   explicit pool at; 0 without dense layers, without the host tier, or when no request can turn
+   sparse.
+3. ``host_pool_gib`` (the engine's total, each rank pinning 1/TP): ``HOST_SHARE`` of the RAM this
+   host can still give (MemAvailable, or a container limit less its use) less ``HOST_RESERVE``,
+   split over the ranks pinning on this host, in whole pages, at most what the rows' requests fill;
+   refused in one line naming host_pool_gib when that holds not one request. Unknown RAM: what the
+   rows' requests fill.
+
+A runtime built without a machine (``EngineLimits.machine`` None: the core's tests and benches,
+the simulator) gets the fixed sizes of before: 16 GiB of host pool, max_num_seqs rows, no dense
+pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_hisparse.config import GIB, HiSparseConfig, _fail, gib_at_least
+from vllm_hisparse.core import capacity
+
+HOST_SHARE = 0.8          # guess: leaves a fifth of the RAM free for the page cache the weights
+                          # load through, and stays under host_pool.PIN_SHARE (0.9), so the startup
+                          # check of all local ranks' pools always passes an auto size
+HOST_RESERVE = 8 * GIB    # guess: vLLM's own processes (front end, engine core, one worker per
+                          # rank with torch and a CUDA context: 1.5-3 GiB each) start after RAM is
+                          # measured, so it is taken off before the share
+FIXED = {"host_pool_gib": 16.0, "quest_rows": 0, "dense_pool_gib": 0.0}   # without a machine
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the auto sizes are computed from, measured once per engine.
+
+    host_available_bytes: RAM this host can still give (``host_pool.host_room``); None = unknown.
+    host_ranks: ranks of this engine (and of other local data-parallel engines) pinning here.
+    gpu_kv_bytes: one GPU's KV cache budget before hisparse's reservations (what stock vLLM gets);
+        None = unknown. gpu_kv_fixed: it is an explicit KV cache size (``--kv-cache-memory-bytes``,
+        ``VLLM_CPU_KVCACHE_SPACE``): the reservations come on top of it, not out of it.
+    gpu_kv_source: where gpu_kv_bytes came from, for the startup line.
+    """
+    host_available_bytes: int | None = None
+    host_ranks: int = 1
+    gpu_kv_bytes: int | None = None
+    gpu_kv_fixed: bool = False
+    gpu_kv_source: str = ""
+
+
+def host_rank_room(m: Machine) -> int:
+    """Bytes one rank's auto host pool may take: ``HOST_SHARE`` x (available - ``HOST_RESERVE``),
+    split over the ranks pinning on this host."""
+    usable = max(m.host_available_bytes - HOST_RESERVE, 0)
+    return int(HOST_SHARE * usable) // max(m.host_ranks, 1)
+
+
+def largest_fit(cap: int, fits) -> int:
+    """The largest r in [0, cap] with fits(r) (fits: true up to some r, false beyond)."""
+    lo, hi = 0, cap + 1                        # invariant: lo fits (0 always), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """One GPU's KV cache with R rows reserved: the terms of rule 1 (bytes per rank)."""
+    cfg: HiSparseConfig
+    machine: Machine
+    num_layers: int
+    max_model_len: int
+    page_bytes: int            # one page of one layer (K and V)
+    row_bytes: int             # one indexer row
+    num_dense: int             # dense layers of the model
+    pool: bool                 # a dense pool is reserved (per request: pages x num_dense)
+
+    @property
+    def per_request(self) -> int:
+        return capacity.cdiv(self.max_model_len, self.cfg.page_size)
+
+    def dense_pages(self, rows: int) -> int:
+        if not self.pool:
+            return 0
+        fill = rows * self.per_request
+        if self.cfg.dense_pool_gib is None:
+            return fill
+        return min(self.cfg.dense_pool_bytes // (self.page_bytes * self.num_dense), fill)
+
+    def reserved(self, rows: int) -> int:
+        return (rows + 1) * self.row_bytes + self.dense_pages(rows) * self.page_bytes * self.num_dense
+
+    def requests(self, rows: int) -> int:
+        """Requests of max_model_len tokens the KV cache runs with ``rows`` rows reserved."""
+        m, cfg = self.machine, self.cfg
+        kv = m.gpu_kv_bytes if m.gpu_kv_fixed else m.gpu_kv_bytes - self.reserved(rows)
+        blocks = max(kv, 0) // (self.page_bytes * self.num_layers)
+        P, per = cfg.page_size, self.per_request
+        if not capacity.hisparse_prefill_fits(blocks, self.max_model_len, P):
+            return 0
+        sparse = cfg.host_tier
+        floor = capacity.hisparse_blocks(self.max_model_len, P, cfg.num_slots, sparse)
+        admit = per + int(cfg.resident_first and sparse)      # its whole prompt + the connector's 1
+        return capacity.gpu_requests(blocks, floor, admit)
+
+    def rows_fit(self, rows: int) -> bool:
+        if not self.machine.gpu_kv_fixed and (
+                self.reserved(rows) > capacity.RESERVATION_SHARE * self.machine.gpu_kv_bytes):
+            return False
+        return rows <= self.requests(rows)
+
+
+def size_gqa(cfg: HiSparseConfig, machine: Machine | None, possible: bool, max_num_seqs: int,
+             tensor_parallel_size: int, gpu: GpuModel) -> tuple[HiSparseConfig, int | None]:
+    """(cfg with its auto fields filled in, requests the GPU KV budget runs at the rows chosen or
+    None when the budget is unknown). gpu: the KV model of this rank (its cfg is ``cfg``)."""
+    auto = cfg.auto_fields
+    if machine is None:
+        return cfg.with_sizes(**{f: FIXED[f] for f in auto}), None
+    known = machine.gpu_kv_bytes is not None
+    cap = max_num_seqs or (1 << 20)            # 0: vLLM's limit unknown (calc), no cap
+    host_room = _host_room_pages(cfg, machine, possible, tensor_parallel_size, gpu)
+    if host_room is not None and host_room >= gpu.per_request:
+        cap = min(cap, host_room // gpu.per_request)
+    if cfg.quest_rows is not None:
+        rows = (cfg.quest_rows or max_num_seqs) if possible else 0
+    elif not possible:
+        rows = 0
+    elif not known:
+        rows = cap
+    else:
+        rows = largest_fit(cap, gpu.rows_fit)
+        if rows == 0:
+            kv = machine.gpu_kv_bytes / GIB
+            _fail("quest_rows", "auto",
+                  f"a GPU KV budget of {kv:.2f} GiB per GPU ({machine.gpu_kv_source}) runs no "
+                  f"request of max_model_len={gpu.max_model_len} once its indexer row and dense "
+                  f"pages are reserved; lower --max-model-len, raise --gpu-memory-utilization, or "
+                  f"set quest_rows (and dense_pool_gib) yourself")
+    sizes: dict = {}
+    if "quest_rows" in auto:
+        sizes["quest_rows"] = rows
+    if "dense_pool_gib" in auto:                # 0 pages when none can be sparse: no pool
+        sizes["dense_pool_gib"] = gpu.dense_pages(rows) * gpu.page_bytes * gpu.num_dense / GIB
+    if "host_pool_gib" in auto:
+        pages = rows * gpu.per_request if host_room is None else min(rows * gpu.per_request,
+                                                                       host_room)
+        sizes["host_pool_gib"] = pages * _page_all(gpu) * tensor_parallel_size / GIB
+    return cfg.with_sizes(**sizes), gpu.requests(rows) if known else None
+
+
+def _page_all(gpu: GpuModel) -> int:
+    """One host page of every host layer, per rank (the dense layers stay out with a pool)."""
+    return gpu.page_bytes * (gpu.num_layers - (gpu.num_dense if gpu.pool else 0))
+
+
+def _host_room_pages(cfg: HiSparseConfig, m: Machine, possible: bool, tp: int,
+                     gpu: GpuModel) -> int | None:
+    """Pages of each rank's host pool: the explicit size's, or rule 3's RAM share (refused when
+    it holds no request); None: no pool, or auto on an unknown RAM."""
+    if not (cfg.host_tier and possible):
+        return None
+    page_all = _page_all(gpu)
+    if cfg.host_pool_gib is not None:
+        return capacity.host_pool_rank_bytes(cfg.host_pool_bytes, tp) // page_all
+    if m.host_available_bytes is None:
+        return None
+    per = gpu.per_request
+    room = host_rank_room(m) // page_all
+    if room < per:
+        need = per * page_all * tp
+        _fail("host_pool_gib", "auto",
+              f"this host can still give {m.host_available_bytes / GIB:.2f} GiB of RAM "
+              f"({m.host_ranks} rank(s) pinning here); the auto pool, {HOST_SHARE:.0%} of it "
+              f"less a {HOST_RESERVE // GIB} GiB reserve, cannot hold one request of "
+              f"max_model_len={gpu.max_model_len} ({need / GIB:.2f} GiB over all ranks); free "
+              f"host memory, lower --max-model-len, or set host_pool_gib yourself (at least "
+              f"{gib_at_least(need)})")
+    return room
