@@ -7,7 +7,8 @@ feed vLLM's ``finished_sending``); only the model is faked (one sampled token pe
   an engine whose max_model_len is) frees its blocks in the step it finishes, as in stock vLLM:
   an engine of such requests runs step for step as stock vLLM does, free blocks included.
 * A request that may be sparse (host pages, indexer row) keeps its blocks and its reservation
-  until the worker has dropped it and reported it in ``finished_sending``.
+  until the worker has dropped it and reported it in ``finished_sending``; one admitted host-less
+  (the indexer rows were full: no host page, no row) frees them at once, as one never sparse.
 * No request freed at once is ever reported (vLLM asserts each reported id is still a request
   and would free its blocks twice), neither after a normal finish nor after an abort.
 """
@@ -35,7 +36,8 @@ ENGINES = {
     # blocks: vLLM preempts, and finished requests' blocks admit the waiting ones
     "never": (96, 40, {f"n{i}": (40, 30 + 2 * i) for i in range(12)}, {"n3": 6, "n9": 9}),
     # sparse from the first token (p*), turning sparse while decoding (g0: 40 + 100 >= 128), and
-    # never sparse (s*: prompt + max_tokens < 128) side by side; quest_rows=3 makes p3 wait
+    # never sparse (s*: prompt + max_tokens < 128) side by side; quest_rows=3: p3 and g0 find the
+    # rows full and run host-less
     "mixed": (512, 160, {**{f"p{i}": (150, 12 + 3 * i) for i in range(4)}, "g0": (40, 100),
                          **{f"s{i}": (30, 10 + 4 * i) for i in range(6)}},
               {"s4": 5, "p1": 8}),
@@ -99,6 +101,7 @@ def probe(model: str, backend: str, engine: str, out: str) -> None:
         s.add_request(Request(rid, [3 + (7 * i + j) % 500 for j in range(prompt)], sp, None,
                               arrival_time=float(i)))
     held = {}                     # req -> (reserved host pages, holds an indexer row), at admission
+    hostless = set()              # admitted host-less
     finished, gone, released, reported, steps = {}, {}, {}, collections.Counter(), []
     inflight, n = collections.deque(), 0
 
@@ -106,6 +109,8 @@ def probe(model: str, backend: str, engine: str, out: str) -> None:
         for rid in reqs:
             if conn is not None and rid not in held and rid in conn._reserved:
                 held[rid] = (conn._reserved[rid], rid in conn._rows_held)
+            if conn is not None and rid in getattr(conn, "_hostless", ()):
+                hostless.add(rid)
             if rid in finished and rid not in gone and rid not in s.requests:
                 gone[rid] = n
             if (conn is not None and rid in held and rid not in released
@@ -151,10 +156,12 @@ def probe(model: str, backend: str, engine: str, out: str) -> None:
     leaked = None                 # what the worker and the scheduler side still hold at the end
     if work is not None:
         leaked = [sorted(work.worker.runtime.reqs), sorted(work.worker.rows.req_to_block),
-                  sorted(conn._reserved), sorted(conn._rows_held), sorted(conn._sent)]
+                  sorted(conn._reserved), sorted(conn._rows_held), sorted(conn._sent),
+                  sorted(conn._hostless)]
     with open(out, "w") as f:
         json.dump({"finished": finished, "gone": gone, "released": released,
                    "reported": dict(reported), "held": held, "steps": steps, "leaked": leaked,
+                   "hostless": sorted(hostless),
                    "sparse_possible": conn is not None and conn.capacity > 0}, f)
 
 
@@ -194,7 +201,7 @@ def test_never_sparse_engine_frees_blocks_as_stock_vllm(runs):
     assert sorted(stock["finished"]) == sorted(hs["finished"]) == sorted(reqs)
     assert hs["gone"] == hs["finished"] == stock["gone"] == stock["finished"]
     assert hs["reported"] == {}
-    assert hs["leaked"] == [[]] * 5
+    assert hs["leaked"] == [[]] * 6 and hs["hostless"] == []
     waited = [w for _, w, _, _ in stock["steps"]]
     assert max(waited) > 0, "requests must wait for finished requests' blocks"
     # (running, waiting, free blocks, finished) after every schedule and every update
@@ -208,11 +215,12 @@ def test_mixed_engine_delays_only_requests_that_may_be_sparse(runs):
     assert sorted(hs["finished"]) == sorted(reqs)
     may = {r for r, (p, m) in reqs.items() if p + m >= 128}
     assert may == {"p0", "p1", "p2", "p3", "g0"}
-    assert {r for r, (_, row) in hs["held"].items() if row} == may     # an indexer row each
-    assert all(hs["held"][r][0] > 0 for r in may)                      # and host pages
+    backed = {r for r, (_, row) in hs["held"].items() if row}         # an indexer row each
+    assert backed == {"p0", "p1", "p2"} and set(hs["hostless"]) == {"p3", "g0"}
+    assert all(hs["held"][r][0] > 0 for r in backed)                   # and host pages
     for rid in reqs:
         fin, gone = hs["finished"][rid], hs["gone"][rid]
-        if rid in may:
+        if rid in backed:
             # blocks and reservation kept until the worker's report, released with it
             assert gone > fin, rid
             assert hs["reported"].get(rid) == 1, rid
@@ -221,8 +229,8 @@ def test_mixed_engine_delays_only_requests_that_may_be_sparse(runs):
             assert gone == fin, rid                    # back in the pool in the step it finished
             assert rid not in hs["reported"], rid
             assert hs["held"].get(rid, [0, False]) == [0, False], rid
-    assert {r for r in aborts if r not in may} and {r for r in aborts if r in may}
-    assert hs["leaked"] == [[]] * 5
+    assert {r for r in aborts if r not in backed} and {r for r in aborts if r in backed}
+    assert hs["leaked"] == [[]] * 6
 
 
 if __name__ == "__main__":

@@ -25,8 +25,13 @@ shrinks, and the window slides with the request (a new complete page pushes its 
 so a request never holds more blocks after its first spill than before it. ``freed_pages(...,
 keep=None)`` is empty (resident); ``spill_order`` picks whom to take blocks from.
 
-Admission (vllm/connector.py) reserves host pages and an indexer row for every request that *may*
-turn sparse: ``may_turn_sparse`` (prompt + max_tokens reaches ``min_context``).
+Admission (vllm/connector_scheduler.py) reserves host pages and an indexer row for every request
+that *may* turn sparse: ``may_turn_sparse`` (prompt + max_tokens reaches ``min_context``). When
+the host pool or the indexer rows have no room for it, the request runs *host-less* if vLLM's GPU
+blocks can hold its whole life (``hostless_fits``): like a request that never could be sparse (no
+host page, no indexer row, every page in its GPU blocks, dense attention: stock vLLM's behaviour,
+so its outputs are the dense model's, not the top-k selection's), and it is never spilled (it has
+no host copy to fall back on). The length rule above then does not apply to it.
 """
 from __future__ import annotations
 
@@ -102,3 +107,16 @@ def spill_order(surplus: dict[str, int], free_blocks: int, reserve: int) -> list
         out.append(rid)
         need -= n
     return out
+
+
+def hostless_fits(gpu_blocks: int, reserve: int, promised: int, host_backed: int,
+                  floor_blocks: int, need: int) -> bool:
+    """Admission of a host-less request (one the host pool or the indexer rows cannot take): True
+    when vLLM's GPU blocks hold its whole life, ``need`` blocks (prompt + max_tokens), beside
+    what is already promised: ``promised`` blocks of the host-less requests admitted before (their
+    whole lives: nothing is ever taken from them), ``host_backed`` requests at their floor of
+    ``floor_blocks`` each (S hot blocks + the newest page: everything above it can be spilled),
+    and ``reserve`` free blocks (one step's allocations + vLLM's watermark, the spill reserve R).
+    gpu_blocks: the KV cache's usable blocks (vLLM's null block excluded). Requests that never
+    could be sparse are vLLM's own, as in stock vLLM (its preemption handles their pressure)."""
+    return promised + host_backed * floor_blocks + reserve + need <= gpu_blocks

@@ -42,6 +42,7 @@ class Req:
     irow: int = -1            # indexer row (sparse requests only)
     keep: int | None = 0      # newest complete pages kept beyond the floor (residency.freed_pages)
     start: int = 0            # tokens before its last planned step (the stats' residency)
+    hostless: bool = False    # no host copy (admitted so): never sparse, every page on the GPU
 
 
 class SparseRuntime:
@@ -87,8 +88,7 @@ class SparseRuntime:
                                             state=indexer_state)
         # no request can ever be sparse (core/gpu_pools.py): no hot slots, as in resident mode;
         # decode_fn may then take every layer (use_decode_fn; the GPU adapter plugs in FlashAttention)
-        self.sparse_possible = dep.sparse_possible
-        self.decode_fn = None
+        self.sparse_possible, self.decode_fn = dep.sparse_possible, None
         self.hot = HotRows(num_layers, [i for i in range(num_layers) if i not in self.dense_layers]
                            if cfg.host_tier and self.sparse_possible else [],
                            max_rows + 1, self.S, self.U, cfg.policy, self.device)
@@ -122,15 +122,15 @@ class SparseRuntime:
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
-    def add(self, req_id: str, num_prompt: int) -> None:
-        """A request was scheduled (new, or resumed after preemption: it restarts from token 0 with
-        no block, resident again under resident_first as in the KV manager)."""
-        keep = None if self.cfg.resident_first else 0
+    def add(self, req_id: str, num_prompt: int, hostless: bool = False) -> None:
+        """A request was scheduled (new, or resumed after preemption: from token 0, resident
+        again under resident_first as in the KV manager); hostless: dense, resident (residency)."""
+        keep = None if self.cfg.resident_first or hostless else 0
         if req_id not in self.reqs:
             if not self._free_rows:
                 raise RuntimeError(f"hisparse runtime: no free row for {req_id} (max_num_seqs rows)")
-            r = Req(self._free_rows.pop(), num_prompt, False, keep=keep)
-            if is_sparse_request(self.cfg, num_prompt):
+            r = Req(self._free_rows.pop(), num_prompt, False, keep=keep, hostless=hostless)
+            if not hostless and is_sparse_request(self.cfg, num_prompt):
                 try:
                     self._make_sparse(req_id, r, num_prompt)
                 except RuntimeError:
@@ -331,7 +331,7 @@ class SparseRuntime:
                 self.hot.reset(r.row)
                 if self.trace is not None:
                     self.trace.restart(rid)
-            if not r.sparse and is_sparse_at(self.cfg, r.num_prompt, n):
+            if not r.sparse and not r.hostless and is_sparse_at(self.cfg, r.num_prompt, n):
                 self._make_sparse(rid, r, n)
                 self.stats["turned_sparse"] += 1
                 if start > 0:                   # KV on the GPU to copy (none at a restart)

@@ -85,7 +85,8 @@ class SteadyStep:
             if s != p + 1 or (s - 1) % P == 0:          # a new page: handed out, windows slide
                 return False
         cfg = rt.cfg                                    # a dense row turning sparse:
-        if any(is_sparse_at(cfg, rt.reqs[rid].num_prompt, seq_lens[i]) for i, rid in last.dense):
+        if any(not rt.reqs[rid].hostless and is_sparse_at(cfg, rt.reqs[rid].num_prompt, seq_lens[i])
+               for i, rid in last.dense):
             return False
         flat = last.flat
         flat[last.grow] += 1

@@ -4,18 +4,22 @@ KV pool's request lifecycle, in the scheduler process (engine core).
   * admission: a request that may be sparse at some step of its life (core/residency.py: its
     prompt + max_tokens reaches min_context, so a short prompt that may generate past it too)
     reserves an indexer row (core/indexers) and the host pages of its whole life (prompt +
-    max_tokens) before it is scheduled; when the pool or the rows cannot hold it the request
-    *waits* (``None`` from ``get_num_new_matched_tokens``) until finished requests give them back;
+    max_tokens) before it is scheduled; when the pool or the rows cannot hold it, it runs
+    *host-less* if vLLM's GPU blocks hold its whole life beside the host-less requests admitted
+    before and every host-backed one at its floor (core/residency.py ``hostless_fits``): dense
+    and resident like a request that never could be sparse, never spilled (the KV manager reads
+    ``SpillLedger.hostless``), no host page or indexer row; else it *waits* (``None`` from
+    ``get_num_new_matched_tokens``) until finished requests give them back;
   * ``build_connector_meta`` ships each newly scheduled (or resumed) request's prompt length and
-    first GPU block to the worker, and (resident_first) the requests the KV manager took blocks
-    from in this step with their new ``keep`` (vllm/spec.py ``SpillLedger``), which the worker
-    applies before the step's forward;
+    first GPU block to the worker (and which of them run host-less), and (resident_first) the
+    requests the KV manager took blocks from in this step with their new ``keep`` (vllm/spec.py
+    ``SpillLedger``), which the worker applies before the step's forward;
   * finish: a request holding host pages or an indexer row frees its GPU blocks only after the
     worker has dropped it (delayed free, ``request_finished`` -> True, the worker reports it
     through ``get_finished``), so no new request is admitted onto what the worker still holds; a
-    request that never could be sparse holds nothing of the kind and frees them at once, as in
-    stock vLLM (-> False; the worker drops it unreported: vLLM asserts that every id it reports
-    is still a live request).
+    request that never could be sparse, or runs host-less, holds nothing of the kind and frees
+    them at once, as in stock vLLM (-> False; the worker drops it unreported: vLLM asserts that
+    every id it reports is still a live request).
 Every method runs in the scheduler process.
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_hisparse.core.deployment import Deployment
-from vllm_hisparse.core.residency import may_turn_sparse
+from vllm_hisparse.core.residency import hostless_fits, may_turn_sparse
 
 from . import metrics
 from .compat import KVConnectorMetadata, init_logger
@@ -41,6 +45,7 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     # at once (never sparse: no host page, no indexer row) and has forgotten them
     freed: list[str] = field(default_factory=list)
     spilled: dict[str, int] = field(default_factory=dict)  # resident_first: req -> its new keep
+    hostless: list[str] = field(default_factory=list)  # of ``new``: no host copy, dense, resident
 
 
 class ConnectorScheduler:
@@ -70,6 +75,9 @@ class ConnectorScheduler:
         self._waiting: dict[str, str] = {}     # req -> what it waits for (metrics.WAIT_REASONS)
         self._sched_report: dict | None = None
         self._ledger = None                    # resident_first: the KV manager's spills
+        self._shared = None                    # the pool's ledger: its ``hostless`` set
+        self._gpu_blocks = 0                   # usable GPU blocks (0: not bound, none host-less)
+        self._hostless: dict[str, int] = {}    # host-less req -> GPU blocks of its whole life
         self._watermark_blocks = 0
         self._log_room()
 
@@ -89,10 +97,11 @@ class ConnectorScheduler:
         blocks the KV manager keeps by spilling (docs/vllm-integration.md, "Residency states")."""
         if not self.cfg.host_tier:
             return
+        self._shared = ledger_of(gpu_block_pool)
+        self._watermark_blocks = int(self._vllm_config.scheduler_config.watermark
+                                     * gpu_block_pool.num_gpu_blocks)
         if self.cfg.resident_first:
-            self._ledger = ledger_of(gpu_block_pool)
-            self._watermark_blocks = int(self._vllm_config.scheduler_config.watermark
-                                         * gpu_block_pool.num_gpu_blocks)
+            self._ledger = self._shared
             self._ledger.reserve = self.spill_reserve()
         need = -(-self.max_model_len // self.cfg.page_size) + 1
         have = gpu_block_pool.num_gpu_blocks - 1                 # block 0 is vLLM's null block
@@ -101,6 +110,12 @@ class ConnectorScheduler:
                 f"hisparse: the GPU KV cache holds {have} blocks of {self.cfg.page_size} tokens, but "
                 f"a max_model_len={self.max_model_len} prompt needs {need} during its own prefill; "
                 f"lower --max-model-len or raise --gpu-memory-utilization")
+        self._gpu_blocks = have
+        if self.dep.sparse_possible:
+            logger.info("hisparse: two tiers: host pool %d pages (%s) for host-backed requests; "
+                        "beyond them, requests run host-less (requests_hostless: dense, "
+                        "resident, never spilled) while the GPU's %d blocks hold their whole "
+                        "lives", self.admit_pages, self._bound, have)
 
     def spill_reserve(self) -> int:
         """R, kept free at every KV-manager call: every block one step's allocations of running
@@ -139,33 +154,62 @@ class ConnectorScheduler:
     def _pages_needed(self, request) -> int:
         if not self.cfg.host_tier or not self._may_be_sparse(request):
             return 0
+        return self._life_blocks(request)        # a host page for each GPU block of its life
+
+    def _life_blocks(self, request) -> int:
+        """GPU blocks of the request's whole life (prompt + max_tokens, within max_model_len)."""
         max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
         n = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
         return -(-n // self.cfg.page_size)
 
+    def _hostless_fits(self, request) -> bool:
+        """A request the host pool or the indexer rows cannot take may run host-less
+        (core/residency.py ``hostless_fits``); never before the GPU block pool is bound."""
+        if not self._gpu_blocks:
+            return False
+        floor = -(-self.dep.num_slots * self.dep.unit_tokens // self.cfg.page_size) + 1
+        return hostless_fits(self._gpu_blocks, self.spill_reserve(),
+                             sum(self._hostless.values()), len(self._rows_held), floor,
+                             self._life_blocks(request))
+
+    def _wait_or_hostless(self, request, reason: str, why: str):
+        """The host pool or the rows are full (``why``: which, for the log): the request runs
+        host-less if the GPU holds it whole (0: admitted), else it waits (None)."""
+        rid = request.request_id
+        if self._hostless_fits(request):
+            self._hostless[rid] = self._life_blocks(request)
+            self._shared.hostless.add(rid)
+            self._waiting_logged.discard(rid)
+            self._waiting.pop(rid, None)
+            logger.info("hisparse: %s; request %s runs host-less (dense, resident in %d GPU "
+                        "blocks, never spilled; requests_hostless=%d)", why, rid,
+                        self._hostless[rid], len(self._hostless))
+            self._make_room(request)
+            return 0, False
+        self._waiting[rid] = reason
+        if rid not in self._waiting_logged:
+            self._waiting_logged.add(rid)
+            logger.warning("hisparse: %s, and the GPU cannot hold it whole beside %d host-less "
+                           "requests; request %s waits", why, len(self._hostless), rid)
+        return None, False
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         rid = request.request_id
         self._prompt[rid] = request.num_prompt_tokens
-        if rid in self._reserved:
+        if rid in self._reserved or rid in self._hostless:      # resumed after a preemption
             self._make_room(request)
             return 0, False
         need = self._pages_needed(request)
         sparse = self._may_be_sparse(request)
         if sparse and len(self._rows_held) >= self.indexer_rows:
-            self._waiting[rid] = "quest_rows"
-            if rid not in self._waiting_logged:
-                self._waiting_logged.add(rid)
-                logger.warning("hisparse: indexer rows full (quest_rows=%d long requests at "
-                               "once); request %s waits", self.indexer_rows, rid)
-            return None, False
+            return self._wait_or_hostless(
+                request, "quest_rows",
+                f"indexer rows full (quest_rows={self.indexer_rows} long requests at once)")
         if self._reserved_total + need > self.admit_pages:
-            self._waiting[rid] = self._pool_reason
-            if rid not in self._waiting_logged:
-                self._waiting_logged.add(rid)
-                logger.warning("hisparse: %s pool full (%d of %d pages reserved); request %s "
-                               "(%d pages) waits", self._bound, self._reserved_total,
-                               self.admit_pages, rid, need)
-            return None, False
+            return self._wait_or_hostless(
+                request, self._pool_reason,
+                f"{self._bound} pool full ({self._reserved_total} of {self.admit_pages} pages "
+                f"reserved, request needs {need})")
         self._waiting_logged.discard(rid)
         self._waiting.pop(rid, None)
         if sparse:
@@ -190,12 +234,15 @@ class ConnectorScheduler:
         for i, rid in enumerate(cached.req_ids):
             if rid in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 md.new[rid] = (self._prompt[rid], cached.new_block_ids[i][0][0])
+        md.hostless = [rid for rid in md.new if rid in self._hostless]
         self._sent.update(md.new)
         return md
 
     def _release(self, rid: str) -> None:
         self._reserved_total -= self._reserved.pop(rid, 0)
         self._rows_held.discard(rid)
+        if self._hostless.pop(rid, None) is not None:
+            self._shared.hostless.discard(rid)
         self._prompt.pop(rid, None)
         self._sent.discard(rid)
         self._waiting_logged.discard(rid)
@@ -204,7 +251,8 @@ class ConnectorScheduler:
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         """True (delay the free) only for a request the worker knows that holds host pages or an
         indexer row: they are released once the worker has dropped it (``get_finished`` ->
-        ``update_connector_output``). A request that never could be sparse holds on the worker
+        ``update_connector_output``). A request that never could be sparse, or runs host-less,
+        holds on the worker
         only its runtime row and first-block binding, which the next step's metadata drops
         (``freed``) before it binds any new request: its blocks go back at once, as in stock
         vLLM."""
@@ -227,7 +275,8 @@ class ConnectorScheduler:
         for reason in self._waiting.values():
             waiting[f"waiting_{reason}"] += 1
         pages = self.capacity if self.cfg.host_tier else 0         # resident mode has no pool
-        now = {"host_pages_reserved": self._reserved_total, "host_pages": pages, **waiting}
+        now = {"host_pages_reserved": self._reserved_total, "host_pages": pages,
+               "requests_hostless": len(self._hostless), **waiting}
         if now == self._sched_report:
             return None
         self._sched_report = now

@@ -43,7 +43,8 @@ class ConnectorWorker:
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         """The scheduler's step metadata (HiSparseConnectorMetadata), before the step's forward:
-        drops, spills, then the new or resumed requests and their first blocks."""
+        drops, spills, then the new or resumed requests and their first blocks (those in
+        ``hostless``: dense and resident, whatever their length: no host copy)."""
         rt = self.worker.get_runtime()
         for rid in connector_metadata.finished:
             self._drop(rt, rid)
@@ -54,8 +55,9 @@ class ConnectorWorker:
         for rid, keep in connector_metadata.spilled.items():   # before the step is planned
             if rid in rt.reqs:
                 rt.spill(rid, keep)
+        hostless = set(connector_metadata.hostless)
         for rid, (num_prompt, first_block) in connector_metadata.new.items():
-            rt.add(rid, num_prompt)
+            rt.add(rid, num_prompt, hostless=rid in hostless)
             self.worker.rows.bind(rid, first_block)
 
     def start_load_kv(self) -> None:

@@ -7,8 +7,8 @@ How they travel (vLLM 0.26, no wrap needed):
    ``{"ranks": {"<tp rank>": {...}}}``, or None when nothing changed;
 2. the executor's ``KVOutputAggregator`` merges the ranks' reports of the step
    (``HiSparseStats.aggregate``); the scheduler adds the scheduler-side connector's report
-   (``{"sched": {...}}``: requests told to wait, pages reserved) and ships the data dict in
-   ``SchedulerStats.kv_connector_stats``;
+   (``{"sched": {...}}``: requests told to wait, pages reserved, requests running host-less)
+   and ships the data dict in ``SchedulerStats.kv_connector_stats``;
 3. front end: ``PrometheusStatLogger.record`` -> ``KVConnectorProm.observe`` ->
    ``HiSparsePromMetrics.observe``; the periodic log line "KV Transfer metrics: ..." is
    ``HiSparseStats.reduce``.
@@ -62,7 +62,7 @@ class HiSparseStats(KVConnectorStats):
             out["hit_rate"] = round(tot["hits"] / tot["lookups"], 4)
         if "miss_bytes" in tot:
             out["miss_MiB"] = round(tot["miss_bytes"] / (1 << 20), 3)
-        for k in ("host_pages_used", "host_pages_reserved", "host_pages"):
+        for k in ("host_pages_used", "host_pages_reserved", "host_pages", "requests_hostless"):
             if k in tot:
                 out[k] = tot[k]
         return out
@@ -183,6 +183,10 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
                                         "Host KV pool pages reserved by admitted requests.", **mp),
             "host_pages": make(gauge, "vllm:hisparse_host_pool_pages_capacity",
                                "Host KV pool capacity in pages.", **mp),
+            "requests_hostless": make(gauge, "vllm:hisparse_requests_hostless",
+                                      "Requests running host-less (admitted when the host pool "
+                                      "or indexer rows were full: dense, every page on the GPU, "
+                                      "never spilled).", **mp),
         }
         self.waiting = make(gauge, "vllm:hisparse_requests_waiting",
                             "Requests held back by hisparse admission, by what is full.",

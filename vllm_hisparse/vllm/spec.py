@@ -14,6 +14,11 @@ manager takes just the missing blocks, from the request with the most surplus fi
 newest complete pages beyond the floor (*partial*; keep 0 = the floor), keep only shrinks. Each
 new keep goes to a ``SpillLedger`` that the scheduler-side connector ships to the worker in the
 step's metadata (docs/vllm-integration.md, "Residency states").
+
+A *host-less* request (admitted when the host pool or the indexer rows had no room for it:
+core/residency.py ``hostless_fits``) has no host copy: the manager never frees any of its blocks
+and never spills it, in either mode. The connector names it in the ledger's ``hostless`` before
+vLLM allocates its first block.
 """
 from __future__ import annotations
 
@@ -57,12 +62,14 @@ class HiSparseSpec(FullAttentionSpec):
 
 @dataclass
 class SpillLedger:
-    """The link between the manager and the scheduler-side connector of one block pool
-    (resident_first): the connector sets ``reserve`` (bind_gpu_block_pool) and asks for room
-    before it admits a request (``make_room``); the manager records each request's new ``keep``
-    in ``spilled``, which the connector takes into the step's metadata."""
+    """The link between the manager and the scheduler-side connector of one block pool: the
+    requests running host-less (``hostless``: never freed from, never spilled; both modes) and,
+    with resident_first, the spills: the connector sets ``reserve`` (bind_gpu_block_pool) and asks
+    for room before it admits a request (``make_room``); the manager records each request's new
+    ``keep`` in ``spilled``, which the connector takes into the step's metadata."""
     reserve: int | None = None        # free blocks to keep; None (no connector bound): spill at once
     spilled: dict[str, int] = field(default_factory=dict)     # req -> keep, this step's shrinks
+    hostless: set[str] = field(default_factory=set)     # requests with no host copy
     bound: bool = False               # a HiSparseManager uses it (one per pool: one sparse group;
                                       # a flag and a weak reference: the pool holds the ledger)
     _manager: "weakref.ref | None" = None
@@ -96,7 +103,9 @@ class HiSparseManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: HiSparseSpec, **kwargs):
         super().__init__(kv_cache_spec, **kwargs)
         self.hs_cfg = kv_cache_spec.cfg
-        self._ledger = None
+        self._ledger = None                             # resident_first's spills
+        # the pool's ledger: its host-less requests (both modes)
+        self._shared = ledger_of(self.block_pool) if self.hs_cfg.host_tier else None
         self._seen: dict[str, tuple[int, int]] = {}     # req -> (processed tokens, prompt)
         self._keep: dict[str, int] = {}                 # spilled req -> keep (residency.freed_pages)
         if self.hs_cfg.resident_first and self.hs_cfg.host_tier:
@@ -111,13 +120,17 @@ class HiSparseManager(FullAttentionManager):
                               num_prompt_tokens: int | None = None) -> None:
         if num_prompt_tokens is None:
             return
+        # host-less: every block kept, never spilled (not in _seen); the reserve is still checked
+        hostless = self._shared is not None and request_id in self._shared.hostless
         if self._ledger is None:                      # the floor right after the prompt
-            self._free(request_id, processed_computed_tokens, num_prompt_tokens, 0)
+            if not hostless:
+                self._free(request_id, processed_computed_tokens, num_prompt_tokens, 0)
             return
-        self._seen[request_id] = (processed_computed_tokens, num_prompt_tokens)
-        # its own window slides first (what it gives back anyway), then the reserve is checked
-        self._free(request_id, processed_computed_tokens, num_prompt_tokens,
-                   self._keep.get(request_id))
+        if not hostless:
+            self._seen[request_id] = (processed_computed_tokens, num_prompt_tokens)
+            # its own window slides first (what it gives back anyway), then the reserve
+            self._free(request_id, processed_computed_tokens, num_prompt_tokens,
+                       self._keep.get(request_id))
         self.spill_until(self._ledger.reserve)
 
     def _free(self, request_id: str, processed: int, num_prompt: int, keep: int | None) -> None:
