@@ -71,6 +71,9 @@ def test_an_explicit_value_overrides_its_field_only():
     dep = sized(machine, host_pool_gib=0.5)        # 0.5 GiB / 24 KiB = 21845 pages: no bound
     assert dep.cfg.host_pool_gib == 0.5 and dep.host_pages == GIB // 2 // HOST_PAGE
     assert dep.indexer_rows == 6 and dep.auto == ("quest_rows", "dense_pool_gib")
+    small = sized(machine, host_pool_gib=2 * PER * HOST_PAGE / GIB)      # 2 requests of 64 pages
+    assert (small.indexer_rows, small.room()[0]) == (6, 2)    # a given pool does not cap the rows
+    assert "4 rows serve only shorter requests" in small.idle_rows_note()
     dep = sized(machine, dense_pool_gib=0)          # no dense pool: the host holds all 4 layers
     assert dep.dense_pool_pages is None and dep.host_layers == (0, 1, 2, 3)
     # 9 rows x ROW = 864 KiB reserved: the max_num_seqs cap (8) binds

@@ -59,7 +59,7 @@ class HiSparseConfig:
     quest_rows: Quest page-bound rows on the GPU = long (sparse) requests admitted at once; each row
         is 2 x cdiv(max_model_len, page_size) x Hkv x D per sparse layer. 0 = --max-num-seqs.
         Absent or "auto" (None): the requests of max_model_len tokens the GPU KV budget (less the
-        rows and dense pool) and the host pool admit, at most --max-num-seqs (core/auto_size.py).
+        rows and dense pool) admits, at most --max-num-seqs and an auto host pool's (auto_size).
         None are reserved when max_model_len < min_context (core/gpu_pools.py).
     prefill_slots: indexer "dsa" only: full-length latent regions on the GPU, i.e. prompts in
         prefill at once (a prompt's chunks select top-k anywhere in it; docs/dsa.md section 2);

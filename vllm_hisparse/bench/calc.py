@@ -83,7 +83,7 @@ def _compute(args, hf: dict) -> dict:
             room = host_rank_room(machine(args, 0, args.tensor_parallel_size))
             if room <= 0:
                 raise SystemExit("--host-gib auto: the host has no RAM to give; pass --host-gib")
-            args.host_gib = room * args.tensor_parallel_size / GIB
+            args.host_gib = int(room * args.tensor_parallel_size / GIB * 100) / 100   # 0.01 GiB
         return calc_mla.compute(args, hf)
     mml = args.max_model_len or args.context
     asked = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer,

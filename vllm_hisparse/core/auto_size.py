@@ -5,16 +5,18 @@ was given, so the server and calc size the same way. Explicit values win, field 
 
 The rule, in the order it is applied (every count is of requests of ``max_model_len`` tokens):
 
-1. ``quest_rows``: the most long requests both the host pool and the GPU KV budget admit: at most
-   max_num_seqs and the requests the host pool (auto: rule 3's RAM share) holds, and the largest
-   R such that, with R indexer rows + the scratch row and R requests'
-   dense pages taken out of the budget, the KV cache still runs R requests (R - 1 at their hot
+1. ``quest_rows``: the most long requests the GPU KV budget admits: at most max_num_seqs (and,
+   when the host pool is auto too, the requests rule 3's RAM share holds: a row it cannot fill
+   would serve only shorter requests, at the GPU memory of a row), the largest R such that, with
+   R indexer rows + the scratch row and R requests' dense pages taken out of the budget, the KV
+   cache still runs R requests (R - 1 at their hot
    buffer's S + 1 blocks while the last one admitted holds its whole prompt:
    ``capacity.gpu_requests``), and those reservations take at most ``RESERVATION_SHARE`` of the
    budget (the worker's own startup check then passes). With an explicit KV cache size
    (``--kv-cache-memory-bytes``, a CPU run) vLLM gives the KV cache that size whatever hisparse
-   reserves, so only the KV cache counts. Unknown budget: the host's bound (or max_num_seqs).
-   A row the host pool cannot fill would serve only shorter requests, at the GPU memory of a row.
+   reserves, so only the KV cache counts. Unknown budget: max_num_seqs (and the host's bound).
+   An explicit host pool does not cap the rows: requests shorter than max_model_len take fewer
+   of its pages (the startup note says when rows stay idle at max_model_len).
 2. ``dense_pool_gib``: the pages those rows' requests fill in the dense layers (R x
    cdiv(max_model_len, page_size) pages of each dense layer), i.e. what core/gpu_pools.py caps an
    explicit pool at; 0 without dense layers, without the host tier, or when no request can turn
@@ -136,14 +138,14 @@ def size_gqa(cfg: HiSparseConfig, machine: Machine | None, possible: bool, max_n
     known = machine.gpu_kv_bytes is not None
     cap = max_num_seqs or (1 << 20)            # 0: vLLM's limit unknown (calc), no cap
     host_room = _host_room_pages(cfg, machine, possible, tensor_parallel_size, gpu)
-    if host_room is not None and host_room >= gpu.per_request:
-        cap = min(cap, host_room // gpu.per_request)
+    if host_room is not None and "host_pool_gib" in auto:
+        cap = min(cap, host_room // gpu.per_request)       # >= 1: _host_room_pages refuses less
     if cfg.quest_rows is not None:
         rows = (cfg.quest_rows or max_num_seqs) if possible else 0
     elif not possible:
         rows = 0
     elif not known:
-        rows = cap
+        rows = min(max_num_seqs, cap)
     else:
         rows = largest_fit(cap, gpu.rows_fit)
         if rows == 0:
