@@ -163,3 +163,25 @@ def test_a_bad_setting_fails_in_one_line_naming_the_field():
         deployment_of(_vc({"device_buffer_size": 1000, "top_k": 2048}))
     msg = str(e.value)
     assert msg.startswith("hisparse config: device_buffer_size=1000 is invalid") and "\n" not in msg
+
+
+def test_the_machine_is_measured_once(monkeypatch):
+    """The RAM the auto host pool is sized from is measured with the parse and travels with the
+    config: the engine core re-checks the config after the workers pinned their pools, when less
+    RAM is left (re-measured there, this 9 GiB host would refuse the pool it already holds)."""
+    from vllm_hisparse.core import host_pool
+    from vllm_hisparse.vllm.deployment import deployment_of
+
+    monkeypatch.setattr(host_pool, "host_memory", lambda: {"available": 9 << 30})
+    vc = _vc({"top_k": 32, "device_buffer_size": 64})
+    dep = deployment_of(vc)
+    assert dep.auto == ("host_pool_gib", "quest_rows", "dense_pool_gib")
+    # no GPU figure here: max_num_seqs rows (8); the host pool holds what they fill, 64 pages of
+    # the 2 sparse layers (8 KiB each, fp32) per request
+    assert (dep.indexer_rows, dep.host_pages) == (8, 8 * 64)
+    assert dep.cfg.host_pool_bytes == 8 * 64 * 2 * 8192
+    monkeypatch.setattr(host_pool, "host_memory", lambda: {"available": 8 << 30})
+    again = pickle.loads(pickle.dumps(vc))
+    again.scheduler_config.max_num_seqs = 3                 # resolved again, on the same machine
+    d2 = deployment_of(again)
+    assert d2.limits.machine == dep.limits.machine and d2.indexer_rows == 3
