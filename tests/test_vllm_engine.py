@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 PAGE = 16
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
-       "host_pool_gib": 0.05, "resident_first": False}   # the fixed hot buffer: misses every step
+       "host_pool_gib": 0.05, "resident_first": False,   # the fixed hot buffer: misses every step
+       "dense_pool_gib": 0}      # no dense pool unless a run sets one (auto would size one)
 PROMPT_LENS = (150, 333, 90, 260, 17)       # 17 + 40 < min_context below: resident and dense
 SHORT_LENS = (17, 25, 9, 30)                  # dense, and two that turn sparse at 64 tokens
 MAX_TOKENS = 40
