@@ -1,14 +1,18 @@
 """Capacity = HBM + host (issue 45 item 1) through the real vLLM 0.26 engine (CPU): a host pool of
-32 pages holds request 0 (300 + 24 tokens: 21 pages) and no other; requests 1-3, which may be
+32 pages holds request 0 (300 + 40 tokens: 22 pages) and no other; requests 1-3, which may be
 sparse too, are admitted *host-less* instead of waiting (the GPU holds them whole beside request
 0's floor and the spill reserve) and run at once beside it: dense and resident, no host page, no
 indexer row, never spilled, while request 0 (resident_first) is spilled to make room. Request 2 is
-preempted once mid-decode and resumes host-less; request 3 is aborted mid-decode.
+preempted once mid-decode and resumes host-less; request 3 is aborted mid-decode, and request 4
+takes its place, host-less too; once request 0 has finished, request 4, still decoding, moves
+into the host tier (phase 2): sparse from that step on.
 
 Outputs: requests 1 and 2 equal the dense model's (the same engine in resident mode with
-min_context above max_model_len: nobody sparse), tokens and logprobs; request 0, sparse here, does
-not (the tiny model's attention matters), so a host-less request run sparse would fail. (Request
-0's equality with resident mode under spills is tests/test_resident_first_engine.py's.)
+min_context above max_model_len: nobody sparse), tokens and logprobs, and request 4 does up to
+its move; request 0, sparse here, does not (the tiny model's attention matters), so a host-less
+request run sparse would fail. (Request 0's equality with resident mode under spills is
+tests/test_resident_first_engine.py's; a moved request's with resident mode switching at the move
+is tests/test_hostless_move.py's.)
 Afterwards no GPU block, host page, indexer row or host-less promise is left.
 
 Both engines run in subprocesses (this file as a script, in-process engine core), side by side
@@ -34,11 +38,12 @@ PAGE = 16
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
        "host_pool_gib": 0.00075, "dense_pool_gib": 0.01, "quest_rows": 4, "min_context": 64}
 MML, SEQS, BATCHED = 384, 4, 128
-# 72 usable blocks, R = cdiv(128, 16) + 4 = 12: host-less promises 19 + 14 + 13 blocks beside
-# request 0's floor (5) and R fit (63 <= 72); all four at their longest (67) do not fit beside R,
-# so request 0 is spilled
+# 72 usable blocks, R = cdiv(128, 16) + 4 = 12: host-less promises 19 + 14 + 13 (then 12 for
+# request 4) blocks beside request 0's floor (5) and R fit (63 <= 72); all four at their longest
+# (68) do not fit beside R, so request 0 is spilled
 BLOCKS = 73
-PROMPTS, MAX_TOKENS = (300, 280, 200, 180), 24
+PROMPTS = (300, 280, 200, 180, 120)
+MAX_TOKENS = (40, 24, 24, 24, 72)        # request 0 outlives 1-3; request 4 outlives request 0
 PREEMPT = ("2", 12)                 # request 2 (host-less) preempted once after 12 tokens
 ABORT = ("3", 6)                    # request 3 (host-less) aborted after 6 tokens
 
@@ -61,11 +66,14 @@ def probe(model: str, cfg: dict, out: str) -> None:
     conn = sched.connector.connector_scheduler
     rt = worker_state.get_runtime()
     sent = []                                        # each step's metadata: its host-less ids
+    moved = {}                                       # request -> its tokens when it moved
     build = conn.build_connector_meta
 
     def build_and_record(so):
         md = build(so)
         sent.extend(r.split("-")[0] for r in md.hostless)
+        moved.update({r.split("-")[0]: generated.get(r.split("-")[0], 0)
+                      for r in getattr(md, "hosted", ())})
         return md
     conn.build_connector_meta = build_and_record
 
@@ -81,9 +89,9 @@ def probe(model: str, cfg: dict, out: str) -> None:
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in PROMPTS]
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+    for i, (p, n) in enumerate(zip(prompts, MAX_TOKENS)):
+        eng.add_request(str(i), {"prompt_token_ids": p},
+                        SamplingParams(temperature=0.0, max_tokens=n, logprobs=3, ignore_eos=True))
     done, generated, timeline = {}, {}, []
     preempted = aborted = False
     indexer_free = len(rt.ix._free)
@@ -106,14 +114,14 @@ def probe(model: str, cfg: dict, out: str) -> None:
         if not aborted and generated.get(ABORT[0], 0) >= ABORT[1]:
             eng.abort_request([r for r in sched.requests if r.split("-")[0] == ABORT[0]])
             aborted = True
-        if {"0", "1", "2"} <= set(done) and aborted and not sched.requests:
+        if {"0", "1", "2", "4"} <= set(done) and aborted and not sched.requests:
             break
     eng.step()                                        # the worker drops the last finished ones
     res = {"outputs": {rid: {"tokens": list(o.token_ids),
                              "logprobs": [sorted([k, v.logprob] for k, v in d.items())
                                           for d in o.logprobs]}
                        for rid, o in done.items() if rid != ABORT[0]},
-           "timeline": timeline, "stats": rt.stats_dict(), "sent_hostless": sent,
+           "timeline": timeline, "stats": rt.stats_dict(), "sent_hostless": sent, "moved": moved,
            "free_blocks": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks,
            "left": {"hostless": len(conn._hostless), "reserved": conn._reserved_total,
                     "rows": len(conn._rows_held), "ledger": len(getattr(conn._shared, "hostless",
@@ -157,12 +165,20 @@ def test_hostless_requests_run_at_once_and_match_the_dense_model(runs):
     assert all(t["sched"]["waiting_host_pool"] == 0 and t["sched"]["waiting_quest_rows"] == 0
                for t in tl)
     assert max(t["running"] for t in tl) == 4
-    # the worker ran them dense (never sparse), request 0 sparse; request 0 was spilled
-    assert {r for t in tl for r in t["hostless"]} == {"1", "2", "3"}
-    assert {r for t in tl for r in t["sparse"]} == {"0"}
-    assert max(t["host_pages_used"] for t in tl) <= 21 and hs["stats"]["spills"] > 0
+    # the worker ran them dense (never sparse), request 0 sparse, and request 4 once it moved;
+    # request 0 was spilled
+    assert {r for t in tl for r in t["hostless"]} == {"1", "2", "3", "4"}
+    assert {r for t in tl for r in t["sparse"]} == {"0", "4"}
+    assert max(t["host_pages_used"] for t in tl) <= 22 and hs["stats"]["spills"] > 0
     out = hs["outputs"]
-    assert set(out) == {"0", "1", "2"} and all(len(o["tokens"]) == MAX_TOKENS for o in out.values())
+    assert set(out) == {"0", "1", "2", "4"}
+    assert all(len(out[r]["tokens"]) == MAX_TOKENS[int(r)] for r in out)
+    # request 4 moved into the host tier mid-decode, once request 0 had finished
+    k = hs["moved"].get("4")
+    assert set(hs["moved"]) == {"4"} and 0 < k < MAX_TOKENS[4]
+    assert max(t["sched"]["requests_moved_to_host"] for t in tl) == 1
+    assert out["4"]["tokens"][:k] == dense["outputs"]["4"]["tokens"][:k]
+    assert out["4"]["logprobs"][:k] == dense["outputs"]["4"]["logprobs"][:k]
     for rid in ("1", "2"):
         assert out[rid]["tokens"] == dense["outputs"][rid]["tokens"], f"request {rid}: tokens"
         assert out[rid]["logprobs"] == dense["outputs"][rid]["logprobs"], f"request {rid}"
@@ -179,7 +195,7 @@ def test_finish_abort_and_preemption_leak_nothing(runs):
     # request 2 was sent to the worker host-less when admitted and again when it resumed after
     # its preemption (never sparse: the first test); request 3 left mid-decode
     tl = hs["timeline"]
-    assert sorted(hs["sent_hostless"]) == ["1", "2", "2", "3"]
+    assert sorted(hs["sent_hostless"]) == ["1", "2", "2", "3", "4"]
     cut = next(i for i, t in enumerate(tl) if t["preempted"])
     assert any(t["running"] == 4 for t in tl[:cut]) and "2" in tl[cut + 1]["hostless"]
 

@@ -201,15 +201,13 @@ def test_prompt_that_cannot_prefill_on_gpu_is_refused_at_startup():
     from types import SimpleNamespace
 
     from vllm_hisparse.config import HiSparseConfig
-    from vllm_hisparse.vllm.connector_scheduler import ConnectorScheduler
+    from vllm_hisparse.vllm.connector_scheduler import ConnectorScheduler, check_prefill_fits
 
-    me = SimpleNamespace(cfg=HiSparseConfig(top_k=32, device_buffer_size=64, page_size=16,
-                                             resident_first=False),   # the check alone
-                         max_model_len=1000)                     # 63 pages + the newest
-    ConnectorScheduler.bind_gpu_block_pool(me, SimpleNamespace(num_gpu_blocks=65))
+    cfg = HiSparseConfig(top_k=32, device_buffer_size=64, page_size=16)
+    assert check_prefill_fits(cfg, 1000, 65) == 64               # 63 pages + the newest
     with pytest.raises(ValueError, match=r"holds 63 blocks of 16 tokens.*needs 64 during its own "
                                          r"prefill; lower --max-model-len"):
-        ConnectorScheduler.bind_gpu_block_pool(me, SimpleNamespace(num_gpu_blocks=64))
+        check_prefill_fits(cfg, 1000, 64)
     resident = SimpleNamespace(cfg=HiSparseConfig(host_tier=False), max_model_len=10**6)
     ConnectorScheduler.bind_gpu_block_pool(resident, SimpleNamespace(num_gpu_blocks=2))
 

@@ -31,7 +31,8 @@ the host pool or the indexer rows have no room for it, the request runs *host-le
 blocks can hold its whole life (``hostless_fits``): like a request that never could be sparse (no
 host page, no indexer row, every page in its GPU blocks, dense attention: stock vLLM's behaviour,
 so its outputs are the dense model's, not the top-k selection's), and it is never spilled (it has
-no host copy to fall back on). The length rule above then does not apply to it.
+no host copy to fall back on). The length rule above then does not apply to it, until it moves
+into the host tier (core/turn_sparse.py ``host_back``) and turns sparse at that step.
 """
 from __future__ import annotations
 

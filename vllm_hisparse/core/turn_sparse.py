@@ -17,6 +17,12 @@ the prefill rows' write-through and indexer update), which extend the partial un
 hot-slot state starts empty (the runtime resets the row). Resident mode makes the same indexer copy at
 the same step and has no pools. No host sync: the indices go through the runtime's pinned staging,
 the copies are device ops on the current stream, queued ahead of the step's layers.
+
+A *host-less* request (admitted when the host pool or the indexer rows had no room: dense and
+resident, core/residency.py) takes the same path when the scheduler later gives it host pages and
+a row (``host_back``): it turns sparse at its next step, its KV so far copied as above, and is an
+ordinary host-backed request from then on. Its outputs then equal those of a request whose
+context reached ``min_context`` at that step.
 """
 from __future__ import annotations
 
@@ -37,6 +43,17 @@ class Switch:
     irow: int                           # its indexer row
     host_pages: list[int] | None        # its host-pool pages (None: no host tier)
     dpool_pages: list[int] | None       # its dense-pool pages (None: no dense pool)
+
+
+def host_back(rt, req_id: str) -> None:
+    """The host-less request ``req_id`` of the SparseRuntime ``rt`` now has host pages and an
+    indexer row reserved: it turns sparse at its next planned step (the switch above; keep stays
+    None, resident, until the KV manager spills it)."""
+    r = rt.reqs[req_id]
+    if not r.hostless:
+        return
+    r.hostless = False
+    rt.steady.forget()                      # a steady FULL step would not plan its switch
 
 
 def copy_context(rt, switches: list[Switch], block_table: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ KV pool's request lifecycle, in the scheduler process (engine core).
     before and every host-backed one at its floor (core/residency.py ``hostless_fits``): dense
     and resident like a request that never could be sparse, never spilled (the KV manager reads
     ``SpillLedger.hostless``), no host page or indexer row; else it *waits* (``None`` from
-    ``get_num_new_matched_tokens``) until finished requests give them back;
+    ``get_num_new_matched_tokens``) until finished requests give them back; when room frees up,
+    a host-less request still decoding moves into the host tier (``_move_to_host``);
   * ``build_connector_meta`` ships each newly scheduled (or resumed) request's prompt length and
     first GPU block to the worker (and which of them run host-less), and (resident_first) the
     requests the KV manager took blocks from in this step with their new ``keep`` (vllm/spec.py
@@ -46,6 +47,21 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     freed: list[str] = field(default_factory=list)
     spilled: dict[str, int] = field(default_factory=dict)  # resident_first: req -> its new keep
     hostless: list[str] = field(default_factory=list)  # of ``new``: no host copy, dense, resident
+    hosted: list[str] = field(default_factory=list)    # host-less until now: host pages, a row
+
+
+def check_prefill_fits(cfg, max_model_len: int, num_gpu_blocks: int) -> int:
+    """The startup check of ``bind_gpu_block_pool``: one max_model_len prompt holds all its blocks
+    during its own prefill, so they must fit the GPU KV cache's blocks. Returns the usable blocks
+    (vLLM's null block excluded)."""
+    need = -(-max_model_len // cfg.page_size) + 1
+    have = num_gpu_blocks - 1                                    # block 0 is vLLM's null block
+    if have < need:
+        raise ValueError(
+            f"hisparse: the GPU KV cache holds {have} blocks of {cfg.page_size} tokens, but "
+            f"a max_model_len={max_model_len} prompt needs {need} during its own prefill; "
+            f"lower --max-model-len or raise --gpu-memory-utilization")
+    return have
 
 
 class ConnectorScheduler:
@@ -78,6 +94,7 @@ class ConnectorScheduler:
         self._shared = None                    # the pool's ledger: its ``hostless`` set
         self._gpu_blocks = 0                   # usable GPU blocks (0: not bound, none host-less)
         self._hostless: dict[str, int] = {}    # host-less req -> GPU blocks of its whole life
+        self._moved = 0                        # host-less requests moved into the host tier
         self._watermark_blocks = 0
         self._log_room()
 
@@ -97,19 +114,13 @@ class ConnectorScheduler:
         blocks the KV manager keeps by spilling (docs/vllm-integration.md, "Residency states")."""
         if not self.cfg.host_tier:
             return
+        have = check_prefill_fits(self.cfg, self.max_model_len, gpu_block_pool.num_gpu_blocks)
         self._shared = ledger_of(gpu_block_pool)
         self._watermark_blocks = int(self._vllm_config.scheduler_config.watermark
                                      * gpu_block_pool.num_gpu_blocks)
         if self.cfg.resident_first:
             self._ledger = self._shared
             self._ledger.reserve = self.spill_reserve()
-        need = -(-self.max_model_len // self.cfg.page_size) + 1
-        have = gpu_block_pool.num_gpu_blocks - 1                 # block 0 is vLLM's null block
-        if have < need:
-            raise ValueError(
-                f"hisparse: the GPU KV cache holds {have} blocks of {self.cfg.page_size} tokens, but "
-                f"a max_model_len={self.max_model_len} prompt needs {need} during its own prefill; "
-                f"lower --max-model-len or raise --gpu-memory-utilization")
         self._gpu_blocks = have
         if self.dep.sparse_possible:
             logger.info("hisparse: two tiers: host pool %d pages (%s) for host-backed requests; "
@@ -235,8 +246,40 @@ class ConnectorScheduler:
             if rid in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
                 md.new[rid] = (self._prompt[rid], cached.new_block_ids[i][0][0])
         md.hostless = [rid for rid in md.new if rid in self._hostless]
+        md.hosted = self._move_to_host(cached)
         self._sent.update(md.new)
         return md
+
+    def _move_to_host(self, cached) -> list[str]:
+        """Host-less requests decoding in this step (scheduler_output.scheduled_cached_reqs, not
+        resumed) that the host pool and the rows now have room for get their host pages and a row:
+        the worker turns each sparse at this step (core/turn_sparse.py ``host_back``: its KV so
+        far copied to the host), and from the next KV-manager call on it is an ordinary
+        host-backed request, spilled like the others. resident_first only (off, the manager
+        would free its blocks at once, before the worker knows); none while a request waits for
+        host room (it comes first). Returns their ids."""
+        if not self._hostless or self._waiting or self._ledger is None:
+            return []
+        moved = []
+        for i, rid in enumerate(cached.req_ids):
+            if (rid not in self._hostless or rid in cached.resumed_req_ids
+                    or cached.num_computed_tokens[i] < self._prompt.get(rid, 0)):
+                continue
+            pages = self._hostless[rid]          # a host page for each block of its life
+            if (len(self._rows_held) >= self.indexer_rows
+                    or self._reserved_total + pages > self.admit_pages):
+                continue
+            del self._hostless[rid]
+            self._shared.hostless.discard(rid)
+            self._rows_held.add(rid)
+            self._reserved[rid] = pages
+            self._reserved_total += pages
+            self._moved += 1
+            moved.append(rid)
+            logger.info("hisparse: request %s moves into the host tier (%d pages; "
+                        "requests_hostless=%d, requests_moved_to_host=%d)", rid, pages,
+                        len(self._hostless), self._moved)
+        return moved
 
     def _release(self, rid: str) -> None:
         self._reserved_total -= self._reserved.pop(rid, 0)
@@ -276,7 +319,8 @@ class ConnectorScheduler:
             waiting[f"waiting_{reason}"] += 1
         pages = self.capacity if self.cfg.host_tier else 0         # resident mode has no pool
         now = {"host_pages_reserved": self._reserved_total, "host_pages": pages,
-               "requests_hostless": len(self._hostless), **waiting}
+               "requests_hostless": len(self._hostless), "requests_moved_to_host": self._moved,
+               **waiting}
         if now == self._sched_report:
             return None
         self._sched_report = now

@@ -12,6 +12,7 @@ import os
 import torch
 
 from vllm_hisparse.core.deployment import Deployment
+from vllm_hisparse.core.turn_sparse import host_back
 
 from . import metrics, worker
 from .compat import extract_layer_index
@@ -43,8 +44,9 @@ class ConnectorWorker:
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         """The scheduler's step metadata (HiSparseConnectorMetadata), before the step's forward:
-        drops, spills, then the new or resumed requests and their first blocks (those in
-        ``hostless``: dense and resident, whatever their length: no host copy)."""
+        drops, spills, host-less requests moved into the host tier (``hosted``), then the new or
+        resumed requests and their first blocks (those in ``hostless``: dense and resident,
+        whatever their length: no host copy)."""
         rt = self.worker.get_runtime()
         for rid in connector_metadata.finished:
             self._drop(rt, rid)
@@ -55,6 +57,9 @@ class ConnectorWorker:
         for rid, keep in connector_metadata.spilled.items():   # before the step is planned
             if rid in rt.reqs:
                 rt.spill(rid, keep)
+        for rid in connector_metadata.hosted:   # host pages and a row now: sparse from this step
+            if rid in rt.reqs:
+                host_back(rt, rid)
         hostless = set(connector_metadata.hostless)
         for rid, (num_prompt, first_block) in connector_metadata.new.items():
             rt.add(rid, num_prompt, hostless=rid in hostless)

@@ -62,7 +62,8 @@ class HiSparseStats(KVConnectorStats):
             out["hit_rate"] = round(tot["hits"] / tot["lookups"], 4)
         if "miss_bytes" in tot:
             out["miss_MiB"] = round(tot["miss_bytes"] / (1 << 20), 3)
-        for k in ("host_pages_used", "host_pages_reserved", "host_pages", "requests_hostless"):
+        for k in ("host_pages_used", "host_pages_reserved", "host_pages", "requests_hostless",
+                  "requests_moved_to_host"):
             if k in tot:
                 out[k] = tot[k]
         return out
