@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core import decode_body, dense_groups, indexers, prefill
+from vllm_hisparse.core import decode_body, dense_groups, indexers, prefill, spec_rows
 from vllm_hisparse.core import sparse_layer as sl
 from vllm_hisparse.core.decode_batch import DecodeBatch, fill, row_counts
 from vllm_hisparse.core.decode_trace import DecodeTrace
@@ -89,6 +89,7 @@ class SparseRuntime:
         # no request can ever be sparse (core/gpu_pools.py): no hot slots, as in resident mode;
         # decode_fn may then take every layer (use_decode_fn; the GPU adapter plugs in FlashAttention)
         self.sparse_possible, self.decode_fn = dep.sparse_possible, None
+        self.spec_tokens = 0       # vLLM's num_speculative_tokens (core/spec_rows.py; the adapter)
         self.hot = HotRows(num_layers, [i for i in range(num_layers) if i not in self.dense_layers]
                            if cfg.host_tier and self.sparse_possible else [],
                            max_rows + 1, self.S, self.U, cfg.policy, self.device)
@@ -118,7 +119,7 @@ class SparseRuntime:
         self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
                       "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0,
                       "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0,
-                      "steady_steps": 0}
+                      "steady_steps": 0, "spec_rows": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -246,6 +247,7 @@ class SparseRuntime:
         dec = [s for s in steps if s.t1 - s.t0 == 1]
         plan = prefill.plan(self, [s for s in steps if s.t1 - s.t0 > 1], block_table,
                             slot_mapping)
+        plan.spec = spec_rows.plan(self, steps, plan, block_table)   # speculative verify rows
         if dec:
             plan.db = self._fill_batch(dec, pages, len(dec))
             plan.db_bt = prefill.rows_of(self, dec, block_table)
@@ -297,8 +299,7 @@ class SparseRuntime:
         self.decode_fn = fn
 
     def _fill_batch(self, dec: list[ReqStep], pages: dict, N: int) -> DecodeBatch:
-        """Decode batch N holding the one-token rows ``dec`` (the rest padding), their trace
-        steps and row counts (stats: sparse rows, and dense ones past their prompt's start)."""
+        """Decode batch N holding the one-token rows ``dec`` (the rest padding); trace, stats."""
         db = self._batch(N)
         fill(self, db, dec, pages)
         self.given_back.decoded(db, dec)
@@ -361,8 +362,7 @@ class SparseRuntime:
     # ---- per layer -----------------------------------------------------------------------------
     def forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-        """See _forward_layer; the host time it takes is counted (host_ms_* in stats_dict: with
-        a GPU, launch and Python overhead, the part of a step the GPU may wait for)."""
+        """See _forward_layer; its host time is counted (host_ms_* in stats_dict)."""
         t0 = time.perf_counter()
         try:
             self._forward_layer(layer, plan, q, k, v, kv, scale, out)
@@ -374,8 +374,8 @@ class SparseRuntime:
                        v: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """q (T, Hq, D), k/v (T, Hkv, D) of this step's tokens; kv (N, 2, P, Hkv, D) this layer's
         paged cache; out (T, Hq, D) is written. No host sync on the GPU path."""
-        if plan.dense:
-            prefill.layer(self, layer, plan, q, k, v, kv, scale, out)
+        if plan.dense:              # prefill chunks, and the verify rows of core/spec_rows.py
+            spec_rows.multi_layer(self, layer, plan, q, k, v, kv, scale, out)
         db = plan.db
         if db is None:
             return

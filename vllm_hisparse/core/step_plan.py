@@ -60,3 +60,4 @@ class StepPlan:
     db: object = None                          # core.decode_batch.DecodeBatch: one-token rows
     db_bt: torch.Tensor | None = None          # (n, W) int32 block tables of the decode rows
     db_tok: torch.Tensor | None = None         # (n,) int64 their tokens; None = tokens 0..n-1
+    spec: object = None                        # core.spec_rows.SpecRows: speculative verify rows

@@ -80,6 +80,7 @@ def prepare_config(vllm_config) -> None:
                       f"page_size={cfg.page_size} (one vLLM block = one Quest page = one slot)")
     cc.block_size = cfg.page_size
     cc.user_specified_block_size = True
+    check_speculative(cfg, getattr(vllm_config, "speculative_config", None))
     if cc.enable_prefix_caching:
         logger.warning("hisparse: prefix caching is switched off (not compatible yet)")
         cc.enable_prefix_caching = False
@@ -118,6 +119,27 @@ def prepare_config(vllm_config) -> None:
         ktc.kv_role = "kv_producer"
     copy_env_to_ray_workers()
     logger.info("hisparse: %s", cfg.to_dict())
+
+
+SPEC_METHODS = ("ngram",)        # no draft model: the target model's layers alone run hisparse
+
+
+def check_speculative(cfg: HiSparseConfig, sc) -> None:
+    """Speculative decoding (vLLM's ``speculative_config``): ngram only (a draft model's attention
+    layers would run through hisparse as well; unverified), with its verify rows (1 +
+    num_speculative_tokens tokens, core/spec_rows.py) on at most two pages."""
+    if sc is None:
+        return
+    method, k = getattr(sc, "method", None), getattr(sc, "num_speculative_tokens", None) or 0
+    if method not in SPEC_METHODS:
+        raise Refused(f"hisparse: speculative_config method={method!r} is not supported (only "
+                      f"{', '.join(SPEC_METHODS)}: no draft model); use method \"ngram\" or drop "
+                      f"--speculative-config")
+    if k + 1 > cfg.page_size:
+        raise Refused(f"hisparse: speculative_config num_speculative_tokens={k} must be below "
+                      f"page_size={cfg.page_size} (a verify row spans at most two pages); lower it")
+    logger.info("hisparse: ngram speculation, %d draft tokens: verify rows of sparse requests "
+                "attend one selection per request (core/spec_rows.py)", k)
 
 
 def warn_never_sparse(cfg: HiSparseConfig, max_model_len: int) -> None:

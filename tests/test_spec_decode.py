@@ -1,0 +1,109 @@
+"""ngram speculative decoding with hisparse (issue 47 item 3; core/spec_rows.py), on the real vLLM
+0.26 CPU engine: a sparse request's verify rows (verified token + drafts) resolve one selection per
+request and attend causally, and hisparse (host tier, 4 hot slots: misses) == resident mode
+(``host_tier`` false) with the same speculation: tokens, logprobs and vLLM's acceptance counts.
+Prompts repeat a token pattern so that drafts are proposed and accepted. The negative control runs
+the same harness with every host fetch reading its neighbour page (HISPARSE_TEST_CORRUPT_FETCH=1):
+it must differ. The three engines start together (tests/engine_jobs.py); this file is also their
+script (``python tests/test_spec_decode.py CONFIG OUT [LLM_KWARGS]``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2}
+CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": 16, "dense_layers": [0],
+       "host_pool_gib": 0.05, "resident_first": False, "min_context": 0}
+PATTERNS = ([5, 17, 33, 81, 99, 120, 7, 64], [200, 11, 300, 42, 9], [77, 78, 79, 80, 81, 82])
+REPEATS = (20, 41, 30)                         # 160, 205, 180 tokens: 10-13 pages, 4 hot slots
+MAX_TOKENS = 48
+
+
+def _engine(cfg: dict, out: str, over: dict | None = None) -> None:
+    """One engine: the prompts at once, greedy; tokens, logprobs, vLLM's spec-decode counters and
+    the worker runtime's stats to ``out``. over: LLM keyword arguments replacing the CPU test's
+    (a GPU run: model, dtype, enforce_eager; docs/vllm-integration.md, "Speculative decoding")."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    from vllm_hisparse.vllm import worker_state
+    from vllm_hisparse.vllm.plugin import register
+
+    register()
+    kw = dict(model=os.path.join(ROOT, "models", "tiny-llama"), dtype="float32",
+              max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, enforce_eager=True,
+              seed=0, skip_tokenizer_init=True, attention_backend="hisparse",
+              additional_config={"hisparse": cfg}, disable_log_stats=False,
+              speculative_config=SPEC)
+    llm = LLM(**dict(kw, **(over or {})))
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True,
+                        detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p * n} for p, n in zip(PATTERNS, REPEATS)], sp,
+                        use_tqdm=False)
+    metrics = {m.name: m.value for m in llm.get_metrics()
+               if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
+    stats = worker_state.get_runtime().stats_dict()
+    res = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+           "logprobs": [[sorted([k, v.logprob] for k, v in d.items())
+                         for d in o.outputs[0].logprobs] for o in outs],
+           "spec": metrics, "stats": {k: stats[k] for k in ("spec_rows", "decode_rows", "hits",
+                                                            "misses")}}
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from engine_jobs import run_all
+
+    from test_vllm_engine import make_tiny_model
+
+    make_tiny_model()
+    tmp = tmp_path_factory.mktemp("spec")
+    # NUMBA_DISABLE_JIT: the ngram proposer in plain Python (numba compiles it in ~30 s per
+    # process, uncached); the same proposals, in both modes alike
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", NUMBA_DISABLE_JIT="1")
+    env.pop("HISPARSE_TEST_CORRUPT_FETCH", None)
+    jobs = {tag: ([sys.executable, __file__, json.dumps(cfg), str(tmp / f"{tag}.json")],
+                  dict(env, **extra))
+            for tag, cfg, extra in (("hisparse", CFG, {}),
+                                    ("resident", dict(CFG, host_tier=False), {}),
+                                    ("corrupt", CFG, {"HISPARSE_TEST_CORRUPT_FETCH": "1"}))}
+    done = run_all(jobs, timeout=300)
+
+    def get(tag):
+        r = done[tag]
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-5000:]
+        return json.loads((tmp / f"{tag}.json").read_text())
+    return get
+
+
+def test_hisparse_equals_resident_under_ngram_speculation(runs):
+    hs, res = runs("hisparse"), runs("resident")
+    # drafts were proposed and accepted, the same in both modes
+    assert hs["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0, hs["spec"]
+    assert hs["spec"] == res["spec"]
+    # the verify rows went through core/spec_rows.py, with misses from the host pool
+    assert hs["stats"]["spec_rows"] > 0 and res["stats"]["spec_rows"] == hs["stats"]["spec_rows"]
+    assert hs["stats"]["misses"] > 0 and res["stats"]["misses"] == 0
+    assert hs["tokens"] == res["tokens"]
+    assert hs["logprobs"] == res["logprobs"]          # bit for bit (floats through JSON)
+
+
+def test_corrupted_fetch_differs(runs):
+    bad, res = runs("corrupt"), runs("resident")
+    assert bad["stats"]["misses"] > 0
+    assert bad["logprobs"] != res["logprobs"], "the negative control matched resident mode"
+
+
+if __name__ == "__main__":
+    _engine(json.loads(sys.argv[1]), sys.argv[2],
+            json.loads(sys.argv[3]) if sys.argv[3:] else None)
