@@ -238,10 +238,10 @@ def test_max_num_seqs_becomes_a_capture_size(sizes, max_size, n, want):
     (100, "float32", True),     # no FlashAttention for fp32: the decode body's rules hold
 ])
 def test_an_engine_that_cannot_be_sparse_keeps_full_graphs(max_model_len, dtype, blocked):
-    """Default dense layers without a dense pool block FULL graphs only where a request can be
-    sparse; an engine where none can (max_model_len < min_context 128) decodes every layer through
-    FlashAttention (decode_body.stock_layer) and replays FULL graphs in hisparse mode as in
-    resident mode."""
+    """Default dense layers without a dense pool (dense_pool_gib 0: auto would size one) block
+    FULL graphs only where a request can be sparse; an engine where none can (max_model_len <
+    min_context 128) decodes every layer through FlashAttention (decode_body.stock_layer) and
+    replays FULL graphs in hisparse mode as in resident mode."""
     import torch
 
     from vllm_hisparse.vllm import graph_mode
@@ -250,7 +250,8 @@ def test_an_engine_that_cannot_be_sparse_keeps_full_graphs(max_model_len, dtype,
                       model_config__dtype=getattr(torch, dtype),
                       model_config__get_head_size=lambda: 128,
                       parallel_config__data_parallel_size=1, parallel_config__use_ubatching=False)
-    cfg.additional_config = {"hisparse": dict(HS["hisparse"], dense_layers=[0, 1])}
+    cfg.additional_config = {"hisparse": dict(HS["hisparse"], dense_layers=[0, 1],
+                                              dense_pool_gib=0)}
     why = graph_mode.blocker(cfg)
     assert (why is not None) is blocked
     if blocked and dtype == "bfloat16":
