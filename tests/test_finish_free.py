@@ -29,7 +29,8 @@ PY = sys.executable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = 16
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
-       "host_pool_gib": 0.05, "dense_pool_gib": 0.01, "quest_rows": 3}      # min_context 128
+       "host_pool_gib": 0.05, "dense_pool_gib": 0.01, "quest_rows": 3,
+       "hostless": "dense"}      # min_context 128
 SEQS, BATCHED = 8, 256
 # engine -> (max_model_len, GPU blocks, requests: id -> (prompt, max_tokens), aborts: id -> step)
 ENGINES = {

@@ -34,8 +34,9 @@ def req(rid, prompt, max_tokens):
                            num_tokens=prompt)
 
 
-def make(quest_rows):
-    """The connector and the KV manager on one BlockPool of BLOCKS blocks, resident_first on."""
+def make(quest_rows, hostless="dense"):
+    """The connector and the KV manager on one BlockPool of BLOCKS blocks, resident_first on;
+    ``hostless``: the config's (the tests of the host-less tier opt in, "wait" is the default)."""
     pytest.importorskip("vllm")
     from vllm.v1.core.block_pool import BlockPool
 
@@ -43,7 +44,8 @@ def make(quest_rows):
     from vllm_hisparse.vllm.spec import HiSparseManager, HiSparseSpec
 
     cfg = HiSparseConfig(top_k=48, device_buffer_size=64, page_size=PAGE, min_context=64,
-                         dense_layers=(0,), host_pool_gib=HOST_GIB, quest_rows=quest_rows)
+                         dense_layers=(0,), host_pool_gib=HOST_GIB, quest_rows=quest_rows,
+                         hostless=hostless)
     dep = resolve(cfg, EngineLimits(4, MML, SEQS, 2, 32, 4))
     assert dep.admit_pages == 80 and dep.indexer_rows == quest_rows and dep.num_slots == S
     sc = SimpleNamespace(max_num_batched_tokens=BATCHED, max_num_seqs=SEQS, watermark=0.0,
@@ -111,6 +113,23 @@ def test_full_host_pool_admits_hostless_while_the_gpu_holds_them_whole():
     assert admitted(conn, req("f", 300, 100)) and "f" in conn._hostless
     md = conn.build_connector_meta(sched_out())
     assert md.freed == ["d"] and md.finished == []            # the worker drops it unreported
+
+
+def test_by_default_a_request_the_host_tier_cannot_take_waits():
+    """hostless "wait" (the default): the GPU could hold d whole, but it waits for the host pool
+    (and e for a row), so every output stays resident mode's; nothing runs host-less."""
+    conn, mgr, pool = make(quest_rows=SEQS, hostless="wait")
+    for rid in "abc":
+        assert admitted(conn, req(rid, 300, 100))
+    assert not admitted(conn, req("d", 300, 100))
+    assert conn._waiting == {"d": "host_pool"} and conn._hostless == {}
+    assert conn.stats().data["sched"]["requests_hostless"] == 0
+    conn2, _, _ = make(quest_rows=3, hostless="wait")
+    for rid in "abc":
+        assert admitted(conn2, req(rid, 100, 50))
+    assert not admitted(conn2, req("e", 100, 50)) and conn2._hostless == {}
+    with pytest.raises(ValueError, match="hostless"):
+        HiSparseConfig(hostless="sparse")
 
 
 def test_full_indexer_rows_admit_hostless_and_a_preempted_one_resumes_hostless():

@@ -36,7 +36,8 @@ PAGE = 16
 # host pool: 0.00075 GiB / (24 KiB a page of the tiny model's 3 sparse layers; layer 0 in the
 # dense pool) = 32 pages; every size set (none sized from the machine)
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
-       "host_pool_gib": 0.00075, "dense_pool_gib": 0.01, "quest_rows": 4, "min_context": 64}
+       "host_pool_gib": 0.00075, "dense_pool_gib": 0.01, "quest_rows": 4, "min_context": 64,
+       "hostless": "dense"}
 MML, SEQS, BATCHED = 384, 4, 128
 # 72 usable blocks, R = cdiv(128, 16) + 4 = 12: host-less promises 19 + 14 + 13 (then 12 for
 # request 4) blocks beside request 0's floor (5) and R fit (63 <= 72); all four at their longest

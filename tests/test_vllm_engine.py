@@ -301,9 +301,8 @@ def test_policy_crf_equals_lru_and_resident(runs, engines):
 
 def test_host_pool_full_requests_wait(engines):
     """A host pool that holds one max-length request (32 pages of 16 tokens): the 5 requests need
-    ~70 pages in all, so the ones it cannot take run host-less (the GPU's KV blocks hold them
-    whole: tests/test_hostless_engine.py) or wait for others to finish; all complete, none
-    crashes."""
+    ~70 pages in all, so some wait for others to finish (hostless "wait", the default; with
+    "dense" they run host-less: tests/test_hostless_engine.py); all complete, none crashes."""
     res = engines["poolfull"]()
     assert "host pool full" in res["log"]
     assert [len(b["tokens"]) for b in res["batches"][0]] == [MAX_TOKENS] * len(PROMPT_LENS)
@@ -311,9 +310,8 @@ def test_host_pool_full_requests_wait(engines):
 
 
 def test_quest_rows_full_requests_wait(engines):
-    """quest_rows=1: one Quest bounds row on the worker, so one long request at a time runs
-    sparse, the others host-less beside it (dense, resident) or after it (the short one needs no
-    row and runs beside them); all complete, nothing leaks."""
+    """quest_rows=1: one Quest bounds row on the worker, so the four long requests run one at a time
+    (the short one needs no row and runs beside them); all complete, nothing leaks."""
     res = engines["questrows"]()
     assert "indexer rows full" in res["log"]
     assert res["stats"]["full_steps"] > 0

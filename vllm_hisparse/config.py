@@ -20,6 +20,7 @@ GIB = 1 << 30
 # both (this table sits below core/ in the layers, so the config can check a name without it).
 INDEXERS = {"quest": "page", "dsa": "token"}
 UNITS = ("page", "token")
+HOSTLESS = ("wait", "dense")   # what a request does when the host tier is full (HiSparseConfig.hostless)
 AUTO_FIELDS = ("host_pool_gib", "quest_rows", "dense_pool_gib")   # absent/"auto": core/auto_size
 
 
@@ -78,6 +79,14 @@ class HiSparseConfig:
         what an arriving request needs.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
+    hostless: what a request that may be sparse does when the host pool (or dense pool) or the
+        indexer rows are full. "wait" (default): it waits until finished requests give them
+        back, so every request's outputs equal resident mode's. "dense": it runs host-less when
+        vLLM's GPU blocks hold its whole life: dense attention over every page, stock vLLM's
+        outputs (not resident mode's), never spilled, moved into the host tier (sparse from
+        then on) once host room frees (docs/vllm-integration.md, "How a request flows"); the
+        GPU then serves at least stock's requests, at the price of outputs that depend on the
+        load a request arrives into.
     full_decode_graphs: let vLLM replay whole decode steps as FULL CUDA graphs, as stock vLLM does
         (the backend declares UNIFORM_SINGLE_TOKEN_DECODE): every step whose rows each have one
         query token is one decode batch (core/decode_batch.py), planned before the replay (from the
@@ -115,6 +124,7 @@ class HiSparseConfig:
     prefetch: bool = False
     resident_first: bool = True
     host_tier: bool = True
+    hostless: str = "wait"
     full_decode_graphs: Optional[bool] = None
     split_dense_decode: Optional[bool] = None
     trace_dir: Optional[str] = None
@@ -126,6 +136,8 @@ class HiSparseConfig:
         _check_types(self)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             _fail("page_size", self.page_size, "use a power of two such as 16 or 64")
+        if self.hostless not in HOSTLESS:
+            _fail("hostless", self.hostless, f"choose one of {', '.join(HOSTLESS)}")
         if self.indexer not in INDEXERS:
             _fail("indexer", self.indexer, f"choose one of {', '.join(INDEXERS)}")
         if self.top_k < 1:
@@ -344,7 +356,7 @@ _TYPES = {
     "dense_layers": tuple, "dense_pool_gib": (int, float, type(None)),
     "min_context": (int, type(None)), "quest_rows": (int, type(None)), "prefill_slots": int,
     "mla_num_splits": int, "prefetch": bool, "resident_first": bool,
-    "host_tier": bool,
+    "host_tier": bool, "hostless": str,
     "full_decode_graphs": (bool, type(None)),
     "split_dense_decode": (bool, type(None)),
     "trace_dir": (str, type(None)),

@@ -4,7 +4,8 @@ KV pool's request lifecycle, in the scheduler process (engine core).
   * admission: a request that may be sparse at some step of its life (core/residency.py: its
     prompt + max_tokens reaches min_context, so a short prompt that may generate past it too)
     reserves an indexer row (core/indexers) and the host pages of its whole life (prompt +
-    max_tokens) before it is scheduled; when the pool or the rows cannot hold it, it runs
+    max_tokens) before it is scheduled; when the pool or the rows cannot hold it and the config
+    says ``hostless: "dense"`` (default "wait"), it runs
     *host-less* if vLLM's GPU blocks hold its whole life beside the host-less requests admitted
     before and every host-backed one at its floor (core/residency.py ``hostless_fits``): dense
     and resident like a request that never could be sparse, never spilled (the KV manager reads
@@ -122,7 +123,7 @@ class ConnectorScheduler:
             self._ledger = self._shared
             self._ledger.reserve = self.spill_reserve()
         self._gpu_blocks = have
-        if self.dep.sparse_possible:
+        if self.dep.sparse_possible and self.cfg.hostless == "dense":
             logger.info("hisparse: two tiers: host pool %d pages (%s) for host-backed requests; "
                         "beyond them, requests run host-less (requests_hostless: dense, "
                         "resident, never spilled) while the GPU's %d blocks hold their whole "
@@ -175,8 +176,10 @@ class ConnectorScheduler:
 
     def _hostless_fits(self, request) -> bool:
         """A request the host pool or the indexer rows cannot take may run host-less
-        (core/residency.py ``hostless_fits``); never before the GPU block pool is bound."""
-        if not self._gpu_blocks:
+        (core/residency.py ``hostless_fits``) when the config says ``hostless: "dense"`` (by
+        default it waits: every output stays resident mode's); never before the GPU block pool
+        is bound."""
+        if self.cfg.hostless != "dense" or not self._gpu_blocks:
             return False
         floor = -(-self.dep.num_slots * self.dep.unit_tokens // self.cfg.page_size) + 1
         return hostless_fits(self._gpu_blocks, self.spill_reserve(),
