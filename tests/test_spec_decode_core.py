@@ -101,6 +101,7 @@ def test_corrupted_fetch_differs(resident, monkeypatch):
     assert _equal(bad, resident[0]), "the negative control matched resident mode"
 
 
+@pytest.mark.vllm
 def test_startup_check_of_speculation():
     """ngram with num_speculative_tokens below page_size serves; a draft model (its own attention
     layers would run hisparse) or verify rows over more than two pages are refused in one line
