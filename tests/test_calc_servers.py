@@ -141,7 +141,11 @@ def test_quest_rows_warning(model_dir, rows):
 
 
 def test_no_quest_rows_warning_when_auto(model_dir):
-    h = calc_json(model_dir, "--context", 40960, "--gpu-kv-gib", 27.7, "--host-gib", 84)["hisparse"]
+    """Without --max-num-seqs, --quest-rows 0 is calc's fixed point: as many rows as requests fit,
+    host included, so none is idle (the server's auto rows are not capped by a given host pool:
+    tests/test_auto_size.py)."""
+    h = calc_json(model_dir, "--context", 40960, "--gpu-kv-gib", 27.7, "--host-gib", 84,
+                  "--quest-rows", 0, "--dense-pool-gib", 0)["hisparse"]
     assert h["quest_rows_warning"] is None and h["max_requests"] == h["quest_rows"]
 
 
