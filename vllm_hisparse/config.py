@@ -48,20 +48,17 @@ class HiSparseConfig:
     dense_pool_gib: GPU memory reserved for the full KV of the dense_layers of long (sparse)
         requests, so those layers stay resident after the request's other GPU blocks are given
         back. 0 = no pool: a dense layer then reads the given-back pages from the host pool every
-        step (exact, but PCIe-bound). Requests wait when the pool is full. The runtime allocates at
-        most quest_rows x cdiv(max_model_len, page_size) pages, none when max_model_len <
-        min_context (core/gpu_pools.py). Absent or "auto" (None): that cap (core/auto_size.py).
+        step (exact, but PCIe-bound). Requests wait when the pool is full (``hostless``). Absent or
+        "auto" (None): quest_rows x cdiv(max_model_len, page_size) pages (core/auto_size.py).
     min_context: a request is sparse from the step its context (prompt + generated tokens)
         reaches this (core/residency.py): a longer prompt from its first token, a shorter one from
         the step it grows past it; until then, and for requests that never reach it, fully resident
-        and dense (no Quest, no host tier, FlashAttention on a GPU). None (default) = 2 x
-        device_buffer_size: below that the hot buffer saves less than half of the request's KV,
-        not worth the slower sparse decode. 0 = every request sparse.
+        and dense (no Quest, no host tier). None (default) = 2 x device_buffer_size: below that
+        the hot buffer saves less than half of the request's KV. 0 = every request sparse.
     quest_rows: Quest page-bound rows on the GPU = long (sparse) requests admitted at once; each row
         is 2 x cdiv(max_model_len, page_size) x Hkv x D per sparse layer. 0 = --max-num-seqs.
         Absent or "auto" (None): the requests of max_model_len tokens the GPU KV budget (less the
         rows and dense pool) admits, at most --max-num-seqs and an auto host pool's (auto_size).
-        None are reserved when max_model_len < min_context (core/gpu_pools.py).
     prefill_slots: indexer "dsa" only: full-length latent regions on the GPU, i.e. prompts in
         prefill at once (a prompt's chunks select top-k anywhere in it; docs/dsa.md section 2);
         requests beyond it wait. Each is max_model_len x 1152 B per layer.
@@ -79,30 +76,24 @@ class HiSparseConfig:
         what an arriving request needs.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
-    hostless: what a request that may be sparse does when the host pool (or dense pool) or the
-        indexer rows are full. "wait" (default): it waits until finished requests give them
-        back, so every request's outputs equal resident mode's. "dense": it runs host-less when
-        vLLM's GPU blocks hold its whole life: dense attention over every page, stock vLLM's
-        outputs (not resident mode's), never spilled, moved into the host tier (sparse from
-        then on) once host room frees (docs/vllm-integration.md, "How a request flows"); the
-        GPU then serves at least stock's requests, at the price of outputs that depend on the
-        load a request arrives into.
+    hostless: a request the host pool (or dense pool) or the indexer rows cannot take: "wait"
+        (default) until they free up, every output resident mode's; "dense": host-less while
+        vLLM's GPU blocks hold its whole life (stock's dense outputs, never spilled, moved into
+        the host tier when room frees: outputs depend on the load it arrives into).
     full_decode_graphs: let vLLM replay whole decode steps as FULL CUDA graphs, as stock vLLM does
         (the backend declares UNIFORM_SINGLE_TOKEN_DECODE): every step whose rows each have one
         query token is one decode batch (core/decode_batch.py), planned before the replay (from the
         KV connector's start_load_kv), and every layer's recorded body (core/decode_body.py) serves
-        any mix of sparse, dense and padding rows, the kernels of a kind behind a conditional graph
-        node that the GPU skips when the batch has no row of that kind. Mixed prefill/decode steps
-        run PIECEWISE (the same body eagerly for their one-token rows). None (default) = on where
+        any mix of sparse, dense and padding rows. Mixed prefill/decode steps run PIECEWISE (the
+        same body eagerly for their one-token rows). None (default) = on where
         it can run: a CUDA device, split_dense_decode on, no trace_dir, and dense_layers [] or
         dense_pool_gib > 0 with the host tier (``full_graphs_blocker``); True = on, refused at
         startup where it cannot run; False = off (every layer eagerly between vLLM's graph pieces).
     split_dense_decode: attend dense rows with one query token (short requests' decode steps,
         dense layers of long ones) with the split-KV decode kernel whose splits sit at fixed key
         positions (ops/triton_dense_decode.py: batch-invariant, so exactness holds), instead of
-        FlashAttention without split-KV (8 CTAs for one Llama-3-8B row, slow for few rows; the
-        timings: docs/gpu-results.md). Rows with several query tokens (prefill)
-        keep FlashAttention. None (default) = on when the KV lives on a CUDA device and the head
+        FlashAttention without split-KV (8 CTAs for one Llama-3-8B row, slow for few rows). Rows
+        with several query tokens (prefill) keep FlashAttention. None (default) = on when the KV lives on a CUDA device and the head
         size is one the kernel has (64, 128, 256), else off; True = on (refused at startup on a
         GPU for other head sizes; on the CPU the plain-torch twin runs); False = off.
     trace_dir: when set, selections are appended per request to trace files there.
@@ -368,9 +359,7 @@ def _check_types(cfg: HiSparseConfig) -> None:
         v = getattr(cfg, name)
         if any(isinstance(x, float) and not math.isfinite(x)
                for x in (v if isinstance(v, tuple) else (v,))):
-            # Python's JSON reads NaN and Infinity. NaN passes every range check below (each
-            # comparison is False), infinity the lower bounds: both used to fail later, inside
-            # vLLM, with a traceback (int(nan) sizing the host pool)
+            # Python's JSON reads NaN and Infinity, which pass the range checks below
             _fail(name, list(v) if isinstance(v, tuple) else v, _finite_fix(name))
         bad = not isinstance(v, typ) or (typ is not bool and isinstance(v, bool) and bool not in
                                          (typ if isinstance(typ, tuple) else (typ,)))
