@@ -29,7 +29,8 @@ def test_soak_cpu(tmp_path):
 
     model = make_tiny_model()
     cfg = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
-           "min_context": MIN_CONTEXT, "host_pool_gib": POOL_PAGES * PAGE_ALL_LAYERS / (1 << 30)}
+           "min_context": MIN_CONTEXT, "host_pool_gib": POOL_PAGES * PAGE_ALL_LAYERS / (1 << 30),
+           "dense_pool_gib": 0}      # no dense pool: the host pool holds all 4 layers (POOL_PAGES)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
