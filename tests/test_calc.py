@@ -249,3 +249,24 @@ def test_short_prompt_with_long_output_is_sparse(model_dir):
     assert long_prompt["gpu_bound"]["peak_together_requests"] is None
     text = calc("--model", model_dir, "--context", 17408, "--prompt", 12000, *args)
     assert "sent together" not in text and "12000-token prompt" in text
+
+
+def test_hostless_dense_counts_whole_lives_beyond_the_host_tier(model_dir):
+    """--hostless dense: beyond the host-backed requests (here bound by a 40-request host pool),
+    requests run host-less while the usable blocks hold every host-backed floor (S+1 = 257), the
+    spill reserve R (cdiv(8192, 16) + max_num_seqs) and their whole lives (2048 blocks at 32K);
+    the default (wait) counts none."""
+    args = ("--context", 32768, "--gpu-kv-gib", 60, "--host-gib", 40 * 4, "--max-num-seqs", 64,
+            "--quest-rows", 64, "--dense-layers", 0, "--dense-pool-gib", 0)
+    wait = calc_json(model_dir, *args)["hisparse"]
+    dense = calc_json(model_dir, *args, "--hostless", "dense")["hisparse"]
+    assert (wait["max_requests"], wait["bound_by"]) == (40, "host")      # 4 GiB per request
+    assert wait["hostless_requests"] == 0
+    n, blocks = dense["max_requests"], dense["num_blocks"]
+    assert n == wait["max_requests"] and blocks == wait["num_blocks"]
+    room = blocks - 1 - n * 257 - (8192 // 16 + 64)
+    assert dense["hostless_requests"] == min(room // 2048, 64 - n) > 0
+    # a GPU too small for one more whole life: none
+    small = calc_json(model_dir, *args[:2], "--gpu-kv-gib", 12, *args[4:], "--hostless",
+                      "dense")["hisparse"]
+    assert small["hostless_requests"] == 0

@@ -90,7 +90,8 @@ def _compute(args, hf: dict) -> dict:
                            page_size=args.page_size, host_pool_gib=_opt(args.host_gib),
                            dense_layers=tuple(range(args.dense_layers)),
                            min_context=args.min_context, dense_pool_gib=_opt(args.dense_pool_gib),
-                           quest_rows=_opt(args.quest_rows), resident_first=args.resident_first)
+                           quest_rows=_opt(args.quest_rows), resident_first=args.resident_first,
+                           hostless=getattr(args, "hostless", "wait"))
     try:
         m = cap.ModelShape.from_hf_config(hf, args.dtype)
     except (ValueError, KeyError) as e:
@@ -259,6 +260,16 @@ def _compute(args, hf: dict) -> dict:
                 # HiSparseSpec.max_memory_usage_bytes: S+1 blocks (whatever the prompt) when some
                 # request can turn sparse, else every page
                 **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S, possible))}
+    # hostless "dense": beyond the host tier, requests of their whole life in the GPU blocks
+    # (core/residency.hostless_fits: usable blocks >= host-backed floors + R + whole lives)
+    life = -(-min(args.context, mml) // P)
+    room = (h_blocks - 1 - n_h * h_bpr
+            - cap.spill_reserve_blocks(args.max_num_batched_tokens, vllm_seqs, P,
+                                       cap.watermark_blocks(h_blocks, args.watermark)))
+    extra = max(0, room // life) if cfg.hostless == "dense" and sparse and possible else 0
+    if seqs is not None:
+        extra = max(0, min(extra, seqs - n_h))
+    hisparse["hostless_requests"] = extra
     hisparse["auto"] = {f: getattr(cfg, f) for f in sized.auto}
     hisparse["host_ram_bytes"] = (sized.limits.machine.host_available_bytes
                                   if "host_pool_gib" in sized.auto else None)

@@ -81,5 +81,10 @@ def report(args, r: dict) -> None:
     for name, v in (("baseline", b), ("hisparse", h)):
         print(f"vLLM's lines, {name}: GPU KV cache size: {v['vllm_kv_cache_tokens']:,} tokens; "
               f"Maximum concurrency for {mml:,} tokens per request: {v['vllm_max_concurrency']:.2f}x")
+    if h.get("hostless_requests"):
+        print(f"hostless dense: {h['hostless_requests']} more requests run host-less beside them "
+              f"(whole lives in the GPU blocks, stock's outputs): "
+              f"{h['max_requests'] + h['hostless_requests']} in all")
     if b["max_requests"]:
-        print(f"hisparse fits {h['max_requests'] / b['max_requests']:.1f}x the requests of stock full KV")
+        n = h["max_requests"] + h.get("hostless_requests", 0)
+        print(f"hisparse fits {n / b['max_requests']:.1f}x the requests of stock full KV")
