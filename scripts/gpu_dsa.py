@@ -52,6 +52,7 @@ CONTROL_ENV = "HISPARSE_TEST_CORRUPT_FETCH"
 PROMPTS = [int(x) for x in os.environ.get("DSA_PROMPTS", "8000,20000,12000,16000").split(",")]
 MAX_TOKENS = int(os.environ.get("DSA_MAX_TOKENS", "48"))
 MAX_LEN = int(os.environ.get("DSA_MAX_LEN", "24576"))
+UTIL = float(os.environ.get("DSA_UTIL", "0.85"))     # DSA_PAR engines side by side: 0.85 / DSA_PAR
 CFG = {"indexer": "dsa", "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
        "dense_layers": [], "host_pool_gib": 8, "quest_rows": len(PROMPTS),
        "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0"))}
@@ -116,7 +117,7 @@ def run(mode: str, model: str, out: str) -> int:
     prompts = [{"prompt_token_ids": p} for p in ids]
     kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format=LOAD,
               dtype="bfloat16", seed=0, max_model_len=MAX_LEN, max_num_seqs=8,
-              max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
+              max_num_batched_tokens=8192, gpu_memory_utilization=UTIL,
               compilation_config=compilation())
     cfg = dict(CFG, host_tier=mode in ("hisparse", "crf", "control"),
                policy="crf" if mode == "crf" else "lru")
@@ -159,7 +160,7 @@ def cap(mode: str, model: str, out: str) -> int:
                for _ in range(n)]
     kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format=LOAD,
               dtype="bfloat16", seed=0, max_model_len=mml, max_num_seqs=n,
-              max_num_batched_tokens=8192, gpu_memory_utilization=0.85,
+              max_num_batched_tokens=8192, gpu_memory_utilization=UTIL,
               kv_cache_memory_bytes=side["kv_cache_bytes"])
     llm = LLM(**kw, **backend(mode, dict(CFG, host_pool_gib=host_gib, quest_rows=n,
                                          prefill_slots=1)))
