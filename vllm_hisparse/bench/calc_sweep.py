@@ -24,16 +24,21 @@ FIELDS = ("context", "util", "gpu_kv_gib", "stock", "hisparse", "bound_by", "hos
           "ratio_wait", "ratio_dense")
 
 
-def point(model: str, context: int, kv_gib: float, ram_gib: float, seqs: int | None) -> dict:
-    """calc's figures for one context at one GPU KV size: stock, host-backed, host-less."""
+def _calc(argv: list[str]) -> dict:
+    """``hisparse calc --json``'s figures for its arguments ``argv``."""
     p = argparse.ArgumentParser()
     calc_args.add_arguments(p)
+    return calc.compute(p.parse_args(argv))
+
+
+def point(model: str, context: int, kv_gib: float, ram_gib: float, seqs: int | None) -> dict:
+    """calc's figures for one context at one GPU KV size: stock, host-backed, host-less."""
     argv = ["--model", model, "--context", str(context), "--gpu-kv-gib", f"{kv_gib:.3f}",
             "--host-ram-gib", f"{ram_gib:.3f}", "--hostless", "dense"]
     if seqs:
         argv += ["--max-num-seqs", str(seqs)]
     try:
-        r = calc.compute(p.parse_args(argv))
+        r = _calc(argv)
     except HiSparseConfigError:     # the server would refuse to start: no request of this context
         return {"context": context, "gpu_kv_gib": round(kv_gib, 3), "stock": stock_only(
             model, context, kv_gib), "hisparse": 0, "bound_by": "refused", "hostless": 0,
@@ -48,11 +53,9 @@ def point(model: str, context: int, kv_gib: float, ram_gib: float, seqs: int | N
 
 def stock_only(model: str, context: int, kv_gib: float) -> int:
     """Stock's requests where hisparse would not start (calc's stock figure, its pools given)."""
-    p = argparse.ArgumentParser()
-    calc_args.add_arguments(p)
-    return calc.compute(p.parse_args([
-        "--model", model, "--context", str(context), "--gpu-kv-gib", f"{kv_gib:.3f}",
-        "--host-gib", "1", "--quest-rows", "1", "--dense-pool-gib", "0"]))["baseline"]["max_requests"]
+    return _calc(["--model", model, "--context", str(context), "--gpu-kv-gib", f"{kv_gib:.3f}",
+                  "--host-gib", "1", "--quest-rows", "1", "--dense-pool-gib", "0"]
+                 )["baseline"]["max_requests"]
 
 
 def sweep(a) -> list[dict]:
