@@ -251,22 +251,31 @@ def test_short_prompt_with_long_output_is_sparse(model_dir):
     assert "sent together" not in text and "12000-token prompt" in text
 
 
-def test_hostless_dense_counts_whole_lives_beyond_the_host_tier(model_dir):
-    """--hostless dense: beyond the host-backed requests (here bound by a 40-request host pool),
-    requests run host-less while the usable blocks hold every host-backed floor (S+1 = 257), the
-    spill reserve R (cdiv(8192, 16) + max_num_seqs) and their whole lives (2048 blocks at 32K);
-    the default (wait) counts none."""
+def test_hostless_counts_whole_lives_beyond_the_host_tier(model_dir):
+    """Beyond the host-backed requests (here bound by a 40-request host pool), requests run
+    host-less while the usable blocks hold every host-backed floor (S+1 = 257), the spill reserve
+    R (cdiv(8192, 16) + max_num_seqs) and their whole lives (2048 blocks at 32K)
+    (core/residency.hostless_room, the connector's rule): "sparse" (the default) needs an idle
+    Quest row for each, "dense" none; "wait" counts none."""
     args = ("--context", 32768, "--gpu-kv-gib", 60, "--host-gib", 40 * 4, "--max-num-seqs", 64,
-            "--quest-rows", 64, "--dense-layers", 0, "--dense-pool-gib", 0)
-    wait = calc_json(model_dir, *args)["hisparse"]
-    dense = calc_json(model_dir, *args, "--hostless", "dense")["hisparse"]
-    assert (wait["max_requests"], wait["bound_by"]) == (40, "host")      # 4 GiB per request
-    assert wait["hostless_requests"] == 0
-    n, blocks = dense["max_requests"], dense["num_blocks"]
-    assert n == wait["max_requests"] and blocks == wait["num_blocks"]
-    room = blocks - 1 - n * 257 - (8192 // 16 + 64)
-    assert dense["hostless_requests"] == min(room // 2048, 64 - n) > 0
+            "--dense-layers", 0, "--dense-pool-gib", 0)
+
+    def at(rows, mode=None):
+        h = calc_json(model_dir, *args, "--quest-rows", rows,
+                      *(("--hostless", mode) if mode else ()))["hisparse"]
+        assert (h["max_requests"], h["bound_by"]) == (40, "host")      # 4 GiB per request
+        return h, (h["num_blocks"] - 1 - 40 * 257 - (8192 // 16 + 64)) // 2048
+
+    assert at(64, "wait")[0]["hostless_requests"] == 0
+    dense, fit = at(64, "dense")
+    assert dense["hostless_requests"] == min(fit, 64 - 40) > 0
+    sparse, fit = at(64)                                   # 24 idle rows: not the bound here
+    assert sparse["hostless_requests"] == min(fit, 24) > 0
+    sparse, fit = at(42)                                   # 2 idle rows: they bound it
+    assert fit > 2 and sparse["hostless_requests"] == 2
+    dense, fit = at(42, "dense")
+    assert dense["hostless_requests"] == min(fit, 64 - 40) > 2
     # a GPU too small for one more whole life: none
-    small = calc_json(model_dir, *args[:2], "--gpu-kv-gib", 12, *args[4:], "--hostless",
-                      "dense")["hisparse"]
+    small = calc_json(model_dir, *args[:2], "--gpu-kv-gib", 12, *args[4:], "--quest-rows", 64,
+                      "--hostless", "dense")["hisparse"]
     assert small["hostless_requests"] == 0

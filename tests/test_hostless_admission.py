@@ -1,6 +1,8 @@
-"""Capacity = HBM + host (issue 45 item 1): a request the host pool or the indexer rows cannot take
-runs *host-less* (dense, resident, never spilled) when vLLM's GPU blocks hold its whole life,
-instead of waiting; one they cannot hold still waits. The scheduler-side connector
+"""Capacity = HBM + host (issue 45 item 1): a request the host pool cannot take runs *host-less*
+(no host page, every block kept, never spilled) when vLLM's GPU blocks hold its whole life,
+instead of waiting; one they cannot hold still waits. ``hostless`` "sparse" (the default) gives it
+an indexer row (sparse as resident mode), so with the rows full it waits; "dense" (opt-in) runs it
+without a row, also when the rows are full; "wait" never runs one. The scheduler-side connector
 (vllm/connector_scheduler.py) on a real vLLM BlockPool, with the KV manager (vllm/spec.py) on the
 same pool, no engine."""
 from __future__ import annotations
@@ -34,9 +36,9 @@ def req(rid, prompt, max_tokens):
                            num_tokens=prompt)
 
 
-def make(quest_rows, hostless="dense"):
+def make(quest_rows, hostless="sparse"):
     """The connector and the KV manager on one BlockPool of BLOCKS blocks, resident_first on;
-    ``hostless``: the config's (the tests of the host-less tier opt in, "wait" is the default)."""
+    ``hostless``: the config's ("sparse" is the default)."""
     pytest.importorskip("vllm")
     from vllm.v1.core.block_pool import BlockPool
 
@@ -76,15 +78,19 @@ def sched_out(new=(), resumed=()):
         new_block_ids=[([b],) for _, b in resumed]))
 
 
-def test_full_host_pool_admits_hostless_while_the_gpu_holds_them_whole():
-    conn, mgr, pool = make(quest_rows=SEQS)
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_full_host_pool_admits_hostless_while_the_gpu_holds_them_whole(mode):
+    conn, mgr, pool = make(quest_rows=6 if mode == "sparse" else SEQS, hostless=mode)
     for rid in "abc":                               # 25 pages each: 75 of 80 reserved
         assert admitted(conn, req(rid, 300, 100))
     assert conn._hostless == {} and conn._reserved_total == 75
-    # the host pool is full: d (25 blocks) runs host-less: 0 + 3 x 5 + 8 + 25 <= 100
+    # the host pool is full: d (25 blocks) runs host-less: 0 + 3 x 5 + 8 + 25 <= 100 (the
+    # host-backed floors: a, b, c; a host-less request's row does not count as one)
     assert admitted(conn, req("d", 300, 100)) and conn._hostless == {"d": 25}
     # e (50 blocks): 25 + 15 + 8 + 50 = 98 <= 100
     assert admitted(conn, req("e", 600, 200)) and conn._hostless == {"d": 25, "e": 50}
+    # "sparse": each took an indexer row; "dense": none
+    assert conn._rows_held == ({"a", "b", "c", "d", "e"} if mode == "sparse" else {"a", "b", "c"})
     # negative: f (25 blocks) does not fit beside them (123 > 100): it waits, for the host pool
     assert not admitted(conn, req("f", 300, 100))
     assert conn._waiting == {"f": "host_pool"} and "f" not in conn._hostless
@@ -107,17 +113,25 @@ def test_full_host_pool_admits_hostless_while_the_gpu_holds_them_whole():
     conn._ledger.make_room(100)                               # everything spillable: a only
     assert conn._ledger.take() == {"a": 0}
     assert sum(b is not mgr._null_block for b in mgr.req_to_blocks["d"]) == 32
-    # finishing a host-less request frees its blocks at once, leaves nothing behind; then f fits
-    assert conn.request_finished(req("d", 300, 100), ()) == (False, None)
+    # finishing a host-less request leaves nothing behind; then f fits. "dense": its blocks
+    # go at once and the worker drops it unreported; "sparse": it holds an indexer row, so they
+    # go once the worker reports it dropped (delayed free, as a host-backed request)
+    if mode == "dense":
+        assert conn.request_finished(req("d", 300, 100), ()) == (False, None)
+        assert conn.build_connector_meta(sched_out()).freed == ["d"]
+    else:
+        assert conn.request_finished(req("d", 300, 100), ()) == (True, None)
+        assert conn.build_connector_meta(sched_out()).finished == ["d"]
+        assert "d" in conn._rows_held                         # until the worker reports it
+        conn.update_connector_output(SimpleNamespace(finished_sending={"d"}))
     assert conn._hostless == {"e": 50} and conn._shared.hostless == {"e"}
+    assert "d" not in conn._rows_held
     assert admitted(conn, req("f", 300, 100)) and "f" in conn._hostless
-    md = conn.build_connector_meta(sched_out())
-    assert md.freed == ["d"] and md.finished == []            # the worker drops it unreported
 
 
-def test_by_default_a_request_the_host_tier_cannot_take_waits():
-    """hostless "wait" (the default): the GPU could hold d whole, but it waits for the host pool
-    (and e for a row), so every output stays resident mode's; nothing runs host-less."""
+def test_wait_makes_a_request_the_host_tier_cannot_take_wait():
+    """hostless "wait": the GPU could hold d whole, but it waits for the host pool (and e for a
+    row); nothing runs host-less. An unknown value is refused in one line naming the field."""
     conn, mgr, pool = make(quest_rows=SEQS, hostless="wait")
     for rid in "abc":
         assert admitted(conn, req(rid, 300, 100))
@@ -128,12 +142,25 @@ def test_by_default_a_request_the_host_tier_cannot_take_waits():
     for rid in "abc":
         assert admitted(conn2, req(rid, 100, 50))
     assert not admitted(conn2, req("e", 100, 50)) and conn2._hostless == {}
-    with pytest.raises(ValueError, match="hostless"):
-        HiSparseConfig(hostless="sparse")
+    with pytest.raises(ValueError, match=r"^hisparse config: hostless='exact' is invalid: choose "
+                                         r"one of sparse, wait, dense$"):
+        HiSparseConfig(hostless="exact")
+    assert HiSparseConfig().hostless == "sparse"
 
 
-def test_full_indexer_rows_admit_hostless_and_a_preempted_one_resumes_hostless():
+def test_full_indexer_rows_make_a_sparse_hostless_request_wait():
+    """"sparse" needs a row: with the rows full the request waits, though the GPU holds it."""
     conn, mgr, pool = make(quest_rows=3)
+    for rid in "abc":
+        assert admitted(conn, req(rid, 100, 50))
+    assert not admitted(conn, req("d", 100, 50))
+    assert conn._waiting == {"d": "quest_rows"} and conn._hostless == {}
+    assert conn.request_finished(req("a", 100, 50), ()) == (False, None)   # never sent
+    assert admitted(conn, req("d", 100, 50)) and conn._waiting == {} and "d" in conn._rows_held
+
+
+def test_dense_full_indexer_rows_admit_hostless_and_a_preempted_one_resumes_hostless():
+    conn, mgr, pool = make(quest_rows=3, hostless="dense")
     for rid in "abc":                               # 3 rows: every one held (10 pages each)
         assert admitted(conn, req(rid, 100, 50))
     assert admitted(conn, req("d", 100, 50)) and conn._hostless == {"d": 10}

@@ -1,12 +1,19 @@
-"""A host-less request moving into the host tier (issue 45 item 1, phase 2; core/turn_sparse.py
-``host_back``): admitted without host pages (dense, resident), it gets host pages and a row
-mid-decode, turns sparse at its next step (its KV so far copied to the host pool and its Quest
-row), is spilled later (its given-back blocks poisoned with NaN, as
-tests/test_sparse_runtime_exact.py does) and reads them from the host. Its outputs equal resident
-mode's for a request whose context reaches min_context at that same step, bit for bit; the
-runtime driven as the adapter drives it. The scheduler side: the connector moves a decoding
-host-less request once the host pool and the rows have room, and the KV manager then spills it
-like any host-backed request."""
+"""A host-less request (issue 45 item 1; core/hostless.py) on the runtime alone, driven as the
+adapter drives it (tests/test_sparse_runtime_exact.py's Driver: blocks the scheduler frees are
+poisoned with NaN, so reading one would fail):
+
+* ``hostless`` "sparse" (the default): admitted without host pages, sparse by the length rule
+  exactly as resident mode (a long prompt from its first token, a short one at min_context, in
+  the same step as a host-backed request switching beside it), its host page-table row -1; it
+  then moves into the host tier (``host_back``: its KV so far copied to new host pages, which the
+  test checks byte for byte), is spilled and reads the pages it gave back from the host. Its
+  outputs equal resident mode's bit for bit, every layer, every step, with misses > 0; skipping
+  the move's copy (the negative control) makes them differ.
+* "dense" (opt-in): dense until it moves, then sparse from that step on: equal to resident mode
+  for a request whose context reaches min_context at that same step.
+
+The scheduler side: the connector moves a decoding host-less request once the host pool (and,
+"dense", the rows) have room, and the KV manager then spills it like any host-backed request."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +21,7 @@ import torch
 
 from test_sparse_runtime_exact import HKV, D, L, P, Driver
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core.turn_sparse import host_back
+from vllm_hisparse.core.hostless import host_back
 
 PROMPT, MOVE_AT, SPILL_AT, END = 60, 100, 130, 200       # contexts (tokens)
 
@@ -22,7 +29,7 @@ PROMPT, MOVE_AT, SPILL_AT, END = 60, 100, 130, 200       # contexts (tokens)
 def _run(host_tier: bool, full: bool, min_context: int, hostless: bool):
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(0,),
                          min_context=min_context, host_pool_gib=0.01, host_tier=host_tier,
-                         resident_first=True)
+                         resident_first=True, hostless="dense")
     d = Driver(cfg, full=full)
     add = d.rt.add
     d.rt.add = lambda rid, n: add(rid, n, hostless=hostless)
@@ -41,24 +48,92 @@ def _run(host_tier: bool, full: bool, min_context: int, hostless: bool):
         # sparse from the step whose context passes MOVE_AT (the reference's min_context)
         assert r.sparse == (d.lens["x"] > MOVE_AT), d.lens["x"]
         if hostless and host_tier and d.lens["x"] == MOVE_AT + 1:
-            blocks = d.blocks["x"][:MOVE_AT // P].long()
-            for layer in range(L):         # every byte of its KV so far, in its host pages
-                if d.rt.host_layer(layer) is None:
-                    continue
-                got = d.rt.host_layer(layer)[torch.tensor(d.rt.pool.page_table("x")[:MOVE_AT // P])]
-                assert torch.equal(got, d.kv[layer][blocks]), layer
+            _check_host_copy(d, "x", MOVE_AT)
     st = d.rt.stats_dict()
     assert d.rt.finish("x") and d.rt.host_pages_used == 0
     return d.outs, st
 
 
+def _check_host_copy(d, rid: str, n: int) -> None:
+    """Every byte of the request's first n tokens' KV (whole pages) is in its host pages."""
+    blocks = d.blocks[rid][:n // P].long()
+    for layer in range(L):
+        host = d.rt.host_layer(layer)
+        if host is not None:
+            got = host[torch.tensor(d.rt.pool.page_table(rid)[:n // P])]
+            assert torch.equal(got, d.kv[layer][blocks]), (rid, layer)
+
+
 @pytest.mark.parametrize("full", [False, True])
-def test_moved_request_equals_resident_mode_switching_at_the_move(full):
+def test_dense_hostless_moved_equals_resident_mode_switching_at_the_move(full):
     outs, st = _run(True, full, min_context=40, hostless=True)
     ref, _ = _run(False, full, min_context=MOVE_AT + 1, hostless=False)
     assert len(outs) == len(ref)
     assert all(torch.equal(a, b) for a, b in zip(outs, ref))
     assert st["turned_sparse"] == 1 and st["misses"] > 0       # it read the host after its spill
+
+
+# "sparse": x (long prompt) and y (short, switching at MIN_CTX) host-less, z host-backed switching
+# beside y; x and y move at MOVE, all three are spilled at SPILL
+MIN_CTX, PROMPTS, MOVE, SPILL, STEPS = 64, {"x": 100, "y": 40, "z": 40}, 40, 60, 120
+
+
+def _sparse_run(host_tier: bool, full: bool, dense_pool_gib: float, skip_copy: bool = False):
+    """Returns (outputs, stats); checks on the way what each request holds."""
+    cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(0,),
+                         min_context=MIN_CTX, host_pool_gib=0.01, host_tier=host_tier,
+                         resident_first=True, dense_pool_gib=dense_pool_gib)
+    assert cfg.hostless == "sparse"                               # the default
+    d = Driver(cfg, rows=4, full=full)
+    rt, add = d.rt, d.rt.add
+    for rid, n in PROMPTS.items():
+        d.rt.add = lambda r, k: add(r, k, hostless=host_tier and rid != "z")
+        d.add(rid, n)
+    d.rt.add = add
+    d.step(dict(PROMPTS))
+    for i in range(STEPS):
+        if host_tier and i < MOVE:          # host-less: sparse as resident mode, no host page
+            assert rt.reqs["x"].sparse and rt.reqs["y"].sparse == (d.lens["y"] >= MIN_CTX)
+            for rid in "xy":
+                assert rt.pool.page_table(rid) == [] and not (rt.host_pt.table[rt.reqs[rid].row]
+                                                              >= 0).any()
+                if rt.dpool is not None:
+                    assert rt.dpool.page_table(rid) == []
+        if host_tier and i == MOVE:
+            for rid in "xy":
+                host_back(rt, rid)
+                if skip_copy:                 # the negative control: no bulk copy
+                    rt.reqs[rid].moving = False
+        if i == SPILL:
+            for rid in "xyz":
+                d.spill(rid, 0)
+        d.step({rid: 1 for rid in PROMPTS})
+        if host_tier and i == MOVE and not skip_copy:
+            for rid in "xy":
+                _check_host_copy(d, rid, d.lens[rid] - 1)
+    st = rt.stats_dict()
+    for rid in PROMPTS:
+        assert rt.finish(rid)
+    assert rt.host_pages_used == 0 and len(rt.ix._free) == rt.ix.rows
+    return d.outs, st
+
+
+@pytest.mark.parametrize("full,dense_pool_gib", [(False, 0.0), (True, 0.0), (True, 0.01)])
+def test_sparse_hostless_moved_and_spilled_equals_resident_mode(full, dense_pool_gib):
+    outs, st = _sparse_run(True, full, dense_pool_gib)
+    ref, _ = _sparse_run(False, full, dense_pool_gib)
+    assert len(outs) == len(ref)
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref))
+    # y and z turned sparse at min_context (y host-less), x from its prompt; they read the host
+    assert st["turned_sparse"] == 2 and st["misses"] > 0
+
+
+def test_sparse_hostless_without_the_moves_copy_differs():
+    """The negative control: the same run with the move's bulk copy skipped mismatches."""
+    outs, st = _sparse_run(True, False, 0.0, skip_copy=True)
+    ref, _ = _sparse_run(False, False, 0.0)
+    assert st["misses"] > 0
+    assert not all(torch.equal(a, b) for a, b in zip(outs, ref))
 
 
 def cached(*reqs):

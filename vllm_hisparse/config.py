@@ -20,7 +20,7 @@ GIB = 1 << 30
 # both (this table sits below core/ in the layers, so the config can check a name without it).
 INDEXERS = {"quest": "page", "dsa": "token"}
 UNITS = ("page", "token")
-HOSTLESS = ("wait", "dense")   # what a request does when the host tier is full (HiSparseConfig.hostless)
+HOSTLESS = ("sparse", "wait", "dense")   # a request the host tier cannot take (HiSparseConfig.hostless)
 AUTO_FIELDS = ("host_pool_gib", "quest_rows", "dense_pool_gib")   # absent/"auto": core/auto_size
 
 
@@ -76,10 +76,10 @@ class HiSparseConfig:
         what an arriving request needs.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
-    hostless: a request the host pool (or dense pool) or the indexer rows cannot take: "wait"
-        (default) until they free up, every output resident mode's; "dense": host-less while
-        vLLM's GPU blocks hold its whole life (stock's dense outputs, never spilled, moved into
-        the host tier when room frees: outputs depend on the load it arrives into).
+    hostless: a request the host (or dense) pool cannot take: "sparse" (default) runs host-less
+        while vLLM's GPU blocks hold its whole life and a Quest row is free (resident mode's
+        outputs, never spilled, moved into the host tier when room frees), else waits; "wait":
+        waits; "dense" (changes outputs): host-less without a row, stock vLLM's dense outputs.
     full_decode_graphs: let vLLM replay whole decode steps as FULL CUDA graphs, as stock vLLM does
         (the backend declares UNIFORM_SINGLE_TOKEN_DECODE): every step whose rows each have one
         query token is one decode batch (core/decode_batch.py), planned before the replay (from the
@@ -115,7 +115,7 @@ class HiSparseConfig:
     prefetch: bool = False
     resident_first: bool = True
     host_tier: bool = True
-    hostless: str = "wait"
+    hostless: str = "sparse"
     full_decode_graphs: Optional[bool] = None
     split_dense_decode: Optional[bool] = None
     trace_dir: Optional[str] = None

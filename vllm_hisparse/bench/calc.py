@@ -27,7 +27,7 @@ from vllm_hisparse.bench.calc_report import gib_str as _gib
 from vllm_hisparse.core import capacity as cap
 from vllm_hisparse.core.auto_size import host_rank_room
 from vllm_hisparse.core.deployment import EngineLimits, resolve
-from vllm_hisparse.core.residency import may_turn_sparse
+from vllm_hisparse.core.residency import hostless_room, may_turn_sparse
 
 GIB = 1 << 30
 
@@ -91,7 +91,7 @@ def _compute(args, hf: dict) -> dict:
                            dense_layers=tuple(range(args.dense_layers)),
                            min_context=args.min_context, dense_pool_gib=_opt(args.dense_pool_gib),
                            quest_rows=_opt(args.quest_rows), resident_first=args.resident_first,
-                           hostless=getattr(args, "hostless", "wait"))
+                           hostless=getattr(args, "hostless", "sparse"))
     try:
         m = cap.ModelShape.from_hf_config(hf, args.dtype)
     except (ValueError, KeyError) as e:
@@ -260,13 +260,16 @@ def _compute(args, hf: dict) -> dict:
                 # HiSparseSpec.max_memory_usage_bytes: S+1 blocks (whatever the prompt) when some
                 # request can turn sparse, else every page
                 **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S, possible))}
-    # hostless "dense": beyond the host tier, requests of their whole life in the GPU blocks
-    # (core/residency.hostless_fits: usable blocks >= host-backed floors + R + whole lives)
+    # beyond the host tier, host-less requests of their whole life in the GPU blocks, as the
+    # connector admits them (core/residency.hostless_room: usable blocks less R and the
+    # host-backed floors); "sparse" (the default) needs an idle Quest row for each, "dense" none
     life = -(-min(args.context, mml) // P)
-    room = (h_blocks - 1 - n_h * h_bpr
-            - cap.spill_reserve_blocks(args.max_num_batched_tokens, vllm_seqs, P,
-                                       cap.watermark_blocks(h_blocks, args.watermark)))
-    extra = max(0, room // life) if cfg.hostless == "dense" and sparse and possible else 0
+    room = hostless_room(h_blocks - 1, cap.spill_reserve_blocks(
+        args.max_num_batched_tokens, vllm_seqs, P, cap.watermark_blocks(h_blocks, args.watermark)),
+        n_h, h_bpr)
+    extra = max(0, room // life) if cfg.hostless != "wait" and sparse and possible else 0
+    if cfg.hostless == "sparse":
+        extra = min(extra, n_seqs - n_h)
     if seqs is not None:
         extra = max(0, min(extra, seqs - n_h))
     hisparse["hostless_requests"] = extra

@@ -106,10 +106,11 @@ def add_arguments(p):
     p.add_argument("--resident-first", action=argparse.BooleanOptionalAction, default=True,
                    help="hisparse resident_first (default on, as the config): the connector's "
                         "extra admission block and the KV manager's reserve R")
-    p.add_argument("--hostless", choices=("wait", "dense"), default="wait",
-                   help="hisparse hostless (default wait, as the config): with dense, requests "
-                        "beyond the host tier run host-less while the GPU's blocks hold their whole "
-                        "lives (stock's outputs), counted as well")
+    p.add_argument("--hostless", choices=("sparse", "wait", "dense"), default="sparse",
+                   help="hisparse hostless (default sparse, as the config): requests beyond the "
+                        "host tier run host-less while the GPU's blocks hold their whole lives, "
+                        "counted as well; sparse: each on an idle Quest row; dense: no row "
+                        "(stock's outputs); wait: none")
     p.add_argument("--watermark", type=float, default=0.0,
                    help="vLLM scheduler watermark, a fraction of the GPU blocks kept free at "
                         "admission (default 0.0, vLLM 0.26's)")

@@ -82,8 +82,10 @@ def report(args, r: dict) -> None:
         print(f"vLLM's lines, {name}: GPU KV cache size: {v['vllm_kv_cache_tokens']:,} tokens; "
               f"Maximum concurrency for {mml:,} tokens per request: {v['vllm_max_concurrency']:.2f}x")
     if h.get("hostless_requests"):
-        print(f"hostless dense: {h['hostless_requests']} more requests run host-less beside them "
-              f"(whole lives in the GPU blocks, stock's outputs): "
+        mode = getattr(args, "hostless", "sparse")
+        how = "stock's outputs" if mode == "dense" else "on idle Quest rows"
+        print(f"hostless {mode}: {h['hostless_requests']} more requests run host-less "
+              f"beside them (whole lives in the GPU blocks, {how}): "
               f"{h['max_requests'] + h['hostless_requests']} in all")
     if b["max_requests"]:
         n = h["max_requests"] + h.get("hostless_requests", 0)

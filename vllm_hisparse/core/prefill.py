@@ -33,8 +33,9 @@ def plan(rt, multi: list[ReqStep], block_table: torch.Tensor,
     on_gpu = [s for s in multi if s.freed[1] <= s.freed[0]]
     p.dense_sparse = dense_groups.make(rt, on_gpu, rows_of(rt, on_gpu, block_table))
     if rt.dpool is not None:
-        res = [s for s in multi if not s.sparse]           # never with given-back pages
-        inpool = [s for s in multi if s.sparse]
+        # sparse rows' dense layers are in the pool, but a host-less one's (core/hostless.py)
+        inpool = [s for s in multi if s.sparse and not rt.reqs[s.req_id].hostless]
+        res = [s for s in multi if not s.sparse or rt.reqs[s.req_id].hostless]   # none given back
         p.dense_res = (p.dense_sparse if len(res) == len(on_gpu) else
                        dense_groups.make(rt, res, rows_of(rt, res, block_table)))
         if inpool:

@@ -27,12 +27,16 @@ keep=None)`` is empty (resident); ``spill_order`` picks whom to take blocks from
 
 Admission (vllm/connector_scheduler.py) reserves host pages and an indexer row for every request
 that *may* turn sparse: ``may_turn_sparse`` (prompt + max_tokens reaches ``min_context``). When
-the host pool or the indexer rows have no room for it, the request runs *host-less* if vLLM's GPU
-blocks can hold its whole life (``hostless_fits``): like a request that never could be sparse (no
-host page, no indexer row, every page in its GPU blocks, dense attention: stock vLLM's behaviour,
-so its outputs are the dense model's, not the top-k selection's), and it is never spilled (it has
-no host copy to fall back on). The length rule above then does not apply to it, until it moves
-into the host tier (core/turn_sparse.py ``host_back``) and turns sparse at that step.
+the host pool has no room for it (config ``hostless``, default "sparse"), the request runs
+*host-less* if vLLM's GPU blocks can hold its whole life (``hostless_fits``) and an indexer row is
+free: sparse by the length rule above, exactly as resident mode (its indexer row selects, its
+pages are read from its own GPU blocks: keep stays None), but with no host page (its host
+page-table entries are -1, so every write-through skips it) and never spilled (it has no host
+copy to fall back on). When host room frees it moves into the host tier (core/hostless.py: its KV
+so far copied to newly reserved host pages) and is an ordinary host-backed request from then on.
+No free indexer row: it waits. ``hostless`` "dense" (opt-in, changes outputs) runs it without a
+row instead, dense like a request that never could be sparse (stock vLLM's outputs), until its
+move turns it sparse at that step; "wait" makes it wait for the host pool.
 """
 from __future__ import annotations
 
@@ -110,14 +114,20 @@ def spill_order(surplus: dict[str, int], free_blocks: int, reserve: int) -> list
     return out
 
 
+def hostless_room(gpu_blocks: int, reserve: int, host_backed: int, floor_blocks: int,
+                  promised: int = 0) -> int:
+    """GPU blocks left for the whole lives of host-less requests (those the host pool cannot
+    take): vLLM's usable blocks ``gpu_blocks`` (its null block excluded) less ``reserve`` (one
+    step's allocations + vLLM's watermark, the spill reserve R), ``host_backed`` requests at their
+    floor of ``floor_blocks`` each (S hot blocks + the newest page: everything above it can be
+    spilled) and ``promised``, the whole lives of the host-less requests admitted before (nothing
+    is ever taken from them). Requests that never could be sparse are vLLM's own, as in stock
+    vLLM (its preemption handles their pressure). May be negative."""
+    return gpu_blocks - reserve - host_backed * floor_blocks - promised
+
+
 def hostless_fits(gpu_blocks: int, reserve: int, promised: int, host_backed: int,
                   floor_blocks: int, need: int) -> bool:
-    """Admission of a host-less request (one the host pool or the indexer rows cannot take): True
-    when vLLM's GPU blocks hold its whole life, ``need`` blocks (prompt + max_tokens), beside
-    what is already promised: ``promised`` blocks of the host-less requests admitted before (their
-    whole lives: nothing is ever taken from them), ``host_backed`` requests at their floor of
-    ``floor_blocks`` each (S hot blocks + the newest page: everything above it can be spilled),
-    and ``reserve`` free blocks (one step's allocations + vLLM's watermark, the spill reserve R).
-    gpu_blocks: the KV cache's usable blocks (vLLM's null block excluded). Requests that never
-    could be sparse are vLLM's own, as in stock vLLM (its preemption handles their pressure)."""
-    return promised + host_backed * floor_blocks + reserve + need <= gpu_blocks
+    """Admission of a host-less request: True when its whole life, ``need`` blocks (prompt +
+    max_tokens), fits ``hostless_room`` (arguments there)."""
+    return need <= hostless_room(gpu_blocks, reserve, host_backed, floor_blocks, promised)

@@ -1,14 +1,13 @@
 """SparseRuntime: the worker-side HiSparse engine of one model (plain torch, no vLLM).
 
-It owns the host KV pool (the authoritative copy of every sparse request), the indexer (the
-selection state of ``cfg.indexer``, core/indexers) and the per-layer hot-slot state, keyed by
-*runtime rows* (one per live request). The adapter tells it about requests (``add`` / ``finish``),
-builds one ``StepPlan`` per step (``plan``: all host work) and calls ``forward_layer`` for every
-attention layer. A step's one-token rows form its decode batch (core/decode_batch.py), whose layers
-run core/decode_body.py; a uniform decode step is planned by ``plan_full`` for vLLM's FULL CUDA
-graph of its padded size (core/steady_step.py: most as the previous step plus a token) and its
-layers run ``full_layer``. ``cfg.trace_dir``: every sparse layer's selection of every decode row
-goes to a per-request trace (core/decode_trace.py; a measurement mode, not a serving mode).
+It owns the host KV pool (the authoritative copy of every sparse request but host-less ones:
+core/hostless.py), the indexer (``cfg.indexer``'s selection state, core/indexers) and the per-layer
+hot-slot state, keyed by *runtime rows* (one per live request). The adapter tells it about requests
+(``add`` / ``finish``), builds one ``StepPlan`` per step (``plan``: all host work) and calls
+``forward_layer`` for every attention layer. A step's one-token rows form its decode batch
+(core/decode_batch.py; layers: core/decode_body.py); a uniform decode step is planned by
+``plan_full`` for vLLM's FULL CUDA graph of its padded size (core/steady_step.py) and its layers
+run ``full_layer``. ``cfg.trace_dir``: decode selections traced (core/decode_trace.py).
 """
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.hot_rows import HotRows
 from vllm_hisparse.core.page_table import DevicePageTable, flush_tables
 from vllm_hisparse.core import give_back, runtime_stats
+from vllm_hisparse.core.hostless import runs_dense
 from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.steady_step import SteadyStep
@@ -42,7 +42,8 @@ class Req:
     irow: int = -1            # indexer row (sparse requests only)
     keep: int | None = 0      # newest complete pages kept beyond the floor (residency.freed_pages)
     start: int = 0            # tokens before its last planned step (the stats' residency)
-    hostless: bool = False    # no host copy (admitted so): never sparse, every page on the GPU
+    hostless: bool = False    # no host copy (admitted so): every page on the GPU (core/hostless.py)
+    moving: bool = False      # host-less until now, sparse: its next step copies its KV to the host
 
 
 class SparseRuntime:
@@ -53,10 +54,9 @@ class SparseRuntime:
                  deployment: Deployment | None = None):
         """max_rows: requests at once; the indexer's state and hot-slot state have one more row,
         the scratch row that padding rows of a decode batch point at (core/decode_batch.py).
-        indexer_state: the indexer's ``allocate_state`` for cfg.quest_rows (default max_rows) rows,
-        allocated by the caller (the vLLM adapter does it before memory profiling); default: here.
-        dense_pool: the GPU pool holding the dense layers of sparse requests when
-        cfg.dense_pool_gib > 0 (the adapter allocates it before memory profiling); default: here.
+        indexer_state, dense_pool: the indexer's ``allocate_state`` for cfg.quest_rows (default
+        max_rows) rows, the GPU pool of the dense layers of sparse requests (cfg.dense_pool_gib >
+        0), allocated by the caller (the vLLM adapter: before memory profiling); default: here.
         trace_writer: with cfg.trace_dir, the trace writer's factory ``(trace_dir, meta=dict) ->
         writer`` (sim.recorder_hook.TraceWriter; the adapter passes it, so core imports no sim).
         deployment: the sizes (core/deployment.py: indexer rows, S, K, the dense pool); default:
@@ -125,13 +125,13 @@ class SparseRuntime:
     # ---- request lifecycle ---------------------------------------------------------------------
     def add(self, req_id: str, num_prompt: int, hostless: bool = False) -> None:
         """A request was scheduled (new, or resumed after preemption: from token 0, resident
-        again under resident_first as in the KV manager); hostless: dense, resident (residency)."""
+        again under resident_first as in the KV manager); hostless: no host copy (core/hostless)."""
         keep = None if self.cfg.resident_first or hostless else 0
         if req_id not in self.reqs:
             if not self._free_rows:
                 raise RuntimeError(f"hisparse runtime: no free row for {req_id} (max_num_seqs rows)")
             r = Req(self._free_rows.pop(), num_prompt, False, keep=keep, hostless=hostless)
-            if not hostless and is_sparse_request(self.cfg, num_prompt):
+            if not runs_dense(self.cfg, r) and is_sparse_request(self.cfg, num_prompt):
                 try:
                     self._make_sparse(req_id, r, num_prompt)
                 except RuntimeError:
@@ -172,9 +172,8 @@ class SparseRuntime:
         self.steady.forget()
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        """The paged KV cache of every layer (layer i: (blocks, 2, P, Hkv, D)), the tensors the
-        layers are called with: a request turning sparse copies what it has from them in the plan
-        (core/turn_sparse.py). The vLLM adapter binds them in the connector's register_kv_caches."""
+        """The paged KV cache of every layer (layer i: (blocks, 2, P, Hkv, D)), which a request
+        turning sparse copies from (core/turn_sparse.py; the KV connector's register_kv_caches)."""
         if len(caches) != self.num_layers:
             raise ValueError(f"bind_kv_caches: {len(caches)} caches for {self.num_layers} layers")
         self._kv = list(caches)
@@ -182,10 +181,8 @@ class SparseRuntime:
     def kv_cache(self, layer: int) -> torch.Tensor:
         kv = self._kv[layer]
         if kv is None:
-            raise RuntimeError(
-                f"hisparse runtime: no KV cache bound for layer {layer}, needed when a request "
-                f"turns sparse (its KV so far is copied from the GPU cache); call "
-                f"SparseRuntime.bind_kv_caches (the KV connector does it in register_kv_caches)")
+            raise RuntimeError(f"hisparse runtime: no KV cache bound for layer {layer} (a request "
+                               f"turning sparse copies from it); call SparseRuntime.bind_kv_caches")
         return kv
 
     def finish(self, req_id: str) -> bool:
@@ -318,11 +315,11 @@ class SparseRuntime:
     def _req_steps(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int],
                    block_table: torch.Tensor | None) -> tuple[list[ReqStep], dict]:
         """The batch's requests with their tokens; one starting at token 0 (new, or recomputed
-        after a preemption) gets fresh hot-slot state; one whose context reaches min_context this
-        step turns sparse (core/residency.py), its KV so far copied from block_table's row to the
-        pools and its indexer row (core/turn_sparse.py); sparse requests get host (and dense-pool)
-        pages for this step's tokens, mirrored on the device. Also returns req_id -> (host pages,
-        dense-pool pages) of the sparse requests (None where there is no such pool)."""
+        after a preemption) gets fresh hot-slot state; one whose context reaches min_context turns
+        sparse (core/residency.py), its KV so far copied from block_table's row to the pools and
+        its indexer row (core/turn_sparse.py; to the pools only when it moves into the host tier:
+        core/hostless.py); sparse requests (not host-less) get host (and dense-pool) pages for the
+        step, mirrored on the device and returned: req_id -> (host pages, dense-pool pages)."""
         steps, pages, switches = [], {}, []
         for i, rid in enumerate(req_ids):
             r = self.reqs[rid]
@@ -332,16 +329,19 @@ class SparseRuntime:
                 self.hot.reset(r.row)
                 if self.trace is not None:
                     self.trace.restart(rid)
-            if not r.sparse and not r.hostless and is_sparse_at(self.cfg, r.num_prompt, n):
+            if not r.sparse and not runs_dense(self.cfg, r) and is_sparse_at(self.cfg, r.num_prompt, n):
                 self._make_sparse(rid, r, n)
                 self.stats["turned_sparse"] += 1
                 if start > 0:                   # KV on the GPU to copy (none at a restart)
-                    switches.append((i, rid, start))
+                    switches.append((i, rid, start, True))
+            elif r.moving and start > 0:        # into the host tier: its KV so far to the host
+                switches.append((i, rid, start, False))
+            r.moving = False
             r.start = start
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
                                  freed_pages(self.cfg, start, r.num_prompt, r.keep), r.irow))
             self.hot.step(r.row, steps[-1].freed)      # (seeded at its first step through them)
-            if self.pool is not None and r.sparse:
+            if self.pool is not None and r.sparse and not r.hostless:
                 hp = self.pool.ensure(rid, n)
                 self.host_pt.grow(r.row, hp)
                 dp = None
@@ -354,8 +354,8 @@ class SparseRuntime:
             if block_table is None:
                 raise RuntimeError("hisparse runtime: a request turns sparse in a step planned "
                                    "without its block table")
-            copy_context(self, [Switch(i, start, self.reqs[rid].irow, *pages.get(rid, (None, None)))
-                                for i, rid, start in switches], block_table)
+            copy_context(self, [Switch(i, start, self.reqs[rid].irow, *pages.get(rid, (None, None)),
+                                       index) for i, rid, start, index in switches], block_table)
         give_back.insert(self, steps, block_table)
         return steps, pages
 

@@ -26,6 +26,7 @@ import numpy as np
 from vllm_hisparse.core import give_back
 from vllm_hisparse.knobs import env_flag
 from vllm_hisparse.core.decode_batch import FIELDS, row_counts
+from vllm_hisparse.core.hostless import runs_dense
 from vllm_hisparse.core.residency import is_sparse_at
 
 LENGTHS = [FIELDS.index(f) for f in ("seq", "sp_seq", "dn_seq", "dl_seq", "pool_seq")]
@@ -85,7 +86,8 @@ class SteadyStep:
             if s != p + 1 or (s - 1) % P == 0:          # a new page: handed out, windows slide
                 return False
         cfg = rt.cfg                                    # a dense row turning sparse:
-        if any(not rt.reqs[rid].hostless and is_sparse_at(cfg, rt.reqs[rid].num_prompt, seq_lens[i])
+        reqs = rt.reqs
+        if any(not runs_dense(cfg, reqs[rid]) and is_sparse_at(cfg, reqs[rid].num_prompt, seq_lens[i])
                for i, rid in last.dense):
             return False
         flat = last.flat

@@ -18,11 +18,9 @@ hot-slot state starts empty (the runtime resets the row). Resident mode makes th
 the same step and has no pools. No host sync: the indices go through the runtime's pinned staging,
 the copies are device ops on the current stream, queued ahead of the step's layers.
 
-A *host-less* request (admitted when the host pool or the indexer rows had no room: dense and
-resident, core/residency.py) takes the same path when the scheduler later gives it host pages and
-a row (``host_back``): it turns sparse at its next step, its KV so far copied as above, and is an
-ordinary host-backed request from then on. Its outputs then equal those of a request whose
-context reached ``min_context`` at that step.
+A *host-less* request (no host pages: core/hostless.py) takes the same path without the host copy
+(its host page column is -1, which write-through skips), and, moving into the host tier once it is
+sparse, the copy without the indexer (``Switch.index`` False: its row is up to date).
 """
 from __future__ import annotations
 
@@ -37,23 +35,13 @@ from vllm_hisparse.ops.write_through import write_through
 
 @dataclass
 class Switch:
-    """One request turning sparse at this step."""
+    """One request turning sparse at this step (or, index False, moving into the host tier)."""
     idx: int                            # its row in the step's block table
     start: int                          # tokens already in its GPU blocks (> 0)
     irow: int                           # its indexer row
-    host_pages: list[int] | None        # its host-pool pages (None: no host tier)
-    dpool_pages: list[int] | None       # its dense-pool pages (None: no dense pool)
-
-
-def host_back(rt, req_id: str) -> None:
-    """The host-less request ``req_id`` of the SparseRuntime ``rt`` now has host pages and an
-    indexer row reserved: it turns sparse at its next planned step (the switch above; keep stays
-    None, resident, until the KV manager spills it)."""
-    r = rt.reqs[req_id]
-    if not r.hostless:
-        return
-    r.hostless = False
-    rt.steady.forget()                      # a steady FULL step would not plan its switch
+    host_pages: list[int] | None        # its host-pool pages (None: none, host-less or resident)
+    dpool_pages: list[int] | None       # its dense-pool pages (None: none)
+    index: bool = True                  # fold its tokens into its indexer row
 
 
 def copy_context(rt, switches: list[Switch], block_table: torch.Tensor) -> None:
@@ -63,8 +51,11 @@ def copy_context(rt, switches: list[Switch], block_table: torch.Tensor) -> None:
     if not switches:
         return
     P = rt.P
-    has_host = switches[0].host_pages is not None
-    has_dpool = switches[0].dpool_pages is not None
+    has_host, has_dpool = rt.pool is not None, rt.dpool is not None
+
+    def dst(pages, n, page):           # a pool's page of each position (-1: none, skipped)
+        return (np.full(len(page), -1, dtype=np.int64) if pages is None else
+                np.asarray(pages[:n], dtype=np.int64)[page])
     cols: dict[str, list] = {c: [] for c in ("row", "page", "off", "host", "dpool")}
     for s in switches:                                       # a few requests at most: a loop
         pos = np.arange(s.start, dtype=np.int64)
@@ -74,16 +65,23 @@ def copy_context(rt, switches: list[Switch], block_table: torch.Tensor) -> None:
         cols["page"].append(page)
         cols["off"].append(pos % P)
         if has_host:
-            cols["host"].append(np.asarray(s.host_pages[:npages], dtype=np.int64)[page])
+            cols["host"].append(dst(s.host_pages, npages, page))
         if has_dpool:
-            cols["dpool"].append(np.asarray(s.dpool_pages[:npages], dtype=np.int64)[page])
+            cols["dpool"].append(dst(s.dpool_pages, npages, page))
     names = [c for c in cols if cols[c]]
-    starts = np.array([s.start for s in switches], dtype=np.int64)
+    # the indexer's copy covers the switches only (a moving request's row is up to date): its
+    # updates index the switches' tokens among every copied token (tok_ix)
+    ixs = [s for s in switches if s.index]
+    starts = np.array([s.start for s in ixs], dtype=np.int64)
     ix = rt.ix.plan_tokens(np.zeros_like(starts), starts,
-                           np.array([s.irow for s in switches], dtype=np.int64))
-    flat, ix_d = ship(rt, [np.concatenate(cols[c]) for c in names], ix)   # one copy
+                           np.array([s.irow for s in ixs], dtype=np.int64)) if ixs else {}
+    first = np.cumsum([0] + [s.start for s in switches])
+    tok_ix = np.concatenate([np.arange(first[i], first[i] + s.start) for i, s in
+                             enumerate(switches) if s.index] or [np.zeros(0, dtype=np.int64)])
+    flat, ix_d = ship(rt, [np.concatenate(cols[c]) for c in names] + [tok_ix], ix)   # one copy
     dev = dict(zip(names, flat))
-    upd = rt.ix.device_update(ix_d)
+    upd = rt.ix.device_update(ix_d) if ixs else None
+    sub = None if len(ixs) == len(switches) else flat[-1]
     T = len(dev["row"])
     off = dev["off"]
     bt_dev = block_table.device
@@ -98,5 +96,5 @@ def copy_context(rt, switches: list[Switch], block_table: torch.Tensor) -> None:
         dp = rt.dense_pool_layer(layer)
         if dp is not None:
             write_through(dp, k, v, tok, dev["dpool"], off)
-        if layer not in rt.dense_layers:
-            rt.ix.update(layer, upd, k)
+        if upd is not None and layer not in rt.dense_layers:
+            rt.ix.update(layer, upd, k if sub is None else k[sub])

@@ -4,14 +4,16 @@ KV pool's request lifecycle, in the scheduler process (engine core).
   * admission: a request that may be sparse at some step of its life (core/residency.py: its
     prompt + max_tokens reaches min_context, so a short prompt that may generate past it too)
     reserves an indexer row (core/indexers) and the host pages of its whole life (prompt +
-    max_tokens) before it is scheduled; when the pool or the rows cannot hold it and the config
-    says ``hostless: "dense"`` (default "wait"), it runs
-    *host-less* if vLLM's GPU blocks hold its whole life beside the host-less requests admitted
-    before and every host-backed one at its floor (core/residency.py ``hostless_fits``): dense
-    and resident like a request that never could be sparse, never spilled (the KV manager reads
-    ``SpillLedger.hostless``), no host page or indexer row; else it *waits* (``None`` from
-    ``get_num_new_matched_tokens``) until finished requests give them back; when room frees up,
-    a host-less request still decoding moves into the host tier (``_move_to_host``);
+    max_tokens) before it is scheduled; when the host (or dense) pool cannot hold it, it runs
+    *host-less* (config ``hostless``, default "sparse") if vLLM's GPU blocks hold its whole life
+    beside the host-less requests admitted before and every host-backed one at its floor
+    (core/residency.py ``hostless_fits``) and an indexer row is free: it takes the row and no
+    host page, is sparse as in resident mode (its pages read from its GPU blocks) and never
+    spilled (the KV manager reads ``SpillLedger.hostless``); "dense" (opt-in) admits it without
+    a row, dense like a request that never could be sparse, also when the rows are full; else it
+    *waits* (``None`` from ``get_num_new_matched_tokens``) until finished requests give them
+    back; when room frees up, a host-less request still decoding moves into the host tier
+    (``_move_to_host``);
   * ``build_connector_meta`` ships each newly scheduled (or resumed) request's prompt length and
     first GPU block to the worker (and which of them run host-less), and (resident_first) the
     requests the KV manager took blocks from in this step with their new ``keep`` (vllm/spec.py
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_hisparse.core.deployment import Deployment
+from vllm_hisparse.core.capacity import hisparse_blocks
 from vllm_hisparse.core.residency import hostless_fits, may_turn_sparse
 
 from . import metrics
@@ -47,7 +50,7 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     # at once (never sparse: no host page, no indexer row) and has forgotten them
     freed: list[str] = field(default_factory=list)
     spilled: dict[str, int] = field(default_factory=dict)  # resident_first: req -> its new keep
-    hostless: list[str] = field(default_factory=list)  # of ``new``: no host copy, dense, resident
+    hostless: list[str] = field(default_factory=list)  # of ``new``: no host copy, all on the GPU
     hosted: list[str] = field(default_factory=list)    # host-less until now: host pages, a row
 
 
@@ -123,11 +126,11 @@ class ConnectorScheduler:
             self._ledger = self._shared
             self._ledger.reserve = self.spill_reserve()
         self._gpu_blocks = have
-        if self.dep.sparse_possible and self.cfg.hostless == "dense":
+        if self.dep.sparse_possible and self.cfg.hostless != "wait":
             logger.info("hisparse: two tiers: host pool %d pages (%s) for host-backed requests; "
-                        "beyond them, requests run host-less (requests_hostless: dense, "
-                        "resident, never spilled) while the GPU's %d blocks hold their whole "
-                        "lives", self.admit_pages, self._bound, have)
+                        "beyond them, requests run host-less (requests_hostless: %s, never "
+                        "spilled) while the GPU's %d blocks hold their whole lives",
+                        self.admit_pages, self._bound, self._hostless_kind(), have)
 
     def spill_reserve(self) -> int:
         """R, kept free at every KV-manager call: every block one step's allocations of running
@@ -155,13 +158,17 @@ class ConnectorScheduler:
         if self._ledger is not None:
             self._ledger.make_room(self.admission_blocks(request))
 
+    def _max_tokens(self, request) -> int:
+        """The tokens the request may generate: its max_tokens (unset: max_model_len), within
+        max_model_len (its context never exceeds it)."""
+        max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
+        return min(max_tokens, self.max_model_len - request.num_prompt_tokens)
+
     def _may_be_sparse(self, request) -> bool:
         """Sparse at some step of its life: a long prompt, or a short one whose prompt +
-        max_tokens reaches min_context (it turns sparse when its context does)."""
-        max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
-        # its context never exceeds max_model_len (so with max_model_len < min_context none does)
-        max_tokens = min(max_tokens, self.max_model_len - request.num_prompt_tokens)
-        return may_turn_sparse(self.cfg, request.num_prompt_tokens, max_tokens)
+        max_tokens reaches min_context (it turns sparse when its context does; with
+        max_model_len < min_context none does)."""
+        return may_turn_sparse(self.cfg, request.num_prompt_tokens, self._max_tokens(request))
 
     def _pages_needed(self, request) -> int:
         if not self.cfg.host_tier or not self._may_be_sparse(request):
@@ -170,41 +177,52 @@ class ConnectorScheduler:
 
     def _life_blocks(self, request) -> int:
         """GPU blocks of the request's whole life (prompt + max_tokens, within max_model_len)."""
-        max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
-        n = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
+        n = request.num_prompt_tokens + self._max_tokens(request)
         return -(-n // self.cfg.page_size)
 
-    def _hostless_fits(self, request) -> bool:
-        """A request the host pool or the indexer rows cannot take may run host-less
-        (core/residency.py ``hostless_fits``) when the config says ``hostless: "dense"`` (by
-        default it waits: every output stays resident mode's); never before the GPU block pool
-        is bound."""
-        if self.cfg.hostless != "dense" or not self._gpu_blocks:
+    def _hostless_kind(self) -> str:
+        return ("dense, resident" if self.cfg.hostless == "dense" else
+                "sparse as resident mode, its pages in its GPU blocks")
+
+    def _hostless_fits(self, request, rows_full: bool) -> bool:
+        """A request the host pool (or, ``rows_full``, the indexer rows) cannot take may run
+        host-less (core/residency.py ``hostless_fits``): "sparse" (the default) takes a row, so
+        not when the rows are full; "dense" takes none; "wait" never; never before the GPU block
+        pool is bound. The host-backed requests (rows not held by a host-less one) count at
+        their floor, capacity.hisparse_blocks."""
+        mode = self.cfg.hostless
+        if mode == "wait" or (mode == "sparse" and rows_full) or not self._gpu_blocks:
             return False
-        floor = -(-self.dep.num_slots * self.dep.unit_tokens // self.cfg.page_size) + 1
-        return hostless_fits(self._gpu_blocks, self.spill_reserve(),
-                             sum(self._hostless.values()), len(self._rows_held), floor,
-                             self._life_blocks(request))
+        P = self.cfg.page_size
+        floor = hisparse_blocks(self.max_model_len, P,
+                                -(-self.dep.num_slots * self.dep.unit_tokens // P))
+        backed = len(self._rows_held - self._hostless.keys())
+        return hostless_fits(self._gpu_blocks, self.spill_reserve(), sum(self._hostless.values()),
+                             backed, floor, self._life_blocks(request))
 
     def _wait_or_hostless(self, request, reason: str, why: str):
         """The host pool or the rows are full (``why``: which, for the log): the request runs
-        host-less if the GPU holds it whole (0: admitted), else it waits (None)."""
+        host-less if the GPU holds it whole (0: admitted; "sparse": it takes an indexer row),
+        else it waits (None)."""
         rid = request.request_id
-        if self._hostless_fits(request):
+        if self._hostless_fits(request, reason == "quest_rows"):
             self._hostless[rid] = self._life_blocks(request)
+            if self.cfg.hostless == "sparse":
+                self._rows_held.add(rid)
             self._shared.hostless.add(rid)
             self._waiting_logged.discard(rid)
             self._waiting.pop(rid, None)
-            logger.info("hisparse: %s; request %s runs host-less (dense, resident in %d GPU "
-                        "blocks, never spilled; requests_hostless=%d)", why, rid,
+            logger.info("hisparse: %s; request %s runs host-less (%s: %d GPU blocks, never "
+                        "spilled; requests_hostless=%d)", why, rid, self._hostless_kind(),
                         self._hostless[rid], len(self._hostless))
             self._make_room(request)
             return 0, False
         self._waiting[rid] = reason
         if rid not in self._waiting_logged:
             self._waiting_logged.add(rid)
-            logger.warning("hisparse: %s, and the GPU cannot hold it whole beside %d host-less "
-                           "requests; request %s waits", why, len(self._hostless), rid)
+            logger.warning("hisparse: %s, and it cannot run host-less (hostless=%s; %d "
+                           "host-less requests); request %s waits", why, self.cfg.hostless,
+                           len(self._hostless), rid)
         return None, False
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -255,12 +273,12 @@ class ConnectorScheduler:
 
     def _move_to_host(self, cached) -> list[str]:
         """Host-less requests decoding in this step (scheduler_output.scheduled_cached_reqs, not
-        resumed) that the host pool and the rows now have room for get their host pages and a row:
-        the worker turns each sparse at this step (core/turn_sparse.py ``host_back``: its KV so
-        far copied to the host), and from the next KV-manager call on it is an ordinary
-        host-backed request, spilled like the others. resident_first only (off, the manager
-        would free its blocks at once, before the worker knows); none while a request waits for
-        host room (it comes first). Returns their ids."""
+        resumed) that the host pool (and, "dense", the rows) now have room for get their host
+        pages (and a row): the worker copies their KV so far to the host at this step
+        (core/hostless.py ``host_back``; "dense": they turn sparse then), and from the next
+        KV-manager call on each is an ordinary host-backed request, spilled like the others.
+        resident_first only (off, the manager would free its blocks at once, before the worker
+        knows); none while a request waits for host room (it comes first). Returns their ids."""
         if not self._hostless or self._waiting or self._ledger is None:
             return []
         moved = []
@@ -269,7 +287,7 @@ class ConnectorScheduler:
                     or cached.num_computed_tokens[i] < self._prompt.get(rid, 0)):
                 continue
             pages = self._hostless[rid]          # a host page for each block of its life
-            if (len(self._rows_held) >= self.indexer_rows
+            if ((rid not in self._rows_held and len(self._rows_held) >= self.indexer_rows)
                     or self._reserved_total + pages > self.admit_pages):
                 continue
             del self._hostless[rid]

@@ -12,7 +12,7 @@ import os
 import torch
 
 from vllm_hisparse.core.deployment import Deployment
-from vllm_hisparse.core.turn_sparse import host_back
+from vllm_hisparse.core.hostless import host_back
 
 from . import metrics, worker
 from .compat import extract_layer_index
@@ -45,8 +45,8 @@ class ConnectorWorker:
     def bind_connector_metadata(self, connector_metadata) -> None:
         """The scheduler's step metadata (HiSparseConnectorMetadata), before the step's forward:
         drops, spills, host-less requests moved into the host tier (``hosted``), then the new or
-        resumed requests and their first blocks (those in ``hostless``: dense and resident,
-        whatever their length: no host copy)."""
+        resumed requests and their first blocks (those in ``hostless``: no host copy, every page
+        on the GPU, never spilled: core/hostless.py)."""
         rt = self.worker.get_runtime()
         for rid in connector_metadata.finished:
             self._drop(rt, rid)
