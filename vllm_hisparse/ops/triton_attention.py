@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import kv_dtype_ok
 from .triton_online_softmax import online_softmax_step, partials, store_partials
 
 BLOCK_N = 64          # tokens per inner step (a guess, good for D=128 on Hopper; see bench)
@@ -252,7 +253,7 @@ def _launch(q, kv, locs, units, seq_lens, scale, out, E, ex, el, es, in_kv, work
     R, Hq, D = q.shape
     unit, Hkv = kv.shape[2], kv.shape[3]
     k = locs.shape[1]
-    assert Hq % Hkv == 0 and D in (64, 128, 256) and kv.shape[4] == D and kv.dtype == q.dtype
+    assert Hq % Hkv == 0 and D in (64, 128, 256) and kv.shape[4] == D and kv_dtype_ok(kv, q)
     assert q.stride(2) == 1 and kv.stride(4) == 1 and locs.stride(1) == 1 and units.stride(1) == 1
     if out is None:
         out = torch.empty(R, Hq, D, dtype=q.dtype, device=q.device)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import kv_dtype_ok
 from . import triton_attention as ta
 from . import triton_dense_decode as td
 
@@ -90,7 +91,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
     R, Hq, D = q.shape
     unit, Hkv = kv.shape[2], kv.shape[3]
     k = locs.shape[1]
-    assert Hq % Hkv == 0 and D in (64, 128, 256) and kv.shape[4] == D and kv.dtype == q.dtype
+    assert Hq % Hkv == 0 and D in (64, 128, 256) and kv.shape[4] == D and kv_dtype_ok(kv, q)
     assert q.stride(2) == 1 and kv.stride(4) == 1 and locs.stride(1) == 1 and units.stride(1) == 1
     assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
     if R == 0:

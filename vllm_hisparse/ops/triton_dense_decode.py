@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import kv_dtype_ok
 from .head_sizes import DENSE_DECODE_HEAD_SIZES
 from .triton_online_softmax import online_softmax_step, partials, store_partials
 
@@ -209,7 +210,7 @@ def dense_decode_two(q: torch.Tensor, kv: torch.Tensor, block_table: torch.Tenso
     code and layout). work: the partials (``partials_numel``). No allocation, no sync."""
     R, Hq, D = q.shape
     P, Hkv = kv.shape[2], kv.shape[3]
-    assert kv2.shape[2:] == kv.shape[2:] and kv2.dtype == kv.dtype and kv.dtype == q.dtype
+    assert kv2.shape[2:] == kv.shape[2:] and kv2.dtype == kv.dtype and kv_dtype_ok(kv, q)
     assert Hq % Hkv == 0 and D in DENSE_DECODE_HEAD_SIZES and q.stride(2) == 1
     assert kv.stride(4) == 1 and kv2.stride(4) == 1
     for t in (block_table, table2):

@@ -23,7 +23,11 @@ def partials(R: int, Hq: int, ns: int, D: int, device, work: tuple | None):
 @triton.jit
 def online_softmax_step(q, kt, vt, valid, scale, m_i, l_i, acc):
     """One block of keys kt / values vt (BLOCK, D) for the query group q (GP, D); valid (BLOCK,)
-    masks the keys that count. Returns the running (max, sum, weighted values)."""
+    masks the keys that count. Returns the running (max, sum, weighted values). An fp8 cache's
+    keys and values are widened to q's dtype first (exact: e4m3 fits in fp16/bf16/fp32), so the
+    products run as with a cache in q's dtype; a no-op when the cache has q's dtype."""
+    kt = kt.to(q.dtype)
+    vt = vt.to(q.dtype)
     s = tl.dot(q, tl.trans(kt)) * scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
