@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_hisparse.ops.fp8 import as_bytes
+
 
 def write_kv(kv: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tok: torch.Tensor | None,
              k: torch.Tensor, v: torch.Tensor) -> None:
@@ -17,13 +19,15 @@ def write_kv(kv: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tok: torch.
     in-block offsets ``off`` (n,) int64, decided once per step (no host sync here). A contiguous
     cache (N, 2, P, Hkv, D) takes two ``index_copy_`` into its (N*2*P, Hkv, D) rows (K of (b, o)
     at row 2Pb + o, V P rows later) instead of two advanced-index assignments: the same bytes,
-    less host work per layer (this runs in every eager layer)."""
+    less host work per layer (this runs in every eager layer). An fp8 cache is copied as bytes
+    (k/v already fp8: core/kv_quant.py)."""
     if tok is not None:
         k, v = k[tok], v[tok]
     k, v = k.to(kv.dtype), v.to(kv.dtype)
     if kv.is_contiguous():
         P = kv.shape[2]
-        rows = kv.view(-1, *kv.shape[3:])
+        k, v = as_bytes(k), as_bytes(v)
+        rows = as_bytes(kv).view(-1, *kv.shape[3:])
         r = torch.add(off, blk, alpha=2 * P)
         rows.index_copy_(0, r, k)
         rows[P:].index_copy_(0, r, v)
