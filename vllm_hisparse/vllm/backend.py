@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_hisparse.core.kv_quant import run_quantized
+from vllm_hisparse.ops.fp8 import FP8
 from vllm_hisparse.ops.kernels import DENSE_DECODE_HEAD_SIZES
 
 from . import graph_mode, worker
@@ -32,11 +34,27 @@ from .compat import (
 from .deployment import deployment_of
 
 
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")     # e4m3 with vLLM's per-layer k/v scales (ops/fp8.py)
+
+
+def kv_cache_dtype_error(kv_cache_dtype: str | None) -> str | None:
+    """Why hisparse cannot serve this ``--kv-cache-dtype`` (None: it can): the model's dtype
+    ("auto") or fp8 e4m3 in every tier."""
+    if kv_cache_dtype in (None, "auto", *FP8_CACHE_DTYPES):
+        return None
+    if kv_cache_dtype == "fp8_ds_mla":
+        return ("kv_cache_dtype='fp8_ds_mla' is DeepSeek's MLA cache (indexer 'dsa' only); use "
+                "--kv-cache-dtype fp8 (e4m3) or auto")
+    return (f"kv_cache_dtype={kv_cache_dtype!r} is not supported (hisparse keeps K/V in the model "
+            f"dtype or in fp8 e4m3 with vLLM's per-layer scales); use --kv-cache-dtype fp8 (e4m3) "
+            f"or auto")
+
+
 class HiSparseBackend(AttentionBackend):
     is_hisparse: ClassVar[bool] = True
     forward_includes_kv_cache_update: ClassVar[bool] = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_CACHE_DTYPES]
 
     @staticmethod
     def get_name() -> str:
@@ -88,8 +106,8 @@ class HiSparseBackend(AttentionBackend):
             why.append("only decoder self-attention is supported (no encoder-decoder)")
         if dtype not in cls.supported_dtypes:
             why.append(f"dtype {dtype} not supported")
-        if kv_cache_dtype not in (None, "auto"):
-            why.append("quantized KV caches are not supported")
+        if kv_cache_dtype_error(kv_cache_dtype):
+            why.append(kv_cache_dtype_error(kv_cache_dtype))
         return why
 
 
@@ -204,11 +222,18 @@ class HiSparseImpl(AttentionImpl):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
+        why = kv_cache_dtype_error(kv_cache_dtype)
+        if why:
+            raise NotImplementedError(f"hisparse: {why}")
+        self.fp8 = kv_cache_dtype in FP8_CACHE_DTYPES
         # the process's worker object: made by the first layer, found by the next ones
         self.hisparse_worker: HiSparseWorker = worker.find(vc) or HiSparseWorker(dep)
         dtype, util = vc.model_config.dtype, vc.cache_config.gpu_memory_utilization
+        kv_dtype = FP8 if self.fp8 else dtype          # every KV tier; Quest bounds stay in dtype
+        if self.fp8:
+            self.hisparse_worker.kv_dtype = FP8
         self.hisparse_worker.reserve_indexer_state(dtype, gpu_memory_utilization=util)
-        self.hisparse_worker.reserve_dense_pool(dtype, gpu_memory_utilization=util)
+        self.hisparse_worker.reserve_dense_pool(kv_dtype, gpu_memory_utilization=util)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -220,6 +245,11 @@ class HiSparseImpl(AttentionImpl):
         k = key[:T].view(T, self.num_kv_heads, self.head_size)
         v = value[:T].view(T, self.num_kv_heads, self.head_size)
         out = output[:T].view(T, self.num_heads, self.head_size)
-        self.hisparse_worker.run(extract_layer_index(layer.layer_name), md, q, k, v, kv_cache,
-                                 self.scale, out)
+        i = extract_layer_index(layer.layer_name)
+        if self.fp8:     # the cache e4m3 (HiSparseSpec; a uint8 one viewed so), scales per layer
+            run_quantized(lambda q8, k8, v8, kv8, s, o: self.hisparse_worker.run(
+                i, md, q8, k8, v8, kv8, s, o), q, k, v, kv_cache.view(FP8), self.scale, out,
+                layer._k_scale_float, layer._v_scale_float)
+            return output
+        self.hisparse_worker.run(i, md, q, k, v, kv_cache, self.scale, out)
         return output

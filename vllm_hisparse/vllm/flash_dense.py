@@ -43,10 +43,16 @@ def _flash(num_splits: int):
     return fn
 
 
-def make_dense_fn(dtype: torch.dtype, head_size: int):
+def make_dense_fn(dtype: torch.dtype, head_size: int, kv_dtype: torch.dtype | None = None):
     """The FlashAttention dense function (num_splits=1), or None (with the reason logged once) where
-    it cannot run: no CUDA, fp32 models, head sizes FlashAttention lacks."""
+    it cannot run: no CUDA, fp32 models, head sizes FlashAttention lacks, an fp8 cache (kv_dtype:
+    the cache's dtype when it is not the model's)."""
     if not torch.cuda.is_available():
+        return None
+    if kv_dtype is not None and kv_dtype != dtype:
+        logger.warning("hisparse: dense/prefill attention runs in plain torch over the %s KV cache "
+                       "(FlashAttention's fp8 path needs an fp8 query, not wired up yet); expect "
+                       "slow prefill", kv_dtype)
         return None
     if not usable(dtype, head_size):
         logger.warning("hisparse: dense/prefill attention runs in plain torch (dtype %s, head size "
@@ -68,9 +74,12 @@ def stock_decode(cfg, model_config) -> bool:
             and usable(model_config.dtype, model_config.get_head_size()))
 
 
-def make_decode_fn(dtype: torch.dtype, head_size: int):
+def make_decode_fn(dtype: torch.dtype, head_size: int, kv_dtype: torch.dtype | None = None):
     """FlashAttention over the paged cache with its own split-KV choice (num_splits=0), the
-    signature of make_dense_fn's function; None where FlashAttention cannot run."""
+    signature of make_dense_fn's function; None where FlashAttention cannot run (then the decode
+    body's kernels decode every row)."""
     if not torch.cuda.is_available() or not usable(dtype, head_size):
+        return None
+    if kv_dtype is not None and kv_dtype != dtype:
         return None
     return _flash(0)

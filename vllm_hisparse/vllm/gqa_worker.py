@@ -38,6 +38,7 @@ class HiSparseWorker:
         self.dep = dep
         self.indexer_state = None      # Indexer.allocate_state (Quest: per-layer (kmin, kmax))
         self.dense_pool = None         # core.host_pool.HostKVPool on the GPU: dense layers
+        self.kv_dtype = None           # the KV tiers' dtype when not the model's (fp8: backend.py)
         self.runtime: SparseRuntime | None = None
         self.rows = RequestRows()
         self.host_tables: dict = {}    # vllm/host_block_table.py's finds
@@ -107,7 +108,8 @@ class HiSparseWorker:
         FlashAttention paths where vLLM's build has them."""
         dep, cfg, lim, mc = self.dep, self.dep.cfg, self.dep.limits, model_config
         try:
-            rt = SparseRuntime(cfg, lim.num_layers, lim.num_kv_heads, lim.head_dim, mc.dtype,
+            rt = SparseRuntime(cfg, lim.num_layers, lim.num_kv_heads, lim.head_dim,
+                               self.kv_dtype or mc.dtype,
                                _device(), lim.max_num_seqs, lim.max_model_len,
                                host_pages=dep.host_pages, indexer_state=self.indexer_state,
                                dense_pool=self.dense_pool, trace_writer=TraceWriter,
@@ -115,10 +117,11 @@ class HiSparseWorker:
         except HostPoolPinError as e:      # the pool knows its bytes; name the setting's value
             raise HostPoolPinError(e.nbytes, e.cause, cfg.host_pool_gib, e.pinned,
                                    tensor_parallel_size) from e.__cause__
-        fa = make_dense_fn(mc.dtype, mc.get_head_size())
+        fa = make_dense_fn(mc.dtype, mc.get_head_size(), self.kv_dtype)
         if fa is not None:
             rt.dense_fn = fa
-        dec = make_decode_fn(mc.dtype, mc.get_head_size()) if stock_decode(cfg, mc) else None
+        dec = (make_decode_fn(mc.dtype, mc.get_head_size(), self.kv_dtype)
+               if stock_decode(cfg, mc) else None)
         if dec is not None:
             rt.use_decode_fn(dec)
             logger.info("hisparse: no request can be sparse (max_model_len=%d < min_context=%d): "

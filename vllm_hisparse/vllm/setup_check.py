@@ -53,6 +53,7 @@ def prepare_config(vllm_config) -> None:
         raise Refused(f"hisparse: indexer={cfg.indexer!r} needs an MLA model with a DSA indexer "
                       f"(DeepSeek-V3.2 style, docs/dsa.md); this model is not MLA: use "
                       f"\"quest\"")
+    check_kv_cache_dtype(cfg, cc)
     if mc is not None:
         if getattr(mc, "is_encoder_decoder", False):
             raise Refused(f"hisparse: encoder-decoder models are not supported; {SUPPORTED}")
@@ -119,6 +120,27 @@ def prepare_config(vllm_config) -> None:
         ktc.kv_role = "kv_producer"
     copy_env_to_ray_workers()
     logger.info("hisparse: %s", cfg.to_dict())
+
+
+def check_kv_cache_dtype(cfg: HiSparseConfig, cc) -> None:
+    """GQA: the KV tiers hold the model's dtype or fp8 e4m3 (ops/fp8.py); refuse the rest, and
+    what an fp8 cache does not run with yet."""
+    from .backend import kv_cache_dtype_error
+
+    dt = getattr(cc, "cache_dtype", "auto")
+    why = kv_cache_dtype_error(dt)
+    if why:
+        raise Refused(f"hisparse: {why}")
+    if dt == "auto":
+        return
+    if getattr(cc, "kv_cache_dtype_skip_layers", None):
+        raise Refused(f"hisparse: kv_cache_dtype_skip_layers={cc.kv_cache_dtype_skip_layers} is "
+                      f"not supported (every hisparse tier holds one dtype); drop "
+                      f"--kv-cache-dtype-skip-layers")
+    if cfg.split_dense_decode is False:
+        raise Refused(f"hisparse: split_dense_decode=false sends dense rows to FlashAttention, "
+                      f"which hisparse does not run over an fp8 cache ({dt}) yet; leave "
+                      f"split_dense_decode unset")
 
 
 SPEC_METHODS = ("ngram",)        # no draft model: the target model's layers alone run hisparse

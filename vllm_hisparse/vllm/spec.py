@@ -25,9 +25,12 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core.deployment import Deployment
 from vllm_hisparse.core.residency import freed_pages, spill_order
+from vllm_hisparse.ops.fp8 import FP8
 
 from .compat import FullAttentionManager, FullAttentionSpec
 
@@ -37,6 +40,14 @@ class HiSparseSpec(FullAttentionSpec):
     # the engine's deployment (core/deployment.py; frozen, so the spec still hashes and pickles):
     # the KV manager gets no vLLM config, so its sizes travel here
     deployment: Deployment | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        # vLLM types an fp8 cache (--kv-cache-dtype fp8) uint8; hisparse's kernels read e4m3
+        # values (ops/fp8.py), so vLLM views the layer caches as that (the same bytes), and every
+        # hisparse tier has one dtype (backend.py refuses the other 1-byte caches)
+        if self.dtype == torch.uint8:
+            object.__setattr__(self, "dtype", FP8)
 
     @property
     def cfg(self) -> HiSparseConfig:
