@@ -34,6 +34,8 @@ the others).
     EXACT_MAX_LEN=8192 ...                                   # max_model_len (default 32768; the
                                                              # KV cache must hold one such prompt:
                                                              # 4 GiB at 32K, 1 GiB at 8K)
+    EXACT_KV_DTYPE=fp8 ...                                   # every mode with an fp8 (e4m3) KV
+                                                             # cache (vLLM's --kv-cache-dtype)
     EXACT_KV_GIB=6 EXACT_UTIL=0.15 ...                       # a fixed KV cache, no profiling: engines
                                                              # side by side on one GPU (elastic with
                                                              # less KV than its prompts: spills)
@@ -132,6 +134,8 @@ def run(mode: str, out: str) -> int:
         cmd += ["--compile-mode", os.environ["EXACT_COMPILE"]]
     if os.environ.get("EXACT_KV_GIB"):
         cmd += ["--kv-cache-gib", os.environ["EXACT_KV_GIB"]]
+    if os.environ.get("EXACT_KV_DTYPE"):     # fp8: every mode's KV in fp8 e4m3 (ops/fp8.py)
+        cmd += ["--kv-cache-dtype", os.environ["EXACT_KV_DTYPE"]]
     if os.environ.get("HISPARSE_EXECUTOR"):
         cmd += ["--distributed-executor-backend", os.environ["HISPARSE_EXECUTOR"]]
     env = dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0")

@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV cache size (vLLM's kv_cache_memory_bytes: no memory profiling, so "
                         "several engines can start side by side on one GPU)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (fp8: e4m3)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="no --enforce-eager: vLLM's piecewise CUDA graphs around attention")
     p.add_argument("--compile-mode", type=int, default=None,
@@ -127,6 +128,7 @@ def main(argv=None) -> int:
 
     Scheduler.schedule = record_schedule
     llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+              kv_cache_dtype=a.kv_cache_dtype,
               max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=not a.cuda_graphs,
               seed=0, attention_backend="hisparse", additional_config={"hisparse": cfg.to_dict()},
               load_format=a.load_format, skip_tokenizer_init=a.skip_tokenizer,
