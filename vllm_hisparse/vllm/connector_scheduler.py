@@ -20,10 +20,11 @@ KV pool's request lifecycle, in the scheduler process (engine core).
     ``SpillLedger``), which the worker applies before the step's forward;
   * finish: a request holding host pages or an indexer row frees its GPU blocks only after the
     worker has dropped it (delayed free, ``request_finished`` -> True, the worker reports it
-    through ``get_finished``), so no new request is admitted onto what the worker still holds; a
-    request that never could be sparse, or runs host-less, holds nothing of the kind and frees
-    them at once, as in stock vLLM (-> False; the worker drops it unreported: vLLM asserts that
-    every id it reports is still a live request).
+    through ``get_finished``), so no new request is admitted onto what the worker still holds (a
+    "sparse" host-less one holds a row); a request that never could be sparse, or runs host-less
+    with "dense", holds nothing of the kind and frees them at once, as in stock vLLM (-> False;
+    the worker drops it unreported: vLLM asserts that every id it reports is still a live
+    request).
 Every method runs in the scheduler process.
 """
 from __future__ import annotations
@@ -315,11 +316,10 @@ class ConnectorScheduler:
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         """True (delay the free) only for a request the worker knows that holds host pages or an
         indexer row: they are released once the worker has dropped it (``get_finished`` ->
-        ``update_connector_output``). A request that never could be sparse, or runs host-less,
-        holds on the worker
-        only its runtime row and first-block binding, which the next step's metadata drops
-        (``freed``) before it binds any new request: its blocks go back at once, as in stock
-        vLLM."""
+        ``update_connector_output``). A request that never could be sparse, or runs host-less with
+        "dense", holds on the worker only its runtime row and first-block binding, which the next
+        step's metadata drops (``freed``) before it binds any new request: its blocks go back at
+        once, as in stock vLLM."""
         rid = request.request_id
         if rid in self._sent:
             if self._reserved.get(rid, 0) or rid in self._rows_held:

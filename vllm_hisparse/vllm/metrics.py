@@ -186,8 +186,8 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
                                "Host KV pool capacity in pages.", **mp),
             "requests_hostless": make(gauge, "vllm:hisparse_requests_hostless",
                                       "Requests running host-less (admitted when the host pool "
-                                      "or indexer rows were full: dense, every page on the GPU, "
-                                      "never spilled).", **mp),
+                                      "was full: every page on the GPU, never spilled; sparse, "
+                                      "or dense with hostless dense).", **mp),
         }
         self.waiting = make(gauge, "vllm:hisparse_requests_waiting",
                             "Requests held back by hisparse admission, by what is full.",
