@@ -3,7 +3,8 @@ test_sparse_runtime_exact.py (chunked prefill, mixed batches, a short request, a
 sparse, dense layers, freed blocks poisoned with NaN) with every KV tier fp8 and the K/V of each
 layer quantized at the runtime's door as the vLLM backend does it (``run_quantized``, scales
 != 1). hisparse mode == resident mode bit for bit, every layer of every step, with misses; the
-negative control (every host fetch reads its neighbour page) must differ."""
+negative control (every host fetch reads its neighbour page) must differ. On the GPU the same
+with the decode body replayed from CUDA graphs (test_decode_body_gpu.py's driver and scenario)."""
 from __future__ import annotations
 
 import pytest
@@ -40,20 +41,20 @@ class Fp8Door:
 
 
 class Fp8Driver(tse.Driver):
-    """tse.Driver with fp8 caches and pools; queries and the Quest bounds in fp32."""
+    """tse.Driver with fp8 caches and pools; queries and the Quest bounds in the driver's dtype."""
 
     def __init__(self, cfg, rows=4, **kw):
         super().__init__(cfg, rows=rows, **kw)
         ix = indexers.get(cfg.indexer)
         W, P = self.W * self.P, self.P
         dep_rows = (cfg.quest_rows or rows)
-        state = ix.allocate_state(cfg, self.L, dep_rows, W, self.hkv, self.d, torch.float32,
+        state = ix.allocate_state(cfg, self.L, dep_rows, W, self.hkv, self.d, self.dt,
                                   self.dev)
         self.rt = Fp8Door(SparseRuntime(cfg, self.L, self.hkv, self.d, FP8, self.dev, rows, W,
                                         host_pages=400, trace_writer=TraceWriter,
                                         indexer_state=state))
-        self.kv = [torch.zeros(1 + rows * self.W, 2, P, self.hkv, self.d, dtype=FP8)
-                   for _ in range(self.L)]
+        self.kv = [torch.zeros(1 + rows * self.W, 2, P, self.hkv, self.d, dtype=FP8,
+                               device=self.dev) for _ in range(self.L)]
         self.rt.bind_kv_caches(self.kv)
 
 
@@ -83,3 +84,22 @@ def test_fp8_hisparse_equals_resident(fp8_driver, monkeypatch, full):
         assert s_bad["misses"] > 0
         assert any(not torch.equal(a, b) for a, b in zip(bad, res)), \
             "the negative control matched resident mode"
+
+
+@pytest.mark.cuda
+@pytest.mark.ext
+def test_gpu_fp8_replayed_graphs_equal_eager_and_resident():
+    from test_decode_body_gpu import GraphDriver, run
+
+    class Fp8GraphDriver(Fp8Driver, GraphDriver):
+        pass
+
+    g_hs, stats = run(Fp8GraphDriver, True, (0,), 0.01)
+    e_hs, _ = run(lambda *a, **k: Fp8Driver(*a, full=True, **k), True, (0,), 0.01)
+    g_res, _ = run(Fp8GraphDriver, False, (0,), 0.0)
+    assert stats["misses"] > 0 and stats["full_steps"] >= 30
+    assert len(g_hs) == len(e_hs) == len(g_res)
+    for i, (a, b, c) in enumerate(zip(g_hs, e_hs, g_res)):
+        assert not torch.isnan(a).any(), f"step/layer {i}: NaN in the replay"
+        assert torch.equal(a, b), f"step/layer {i}: replay differs from eager"
+        assert torch.equal(a, c), f"step/layer {i}: hisparse differs from resident"
