@@ -136,6 +136,32 @@ def test_sparse_hostless_without_the_moves_copy_differs():
     assert not all(torch.equal(a, b) for a, b in zip(outs, ref))
 
 
+@pytest.mark.parametrize("when", ["hostless", "moving", "moved"])
+def test_a_hostless_request_finished_in_each_state_leaves_nothing(when):
+    """Finished (aborted) while host-less, between its move's metadata (host_back) and its next
+    step, or after that step: no host page, runtime row or indexer row is left."""
+    cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(0,),
+                         min_context=MIN_CTX, host_pool_gib=0.01, resident_first=True,
+                         dense_pool_gib=0.01)
+    d = Driver(cfg, rows=4)
+    rt, add = d.rt, d.rt.add
+    d.rt.add = lambda r, k: add(r, k, hostless=True)
+    d.add("x", 100)
+    d.rt.add = add
+    rows, ix_free = len(rt._free_rows), len(rt.ix._free)
+    d.step({"x": 100})
+    d.step({"x": 1})
+    if when != "hostless":
+        host_back(rt, "x")
+    if when == "moved":
+        d.step({"x": 1})
+        assert rt.pool.page_table("x") and rt.dpool.page_table("x")
+    assert rt.finish("x")
+    assert rt.host_pages_used == 0 and rt.dpool.used_pages == 0
+    assert len(rt._free_rows) == rows + 1 and len(rt.ix._free) == ix_free + 1
+    assert not (rt.host_pt.table >= 0).any() and not (rt.dense_pt.table >= 0).any()
+
+
 def cached(*reqs):
     """scheduler_output with only cached (running) requests: (id, computed tokens, resumed)."""
     from types import SimpleNamespace
