@@ -4,13 +4,12 @@ max_model_len 32768): it sizes its host pool, Quest rows and dense pool itself
 `hisparse calc` given the same machine (the RAM the engine measured, its KV cache size) prints that
 line word for word.
 
-One engine in a subprocess (this file as a script, in-process engine core), as
-tests/test_calc_engine.py runs its explicit-config engine.
+One engine (this file as a script, in-process engine core) in one of the session's kept engine
+processes (tests/engine_jobs.py, run_pooled).
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -52,16 +51,14 @@ def probe(model: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from test_vllm_engine import make_tiny_model
+    from engine_jobs import engine_env, run_script, tiny_model
 
-    model, out = make_tiny_model(), tmp_path_factory.mktemp("auto_engine") / "engine.json"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)            # it would replace kv_cache_memory_bytes
-    r = subprocess.run([PY, os.path.abspath(__file__), model, str(out)], capture_output=True,
-                       text=True, env=env, timeout=400)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    res = json.loads(out.read_text())
-    res["log"], res["model"] = r.stdout + r.stderr, model
+    model = tiny_model()
+    env = engine_env(VLLM_CPU_KVCACHE_SPACE=None)     # it would replace kv_cache_memory_bytes
+    out = run_script(__file__, tmp_path_factory.mktemp("auto_engine"), {"engine": [model]}, env,
+                     timeout=400)
+    res = out["engine"]
+    res["log"], res["model"] = out.log("engine"), model
     return res
 
 

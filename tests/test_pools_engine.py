@@ -2,8 +2,8 @@
 starve short work, with one config for both loads (a dense pool and Quest rows sized for long
 requests, as bench/serving.py's).
 
-Each engine runs in a subprocess (this file as a script, in-process engine core), the three side
-by side (tests/engine_jobs.py). On a GPU vLLM profiles memory after the model is built, so
+Each engine runs this file as a script (in-process engine core) in one of the session's kept
+engine processes, the three side by side (tests/engine_jobs.py, run_pooled). On a GPU vLLM profiles memory after the model is built, so
 hisparse's KV cache is stock's budget less what the backend reserved while it was built (Quest
 rows, dense pool); on the CPU the KV size is explicit. So the probe measures the bytes the engine
 really reserved and gives it the blocks a GPU would: stock's less ``cdiv(reserved, block bytes)``.
@@ -18,17 +18,13 @@ really reserved and gives it the blocks a GPU would: stock's less ``cdiv(reserve
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PY = sys.executable
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = 16
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
        "host_pool_gib": 0.05, "dense_pool_gib": 0.01, "quest_rows": 3}     # min_context 128
@@ -92,19 +88,6 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def job(tmp, model, backend, mml, num_blocks, prompt=PROMPT) -> tuple:
-    out = tmp / f"{backend}-{mml}-{num_blocks}.json"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               HF_HUB_OFFLINE="1")
-    return [PY, __file__, model, backend, str(mml), str(num_blocks), str(prompt), str(out)], env
-
-
-def result(runs, tag) -> dict:
-    r = runs[tag]
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    return json.loads(open(r.args[-1]).read())
-
-
 SHORT_MML, LONG_MML = 96, 512
 # what a GPU run would reserve on the short server: the scratch Quest row of the 3 sparse layers (6
 # pages) and no dense pool, so its KV cache is stock's blocks less cdiv(that, block bytes)
@@ -114,22 +97,21 @@ HS_BLOCKS = STOCK_BLOCKS - cdiv(SCRATCH, BLOCK_BYTES)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The three engines of this module, side by side (tests/engine_jobs.py), each alone in its
-    own process: {tag: CompletedProcess}."""
-    from engine_jobs import run_all
+    """The three engines of this module, side by side (tests/engine_jobs.py, run_script): runs[tag]
+    is what the probe wrote."""
+    from engine_jobs import run_script, tiny_model
 
-    tmp = tmp_path_factory.mktemp("pools")
-    model = subprocess.run([PY, os.path.join(ROOT, "scripts", "make_tiny_model.py")], check=True,
-                           capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return run_all({"long": job(tmp, model, "hisparse", LONG_MML, 200, prompt=200),  # sparse
-                    "stock": job(tmp, model, "stock", SHORT_MML, STOCK_BLOCKS),
-                    "short": job(tmp, model, "hisparse", SHORT_MML, HS_BLOCKS)})
+    model = tiny_model()
+    return run_script(__file__, tmp_path_factory.mktemp("pools"), {
+        "long": [model, "hisparse", LONG_MML, 200, 200],                 # sparse
+        "stock": [model, "stock", SHORT_MML, STOCK_BLOCKS, PROMPT],
+        "short": [model, "hisparse", SHORT_MML, HS_BLOCKS, PROMPT]})
 
 
 def test_short_server_runs_as_many_requests_as_stock(runs):
     scratch, hs_blocks = SCRATCH, HS_BLOCKS
     assert STOCK_BLOCKS - hs_blocks <= 1
-    stock, hs = result(runs, "stock"), result(runs, "short")
+    stock, hs = runs["stock"], runs["short"]
     # ... which is what the engine reserved
     assert (hs["quest_bytes"], hs["dense_pool_bytes"], hs["quest_rows"]) == (scratch, 0, 0)
     assert hs["host_pages"] == 0                   # and no host pool: nothing would use it
@@ -147,7 +129,7 @@ def test_short_server_runs_as_many_requests_as_stock(runs):
 
 def test_long_server_keeps_its_pools(runs):
     mml = LONG_MML
-    res = result(runs, "long")                                        # sparse from the start
+    res = runs["long"]                                        # sparse from the start
     rows, pages = CFG["quest_rows"], cdiv(mml, PAGE)
     assert res["quest_rows"] == rows
     assert res["host_pages"] == int(CFG["host_pool_gib"] * (1 << 30)) // (

@@ -17,14 +17,14 @@ def test_cpu_engine_prefill_run_and_diff(tmp_path):
                       "host_pool_gib": 0.05, "min_context": 64})
     out = tmp_path / "prof"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    from engine_jobs import run_all
+    from engine_jobs import run_pooled
 
-    done = run_all({backend: ([sys.executable, "-m", "vllm_hisparse.bench.prefill_profile", "run",
+    done = run_pooled({backend: ([sys.executable, "-m", "vllm_hisparse.bench.prefill_profile", "run",
                                "--model", model, "--backend", backend, "--hisparse", cfg,
                                "--input-len", "300", "--rows", "2", "--repeats", "2",
                                "--dtype", "float32", "--no-prefix-caching", "--out", str(out)],
                               env)
-                    for backend in ("elastic", "stock")})             # side by side
+                    for backend in ("elastic", "stock")})             # side by side, kept processes
     for r in done.values():
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     stock, el = (json.load(open(out / f"{b}-prefill.json")) for b in ("stock", "elastic"))

@@ -16,15 +16,13 @@ logprobs equal resident mode's (host_tier false) and hisparse's without resident
 the same preemption; the worker's residency equals the manager's after every step; no GPU block or
 host page is left afterwards. With blocks to spare, nothing spills and nothing misses.
 
-Each engine runs in a subprocess (this file as a script, in-process engine core), the four side
-by side (tests/engine_jobs.py).
+Each engine runs this file as a script (in-process engine core) in one of the session's kept
+engine processes, the four side by side (tests/engine_jobs.py, run_pooled).
 """
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 
@@ -32,7 +30,6 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PY = sys.executable
 PAGE = 16
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
        "host_pool_gib": 0.05, "min_context": 64,
@@ -152,40 +149,17 @@ def probe(model: str, cfg: dict, num_blocks: int, out: str) -> None:
         json.dump(res, f)
 
 
-def job(tmp, model, tag, cfg, num_blocks) -> tuple:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               HF_HUB_OFFLINE="1")
-    return [PY, __file__, model, json.dumps(cfg), str(num_blocks), str(tmp / f"{tag}.json")], env
-
-
-class Runs(dict):
-    """{tag: CompletedProcess}; runs[tag] is the run's JSON, asserted to have run (a run that
-    failed fails only the tests that read it)."""
-
-    def __init__(self, tmp, done):
-        super().__init__(done)
-        self.tmp = tmp
-
-    def __getitem__(self, tag):
-        r = super().__getitem__(tag)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-        return json.loads((self.tmp / f"{tag}.json").read_text())
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The four engines, side by side (tests/engine_jobs.py), each alone in its own process."""
-    from engine_jobs import run_all
+    """The four engines, side by side (tests/engine_jobs.py, run_script)."""
+    from engine_jobs import run_script, tiny_model
 
-    tmp = tmp_path_factory.mktemp("rf")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    model = subprocess.run([PY, os.path.join(root, "scripts", "make_tiny_model.py")], check=True,
-                           capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return Runs(tmp, run_all({
-        "rf": job(tmp, model, "rf", dict(CFG, resident_first=True), PRESSURE_BLOCKS),
-        "hisparse": job(tmp, model, "hisparse", CFG, PRESSURE_BLOCKS),
-        "resident": job(tmp, model, "resident", dict(CFG, host_tier=False), SPARE_BLOCKS),
-        "rf_spare": job(tmp, model, "rf_spare", dict(CFG, resident_first=True), SPARE_BLOCKS)}))
+    model = tiny_model()
+    return run_script(__file__, tmp_path_factory.mktemp("rf"), {
+        "rf": [model, json.dumps(dict(CFG, resident_first=True)), PRESSURE_BLOCKS],
+        "hisparse": [model, json.dumps(CFG), PRESSURE_BLOCKS],
+        "resident": [model, json.dumps(dict(CFG, host_tier=False)), SPARE_BLOCKS],
+        "rf_spare": [model, json.dumps(dict(CFG, resident_first=True)), SPARE_BLOCKS]})
 
 
 def _no_leaks(res):

@@ -4,7 +4,8 @@ request and attend causally, and hisparse (host tier, 4 hot slots: misses) == re
 (``host_tier`` false) with the same speculation: tokens, logprobs and vLLM's acceptance counts.
 Prompts repeat a token pattern so that drafts are proposed and accepted. The negative control runs
 the same harness with every host fetch reading its neighbour page (HISPARSE_TEST_CORRUPT_FETCH=1):
-it must differ. The three engines start together (tests/engine_jobs.py); this file is also their
+it must differ. The three engines start together in the session's kept engine processes
+(tests/engine_jobs.py, run_pooled); this file is also their
 script (``python tests/test_spec_decode.py CONFIG OUT [LLM_KWARGS]``).
 """
 from __future__ import annotations
@@ -62,28 +63,17 @@ def _engine(cfg: dict, out: str, over: dict | None = None) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from engine_jobs import run_all
+    from engine_jobs import engine_env, run_script, tiny_model
 
-    from test_vllm_engine import make_tiny_model
-
-    make_tiny_model()
-    tmp = tmp_path_factory.mktemp("spec")
+    tiny_model()
     # NUMBA_DISABLE_JIT: the ngram proposer in plain Python (numba compiles it in ~30 s per
     # process, uncached); the same proposals, in both modes alike
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", NUMBA_DISABLE_JIT="1")
-    env.pop("HISPARSE_TEST_CORRUPT_FETCH", None)
-    jobs = {tag: ([sys.executable, __file__, json.dumps(cfg), str(tmp / f"{tag}.json")],
-                  dict(env, **extra))
-            for tag, cfg, extra in (("hisparse", CFG, {}),
-                                    ("resident", dict(CFG, host_tier=False), {}),
-                                    ("corrupt", CFG, {"HISPARSE_TEST_CORRUPT_FETCH": "1"}))}
-    done = run_all(jobs, timeout=300)
-
-    def get(tag):
-        r = done[tag]
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-5000:]
-        return json.loads((tmp / f"{tag}.json").read_text())
-    return get
+    env = engine_env(NUMBA_DISABLE_JIT="1", HISPARSE_TEST_CORRUPT_FETCH=None)
+    out = run_script(__file__, tmp_path_factory.mktemp("spec"), {
+        "hisparse": ([json.dumps(CFG)], env),
+        "resident": ([json.dumps(dict(CFG, host_tier=False))], env),
+        "corrupt": ([json.dumps(CFG)], dict(env, HISPARSE_TEST_CORRUPT_FETCH="1"))}, timeout=300)
+    return out.__getitem__
 
 
 def test_hisparse_equals_resident_under_ngram_speculation(runs):

@@ -3,18 +3,17 @@
 served through vLLM 0.26 on the CPU: the config accepts its name, the runtime selects with it, and
 the engine generates. A process that has not registered it refuses the name in one line.
 
-The engine runs in a subprocess (this file as a script, in-process engine core and worker), so the
-registration never reaches the pytest process (the built-in registry stays as it is there)."""
+The engine runs this file as a script (in-process engine core and worker) in one of the session's
+kept engine processes (tests/engine_jobs.py, run_pooled), so the registration never reaches the
+pytest process (the built-in registry stays as it is there)."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-PY = sys.executable
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CFG = {"indexer": "recent", "top_k": 48, "device_buffer_size": 64, "page_size": 16,
@@ -60,15 +59,11 @@ def test_an_unregistered_indexer_is_refused_in_one_line():
 
 @pytest.mark.vllm
 def test_a_test_only_indexer_is_served_through_vllm(tmp_path):
-    model = subprocess.run([PY, os.path.join(ROOT, "scripts", "make_tiny_model.py")], check=True,
-                           capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    out = tmp_path / "recent.json"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               HF_HUB_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([PY, __file__, model, str(out)], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    res = json.loads(out.read_text())
+    from engine_jobs import engine_env, run_script, tiny_model
+
+    res = run_script(__file__, tmp_path, {"recent": [tiny_model()]},
+                     engine_env(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    res = res["recent"]
     assert res["indexer"] == "RecentIndexer" and res["tokens"] == MAX_TOKENS
     assert res["scored"] > 0 and res["stats"]["decode_rows"] > 0, res
 

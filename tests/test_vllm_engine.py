@@ -96,12 +96,12 @@ def generate(tmp, model: str, cfg: dict, batches: list[list], tag: str, extra=()
 
 
 def generate_all(tmp, model: str, runs: dict) -> dict:
-    """{tag: (cfg, batches, extra)} run side by side (tests/engine_jobs.py), longest first;
-    {tag: a function giving the run's result}: a run that failed fails only the tests that read
-    it."""
-    from engine_jobs import run_all
+    """{tag: (cfg, batches, extra)} run side by side in the session's kept engine processes
+    (tests/engine_jobs.py, run_pooled), longest first; {tag: a function giving the run's result}:
+    a run that failed fails only the tests that read it."""
+    from engine_jobs import run_pooled
 
-    done = run_all({tag: generate_job(tmp, model, cfg, batches, tag, extra)
+    done = run_pooled({tag: generate_job(tmp, model, cfg, batches, tag, extra)
                     for tag, (cfg, batches, extra) in runs.items()})
     return {tag: (lambda tag=tag: finish(tmp, tag, done[tag])) for tag in runs}
 
