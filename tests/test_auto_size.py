@@ -74,6 +74,10 @@ def test_an_explicit_value_overrides_its_field_only():
     small = sized(machine, host_pool_gib=2 * PER * HOST_PAGE / GIB)      # 2 requests of 64 pages
     assert (small.indexer_rows, small.room()[0]) == (6, 2)    # a given pool does not cap the rows
     assert "4 rows serve only shorter requests" in small.idle_rows_note()
+    # ... and, hostless "sparse" (the default), host-less requests; not with "wait"
+    assert "those rows also serve host-less requests" in small.idle_rows_note()
+    waits = sized(machine, host_pool_gib=2 * PER * HOST_PAGE / GIB, hostless="wait")
+    assert "host-less" not in waits.idle_rows_note()
     dep = sized(machine, dense_pool_gib=0)          # no dense pool: the host holds all 4 layers
     assert dep.dense_pool_pages is None and dep.host_layers == (0, 1, 2, 3)
     # 9 rows x ROW = 864 KiB reserved: the max_num_seqs cap (8) binds

@@ -182,11 +182,15 @@ class Deployment:
         (``gpu_pools.idle_rows_note``); None when every row can be used or there is no pool."""
         if not self.sparse_possible or not self.cfg.host_tier:
             return None
-        return gpu_pools.idle_rows_note(
+        note = gpu_pools.idle_rows_note(
             self.indexer_rows, self.admit_pages // self.pages_per_request,
             self.limits.max_model_len, self.admit_bound,
             "quest_rows auto" if "quest_rows" in self.auto else
             "quest_rows" if self.cfg.quest_rows else "max_num_seqs: quest_rows unset")
+        if note and self.cfg.hostless == "sparse":     # core/hostless.py
+            note += ("; with hostless \"sparse\" those rows also serve host-less requests while the "
+                     "GPU's KV blocks hold their whole lives")
+        return note
 
 
 def resolve(cfg: HiSparseConfig, limits: EngineLimits) -> Deployment:
