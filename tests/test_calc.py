@@ -270,9 +270,14 @@ def test_hostless_counts_whole_lives_beyond_the_host_tier(model_dir):
     dense, fit = at(64, "dense")
     assert dense["hostless_requests"] == min(fit, 64 - 40) > 0
     sparse, fit = at(64)                                   # 24 idle rows: not the bound here
-    assert sparse["hostless_requests"] == min(fit, 24) > 0
+    n = sparse["hostless_requests"]
+    assert n == min(fit, 24) > 0
+    # the rows never used are those neither kind takes ("wait" counts all 24)
+    w = sparse["quest_rows_warning"]
+    assert (w["unused_rows"], w["set_quest_rows"]) == (24 - n, 40 + n) and "run host-less" in w["text"]
+    assert at(64, "wait")[0]["quest_rows_warning"]["unused_rows"] == 24
     sparse, fit = at(42)                                   # 2 idle rows: they bound it
-    assert fit > 2 and sparse["hostless_requests"] == 2
+    assert fit > 2 and sparse["hostless_requests"] == 2 and sparse["quest_rows_warning"] is None
     dense, fit = at(42, "dense")
     assert dense["hostless_requests"] == min(fit, 64 - 40) > 2
     # a GPU too small for one more whole life: none

@@ -273,6 +273,14 @@ def _compute(args, hf: dict) -> dict:
     if seqs is not None:
         extra = max(0, min(extra, seqs - n_h))
     hisparse["hostless_requests"] = extra
+    if rows_warning and cfg.hostless == "sparse" and extra:      # those rows serve host-less ones
+        used = n_h + extra
+        hisparse["quest_rows_warning"] = None if used >= n_seqs else {
+            "unused_rows": n_seqs - used, "unused_bytes": at_rows(used)[0] - kv,
+            "set_quest_rows": used, "text": (
+                f"warning: {n_seqs - used} of the {n_seqs} Quest rows are never used ({by_h} "
+                f"admits {n_h} requests, {extra} more run host-less): they take "
+                f"{_gib(at_rows(used)[0] - kv)} from the KV cache; set quest_rows to {used}")}
     hisparse["auto"] = {f: getattr(cfg, f) for f in sized.auto}
     hisparse["host_ram_bytes"] = (sized.limits.machine.host_available_bytes
                                   if "host_pool_gib" in sized.auto else None)
