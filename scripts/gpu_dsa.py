@@ -52,7 +52,7 @@ CONTROL_ENV = "HISPARSE_TEST_CORRUPT_FETCH"
 PROMPTS = [int(x) for x in os.environ.get("DSA_PROMPTS", "8000,20000,12000,16000").split(",")]
 MAX_TOKENS = int(os.environ.get("DSA_MAX_TOKENS", "48"))
 MAX_LEN = int(os.environ.get("DSA_MAX_LEN", "24576"))
-UTIL = float(os.environ.get("DSA_UTIL", "0.85"))     # DSA_PAR engines side by side: 0.85 / DSA_PAR
+UTIL = float(os.environ.get("DSA_UTIL", "0.85"))
 CFG = {"indexer": "dsa", "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
        "dense_layers": [], "host_pool_gib": 8, "quest_rows": len(PROMPTS),
        "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0"))}
