@@ -56,6 +56,8 @@ REFUSED = [
     ({}, {"dense_layers": [0, 1]}, 'dense_layers=[0, 1] must be []'),
     ({}, {"top_k": 32, "device_buffer_size": 32}, "device_buffer_size=32 must be >= the model's "
                                                   "index_topk=64"),
+    ({}, {"top_k": 128, "device_buffer_size": 256}, "top_k=128 differs from the model's "
+                                                     'index_topk=64; with indexer \'dsa\''),
     ({"cache_config__cache_dtype": "fp8_ds_mla"}, None, "kv_cache_dtype='fp8_ds_mla'"),
     ({"cache_config__user_specified_block_size": True, "cache_config__block_size": 16}, None,
      "--block-size 16 must be 64"),

@@ -40,6 +40,10 @@ def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
         raise Refused(f"hisparse: device_buffer_size={cfg.device_buffer_size} must be >= the "
                       f"model's index_topk={topk} (one step's selection fits in the hot slots); "
                       f"{2 * topk} (2 x index_topk) is a good start")
+    if cfg.top_k != topk:              # the model's indexer picks index_topk tokens: a trained constant
+        raise Refused(f"hisparse: top_k={cfg.top_k} differs from the model's index_topk={topk}; "
+                      f"with indexer 'dsa' the model's own indexer selects index_topk tokens a "
+                      f"step; set \"top_k\": {topk}")
     if cc.cache_dtype not in LATENT_DTYPES:
         raise Refused(f"hisparse: kv_cache_dtype={cc.cache_dtype!r} is not supported with indexer "
                       f"'dsa' (the latent pool is bf16/fp16, as FLASH_ATTN_MLA_SPARSE's); use "
