@@ -16,22 +16,19 @@ negative control: the probe skips its move's bulk copy, so its host pages hold n
 tokens before the move, and its outputs differ from resident mode's. Afterwards no GPU block,
 host page, indexer row, reservation or host-less promise is left.
 
-Both engines run in subprocesses (this file as a script, in-process engine core), side by side
-(tests/engine_jobs.py).
+Both engines run this file as a script (in-process engine core) in the session's kept engine
+processes, side by side (tests/engine_jobs.py, run_script).
 """
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PY = sys.executable
 PAGE = 16
 # host pool: 64 pages of 24 KiB (the tiny model's 3 sparse layers; layer 0 in the dense pool),
 # every size set (none sized from the machine)
@@ -53,7 +50,7 @@ CONTROL = "2"                        # its move's bulk copy skipped
 def probe(model: str, cfg: dict, out: str) -> None:
     from vllm import LLM, SamplingParams
 
-    from vllm_hisparse.vllm import connector_worker, worker_state
+    from vllm_hisparse.vllm import worker_state
     from vllm_hisparse.vllm.plugin import register
 
     register()
@@ -78,13 +75,14 @@ def probe(model: str, cfg: dict, out: str) -> None:
         moved.update({base(r): generated.get(base(r), 0) for r in md.hosted})
         return md
     conn.build_connector_meta = build_and_record
-    host_back = connector_worker.host_back
+    plan = rt.plan
 
-    def host_back_control(rt_, rid):     # the negative control: no bulk copy for CONTROL
-        host_back(rt_, rid)
-        if base(rid) == CONTROL:
-            rt_.reqs[rid].moving = False
-    connector_worker.host_back = host_back_control
+    def plan_control(*a, **k):   # the negative control: CONTROL's move (host_back) copies nothing
+        for rid, r in rt.reqs.items():
+            if base(rid) == CONTROL:
+                r.moving = False
+        return plan(*a, **k)
+    rt.plan = plan_control       # this runtime's only: the kept process's next engine has its own
 
     def spill_all():
         """What the KV manager does when an arriving request needs every block it can free."""
@@ -161,33 +159,20 @@ def probe(model: str, cfg: dict, out: str) -> None:
         json.dump(res, f)
 
 
-def job(tmp, model, tag, cfg) -> tuple:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               HF_HUB_OFFLINE="1")
-    return [PY, __file__, model, json.dumps(cfg), str(tmp / f"{tag}.json")], env
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """hisparse with the small host pool and resident mode, side by side."""
-    from engine_jobs import run_all
+    """hisparse with the small host pool and resident mode, side by side (tests/engine_jobs.py,
+    run_script): runs[tag] is what the probe wrote."""
+    from engine_jobs import run_script, tiny_model
 
-    tmp = tmp_path_factory.mktemp("hostless")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    model = subprocess.run([PY, os.path.join(root, "scripts", "make_tiny_model.py")], check=True,
-                           capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    done = run_all({"hisparse": job(tmp, model, "hisparse", CFG),
-                    "resident": job(tmp, model, "resident", dict(CFG, host_tier=False))})
-
-    def get(tag):
-        r = done[tag]
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-        return json.loads((tmp / f"{tag}.json").read_text())
-    return get
+    model = tiny_model()
+    return run_script(__file__, tmp_path_factory.mktemp("hostless"), {
+        "hisparse": [model, json.dumps(CFG)],
+        "resident": [model, json.dumps(dict(CFG, host_tier=False))]})
 
 
 def test_hostless_requests_run_sparse_and_equal_resident_mode(runs):
-    hs, res = runs("hisparse"), runs("resident")
+    hs, res = runs["hisparse"], runs["resident"]
     tl = hs["timeline"]
     # 1-4 were admitted host-less at once (no wait), sparse from their first token, with no host
     # page while host-less; all six ran at once
@@ -217,7 +202,7 @@ def test_hostless_requests_run_sparse_and_equal_resident_mode(runs):
 
 
 def test_aborts_in_each_state_leak_nothing(runs):
-    hs = runs("hisparse")
+    hs = runs["hisparse"]
     ab = hs["aborted"]
     # 3 while host-less (sparse, no host page), 4 right after its move (host pages, resident),
     # 5 while host-backed and spilled
