@@ -1,7 +1,9 @@
 """``hisparse calc`` over a grid of contexts and ``gpu_memory_utilization`` (issue 45): the requests
 of each context a GPU holds at once, stock vLLM against hisparse with every pool sized as a server
 with no hisparse config sizes it (core/auto_size.py), host-backed requests and, with
-``hostless`` "dense", the host-less ones beside them. CSV + plot of hisparse / stock.
+``hostless`` "dense", the host-less ones beside them (the default "sparse" counts none here: a
+sparse host-less request needs an idle Quest row, and the auto rows are at most the auto host
+pool's requests). CSV + plot of hisparse / stock.
 
     python -m vllm_hisparse.bench.calc_sweep --model DIR --gpu-gib 80 --weights-gib 15 \\
         --host-ram-gib 120 --out DIR [--contexts 4096,...] [--utils 0.3,...]
@@ -78,7 +80,8 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, key, title in ((axes[0], "ratio_wait", 'hostless "wait" (default)'),
+    # the default "sparse" equals "wait" here: with every pool auto no Quest row is idle
+    for ax, key, title in ((axes[0], "ratio_wait", 'hostless "wait" = "sparse" (default)'),
                            (axes[1], "ratio_dense", 'hostless "dense"')):
         for util in sorted({r["util"] for r in rows}):
             pts = [(r["context"], r[key]) for r in rows if r["util"] == util and r[key] is not None]
