@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass
 
 from vllm_hisparse.bench import prom
-from vllm_hisparse.bench.serving import BACKENDS, backend_config, load_text_ids
+from vllm_hisparse.bench.prompts import load_text_ids
+from vllm_hisparse.bench.serving import backend_config, model_vocab, parse_backends
 from vllm_hisparse.server_health import stop, wait_healthy
 
 
@@ -193,12 +194,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/chat")
     p.add_argument("extra_server_args", nargs="*", help="after --: passed to vllm serve")
     args = p.parse_args(argv)
-    backends = args.backends.split(",")
-    bad = [b for b in backends if b not in BACKENDS]
-    if bad:
-        p.error(f"--backends: unknown {bad}; choose from {', '.join(BACKENDS)}")
+    backends = parse_backends(p, args.backends)
     os.makedirs(args.out, exist_ok=True)
-    vocab = json.load(open(os.path.join(args.model, "config.json"))).get("vocab_size", 32000)
+    vocab = model_vocab(args.model)
     system, users = plan(args, random.Random(args.seed), vocab)
     print(f"chat: {args.conversations} conversations x {args.turns} turns, last prompt "
           f"{max_context(args) - args.output_len} tokens", flush=True)

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 from vllm_hisparse.bench import served_profile
+from vllm_hisparse.bench.prompts import load_text_ids, text_prompts
 from vllm_hisparse.bench import steps as st
 from vllm_hisparse.bench.worker_stats import cache_per_point, host_per_step, read_stats
 from vllm_hisparse.server_health import stop, wait_healthy
@@ -195,29 +196,6 @@ async def one_request(client, model: str, prompt: list[int], out_len: int) -> Re
     return RequestResult(float("nan") if ttft is None else ttft, time.perf_counter() - t0, usage)
 
 
-def load_text_ids(path: str) -> list[int]:
-    """Real text as token ids: a JSON list of ids, a list of lists, or {name: [ids]} (what
-    ``bench.quality forced --save-ids`` writes), concatenated in order."""
-    with open(path) as f:
-        d = json.load(f)
-    parts = list(d.values()) if isinstance(d, dict) else d
-    if parts and isinstance(parts[0], int):
-        parts = [parts]
-    return [int(t) for part in parts for t in part]
-
-
-def text_prompts(tokens: list[int], n: int, count: int, rng: random.Random) -> list[list[int]]:
-    """``count`` prompts of ``n`` tokens of real text, each read at its own offset (distinct while
-    the text has room: no two requests share a prefix, so stock's prefix cache gives no one a
-    head start)."""
-    room = len(tokens) - n + 1
-    if room < 1:
-        raise SystemExit(f"--text-ids: {len(tokens)} tokens cannot fill --input-len {n}")
-    offsets = rng.sample(range(room), count) if count <= room else \
-        [rng.randrange(room) for _ in range(count)]
-    return [tokens[o:o + n] for o in offsets]
-
-
 async def run_point(args, backend: str, c: int, port: int, model: str, vocab: int,
                     step_log: str, stats_path: str | None = None) -> Point:
     """One concurrency point; its step records (from ``step_log``, appended by the server) and the
@@ -302,6 +280,20 @@ def plot(rows: list[dict], out: str, title: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+def parse_backends(p: argparse.ArgumentParser, text: str) -> list[str]:
+    """--backends (comma-separated BACKENDS); an unknown one is a usage error."""
+    backends = text.split(",")
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad:
+        p.error(f"--backends: unknown {bad}; choose from {', '.join(BACKENDS)}")
+    return backends
+
+
+def model_vocab(model: str) -> int:
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f).get("vocab_size", 32000)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -349,12 +341,9 @@ def main(argv=None) -> int:
         args.concurrency = [x if x == "cap" else int(x) for x in args.concurrency.split(",")]
     except ValueError:
         p.error(f"--concurrency {args.concurrency}: numbers or 'cap', comma-separated")
-    backends = args.backends.split(",")
-    bad = [b for b in backends if b not in BACKENDS]
-    if bad:
-        p.error(f"--backends: unknown {bad}; choose from {', '.join(BACKENDS)}")
+    backends = parse_backends(p, args.backends)
     os.makedirs(args.out, exist_ok=True)
-    vocab = json.load(open(os.path.join(args.model, "config.json"))).get("vocab_size", 32000)
+    vocab = model_vocab(args.model)
     rows: list[dict] = []
     for i, b in enumerate(backends):
         log = open(os.path.join(args.out, f"server-{b}.log"), "w")
