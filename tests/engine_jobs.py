@@ -159,7 +159,10 @@ def run_pooled(jobs: dict, timeout: float = 600) -> dict:
     """``run_all``'s jobs and answers ({name: (argv, env)} -> {name: CompletedProcess}), each job
     run in one of the session's kept engine processes (above) instead of a fresh one: argv is
     ``[python, script.py, *args]`` or ``[python, "-m", module, *args]``, env the job's whole
-    environment. A job past ``timeout`` seconds kills its process (a fresh one takes its place)."""
+    environment. A job past ``timeout`` seconds kills its process (a fresh one takes its place).
+    What a job patches on vLLM's Scheduler or hisparse's HiSparseManager is put back after it; a
+    job that patches any other class or module must patch instances instead (or undo it), since
+    the process's next job runs with what it left (registries, e.g. indexers.register, stay)."""
     pool = _servers()
 
     def one(job):
