@@ -24,7 +24,8 @@ HOST_PAGE = PAGE * 3                     # a host page holds the 3 sparse layers
 
 def sized(machine=None, **over):
     lim = dict(LIM)
-    for k in [k for k in over if k in lim or k == "tensor_parallel_size"]:
+    for k in [k for k in over if k in lim or k in ("tensor_parallel_size",
+                                                    "max_num_batched_tokens", "watermark")]:
         lim[k] = over.pop(k)
     return resolve(HiSparseConfig(**{**CFG, **over}), EngineLimits(**lim, machine=machine))
 
@@ -38,19 +39,29 @@ def requests(blocks):
 def test_everything_auto_on_a_known_machine():
     # 8 MiB of stock KV budget; 9 GiB of RAM: the host is no bound here
     dep = sized(Machine(9 * GIB, 1, 8 * MIB, False, "test"))
-    # R rows reserve (R + 1) x ROW + R x DENSE, at most half of the budget: R = 6 (3.66 MiB),
-    # R = 7 takes 4.25 MiB > 4 MiB; the KV cache then holds 139 blocks, 15 requests >= 6
+    # H: R rows reserve (R + 1) x ROW + R x DENSE, at most half of the budget: H = 6 (3.66 MiB),
+    # 7 takes 4.25 MiB > 4 MiB; the KV cache then holds 139 blocks, 15 requests >= 6
     assert 7 * ROW + 6 * DENSE <= 4 * MIB < 8 * ROW + 7 * DENSE
     kv = 8 * MIB - (7 * ROW + 6 * DENSE)
     assert (kv // BLOCK, requests(kv // BLOCK)) == (139, 15)
+    # L: one more row (no dense pages: a host-less request reads its own blocks) reserves
+    # 8 x 96 + 6 x 512 = 3840 KiB <= 4 MiB, leaving 136 blocks: usable 135 - R (cdiv(0, 16) +
+    # max_num_seqs 8 + watermark 0) - 6 floors of S + 1 = 5 = 97 >= one whole life of 64; a second
+    # row: 3936 KiB, 133 blocks, 132 - 8 - 30 - 64 (the first host-less) = 30 < 64
+    assert (8 * MIB - (8 * ROW + 6 * DENSE)) // BLOCK == 136 and 135 - 8 - 30 >= PER
+    assert (8 * MIB - (9 * ROW + 6 * DENSE)) // BLOCK == 133 and 132 - 8 - 30 - PER < PER
+    assert 8 * ROW + 6 * DENSE <= 4 * MIB
     assert dep.auto == ("host_pool_gib", "quest_rows", "dense_pool_gib")
-    assert (dep.cfg.quest_rows, dep.indexer_rows, dep.gpu_requests) == (6, 6, 15)
+    # the GPU KV line: 136 blocks run 1 + (135 - 65) // 5 = 15 requests at their floor
+    assert (dep.cfg.quest_rows, dep.indexer_rows, dep.gpu_requests) == (7, 7, 15)
+    assert dep.hostless_requests == 1
     assert dep.dense_pool_pages == 6 * PER and dep.cfg.dense_pool_gib == 6 * DENSE / GIB
     assert dep.host_pages == 6 * PER and dep.cfg.host_pool_gib == 6 * PER * HOST_PAGE / GIB
-    assert dep.room()[0] == 6 and dep.idle_rows_note() is None
+    assert dep.room()[0] == 7 and dep.idle_rows_note() is None
     line = dep.room_line()
-    assert line.startswith("hisparse: room for 6 requests of max_model_len=1024 tokens at once (")
-    assert "quest_rows=6 auto" in line and "host pool 9.0 MiB auto: 384 pages = 6 requests" in line
+    assert line.startswith("hisparse: room for 7 requests of max_model_len=1024 tokens at once ("
+                           "6 host-backed + 1 host-less (hostless=sparse); quest_rows=7 auto; ")
+    assert "host pool 9.0 MiB auto: 384 pages = 6 requests" in line
     assert "GPU dense pool 3.0 MiB auto: 384 pages = 6 requests" in line     # 384 x 8 KiB
     assert "GPU KV 8.0 MiB (test): 15 requests" in line and "\n" not in line
 
@@ -59,7 +70,38 @@ def test_the_host_bounds_the_rows():
     # 10 MiB above the 8 GiB reserve: 80% of it is 341 host pages, 5 requests of 64
     dep = sized(Machine(8 * GIB + 10 * MIB, 1, 8 * MIB, False, "test"))
     assert int(0.8 * 10 * MIB) // HOST_PAGE == 341
-    assert (dep.indexer_rows, dep.host_pages, dep.dense_pool_pages) == (5, 5 * PER, 5 * PER)
+    assert (dep.host_pages, dep.dense_pool_pages) == (5 * PER, 5 * PER)
+    # + 1 host-less row: 7 x 96 + 5 x 512 = 3232 KiB, 155 blocks: 154 - 8 (R) - 25 (5 floors)
+    # = 121 >= 64; + 2: 3328 KiB, 152 blocks: 151 - 8 - 25 - 64 = 54 < 64
+    assert (8 * MIB - (7 * ROW + 5 * DENSE)) // BLOCK == 155 and 154 - 8 - 25 >= PER
+    assert (8 * MIB - (8 * ROW + 5 * DENSE)) // BLOCK == 152 and 151 - 8 - 25 - PER < PER
+    assert (dep.indexer_rows, dep.hostless_requests, dep.room()[0]) == (6, 1, 6)
+
+
+def test_hostless_rows_count_the_connectors_reserve_and_modes():
+    m = Machine(8 * GIB + 10 * MIB, 1, 8 * MIB, False, "test")      # H = 5, as above
+    # R with max_num_batched_tokens 1024: cdiv(1024, 16) + 8 = 72 > 154 - 25 - 64 = 65: none
+    big = sized(m, max_num_batched_tokens=1024)
+    assert (big.indexer_rows, big.hostless_requests) == (5, 0)
+    # 16 tokens: cdiv(16, 16) + 8 = 9 <= 65: one
+    assert sized(m, max_num_batched_tokens=16).hostless_requests == 1
+    # a watermark of 0.05 x 155 blocks = 7 more blocks in R: 154 - 15 - 25 = 114 >= 64: one
+    assert sized(m, watermark=0.05).hostless_requests == 1
+    # max_num_seqs caps H + L
+    assert (sized(m, max_num_seqs=5).indexer_rows, sized(m, max_num_seqs=5).hostless_requests) == (5, 0)
+    # "wait": no host-less request, no row for one; the line says 0
+    wait = sized(m, hostless="wait")
+    assert (wait.indexer_rows, wait.hostless_requests, wait.room()[0]) == (5, 0, 5)
+    assert "(5 host-backed + 0 host-less (hostless=wait); quest_rows=5 auto;" in wait.room_line()
+    # "dense": host-less requests take no row; not counted in the rows nor the line
+    dense = sized(m, hostless="dense")
+    assert (dense.indexer_rows, dense.hostless_requests) == (5, None)
+    assert "host-less" not in dense.room_line()
+    # resident mode: no host tier, no host-less request
+    assert sized(m, host_tier=False).hostless_requests is None
+    # an explicit quest_rows wins: no auto host-less rows
+    given = sized(m, quest_rows=5)
+    assert (given.indexer_rows, given.hostless_requests) == (5, None)
 
 
 def test_an_explicit_value_overrides_its_field_only():
@@ -82,7 +124,7 @@ def test_an_explicit_value_overrides_its_field_only():
     assert dep.dense_pool_pages is None and dep.host_layers == (0, 1, 2, 3)
     # 9 rows x ROW = 864 KiB reserved: the max_num_seqs cap (8) binds
     assert dep.indexer_rows == 8 and dep.host_pages == 8 * PER
-    assert sized(machine, quest_rows="auto").cfg.quest_rows == 6           # "auto" = absent
+    assert sized(machine, quest_rows="auto").cfg.quest_rows == 7           # "auto" = absent
 
 
 def test_an_explicit_kv_cache_size_is_not_cut_by_the_reservations():

@@ -111,7 +111,9 @@ def _compute(args, hf: dict) -> dict:
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: use 1 or more, or leave it out")
     P, seqs, gpu = args.page_size, args.max_num_seqs, int(args.gpu_kv_gib * GIB)
     # the auto sizes first, as the server resolves them (core/auto_size.py); then as if given
-    engine = EngineLimits(m.num_layers, mml, 0, m.num_kv_heads, m.head_dim, m.dtype_bytes, tp)
+    engine = EngineLimits(m.num_layers, mml, 0, m.num_kv_heads, m.head_dim, m.dtype_bytes, tp,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          watermark=args.watermark)
     sized = resolve(asked, dataclasses.replace(engine, max_num_seqs=seqs or 0,
                                                machine=machine(args, gpu, tp)))
     cfg, S = sized.cfg, sized.cfg.num_slots
@@ -268,8 +270,8 @@ def _compute(args, hf: dict) -> dict:
         args.max_num_batched_tokens, vllm_seqs, P, cap.watermark_blocks(h_blocks, args.watermark)),
         n_h, h_bpr)
     extra = max(0, room // life) if cfg.hostless != "wait" and sparse and possible else 0
-    if cfg.hostless == "sparse":
-        extra = min(extra, n_seqs - n_h)
+    if cfg.hostless == "sparse":        # (no row at all when none can be sparse: 0, not < 0)
+        extra = max(0, min(extra, n_seqs - n_h))
     if seqs is not None:
         extra = max(0, min(extra, seqs - n_h))
     hisparse["hostless_requests"] = extra

@@ -83,7 +83,9 @@ def report(args, r: dict) -> None:
               f"Maximum concurrency for {mml:,} tokens per request: {v['vllm_max_concurrency']:.2f}x")
     if h.get("hostless_requests"):
         mode = getattr(args, "hostless", "sparse")
-        how = "stock's outputs" if mode == "dense" else "on idle Quest rows"
+        how = ("stock's outputs" if mode == "dense" else
+               "each on a Quest row: the auto rows count them" if "quest_rows" in h["auto"] else
+               "on idle Quest rows")
         print(f"hostless {mode}: {h['hostless_requests']} more requests run host-less "
               f"beside them (whole lives in the GPU blocks, {how}): "
               f"{h['max_requests'] + h['hostless_requests']} in all")

@@ -37,6 +37,8 @@ class EngineLimits:
     dtype_bytes: bytes of one KV value (the model dtype's).
     machine: the host RAM and GPU KV budget the auto sizes come from (core/auto_size.py); None
         outside vLLM and calc (the fixed sizes of before).
+    max_num_batched_tokens, watermark: vLLM's scheduler settings, for the spill reserve R the
+        connector keeps beside host-less requests (auto rows: core/auto_size.py rule 1).
     """
     num_layers: int
     max_model_len: int
@@ -47,6 +49,8 @@ class EngineLimits:
     tensor_parallel_size: int = 1
     latent_row: int = 0
     machine: Machine | None = None
+    max_num_batched_tokens: int = 0
+    watermark: float = 0.0
 
     def __post_init__(self):
         for name in ("num_layers", "max_model_len"):
@@ -96,6 +100,8 @@ class Deployment:
     auto: the config's fields sized from the machine (core/auto_size.py); cfg has their values.
     gpu_requests: requests of max_model_len tokens the machine's GPU KV budget runs with the
         indexer rows and dense pool reserved (None: budget unknown).
+    hostless_requests: L, the host-less requests of max_model_len the auto rows include beyond
+        the host-backed ones (core/auto_size.py rule 1; None: not counted, e.g. quest_rows given).
     """
     cfg: HiSparseConfig
     limits: EngineLimits
@@ -117,6 +123,7 @@ class Deployment:
     latent: LatentSizes | None = None
     auto: tuple = ()
     gpu_requests: int | None = None
+    hostless_requests: int | None = None
 
     @property
     def dense_pool_bytes(self) -> int:
@@ -144,15 +151,20 @@ class Deployment:
     def room(self) -> tuple[int, str]:
         """(requests of max_model_len tokens admission lets run at once, why: each tier's size and
         requests, "auto" after a size core/auto_size.py chose): the server's startup line
-        (``room_line``) and ``hisparse calc``'s."""
+        (``room_line``) and ``hisparse calc``'s. With auto rows (``hostless_requests`` set) the
+        count is H host-backed (the least tier) + L host-less, and the line says both."""
         if not self.sparse_possible:
             return self.limits.max_num_seqs, (
                 f"no request can turn sparse: max_model_len < min_context={self.min_context}, so "
                 f"no indexer row or dense pool is reserved; vLLM's KV blocks bound them")
         tiers = self.tier_requests()
-        room = min(n for n in tiers.values() if n is not None)
+        backed = min(n for n in tiers.values() if n is not None)
+        room = backed + (self.hostless_requests or 0)
         per = self.pages_per_request
-        parts = [f"quest_rows={self.indexer_rows}{self._auto('quest_rows')}"]
+        parts = [] if self.hostless_requests is None else [
+            f"{backed} host-backed + {self.hostless_requests} host-less "
+            f"(hostless={self.cfg.hostless})"]
+        parts += [f"quest_rows={self.indexer_rows}{self._auto('quest_rows')}"]
         if tiers["host_pool"] is not None:
             parts.append(f"host pool {_size(self.cfg.host_pool_bytes)}"
                          f"{self._auto('host_pool_gib')}: {self.host_pages} pages = "
@@ -182,8 +194,8 @@ class Deployment:
         (``gpu_pools.idle_rows_note``); None when every row can be used or there is no pool."""
         if not self.sparse_possible or not self.cfg.host_tier:
             return None
-        note = gpu_pools.idle_rows_note(
-            self.indexer_rows, self.admit_pages // self.pages_per_request,
+        note = gpu_pools.idle_rows_note(       # the auto host-less rows are not idle
+            self.indexer_rows - (self.hostless_requests or 0), self.admit_pages // self.pages_per_request,
             self.limits.max_model_len, self.admit_bound,
             "quest_rows auto" if "quest_rows" in self.auto else
             "quest_rows" if self.cfg.quest_rows else "max_num_seqs: quest_rows unset")
@@ -201,7 +213,7 @@ def resolve(cfg: HiSparseConfig, limits: EngineLimits) -> Deployment:
     mml, P = limits.max_model_len, cfg.page_size
     possible = gpu_pools.sparse_possible(cfg, mml)
     auto = cfg.auto_fields
-    gpu_n = None
+    gpu_n = hostless = None
     if limits.mla:
         cfg = _latent_sizes(cfg, limits)
         latent = _latent(cfg, limits)
@@ -222,8 +234,9 @@ def resolve(cfg: HiSparseConfig, limits: EngineLimits) -> Deployment:
         pool = (cfg.host_tier and bool(dense_ids) and possible
                 and (cfg.dense_pool_gib is None or cfg.dense_pool_gib > 0))
         gpu = auto_size.GpuModel(cfg, limits.machine, limits.num_layers, mml, page_bytes,
-                                 row_bytes, len(dense_ids), pool)
-        cfg, gpu_n = auto_size.size_gqa(cfg, limits.machine, possible, limits.max_num_seqs,
+                                 row_bytes, len(dense_ids), pool, limits.max_num_batched_tokens,
+                                 limits.watermark)
+        cfg, gpu_n, hostless = auto_size.size_gqa(cfg, limits.machine, possible, limits.max_num_seqs,
                                         limits.tensor_parallel_size, gpu)
         rows = gpu_pools.quest_rows(cfg, limits.max_num_seqs, mml)
         set_by = ((("quest_rows auto" if "quest_rows" in auto else "quest_rows")
@@ -243,7 +256,8 @@ def resolve(cfg: HiSparseConfig, limits: EngineLimits) -> Deployment:
                       page_bytes=page_bytes, host_layers=host_layers,
                       host_pages=host, dense_pool_pages=dense, admit_pages=admit,
                       admit_bound=bound, latent=latent,
-                      auto=auto if limits.machine is not None else (), gpu_requests=gpu_n)
+                      auto=auto if limits.machine is not None else (), gpu_requests=gpu_n,
+                      hostless_requests=hostless)
 
 
 def _latent_sizes(cfg: HiSparseConfig, limits: EngineLimits) -> HiSparseConfig:

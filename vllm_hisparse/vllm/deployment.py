@@ -101,7 +101,9 @@ def limits_of(vllm_config, machine: Machine | None = None) -> EngineLimits | Non
                         max_num_seqs=getattr(sc, "max_num_seqs", 0) or 0,
                         dtype_bytes=mc.dtype.itemsize,
                         tensor_parallel_size=getattr(pc, "tensor_parallel_size", 1) or 1,
-                        machine=machine, **kw)
+                        machine=machine,
+                        max_num_batched_tokens=getattr(sc, "max_num_batched_tokens", 0) or 0,
+                        watermark=getattr(sc, "watermark", 0.0) or 0.0, **kw)
 
 
 GPU_OVERHEAD = 3 << 30    # guess: what vLLM's profiling finds besides the weights (activations at
