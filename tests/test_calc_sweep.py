@@ -1,5 +1,6 @@
-"""bench/calc_sweep.py: every point is `hisparse calc`'s figure (auto sizes, hostless dense), the
-host-less count only adds requests, and a context no pool can serve is reported as refused."""
+"""bench/calc_sweep.py: every point is `hisparse calc`'s figure (auto sizes; hostless dense and the
+default sparse), the host-less count only adds requests, and a context no pool can serve is
+reported as refused."""
 import csv
 
 from calc_cli import calc_json, model_dir  # noqa: F401
@@ -23,5 +24,13 @@ def test_sweep_points_are_calcs_figures(model_dir, tmp_path):
     assert int(r["hisparse"]) == ref["hisparse"]["max_requests"]
     assert int(r["hostless"]) == ref["hisparse"]["hostless_requests"]
     assert float(r["ratio_dense"]) >= float(r["ratio_wait"]) >= 1.0
+    # the default "sparse": the auto rows include its host-less requests (calc without --hostless)
+    sp = calc_json(model_dir, "--context", 32768, "--gpu-kv-gib", f"{kv:.3f}", "--host-ram-gib",
+                   120)["hisparse"]
+    assert int(r["hostless_sparse"]) == sp["hostless_requests"] > 0
+    assert sp["max_requests"] == int(r["hisparse"]) and sp["quest_rows"] == (
+        int(r["hisparse"]) + int(r["hostless_sparse"]))
+    assert float(r["ratio_sparse"]) == round((sp["max_requests"] + sp["hostless_requests"])
+                                             / int(r["stock"]), 3) > float(r["ratio_wait"])
     # 128K at util 0.3 (6 GiB of KV, 16 GiB a request): neither serves one; hisparse refuses
     assert by[(131072, 0.3)]["bound_by"] == "refused" and by[(131072, 0.3)]["stock"] == "0"

@@ -1,9 +1,10 @@
 """``hisparse calc`` over a grid of contexts and ``gpu_memory_utilization`` (issue 45): the requests
 of each context a GPU holds at once, stock vLLM against hisparse with every pool sized as a server
-with no hisparse config sizes it (core/auto_size.py), host-backed requests and, with
-``hostless`` "dense", the host-less ones beside them (the default "sparse" counts none here: a
-sparse host-less request needs an idle Quest row, and the auto rows are at most the auto host
-pool's requests). CSV + plot of hisparse / stock.
+with no hisparse config sizes it (core/auto_size.py), host-backed requests and the host-less ones
+beside them: with the default ``hostless`` "sparse" (each takes a Quest row, and the auto rows
+count them: rule 1's L) and with "dense" (no row; calc counts those the KV blocks hold whole
+beside the host-backed ones' rows). "wait" admits the host-backed ones only. CSV + plot of
+hisparse / stock for the three.
 
     python -m vllm_hisparse.bench.calc_sweep --model DIR --gpu-gib 80 --weights-gib 15 \\
         --host-ram-gib 120 --out DIR [--contexts 4096,...] [--utils 0.3,...]
@@ -23,7 +24,7 @@ from vllm_hisparse.config import HiSparseConfigError
 from . import calc, calc_args
 
 FIELDS = ("context", "util", "gpu_kv_gib", "stock", "hisparse", "bound_by", "hostless",
-          "ratio_wait", "ratio_dense")
+          "hostless_sparse", "ratio_wait", "ratio_sparse", "ratio_dense")
 
 
 def _calc(argv: list[str]) -> dict:
@@ -36,20 +37,25 @@ def _calc(argv: list[str]) -> dict:
 def point(model: str, context: int, kv_gib: float, ram_gib: float, seqs: int | None) -> dict:
     """calc's figures for one context at one GPU KV size: stock, host-backed, host-less."""
     argv = ["--model", model, "--context", str(context), "--gpu-kv-gib", f"{kv_gib:.3f}",
-            "--host-ram-gib", f"{ram_gib:.3f}", "--hostless", "dense"]
+            "--host-ram-gib", f"{ram_gib:.3f}"]
     if seqs:
         argv += ["--max-num-seqs", str(seqs)]
+    argv += ["--hostless", "dense"]                 # last: point() drops it for "sparse"
     try:
         r = _calc(argv)
     except HiSparseConfigError:     # the server would refuse to start: no request of this context
         return {"context": context, "gpu_kv_gib": round(kv_gib, 3), "stock": stock_only(
             model, context, kv_gib), "hisparse": 0, "bound_by": "refused", "hostless": 0,
-            "ratio_wait": None, "ratio_dense": None}
+            "hostless_sparse": 0, "ratio_wait": None, "ratio_sparse": None, "ratio_dense": None}
     b, h = r["baseline"]["max_requests"], r["hisparse"]
     n, extra = h["max_requests"], h["hostless_requests"]
+    hs = _calc(argv[:-2])["hisparse"]               # the default "sparse": rows for host-less too
+    sparse = hs["max_requests"] + hs["hostless_requests"]
     return {"context": context, "gpu_kv_gib": round(kv_gib, 3), "stock": b, "hisparse": n,
             "bound_by": h["bound_by"], "hostless": extra,
+            "hostless_sparse": sparse - n,
             "ratio_wait": round(n / b, 3) if b else None,
+            "ratio_sparse": round(sparse / b, 3) if b else None,
             "ratio_dense": round((n + extra) / b, 3) if b else None}
 
 
@@ -70,7 +76,8 @@ def sweep(a) -> list[dict]:
             rows.append({"util": util, **point(a.model, context, kv, a.host_ram_gib, a.max_num_seqs)})
             r = rows[-1]
             print(f"util {util:.2f} context {context:6d}: stock {r['stock']:4d}, hisparse "
-                  f"{r['hisparse']:4d} ({r['bound_by']}) + host-less {r['hostless']:4d}", flush=True)
+                  f"{r['hisparse']:4d} ({r['bound_by']}) + host-less {r['hostless_sparse']:4d} "
+                  f"(sparse) / {r['hostless']:4d} (dense)", flush=True)
     return rows
 
 
@@ -79,10 +86,10 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    # the default "sparse" equals "wait" here: with every pool auto no Quest row is idle
-    for ax, key, title in ((axes[0], "ratio_wait", 'hostless "wait" = "sparse" (default)'),
-                           (axes[1], "ratio_dense", 'hostless "dense"')):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
+    for ax, key, title in ((axes[0], "ratio_wait", 'hostless "wait"'),
+                           (axes[1], "ratio_sparse", 'hostless "sparse" (default)'),
+                           (axes[2], "ratio_dense", 'hostless "dense"')):
         for util in sorted({r["util"] for r in rows}):
             pts = [(r["context"], r[key]) for r in rows if r["util"] == util and r[key] is not None]
             ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=f"util {util:g}")
@@ -91,7 +98,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_xlabel("context (tokens)")
         ax.set_title(title)
     axes[0].set_ylabel("requests at once, hisparse / stock")
-    axes[1].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
