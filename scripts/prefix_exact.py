@@ -163,7 +163,8 @@ def compare(x: dict, y: dict) -> dict:
                         first_token = first_token or where
                         dead.add(c)
                         break
-        strip = lambda turns: [[(r["tokens"], r["logprobs"]) for r in tt] for tt in turns]  # noqa: E731
+        def strip(turns):
+            return [[(r["tokens"], r["logprobs"]) for r in tt] for tt in turns]
         out[v] = {"identical": strip(a) == strip(b), "first_difference": first,
                   "first_token_difference": first_token, "max_abs_logprob_diff": max_diff,
                   "positions_with_logprob_diff": n_lp_diff,
