@@ -125,7 +125,8 @@ def engine_runs(tmp) -> dict:
         "crf": (dict(cfg, dense_pool_gib=0.01, policy="crf"), batches(), ()),
         "resident": (dict(cfg, host_tier=False), batches(), ()),
         # a host pool that holds one max-length request: 36 pages of all layers
-        "poolfull": (dict(cfg, host_pool_gib=36 * page_bytes_all_layers / (1 << 30)),
+        "poolfull": (dict(cfg, host_pool_gib=36 * page_bytes_all_layers / (1 << 30),
+                          hostless="wait"),
                      [prompts()], ["--max-model-len", "512"]),
         "questrows": (dict(cfg, quest_rows=1), [prompts()], ()),
     }
@@ -301,8 +302,8 @@ def test_policy_crf_equals_lru_and_resident(runs, engines):
 
 def test_host_pool_full_requests_wait(engines):
     """A host pool that holds one max-length request (32 pages of 16 tokens): the 5 requests need
-    ~70 pages in all, so some wait for others to finish (hostless "wait", the default; with
-    "dense" they run host-less: tests/test_hostless_engine.py); all complete, none crashes."""
+    ~70 pages in all, so with hostless "wait" some wait for others to finish (with the default
+    "sparse" they run host-less: tests/test_hostless_engine.py); all complete, none crashes."""
     res = engines["poolfull"]()
     assert "host pool full" in res["log"]
     assert [len(b["tokens"]) for b in res["batches"][0]] == [MAX_TOKENS] * len(PROMPT_LENS)
