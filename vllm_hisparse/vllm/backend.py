@@ -106,8 +106,8 @@ class HiSparseBackend(AttentionBackend):
             why.append("only decoder self-attention is supported (no encoder-decoder)")
         if dtype not in cls.supported_dtypes:
             why.append(f"dtype {dtype} not supported")
-        if kv_cache_dtype_error(kv_cache_dtype):
-            why.append(kv_cache_dtype_error(kv_cache_dtype))
+        if (kv_why := kv_cache_dtype_error(kv_cache_dtype)):
+            why.append(kv_why)
         return why
 
 
