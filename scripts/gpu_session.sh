@@ -138,7 +138,8 @@ case "$part" in
     }
     for pair in ${EXACT_PAIRS:-A}; do
       if [ $pair = A ]; then
-        for m in resident:${EXACT_KV_RES:-7} hisparse:5 resident2:${EXACT_KV_RES:-7} control:5 elastic:5 crf:5; do
+        # EXACT_MODES="mode:KV_GIB ...": another set (e.g. fp8 with less KV: spills at fp8 width)
+        for m in ${EXACT_MODES:-resident:${EXACT_KV_RES:-7} hisparse:5 resident2:${EXACT_KV_RES:-7} control:5 elastic:5 crf:5}; do
           queue runA ${m%:*} ${m#*:}; done
       elif [ $pair = Q ]; then
         # Qwen2.5-1.5B: ~3 GB of weights, ~10 GB an engine: QWEN_PAR at a time
@@ -153,7 +154,8 @@ case "$part" in
     wait "${pids[@]}"; since "engines done"
     for pair in ${EXACT_PAIRS:-A}; do
       grep -h "== \|rc=\|cudagraph_mode" $ex/$pair/*.out | cut -c1-200; grep -h "Error" $ex/$pair/*.log | tail -3
-      if [ $pair = A ]; then python3 scripts/gpu_exactness.py compare $ex/A hisparse elastic crf
+      if [ $pair = A ]; then python3 scripts/gpu_exactness.py compare $ex/A \
+          $(for m in ${EXACT_MODES:-hisparse elastic crf}; do m=${m%:*}; case $m in resident*|control) ;; *) echo $m;; esac; done)
       elif [ $pair = Q ]; then EXACT_MODEL=${QWEN:-/tmp/models/qwen2.5-coder-1.5b} \
         python3 scripts/gpu_exactness.py compare $ex/Q hisparse crf elastic elastic_crf
       else EXACT_PROMPTS=1200,5000 EXACT_MAX_LEN=8192 python3 scripts/gpu_exactness.py compare $ex/B hisparse; fi
