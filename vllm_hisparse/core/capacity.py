@@ -49,7 +49,8 @@ DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the KV footprint of a GQA decoder depends on."""
+    """What the KV footprint of a GQA decoder depends on. dtype_bytes: bytes of one KV value (the
+    KV cache's: 1 with an fp8 cache; ``from_hf_config`` gives the model dtype's)."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -150,7 +151,8 @@ def indexer_row_bytes(indexer: str, m: ModelShape, max_model_len: int, page_size
                       dense_layers: int) -> int:
     """The indexer's state of one runtime row (``Deployment.indexer_row_bytes``;
     ``Indexer.row_bytes``: Quest's key min and max per page of every KV head,
-    ``cdiv(max_model_len, page)`` pages, every sparse layer, model dtype)."""
+    ``cdiv(max_model_len, page)`` pages, every sparse layer, model dtype: pass ``m`` with the
+    model dtype's bytes, not an fp8 cache's)."""
     return indexers.get(indexer).row_bytes(m.num_layers - dense_layers, m.num_kv_heads,
                                            m.head_dim, m.dtype_bytes, max_model_len, page_size)
 

@@ -34,7 +34,10 @@ class EngineLimits:
     num_kv_heads, head_dim: this rank's KV heads (vLLM's ``get_num_kv_heads``) and head size; 0 on
         an MLA model, whose latent rows have ``latent_row`` values (kv_lora_rank +
         qk_rope_head_dim; 0 on a GQA model).
-    dtype_bytes: bytes of one KV value (the model dtype's).
+    dtype_bytes: bytes of one value in the model dtype: the indexer's state (Quest's page bounds
+        stay in the model dtype whatever the KV cache's).
+    kv_dtype_bytes: bytes of one KV value in every KV tier (GPU blocks, host pool, dense pool,
+        latent rows): 1 with ``--kv-cache-dtype fp8``; 0 = dtype_bytes (filled in).
     machine: the host RAM and GPU KV budget the auto sizes come from (core/auto_size.py); None
         outside vLLM and calc (the fixed sizes of before).
     max_num_batched_tokens, watermark: vLLM's scheduler settings, for the spill reserve R the
@@ -51,8 +54,14 @@ class EngineLimits:
     machine: Machine | None = None
     max_num_batched_tokens: int = 0
     watermark: float = 0.0
+    kv_dtype_bytes: int = 0
 
     def __post_init__(self):
+        if self.kv_dtype_bytes < 0:
+            raise ValueError(f"hisparse: kv_dtype_bytes={self.kv_dtype_bytes} must be >= 0 "
+                             f"(0: the model dtype's)")
+        if not self.kv_dtype_bytes:        # frozen: set once here, so equal limits compare equal
+            object.__setattr__(self, "kv_dtype_bytes", self.dtype_bytes)
         for name in ("num_layers", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"hisparse: {name}={getattr(self, name)} must be >= 1")
@@ -226,8 +235,9 @@ def resolve(cfg: HiSparseConfig, limits: EngineLimits) -> Deployment:
     else:
         latent = None
         dense_ids = tuple(i for i in range(limits.num_layers) if i in cfg.dense_layers)
+        # KV pages at the cache's width (fp8: 1 byte), the indexer's rows at the model dtype's
         shape = capacity.ModelShape(limits.num_layers, limits.num_kv_heads, limits.head_dim,
-                                    limits.dtype_bytes)
+                                    limits.kv_dtype_bytes)
         row_bytes = ix.row_bytes(limits.num_layers - len(dense_ids), limits.num_kv_heads,
                                  limits.head_dim, limits.dtype_bytes, mml, P)
         page_bytes = shape.token_bytes_per_layer * P
@@ -269,7 +279,7 @@ def _latent_sizes(cfg: HiSparseConfig, limits: EngineLimits) -> HiSparseConfig:
     sizes = {"quest_rows": 0, "dense_pool_gib": 0.0}
     sizes = {f: v for f, v in sizes.items() if f in auto}
     if "host_pool_gib" in auto:
-        token = limits.latent_row * limits.dtype_bytes * limits.num_layers
+        token = limits.latent_row * limits.kv_dtype_bytes * limits.num_layers
         rows = (cfg.quest_rows or limits.max_num_seqs) * limits.max_model_len
         if m.host_available_bytes is not None:
             rows = min(rows, auto_size.host_rank_room(m) // token)
@@ -278,7 +288,7 @@ def _latent_sizes(cfg: HiSparseConfig, limits: EngineLimits) -> HiSparseConfig:
 
 
 def _latent(cfg: HiSparseConfig, limits: EngineLimits) -> LatentSizes:
-    row_bytes = limits.latent_row * limits.dtype_bytes
+    row_bytes = limits.latent_row * limits.kv_dtype_bytes
     n = cfg.quest_rows or limits.max_num_seqs
     host = cfg.host_pool_bytes // (row_bytes * limits.num_layers) if cfg.host_tier else 0
     return LatentSizes(row_bytes=row_bytes, row_sets=n,

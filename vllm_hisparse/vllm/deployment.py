@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core.auto_size import Machine
+from vllm_hisparse.core.capacity import DTYPE_BYTES
 from vllm_hisparse.core.deployment import Deployment, EngineLimits, resolve
 
 ATTR = "_hisparse_deployment"      # the attribute of the VllmConfig that holds it
@@ -100,10 +101,19 @@ def limits_of(vllm_config, machine: Machine | None = None) -> EngineLimits | Non
     return EngineLimits(num_layers=mc.get_num_layers(pc), max_model_len=mc.max_model_len,
                         max_num_seqs=getattr(sc, "max_num_seqs", 0) or 0,
                         dtype_bytes=mc.dtype.itemsize,
+                        kv_dtype_bytes=kv_dtype_bytes(vllm_config, mc.dtype.itemsize),
                         tensor_parallel_size=getattr(pc, "tensor_parallel_size", 1) or 1,
                         machine=machine,
                         max_num_batched_tokens=getattr(sc, "max_num_batched_tokens", 0) or 0,
                         watermark=getattr(sc, "watermark", 0.0) or 0.0, **kw)
+
+
+def kv_dtype_bytes(vllm_config, model_bytes: int) -> int:
+    """Bytes of one KV value: vLLM's ``cache_config.cache_dtype`` ("fp8" / "fp8_e4m3": 1;
+    "auto": the model dtype's, ``model_bytes``). A cache dtype hisparse does not serve is refused
+    at startup (setup_check.check_kv_cache_dtype) and counts as the model's here."""
+    dt = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None) or "auto"
+    return DTYPE_BYTES.get(str(dt).lower(), model_bytes)
 
 
 GPU_OVERHEAD = 3 << 30    # guess: what vLLM's profiling finds besides the weights (activations at
