@@ -2,7 +2,8 @@
 implements it today (the formulas and what they model: ``vllm_hisparse.core.capacity``).
 
     hisparse calc --model CONFIG_DIR_OR_JSON --context 32768 --top-k 2048 --buffer 4096 \
-        --gpu-kv-gib 40 --host-gib 100 [--page-size 16 --dtype bf16 --dense-layers 2 \
+        --gpu-kv-gib 40 --host-gib 100 [--page-size 16 --dtype bf16 --kv-cache-dtype fp8 \
+        --dense-layers 2 \
         --max-num-seqs N --max-model-len M --min-context C --max-num-batched-tokens T \
         --no-resident-first] [--json]
 
@@ -22,7 +23,8 @@ import os
 
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.bench import calc_mla, calc_report
-from vllm_hisparse.bench.calc_args import _opt, add_arguments, machine  # noqa: F401 (the CLI's)
+from vllm_hisparse.bench.calc_args import (_opt, add_arguments, kv_dtype_bytes,  # noqa: F401
+                                            machine)
 from vllm_hisparse.bench.calc_report import gib_str as _gib
 from vllm_hisparse.core import capacity as cap
 from vllm_hisparse.core.auto_size import host_rank_room
@@ -78,7 +80,14 @@ def _auto_buffer(args, hf: dict) -> dict:
 
 
 def _compute(args, hf: dict) -> dict:
+    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+    if (args.dtype or "").lower().startswith("fp8"):
+        raise SystemExit(f"--dtype {args.dtype}: --dtype is the model dtype (the Quest bounds stay "
+                         f"in it); for an fp8 KV cache pass --kv-cache-dtype fp8")
     if "kv_lora_rank" in hf:
+        if kv_dtype != "auto":
+            raise SystemExit(f"--kv-cache-dtype {kv_dtype}: the MLA/DSA path keeps its latent rows "
+                             f"in the model dtype (fp8 is served for GQA models only)")
         if args.host_gib == "auto":      # the RAM share, as core/deployment._latent_sizes
             room = host_rank_room(machine(args, 0, args.tensor_parallel_size))
             if room <= 0:
@@ -100,9 +109,10 @@ def _compute(args, hf: dict) -> dict:
     if tp < 1 or (m.num_kv_heads % tp and tp % m.num_kv_heads):
         raise SystemExit(f"--tensor-parallel-size {tp}: vLLM splits the model's {m.num_kv_heads} "
                          f"KV heads over the ranks; use a divisor or a multiple of it")
-    # from here on, m is one rank's shape (its KV heads): every GPU figure is per GPU
-    m = cap.ModelShape(m.num_layers, cap.rank_kv_heads(m.num_kv_heads, tp), m.head_dim,
-                       m.dtype_bytes)
+    # from here on, m is one rank's shape (its KV heads) at the KV cache's width (fp8: 1 byte):
+    # every GPU figure is per GPU; the Quest bounds stay at the model dtype's (engine below)
+    model_bytes, kv_bytes = m.dtype_bytes, kv_dtype_bytes(kv_dtype, m.dtype_bytes)
+    m = cap.ModelShape(m.num_layers, cap.rank_kv_heads(m.num_kv_heads, tp), m.head_dim, kv_bytes)
     if args.dense_layers > m.num_layers:
         raise SystemExit(f"--dense-layers {args.dense_layers} exceeds the model's {m.num_layers} layers")
     if args.context > mml:
@@ -111,9 +121,9 @@ def _compute(args, hf: dict) -> dict:
         raise SystemExit(f"--max-num-seqs {args.max_num_seqs}: use 1 or more, or leave it out")
     P, seqs, gpu = args.page_size, args.max_num_seqs, int(args.gpu_kv_gib * GIB)
     # the auto sizes first, as the server resolves them (core/auto_size.py); then as if given
-    engine = EngineLimits(m.num_layers, mml, 0, m.num_kv_heads, m.head_dim, m.dtype_bytes, tp,
+    engine = EngineLimits(m.num_layers, mml, 0, m.num_kv_heads, m.head_dim, model_bytes, tp,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          watermark=args.watermark)
+                          watermark=args.watermark, kv_dtype_bytes=kv_bytes)
     sized = resolve(asked, dataclasses.replace(engine, max_num_seqs=seqs or 0,
                                                machine=machine(args, gpu, tp)))
     cfg, S = sized.cfg, sized.cfg.num_slots
@@ -287,7 +297,8 @@ def _compute(args, hf: dict) -> dict:
     hisparse["host_ram_bytes"] = (sized.limits.machine.host_available_bytes
                                   if "host_pool_gib" in sized.auto else None)
     return {"max_model_len": mml, "tensor_parallel_size": tp, "min_context": cfg.min_context_tokens,
-            "buffer": args.buffer, "baseline": baseline,
+            "buffer": args.buffer, "kv_cache_dtype": kv_dtype, "kv_dtype_bytes": kv_bytes,
+            "dtype_bytes": model_bytes, "baseline": baseline,
             "hisparse": hisparse}
 
 

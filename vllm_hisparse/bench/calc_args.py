@@ -7,6 +7,7 @@ import argparse
 from vllm_hisparse.core.auto_size import Machine
 
 GIB = 1 << 30
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")     # what hisparse serves (vllm/backend.py)
 
 EPILOG = """\
 --gpu-kv-gib is the KV memory a stock vLLM run gets on this GPU (its "Available KV cache memory"
@@ -70,7 +71,13 @@ def add_arguments(p):
     p.add_argument("--page-size", type=int, default=16,
                    help="tokens per page = vLLM block, both backends (default 16)")
     p.add_argument("--dtype", default=None,
-                   help="model = KV dtype (default: the model's, else bf16)")
+                   help="model dtype: the KV cache's with --kv-cache-dtype auto, and always the "
+                        "Quest bounds' (default: the model's, else bf16; fp8 is refused: use "
+                        "--kv-cache-dtype)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="vLLM --kv-cache-dtype: fp8 (= fp8_e4m3) counts every KV tier (both "
+                        "backends' GPU blocks, the host and dense pools) at 1 byte a value; the "
+                        "Quest bounds stay in the model dtype (default auto: the model dtype)")
     p.add_argument("--dense-layers", type=int, default=2,
                    help="how many leading layers attend densely (default 2, as Quest)")
     p.add_argument("--dense-pool-gib", type=_auto(float), default="auto",
@@ -115,6 +122,11 @@ def add_arguments(p):
                    help="vLLM scheduler watermark, a fraction of the GPU blocks kept free at "
                         "admission (default 0.0, vLLM 0.26's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, model_bytes: int) -> int:
+    """Bytes of one KV value for --kv-cache-dtype (auto: the model dtype's)."""
+    return model_bytes if kv_cache_dtype == "auto" else 1
 
 
 def _auto(typ):

@@ -20,7 +20,9 @@ def report(args, r: dict) -> None:
           f"page {args.page_size}, GPU KV {args.gpu_kv_gib} GiB{per_gpu}, host pool "
           f"{h['host_pool_bytes_per_rank'] * tp / GIB:.2f} GiB"
           + (" (auto)" if "host_pool_gib" in h["auto"] else "")
-          + (f" ({gib_str(h['host_pool_bytes_per_rank'])} pinned by each of {tp} ranks)" if tp > 1 else ""))
+          + (f" ({gib_str(h['host_pool_bytes_per_rank'])} pinned by each of {tp} ranks)" if tp > 1 else "")
+          + f", KV {r['kv_cache_dtype']} ({r['kv_dtype_bytes']} B/value; Quest bounds "
+            f"{r['dtype_bytes']} B)")
     print(f"{'':10s} {'GPU/request' if tp == 1 else 'GPU/req/GPU':>14s} {'host/request':>14s} "
           f"{'max requests':>13s}  bound by")
     for name, v in (("baseline", b), ("hisparse", h)):

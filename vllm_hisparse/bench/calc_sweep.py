@@ -34,10 +34,11 @@ def _calc(argv: list[str]) -> dict:
     return calc.compute(p.parse_args(argv))
 
 
-def point(model: str, context: int, kv_gib: float, ram_gib: float, seqs: int | None) -> dict:
+def point(model: str, context: int, kv_gib: float, ram_gib: float, seqs: int | None,
+          kv_cache_dtype: str = "auto") -> dict:
     """calc's figures for one context at one GPU KV size: stock, host-backed, host-less."""
     argv = ["--model", model, "--context", str(context), "--gpu-kv-gib", f"{kv_gib:.3f}",
-            "--host-ram-gib", f"{ram_gib:.3f}"]
+            "--host-ram-gib", f"{ram_gib:.3f}", "--kv-cache-dtype", kv_cache_dtype]
     if seqs:
         argv += ["--max-num-seqs", str(seqs)]
     argv += ["--hostless", "dense"]                 # last: point() drops it for "sparse"
@@ -45,8 +46,9 @@ def point(model: str, context: int, kv_gib: float, ram_gib: float, seqs: int | N
         r = _calc(argv)
     except HiSparseConfigError:     # the server would refuse to start: no request of this context
         return {"context": context, "gpu_kv_gib": round(kv_gib, 3), "stock": stock_only(
-            model, context, kv_gib), "hisparse": 0, "bound_by": "refused", "hostless": 0,
-            "hostless_sparse": 0, "ratio_wait": None, "ratio_sparse": None, "ratio_dense": None}
+            model, context, kv_gib, kv_cache_dtype), "hisparse": 0, "bound_by": "refused",
+            "hostless": 0, "hostless_sparse": 0, "ratio_wait": None, "ratio_sparse": None,
+            "ratio_dense": None}
     b, h = r["baseline"]["max_requests"], r["hisparse"]
     n, extra = h["max_requests"], h["hostless_requests"]
     hs = _calc(argv[:-2])["hisparse"]               # the default "sparse": rows for host-less too
@@ -59,10 +61,11 @@ def point(model: str, context: int, kv_gib: float, ram_gib: float, seqs: int | N
             "ratio_dense": round((n + extra) / b, 3) if b else None}
 
 
-def stock_only(model: str, context: int, kv_gib: float) -> int:
+def stock_only(model: str, context: int, kv_gib: float, kv_cache_dtype: str = "auto") -> int:
     """Stock's requests where hisparse would not start (calc's stock figure, its pools given)."""
     return _calc(["--model", model, "--context", str(context), "--gpu-kv-gib", f"{kv_gib:.3f}",
-                  "--host-gib", "1", "--quest-rows", "1", "--dense-pool-gib", "0"]
+                  "--host-gib", "1", "--quest-rows", "1", "--dense-pool-gib", "0",
+                  "--kv-cache-dtype", kv_cache_dtype]
                  )["baseline"]["max_requests"]
 
 
@@ -73,7 +76,8 @@ def sweep(a) -> list[dict]:
         for context in a.contexts:
             if kv <= 0:
                 continue
-            rows.append({"util": util, **point(a.model, context, kv, a.host_ram_gib, a.max_num_seqs)})
+            rows.append({"util": util, **point(a.model, context, kv, a.host_ram_gib, a.max_num_seqs,
+                                               a.kv_cache_dtype)})
             r = rows[-1]
             print(f"util {util:.2f} context {context:6d}: stock {r['stock']:4d}, hisparse "
                   f"{r['hisparse']:4d} ({r['bound_by']}) + host-less {r['hostless_sparse']:4d} "
@@ -115,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
     p.add_argument("--utils", default="0.3,0.5,0.7,0.9")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", choices=calc_args.KV_CACHE_DTYPES, default="auto",
+                   help="vLLM --kv-cache-dtype (fp8: KV at 1 byte, Quest bounds at the model's)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     a.contexts = [int(x) for x in a.contexts.split(",")]
