@@ -54,6 +54,10 @@ def _engine(cfg: dict, out: str, kv_cache_dtype: str) -> None:
            "stats": {k: stats[k] for k in ("decode_rows", "hits", "misses")},
            "dtypes": {"cache": str(rt.kv_cache(1).dtype),
                       "host": str(rt.host_layer(1).dtype) if rt.pool is not None else None}}
+    if rt.pool is not None:        # what the pool pins, and one page of all its layers
+        d = rt.pool.data
+        res["pool"] = {"bytes": d.numel() * d.element_size(),
+                       "page_all": d[:, 0].numel() * d.element_size()}
     with open(out, "w") as f:
         json.dump(res, f)
 
@@ -90,6 +94,13 @@ def test_fp8_hisparse_equals_resident(runs):
     assert hs["stats"]["misses"] > 0 and res["stats"]["misses"] == 0
     assert hs["tokens"] == res["tokens"]
     assert hs["logprobs"] == res["logprobs"]          # bit for bit (floats through JSON)
+
+
+def test_fp8_host_pool_pins_its_whole_gib(runs):
+    """host_pool_gib counts fp8 pages at 1 byte a value (issue 45): the pool pins host_pool_gib
+    less under one page of its layers, not half of it as pages of the model dtype would."""
+    p, gib = runs("hisparse")["pool"], CFG["host_pool_gib"] * (1 << 30)
+    assert gib - p["page_all"] < p["bytes"] <= gib
 
 
 def test_fp8_corrupted_fetch_differs(runs):
