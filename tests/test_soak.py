@@ -3,8 +3,8 @@ sized so that the host pool fills (28 pages; a request reserves up to 7: every o
 sparse, prompt + max_tokens reaching min_context) and requests get preempted (24 GPU blocks, 6
 requests at once): random prompts around min_context, a third of the requests
 streamed and abandoned mid-stream. Afterwards the host pool and the GPU blocks are empty, the fixed
-greedy prompt gives the tokens it gave before, the server never failed. ~3 min on 2 cores (engine
-start + 60 s of load + the drain). The long run for the GPU box: docs/vllm-integration.md."""
+greedy prompt gives the tokens it gave before, the server never failed. The load stops as soon as
+each of those events has happened (``--until-seen``; at most 60 s), then the drain. The long run for the GPU box: docs/vllm-integration.md."""
 from __future__ import annotations
 
 import json
@@ -36,7 +36,7 @@ def test_soak_cpu(tmp_path):
         port = s.getsockname()[1]
     out = tmp_path / "soak"
     cmd = [sys.executable, "-m", "vllm_hisparse.bench.soak", "--out", str(out), "--port", str(port),
-           "--duration-s", "60", "--concurrency", "6", "--min-context", str(MIN_CONTEXT),
+           "--duration-s", "60", "--until-seen", "--concurrency", "6", "--min-context", str(MIN_CONTEXT),
            "--max-len", str(MAX_LEN), "--max-tokens", "48", "--abort-frac", "0.33",
            "--ref-tokens", "32", "--start-timeout-s", "600",
            "--", model, "--attention-backend", "hisparse", "--additional-config",

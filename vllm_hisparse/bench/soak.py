@@ -10,7 +10,8 @@ the end; with ``--url`` it drives a server already running. Phases:
 
 1. a fixed greedy prompt (``--ref-len`` random token ids, seed 0, ``--ref-tokens`` tokens, alone on
    the server) -> the reference tokens;
-2. ``--concurrency`` client threads send requests until ``--duration-s`` or ``--max-requests``:
+2. ``--concurrency`` client threads send requests until ``--duration-s``, ``--max-requests`` or
+   (``--until-seen``) every event below has happened:
    prompt lengths drawn around ``--min-context`` (``[min_context/2, 2 min_context]``, capped by
    ``--max-len``), random outputs; a share ``--abort-frac`` streams and closes the connection after
    a few chunks (vLLM aborts the request); a sampler reads /health and /metrics every
@@ -49,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8765, help="port for the started server")
     p.add_argument("--duration-s", type=float, default=120, help="stop sending after this")
     p.add_argument("--max-requests", type=int, default=10**9, help="... or after this many")
+    p.add_argument("--until-seen", action="store_true",
+                   help="... or as soon as every event the soak exists for has happened: requests "
+                        "completed and aborted, requests waiting for host pages, a preemption "
+                        "(the CPU test's short soak)")
     p.add_argument("--concurrency", type=int, default=8, help="client threads")
     p.add_argument("--min-context", type=int, required=True,
                    help="the server's hisparse min_context: prompt lengths are drawn around it")
@@ -118,12 +123,13 @@ class Sampler(threading.Thread):
         self.url, self.period, self.proc = url, period, proc
         self.peak = dict.fromkeys(self.PEAKS, 0.0)
         self.samples = 0
+        self.last: dict[str, float] = {}
         self.health_failures: list[str] = []
         self.halt = threading.Event()
 
     def run(self) -> None:
         while not self.halt.wait(self.period):
-            self.sample()
+            self.last = self.sample() or self.last
 
     def sample(self) -> dict[str, float] | None:
         if self.proc is not None and self.proc.poll() is not None:
@@ -149,9 +155,10 @@ def prompt_len(rng: random.Random, a) -> int:
     return max(1, min(rng.randint(max(1, a.min_context // 2), max(hi, 1)), hi))
 
 
-def drive(cl: Client, a, deadline: float, counts: dict, lock: threading.Lock, wid: int) -> None:
+def drive(cl: Client, a, deadline: float, counts: dict, lock: threading.Lock, wid: int,
+          enough: threading.Event) -> None:
     rng = random.Random(a.seed * 1000 + wid)
-    while time.time() < deadline:
+    while time.time() < deadline and not enough.is_set():
         with lock:
             if counts["sent"] >= a.max_requests:
                 return
@@ -175,6 +182,13 @@ def drive(cl: Client, a, deadline: float, counts: dict, lock: threading.Lock, wi
             with lock:
                 counts["errors"] += 1
                 counts["error_samples"] = (counts["error_samples"] + [repr(e)[:300]])[:10]
+
+
+def all_seen(counts: dict, sampler: Sampler, start: dict[str, float]) -> bool:
+    """--until-seen: completed and aborted requests, a wait for host pages, a preemption."""
+    pre = "vllm:num_preemptions_total"
+    return (counts["completed"] > 0 and counts["aborted"] > 0 and sampler.peak["waiting_pool"] > 0
+            and sampler.last.get(pre, 0.0) > start.get(pre, 0.0))
 
 
 def wait_drained(sampler: Sampler, timeout: float) -> dict[str, float]:
@@ -220,12 +234,19 @@ def soak(a) -> dict:
         lock = threading.Lock()
         sampler.start()
         t0 = time.time()
-        workers = [threading.Thread(target=drive, args=(cl, a, t0 + a.duration_s, counts, lock, i),
-                                    daemon=True) for i in range(a.concurrency)]
+        enough = threading.Event()
+        workers = [threading.Thread(target=drive, daemon=True,
+                                    args=(cl, a, t0 + a.duration_s, counts, lock, i, enough))
+                   for i in range(a.concurrency)]
         for w in workers:
             w.start()
+        while any(w.is_alive() for w in workers):
+            if a.until_seen and not enough.is_set() and all_seen(counts, sampler, start):
+                enough.set()                  # each client finishes the request it has in flight
+            time.sleep(0.5)
         for w in workers:
             w.join()
+        res["stopped_early"] = enough.is_set()
         res["soak_s"] = round(time.time() - t0, 1)
         sampler.halt.set()
         sampler.join()
