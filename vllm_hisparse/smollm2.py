@@ -16,6 +16,8 @@ import importlib.util
 import os
 import sys
 
+from vllm_hisparse.model_dir import build_once
+
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2"
 DEFAULT_OUT = os.path.join(os.getcwd(), "models", "smollm2-135m")
@@ -44,8 +46,11 @@ def load(attn_implementation: str | None = None):
 
 
 def build(out: str = DEFAULT_OUT) -> str:
-    if os.path.exists(os.path.join(out, "config.json")):
-        return out
+    """The fp32 HF folder in out (built once, whole: model_dir.build_once)."""
+    return build_once(out, lambda d: os.path.exists(os.path.join(d, "config.json")), _make)
+
+
+def _make(out: str) -> None:
     tok, model = load()
     # The weights are de-quantized on load; drop the GGUF marks so save_pretrained writes fp32.
     model.hf_quantizer = None
@@ -55,7 +60,6 @@ def build(out: str = DEFAULT_OUT) -> str:
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    return out
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from vllm_hisparse.model_dir import build_once
+
 SPEC = {"version": 2, "vocab": 512, "hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
         "ffn": 256, "max_pos": 4096, "init_range": 0.1, "seed": 0}
 DEFAULT_OUT = os.path.join(os.getcwd(), "models", "tiny-llama")
@@ -35,12 +37,20 @@ def corpus() -> list[str]:
     return texts
 
 
-def build(out: str) -> str:
+def _ready(out: str) -> bool:
     stamp = os.path.join(out, "hisparse_tiny.json")
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            if json.load(f) == SPEC:
-                return out
+    if not os.path.exists(stamp):
+        return False
+    with open(stamp) as f:
+        return json.load(f) == SPEC
+
+
+def build(out: str) -> str:
+    """The tiny model in out (built once, whole: model_dir.build_once)."""
+    return build_once(out, _ready, _make)
+
+
+def _make(out: str) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -64,9 +74,8 @@ def build(out: str) -> str:
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")
     model = LlamaForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(out)
-    with open(stamp, "w") as f:
+    with open(os.path.join(out, "hisparse_tiny.json"), "w") as f:
         json.dump(SPEC, f)
-    return out
 
 
 def main(argv=None) -> int:
