@@ -46,8 +46,12 @@ build: setup
 	MAX_JOBS=$(JOBS) $(PIP) install --no-build-isolation --no-deps -e .
 
 # The CPU suite: everything but GPU tests. pytest's exit code 5 (no test ran) fails too.
+# TEST_WORKERS pytest-xdist workers (work stealing: a worker that ran out takes queued tests);
+# the engine tests' processes are shared per worker (tests/engine_jobs.py). 0: one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest tests -m "not cuda and not multi_gpu" -q -ra --durations=15
+	$(PY) -m pytest tests -m "not cuda and not multi_gpu" -q -ra --durations=15 \
+	  $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal)
 
 test-gpu: setup
 	$(PY) -m pytest tests -m "cuda" -q -ra
