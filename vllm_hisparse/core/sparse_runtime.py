@@ -44,6 +44,7 @@ class Req:
     start: int = 0            # tokens before its last planned step (the stats' residency)
     hostless: bool = False    # no host copy (admitted so): every page on the GPU (core/hostless.py)
     moving: bool = False      # host-less until now, sparse: its next step copies its KV to the host
+    fresh: bool = True        # added, not planned since: a first step with start > 0 is a prefix hit
 
 
 class SparseRuntime:
@@ -119,7 +120,7 @@ class SparseRuntime:
         self.stats = {"steps": 0, "decode_rows": 0, "dense_decode_rows": 0, "finished": 0,
                       "dense_pool_pages_handed": 0, "full_steps": 0, "turned_sparse": 0,
                       "resident_rows": 0, "spills": 0, "shrinks": 0, "partial_rows": 0,
-                      "steady_steps": 0, "spec_rows": 0}
+                      "steady_steps": 0, "spec_rows": 0, "prefix_hits": 0}
         self._host_s = dict.fromkeys(("plan", "dense_layers", "sparse_layers", "full_layers"), 0.0)
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -139,8 +140,9 @@ class SparseRuntime:
                     raise
             self.reqs[req_id] = r
         r = self.reqs[req_id]
-        r.keep, r.start = keep, 0
+        r.keep, r.start, r.fresh = keep, 0, True
         self.hot.reset(r.row)
+        self.steady.forget()          # a resumed id's steady plan is stale
         if self.trace is not None:
             self.trace.restart(req_id)
 
@@ -334,9 +336,15 @@ class SparseRuntime:
                 self.stats["turned_sparse"] += 1
                 if start > 0:                   # KV on the GPU to copy (none at a restart)
                     switches.append((i, rid, start, True))
+            elif r.fresh and start > 0 and r.sparse:
+                # a prefix-cache hit: tokens [0, start) are in (shared) GPU blocks it never
+                # computed; its new indexer row (and host / dense-pool pages) get them here, as
+                # a request turning sparse (docs/design/prefix-caching.md section 3.2)
+                switches.append((i, rid, start, True))
+                self.stats["prefix_hits"] += 1
             elif r.moving and start > 0:        # into the host tier: its KV so far to the host
                 switches.append((i, rid, start, False))
-            r.moving = False
+            r.moving = r.fresh = False
             r.start = start
             steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
                                  freed_pages(self.cfg, start, r.num_prompt, r.keep), r.irow))

@@ -82,8 +82,12 @@ def prepare_config(vllm_config) -> None:
     cc.block_size = cfg.page_size
     cc.user_specified_block_size = True
     check_speculative(cfg, getattr(vllm_config, "speculative_config", None))
-    if cc.enable_prefix_caching:
-        logger.warning("hisparse: prefix caching is switched off (not compatible yet)")
+    if cc.enable_prefix_caching and cfg.host_tier:
+        # resident mode keeps it (vllm/spec.py: floor copy-on-write of block 0, the worker's
+        # request identity; core/sparse_runtime.py: a hit's Quest bounds rebuilt from its blocks);
+        # the host tier needs host pages shared by block hash first (step 2 of the design)
+        logger.warning("hisparse: prefix caching is switched off with the host tier (not "
+                       "compatible yet: docs/design/prefix-caching.md); host_tier=false keeps it")
         cc.enable_prefix_caching = False
     dep = deployment_of(vllm_config) if mc is not None else None
     if dep is not None and dep.auto:

@@ -19,6 +19,12 @@ A *host-less* request (admitted when the host pool or the indexer rows had no ro
 core/residency.py ``hostless_fits``) has no host copy: the manager never frees any of its blocks
 and never spills it, in either mode. The connector names it in the ledger's ``hostless`` before
 vLLM allocates its first block.
+
+With vLLM's prefix caching on (resident mode only so far: docs/design/prefix-caching.md, step 1)
+a request's first ``floor_blocks`` blocks are private (*floor copy-on-write*, rule F of section
+3.1): prefix-cache hits among them are copied into fresh blocks with vLLM's own CoW
+(``_apply_cow``: the copy runs on the worker before the step's forward), so block 0 of a live
+request, the worker's identity of its batch rows (vllm/request_rows.py), is never shared.
 """
 from __future__ import annotations
 
@@ -111,9 +117,16 @@ def ledger_of(block_pool) -> SpillLedger:
 
 
 class HiSparseManager(FullAttentionManager):
+    # F: a request's blocks [0, F) are never shared through the prefix cache (copied at a hit).
+    # 1 in resident mode: block 0 is the worker's identity of a request; the host tier, which
+    # needs F = S (its hot slots), keeps prefix caching off for now (vllm/setup_check.py)
+    floor_blocks = 1
+
     def __init__(self, kv_cache_spec: HiSparseSpec, **kwargs):
         super().__init__(kv_cache_spec, **kwargs)
         self.hs_cfg = kv_cache_spec.cfg
+        self._floor_cow: dict[str, list[tuple[int, object]]] = {}   # req -> [(index, hit block)]
+        self._cached_this_step: set = set()     # hashes of blocks first computed in this step
         self._ledger = None                             # resident_first's spills
         # the pool's ledger: its host-less requests (both modes)
         self._shared = ledger_of(self.block_pool) if self.hs_cfg.host_tier else None
@@ -183,9 +196,79 @@ class HiSparseManager(FullAttentionManager):
             self._ledger.spilled[rid] = keep
             self._free(rid, *self._seen[rid], keep)
 
+    # ---- floor copy-on-write (prefix caching; docs/design/prefix-caching.md section 3.1) --------
+    def _floor_hits(self, request_id: str, hits) -> list[int]:
+        """Indices of the hit blocks < F that the floor copies (vLLM's partial-hit CoW already
+        copies its tail block: not twice)."""
+        tail = self._partial_hit_reqs.get(request_id, (None,))[0]
+        return [i for i, b in enumerate(hits[:self.floor_blocks])
+                if not b.is_null and i != tail]
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks,
+                                   total_computed_tokens: int, num_local_computed_tokens: int,
+                                   num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False) -> int:
+        n = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model, apply_admission_cap)
+        if request_id in self.num_cached_block or not new_computed_blocks:
+            return n                                 # running: no new hits
+        if any(b.block_hash in self._cached_this_step for b in new_computed_blocks):
+            # a hit on blocks this very step computes: the floor's copy and the worker's Quest
+            # rebuild (core/sparse_runtime.py) run before the step's layers and would read them
+            # unwritten; too many blocks defers the request to the next step (vLLM's Mamba
+            # manager defers its same-step hits so)
+            return self.block_pool.num_gpu_blocks + 1
+        # one fresh block per hit block of the floor (a partial-hit tail at index 0 is counted
+        # by vLLM already; its partial state is recorded only in add_local_computed_blocks)
+        k = min(self.floor_blocks, len(new_computed_blocks))
+        if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens) and \
+                num_local_computed_tokens // self.block_size < k:
+            k -= 1
+        return n + k
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks,
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        super().add_local_computed_blocks(request_id, new_computed_blocks,
+                                          num_local_computed_tokens, num_external_computed_tokens)
+        blocks = self.req_to_blocks[request_id]
+        todo = [(i, blocks[i]) for i in self._floor_hits(request_id, blocks)]
+        if todo:
+            self._floor_cow[request_id] = todo
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        """The floor's hit blocks are replaced by fresh copies first (reserved by
+        get_num_blocks_to_allocate), as vLLM's partial-hit path does; they stay below
+        ``num_cached_block``, so ``cache_blocks`` never re-hashes them: the cache keeps the
+        source. Both endpoints stay retained until the scheduler queued the copy
+        (``Scheduler._free_cow_retained_blocks``)."""
+        cow_blocks = []
+        for i, src in self._floor_cow.pop(request_id, ()):
+            cow = self.block_pool.get_new_blocks(1)[0]
+            self._apply_cow(request_id, i, src, cow)
+            if self._record_new_block_ids:
+                self.new_block_ids.append(cow.block_id)
+            cow_blocks.append(cow)
+        return cow_blocks + super().allocate_new_blocks(request_id, num_tokens,
+                                                        num_tokens_main_model)
+
+    def cache_blocks(self, request, num_tokens: int, retention_interval: int | None = None):
+        before = self.num_cached_block.get(request.request_id, 0)
+        super().cache_blocks(request, num_tokens, retention_interval=retention_interval)
+        after = self.num_cached_block.get(request.request_id, 0)
+        for b in self.req_to_blocks[request.request_id][before:after]:
+            if b.block_hash is not None:
+                self._cached_this_step.add(b.block_hash)
+
+    def new_step_starts(self) -> None:
+        super().new_step_starts()
+        self._cached_this_step.clear()
+
     def pop_blocks_for_free(self, request_id: str):         # free() and vLLM's batched frees
         # A preempted request gives every block back and restarts resident, here and on the
         # worker (SparseRuntime.add on its resumption); a spill recorded for it this step is void.
+        self._floor_cow.pop(request_id, None)
         self._seen.pop(request_id, None)
         self._keep.pop(request_id, None)
         if self._ledger is not None:
