@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from vllm_hisparse.bench import prom
 from vllm_hisparse.bench.prompts import load_text_ids
-from vllm_hisparse.bench.serving import backend_config, model_vocab, parse_backends
+from vllm_hisparse.bench.serving import model_vocab, parse_backends, serve_cmd
 from vllm_hisparse.server_health import stop, wait_healthy
 
 
@@ -146,15 +146,8 @@ async def run_backend(complete, args, system, users) -> tuple[list[Turn], float]
 
 
 def server_cmd(args, backend: str) -> list[str]:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
-           "--port", str(args.port), "--max-model-len", str(max_context(args) + 16),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--load-format", args.load_format]          # prefix caching: vLLM's default (on)
-    cfg = backend_config(backend, args.hisparse)
-    if cfg is not None:
-        cmd += ["--attention-backend", "hisparse", "--additional-config",
-                json.dumps({"hisparse": cfg})]
-    return cmd + args.extra_server_args
+    # prefix caching on: vLLM's default, what the multi-turn benchmark measures
+    return serve_cmd(args, backend, args.port, max_context(args) + 16, prefix_caching=True)
 
 
 def plot(rows: list[dict], out: str) -> None:

@@ -109,19 +109,30 @@ def max_num_seqs(args) -> int:
     return 256 if "cap" in args.concurrency else max(nums)
 
 
-def server_cmd(args, backend: str, port: int, trace_dir: str | None = None) -> list[str]:
+def serve_cmd(args, backend: str, port: int, max_len: int, *, max_seqs: int | None = None,
+              prefix_caching: bool = False, extra: list[str] = ()) -> list[str]:
+    """`vllm serve` of one backend (BACKENDS) as the benchmarks start it (bench.serving, bench.chat):
+    args.model / gpu_memory_utilization / load_format / hisparse / extra_server_args; prefix caching
+    off unless asked (the serving benchmark's requests share no prefix; chat's do)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--port", str(port),
-           "--max-model-len", str(max_model_len(args)), "--no-enable-prefix-caching",
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--max-num-seqs", str(max_num_seqs(args))]
+           "--max-model-len", str(max_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if not prefix_caching:
+        cmd.append("--no-enable-prefix-caching")
+    if max_seqs is not None:
+        cmd += ["--max-num-seqs", str(max_seqs)]
     if args.load_format:
         cmd += ["--load-format", args.load_format]
     cfg = backend_config(backend, args.hisparse)
     if cfg is not None:
         cmd += ["--attention-backend", "hisparse", "--additional-config", json.dumps({"hisparse": cfg})]
-    if trace_dir is not None:          # --profile-decode: the worker's torch profiler (served_profile)
-        cmd += served_profile.profiler_args(trace_dir, args.profile_delay, args.profile_decode)
-    return cmd + args.extra_server_args
+    return cmd + list(extra) + args.extra_server_args
+
+
+def server_cmd(args, backend: str, port: int, trace_dir: str | None = None) -> list[str]:
+    # --profile-decode: the worker's torch profiler (served_profile)
+    prof = ([] if trace_dir is None else
+            served_profile.profiler_args(trace_dir, args.profile_delay, args.profile_decode))
+    return serve_cmd(args, backend, port, max_model_len(args), max_seqs=max_num_seqs(args), extra=prof)
 
 
 def backend_config(backend: str, hisparse: str) -> dict | None:
