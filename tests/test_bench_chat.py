@@ -72,3 +72,17 @@ def test_real_text_too_short_is_refused_in_one_line(tmp_path):
     f.write_text(json.dumps(list(range(100))))
     with pytest.raises(SystemExit, match="the trace needs 340"):
         chat.plan(_args(text_ids=str(f)), random.Random(0), vocab=1000)
+
+
+def test_chat_serves_with_prefix_caching_the_serving_benchmark_without():
+    from vllm_hisparse.bench import serving
+    a = argparse.Namespace(model="M", port=1234, gpu_memory_utilization=0.5, load_format="dummy",
+                           hisparse='{"top_k": 8}', extra_server_args=["--seed", "1"],
+                           system_len=10, user_len=20, output_len=5, turns=2)
+    c = chat.server_cmd(a, "elastic")
+    assert "--no-enable-prefix-caching" not in c and c[-2:] == ["--seed", "1"]
+    assert c[c.index("--max-model-len") + 1] == str(chat.max_context(a) + 16)
+    assert '"resident_first": true' in c[c.index("--additional-config") + 1]
+    s = serving.serve_cmd(a, "stock", 1234, 100, max_seqs=7)
+    assert "--no-enable-prefix-caching" in s and "--attention-backend" not in s
+    assert s[s.index("--max-num-seqs") + 1] == "7"
