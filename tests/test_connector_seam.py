@@ -141,3 +141,86 @@ def test_the_real_halves_serve_their_kind():
     for kind, mla in (("gqa", False), ("mla", True)):
         dep = SimpleNamespace(limits=SimpleNamespace(mla=mla))
         assert connector.kind_of(dep) == kind
+
+
+# ---- the KV manager's floor copy-on-write (prefix caching step 1) -------------------------------
+# vllm/spec.py:HiSparseManager overrides these vLLM 0.26 SingleTypeKVCacheManager methods and calls
+# super with these parameter names (docs/design/prefix-caching.md, sections 3.1 and 6).
+OVERRIDDEN = {
+    "get_num_blocks_to_allocate": ("request_id", "num_tokens", "new_computed_blocks",
+                                   "total_computed_tokens", "num_local_computed_tokens",
+                                   "num_tokens_main_model", "apply_admission_cap"),
+    "add_local_computed_blocks": ("request_id", "new_computed_blocks",
+                                  "num_local_computed_tokens", "num_external_computed_tokens"),
+    "allocate_new_blocks": ("request_id", "num_tokens", "num_tokens_main_model"),
+    "cache_blocks": ("request", "num_tokens", "retention_interval"),
+    "new_step_starts": (),
+    "pop_blocks_for_free": ("request_id",),
+}
+# private methods it calls (positionally) and instance attributes it reads or writes
+CALLED = {"_apply_cow": ("request_id", "block_idx", "source_block", "cow_block"),
+          "_has_partial_local_hit": ("new_computed_blocks", "num_local_computed_tokens")}
+ATTRIBUTES = ("_pending_cow_copies", "_partial_hit_reqs", "_record_new_block_ids",
+              "new_block_ids", "num_cached_block", "req_to_blocks", "block_pool", "block_size")
+
+
+def _params(fn) -> tuple[str, ...]:
+    return tuple(p for p in inspect.signature(fn).parameters if p != "self")
+
+
+def _vllm_base_method(name: str):
+    """vLLM's own definition of ``name`` (the first class after HiSparseManager in its MRO)."""
+    from vllm_hisparse.vllm.spec import HiSparseManager
+
+    for cls in HiSparseManager.__mro__[1:]:
+        if name in vars(cls):
+            return getattr(cls, name)
+    raise AssertionError(f"vLLM's SingleTypeKVCacheManager has no {name}: HiSparseManager's floor "
+                         f"copy-on-write (vllm/spec.py) overrides it; vLLM renamed or removed it")
+
+
+def test_floor_cow_seam_methods_keep_their_vllm_names_and_parameters():
+    from vllm_hisparse.vllm.spec import HiSparseManager
+
+    for name, want in OVERRIDDEN.items():
+        base = _vllm_base_method(name)
+        assert _params(base) == want, (
+            f"vLLM's SingleTypeKVCacheManager.{name}{_params(base)} changed (vllm/spec.py "
+            f"HiSparseManager.{name} passes {want})")
+        assert _params(getattr(HiSparseManager, name)) == want, name
+    for name, want in CALLED.items():
+        base = _vllm_base_method(name)
+        assert _params(base) == want, (
+            f"vLLM's SingleTypeKVCacheManager.{name}{_params(base)} changed (vllm/spec.py "
+            f"HiSparseManager's floor copy-on-write calls it with {want})")
+
+
+def test_floor_cow_seam_attributes_and_the_copies_path_exist():
+    """The instance state the floor reads, on a real manager, and the way vLLM hands the queued
+    copies to the worker: KVCacheManager.take_kv_cache_block_copies ->
+    SchedulerOutput.kv_cache_block_copies, retained endpoints freed by
+    Scheduler._free_cow_retained_blocks."""
+    import dataclasses
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from test_floor_cow import manager
+
+    m, pool = manager(8)
+    for name in ATTRIBUTES:
+        assert hasattr(m, name), (f"vLLM's SingleTypeKVCacheManager has no attribute {name} "
+                                  f"(vllm/spec.py HiSparseManager's floor copy-on-write uses it)")
+    assert isinstance(m._pending_cow_copies, list) and isinstance(m._partial_hit_reqs, dict)
+    assert isinstance(m.num_cached_block, dict) and isinstance(m.new_block_ids, list)
+    assert callable(getattr(pool, "get_new_blocks", None)) and pool.num_gpu_blocks == 8
+    for cls, name in ((KVCacheManager, "take_kv_cache_block_copies"),
+                      (Scheduler, "_free_cow_retained_blocks")):
+        assert callable(getattr(cls, name, None)), (
+            f"vLLM's {cls.__name__}.{name} is gone: the floor copy-on-write's copies "
+            f"(vllm/spec.py) reach the worker through it")
+    fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert "kv_cache_block_copies" in fields, (
+        "vLLM's SchedulerOutput.kv_cache_block_copies is gone: the floor copy-on-write's copies "
+        "(vllm/spec.py) run on the worker from it")
