@@ -9,6 +9,16 @@ token budget no prompt chunks under (the design doc's Q1: fp32 CPU prefill is th
 bit for bit in stock vLLM). After the turns, an abort: a fourth conversation's first turn and a
 second turn of conversation 0 go in, the latter is aborted after two steps.
 
+A preemption (PREEMPT, every mode): conversation 1's turn 1, a request with a hit, is preempted
+by vLLM's own ``Scheduler._preempt_request`` right after its prefill step and resumes at the next
+step, where it hits its own prompt's blocks (and the system prompt's block 0: the floor copies it
+again). The driver picks the moment, not a small pool: a preemption changes hisparse's outputs
+(the generated tokens' KV, computed by sparse decode rows before it, is recomputed by a dense
+prefill after it), so PC on and off must preempt the same request at the same point to be
+compared, and after its prefill no generated token's KV exists yet, so no hit block holds
+decode-written KV (a hit on such a block would be the decode's KV where PC off recomputes it
+densely: docs/design/prefix-caching.md, step 1).
+
 MODE: stock (vLLM's own backend, prefix caching on), on / off (hisparse resident mode, prefix
 caching on / off), noswitch (on, the first-step Quest rebuild of a hit turned off), floor0 (on,
 no floor copy-on-write: F = 0). Writes {outputs, hits, error, leaks...} as JSON.
@@ -24,6 +34,7 @@ MIN_CONTEXT = 64
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
        "min_context": MIN_CONTEXT, "host_tier": False}
 MML, SEQS, BATCHED = 1024, 8, 2048
+PREEMPT = ("c1t1", 1)            # preempted once, after this many engine steps of its turn
 
 
 def engine(model: str, mode: str):
@@ -44,8 +55,10 @@ def engine(model: str, mode: str):
     return LLM(model, attention_backend="hisparse", additional_config={"hisparse": CFG}, **kw)
 
 
-def run(eng, batch: dict, sp, abort_after: dict | None = None) -> dict:
-    """Serve {rid: prompt ids} to completion; abort_after {rid: steps}. Returns {rid: output}."""
+def run(eng, batch: dict, sp, abort_after: dict | None = None,
+        preempt_after: dict | None = None) -> dict:
+    """Serve {rid: prompt ids} to completion; abort_after / preempt_after {rid: steps}. Returns
+    {rid: output}."""
     for rid, ids in batch.items():
         eng.add_request(rid, {"prompt_token_ids": ids}, sp)
     done, steps = {}, 0
@@ -57,7 +70,42 @@ def run(eng, batch: dict, sp, abort_after: dict | None = None) -> dict:
         for rid, n in (abort_after or {}).items():
             if steps == n:
                 eng.abort_request([rid])
+        for rid, n in (preempt_after or {}).items():
+            if steps == n:
+                preempt(eng.engine_core.engine_core.scheduler, rid)
     return done
+
+
+def preempt(sched, rid: str) -> None:
+    """What vLLM's scheduler does to a running request when a block is missing (its blocks
+    freed, back to the front of the waiting queue, recomputed from token 0 when it resumes; as
+    tests/test_resident_first_engine.py does). In-process engine core, synchronous scheduling
+    (the CPU platform's): nothing of it is in flight between steps."""
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    [req] = [r for k, r in sched.requests.items() if k.split("-")[0] == rid]   # engine's id
+    assert req.status == RequestStatus.RUNNING, req.status
+    sched.running.remove(req)
+    sched._preempt_request(req, time.monotonic())
+    req.async_tokens_to_discard = req.num_output_placeholders
+    req.num_output_placeholders = 0
+    sched.prev_step_scheduled_req_ids.discard(req.request_id)
+
+
+def record_resumed_hits(sched, into: list) -> None:
+    """Each lookup of a request vLLM preempted before (``num_preemptions``, as its own prefix
+    cache stats tell them apart) appends [request id, preemptions, hit tokens] to ``into``."""
+    mgr = sched.kv_cache_manager
+    lookup = mgr.get_computed_blocks
+
+    def get_computed_blocks(request):
+        out = lookup(request)
+        if request.num_preemptions > 0:
+            into.append([request.request_id.split("-")[0], request.num_preemptions, out[1]])
+        return out
+    mgr.get_computed_blocks = get_computed_blocks
 
 
 def main(mode: str, model: str, out: str) -> None:
@@ -83,11 +131,13 @@ def main(mode: str, model: str, out: str) -> None:
              for _ in range(CONVS + 1)]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
     hist = [list(system) for _ in range(CONVS + 1)]
-    res = {"outputs": [], "hits": 0, "error": None}
+    res = {"outputs": [], "hits": 0, "error": None, "resumed": []}
+    record_resumed_hits(eng.engine_core.engine_core.scheduler, res["resumed"])
     try:
         for t in range(TURNS):
             batch = {f"c{c}t{t}": hist[c] + users[c][t] for c in range(CONVS)}
-            done = run(eng, batch, sp)
+            done = run(eng, batch, sp, preempt_after=dict([PREEMPT]) if PREEMPT[0] in batch
+                       else None)
             for c in range(CONVS):
                 o = done[f"c{c}t{t}"]
                 toks = list(o.outputs[0].token_ids)

@@ -8,7 +8,9 @@ hisparse resident with prefix caching on == off (fp32, no prompt chunked: where 
 PC on == off holds, the design doc's Q1), with hits, as many as stock vLLM's; the negative
 controls fail: without the first-step Quest rebuild (section 3.2) outputs differ, without the
 floor copy-on-write (F = 0) RequestRows refuses the batch or outputs differ; nothing is left
-after the run and an abort mid-turn.
+after the run and an abort mid-turn. In every engine one request with a hit is preempted by vLLM's
+own preemption after its prefill step and resumes with a hit on its own blocks (prefix_chat.py,
+PREEMPT): its outputs are among those compared.
 """
 from __future__ import annotations
 
@@ -50,6 +52,24 @@ def test_negative_controls_fail(runs):
     f0 = runs["floor0"]
     assert (f0["error"] is not None and "share first blocks" in f0["error"]) or \
         [o["logprobs"] for o in f0["outputs"]] != [o["logprobs"] for o in ref], f0["error"]
+
+
+def test_a_preempted_hit_request_resumes_with_a_hit_and_stays_exact(runs):
+    """PREEMPT's request (a hit at admission) resumes once, as a preempted request to vLLM, with
+    a hit on its own prompt's blocks past the one it was admitted with, as long as stock vLLM's;
+    the runtime rebuilt its Quest row again at the resumption; its outputs equal PC off's (first
+    test: same preemption there)."""
+    from prefix_chat import CONVS, PREEMPT
+
+    on, off, stock = runs["on"], runs["off"], runs["stock"]
+    rid = PREEMPT[0]
+    for r in (on, off, stock):
+        assert [x[:2] for x in r["resumed"]] == [[rid, 1]], r["resumed"]
+    hit, admitted = on["resumed"][0][2], on["outputs"][CONVS + 1]["cached"]   # c1t1
+    assert 0 < admitted < hit == stock["resumed"][0][2] and off["resumed"][0][2] == 0
+    with_hits = sum(o["cached"] > 0 for o in on["outputs"])
+    # one rebuild per admission with a hit, + the resumption's, + the abort phase's two requests
+    assert on["stats"]["prefix_hits"] == with_hits + 1 + 2
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
