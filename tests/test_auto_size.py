@@ -93,15 +93,19 @@ def test_hostless_rows_count_the_connectors_reserve_and_modes():
     wait = sized(m, hostless="wait")
     assert (wait.indexer_rows, wait.hostless_requests, wait.room()[0]) == (5, 0, 5)
     assert "(5 host-backed + 0 host-less (hostless=wait); quest_rows=5 auto;" in wait.room_line()
-    # "dense": host-less requests take no row; not counted in the rows nor the line
+    # "dense": host-less requests take no row, so the rows stay H, but the line counts them beside
+    # the rows: 6 x ROW + 5 x DENSE = 3136 KiB reserved leaves 158 blocks: 157 - 8 - 25 = 124 >= 64,
+    # one; a second: 124 - 64 = 60 < 64
     dense = sized(m, hostless="dense")
-    assert (dense.indexer_rows, dense.hostless_requests) == (5, None)
-    assert "host-less" not in dense.room_line()
+    assert (8 * MIB - (6 * ROW + 5 * DENSE)) // BLOCK == 158 and 157 - 8 - 25 - PER < PER
+    assert (dense.indexer_rows, dense.hostless_requests, dense.room()[0]) == (5, 1, 6)
+    assert "(5 host-backed + 1 host-less (hostless=dense); quest_rows=5 auto;" in dense.room_line()
     # resident mode: no host tier, no host-less request
     assert sized(m, host_tier=False).hostless_requests is None
-    # an explicit quest_rows wins: no auto host-less rows
+    # an explicit quest_rows wins: host-less requests only on its idle rows, none here (the auto
+    # host pool holds the 5 rows' requests)
     given = sized(m, quest_rows=5)
-    assert (given.indexer_rows, given.hostless_requests) == (5, None)
+    assert (given.indexer_rows, given.hostless_requests) == (5, 0)
 
 
 def test_an_explicit_value_overrides_its_field_only():
@@ -114,12 +118,17 @@ def test_an_explicit_value_overrides_its_field_only():
     assert dep.cfg.host_pool_gib == 0.5 and dep.host_pages == GIB // 2 // HOST_PAGE
     assert dep.indexer_rows == 6 and dep.auto == ("quest_rows", "dense_pool_gib")
     small = sized(machine, host_pool_gib=2 * PER * HOST_PAGE / GIB)      # 2 requests of 64 pages
-    assert (small.indexer_rows, small.room()[0]) == (6, 2)    # a given pool does not cap the rows
-    assert "4 rows serve only shorter requests" in small.idle_rows_note()
-    # ... and, hostless "sparse" (the default), host-less requests; not with "wait"
+    assert small.indexer_rows == 6                  # a given pool does not cap the rows
+    # the 4 idle rows serve host-less requests (hostless "sparse", the default): 7 x ROW + 6 x
+    # DENSE = 3744 KiB leaves 139 blocks: 138 - R 8 - 2 floors of 5 = 120 >= 64, one; two: 56 < 64
+    assert (8 * MIB - (7 * ROW + 6 * DENSE)) // BLOCK == 139 and 138 - 8 - 10 - PER < PER
+    assert (small.hostless_requests, small.room()[0]) == (1, 3)
+    assert "3 rows serve only shorter requests" in small.idle_rows_note()
+    # ... and say so; not with "wait" (none counted, 4 idle)
     assert "those rows also serve host-less requests" in small.idle_rows_note()
     waits = sized(machine, host_pool_gib=2 * PER * HOST_PAGE / GIB, hostless="wait")
-    assert "host-less" not in waits.idle_rows_note()
+    assert "host-less" not in waits.idle_rows_note() and waits.hostless_requests is None
+    assert "4 rows serve only shorter requests" in waits.idle_rows_note()
     dep = sized(machine, dense_pool_gib=0)          # no dense pool: the host holds all 4 layers
     assert dep.dense_pool_pages is None and dep.host_layers == (0, 1, 2, 3)
     # 9 rows x ROW = 864 KiB reserved: the max_num_seqs cap (8) binds

@@ -23,9 +23,12 @@ The rule, in the order it is applied (every count is of requests of ``max_model_
    before it (``residency.hostless_fits``), again within ``RESERVATION_SHARE``.
    With an explicit KV cache size (``--kv-cache-memory-bytes``, a CPU run) vLLM gives the KV
    cache that size whatever hisparse reserves, so only the KV cache counts. Unknown budget:
-   max_num_seqs (and the host's bound), L = 0. An explicit host pool does not cap the rows (L = 0):
+   max_num_seqs (and the host's bound), L = 0. An explicit host pool does not cap the rows:
    requests shorter than max_model_len take fewer of its pages (the startup note says when rows
-   stay idle at max_model_len).
+   stay idle at max_model_len). Where this rule does not size the rows for host-less requests
+   (rows or host pool explicit, hostless "dense"), L is counted beside the rows as they are, with
+   the same admission rule (``GpuModel.hostless_beside``, from core/deployment.resolve): "sparse"
+   on the rows the host-backed requests leave idle, "dense" without a row.
 2. ``dense_pool_gib``: the pages the H host-backed requests fill in the dense layers (H x
    cdiv(max_model_len, page_size) pages of each dense layer), i.e. what core/gpu_pools.py caps an
    explicit pool at with H rows; 0 without dense layers, without the host tier, or when no request
@@ -168,6 +171,29 @@ class GpuModel:
                                                 P, capacity.watermark_blocks(nb, self.watermark))
         return residency.hostless_fits(nb - 1, reserve, (hostless - 1) * per, backed,
                                        self.floor(), per)
+
+    def hostless_beside(self, backed: int, rows: int, max_num_seqs: int, on_rows: bool) -> int:
+        """L where rule 1 did not size the rows for it (rows or host pool explicit, hostless
+        "dense"): the host-less requests of max_model_len the connector admits beside ``backed``
+        host-backed ones at their floor, with the ``rows`` rows and their dense pages reserved as
+        they are (``residency.hostless_fits``: the whole lives, the backed floors and R).
+        on_rows ("sparse"): each takes an idle row, so at most rows - backed; else none. At most
+        max_num_seqs - backed (0: vLLM's limit unknown; R then counts the rows or the requests
+        that run, whichever is more)."""
+        nb, P, per = self.blocks(rows, rows), self.cfg.page_size, self.per_request
+        if not capacity.hisparse_prefill_fits(nb, self.max_model_len, P):
+            return 0
+        cap = rows - backed if on_rows else 1 << 20
+        if max_num_seqs:
+            cap = min(cap, max_num_seqs - backed)
+        wm = capacity.watermark_blocks(nb, self.watermark)
+
+        def fits(n: int) -> bool:
+            reserve = capacity.spill_reserve_blocks(self.max_num_batched_tokens,
+                                                    max_num_seqs or max(rows, backed + n), P, wm)
+            return residency.hostless_fits(nb - 1, reserve, (n - 1) * per, backed, self.floor(),
+                                           per)
+        return largest_fit(max(cap, 0), fits)
 
 
 def size_gqa(cfg: HiSparseConfig, machine: Machine | None, possible: bool, max_num_seqs: int,

@@ -20,7 +20,7 @@ to the engine core and the workers).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm_hisparse.config import HiSparseConfig, _size
 from vllm_hisparse.core import auto_size, capacity, gpu_pools, indexers
@@ -109,8 +109,10 @@ class Deployment:
     auto: the config's fields sized from the machine (core/auto_size.py); cfg has their values.
     gpu_requests: requests of max_model_len tokens the machine's GPU KV budget runs with the
         indexer rows and dense pool reserved (None: budget unknown).
-    hostless_requests: L, the host-less requests of max_model_len the auto rows include beyond
-        the host-backed ones (core/auto_size.py rule 1; None: not counted, e.g. quest_rows given).
+    hostless_requests: L, the host-less requests of max_model_len the connector admits beyond
+        the H host-backed ones (``room``): the auto rows include them (core/auto_size.py rule 1),
+        else they run on the idle rows ("sparse") or without one ("dense"); None: not counted
+        (GPU budget unknown, no host tier or none can be sparse, "wait" with rows it did not size).
     """
     cfg: HiSparseConfig
     limits: EngineLimits
@@ -160,8 +162,9 @@ class Deployment:
     def room(self) -> tuple[int, str]:
         """(requests of max_model_len tokens admission lets run at once, why: each tier's size and
         requests, "auto" after a size core/auto_size.py chose): the server's startup line
-        (``room_line``) and ``hisparse calc``'s. With auto rows (``hostless_requests`` set) the
-        count is H host-backed (the least tier) + L host-less, and the line says both."""
+        (``room_line``) and ``hisparse calc``'s, which reads H and L here. With
+        ``hostless_requests`` set the count is H host-backed (the least tier) + L host-less, and
+        the line says both."""
         if not self.sparse_possible:
             return self.limits.max_num_seqs, (
                 f"no request can turn sparse: max_model_len < min_context={self.min_context}, so "
@@ -203,8 +206,9 @@ class Deployment:
         (``gpu_pools.idle_rows_note``); None when every row can be used or there is no pool."""
         if not self.sparse_possible or not self.cfg.host_tier:
             return None
-        note = gpu_pools.idle_rows_note(       # the auto host-less rows are not idle
-            self.indexer_rows - (self.hostless_requests or 0), self.admit_pages // self.pages_per_request,
+        on_rows = self.hostless_requests if self.cfg.hostless == "sparse" else None
+        note = gpu_pools.idle_rows_note(       # the rows the host-less requests take are not idle
+            self.indexer_rows - (on_rows or 0), self.admit_pages // self.pages_per_request,
             self.limits.max_model_len, self.admit_bound,
             "quest_rows auto" if "quest_rows" in self.auto else
             "quest_rows" if self.cfg.quest_rows else "max_num_seqs: quest_rows unset")
@@ -258,16 +262,22 @@ def resolve(cfg: HiSparseConfig, limits: EngineLimits) -> Deployment:
         dense = gpu_pools.dense_pool_pages(cfg, page_bytes, limits.max_num_seqs, mml)
     admit = host if dense is None else min(host, dense)
     bound = "host" if dense is None or host <= dense else "GPU dense"
-    return Deployment(cfg=cfg, limits=limits, unit_tokens=unit,
-                      num_slots=cfg.device_buffer_size // unit,
-                      top_k_units=-(-cfg.top_k // unit), min_context=cfg.min_context_tokens,
-                      sparse_possible=possible, indexer_rows=rows, indexer_rows_set_by=set_by,
-                      indexer_row_bytes=row_bytes, dense_layer_ids=dense_ids,
-                      page_bytes=page_bytes, host_layers=host_layers,
-                      host_pages=host, dense_pool_pages=dense, admit_pages=admit,
-                      admit_bound=bound, latent=latent,
-                      auto=auto if limits.machine is not None else (), gpu_requests=gpu_n,
-                      hostless_requests=hostless)
+    dep = Deployment(cfg=cfg, limits=limits, unit_tokens=unit,
+                     num_slots=cfg.device_buffer_size // unit,
+                     top_k_units=-(-cfg.top_k // unit), min_context=cfg.min_context_tokens,
+                     sparse_possible=possible, indexer_rows=rows, indexer_rows_set_by=set_by,
+                     indexer_row_bytes=row_bytes, dense_layer_ids=dense_ids,
+                     page_bytes=page_bytes, host_layers=host_layers,
+                     host_pages=host, dense_pool_pages=dense, admit_pages=admit,
+                     admit_bound=bound, latent=latent,
+                     auto=auto if limits.machine is not None else (), gpu_requests=gpu_n,
+                     hostless_requests=hostless)
+    if (hostless is None and gpu_n is not None and possible and cfg.host_tier
+            and cfg.hostless != "wait"):       # rows rule 1 did not size for host-less requests
+        backed = min(n for n in dep.tier_requests().values() if n is not None)
+        dep = replace(dep, hostless_requests=gpu.hostless_beside(
+            backed, rows, limits.max_num_seqs, cfg.hostless == "sparse"))
+    return dep
 
 
 def _latent_sizes(cfg: HiSparseConfig, limits: EngineLimits) -> HiSparseConfig:
