@@ -29,7 +29,7 @@ from vllm_hisparse.bench.calc_report import gib_str as _gib
 from vllm_hisparse.core import capacity as cap
 from vllm_hisparse.core.auto_size import host_rank_room
 from vllm_hisparse.core.deployment import EngineLimits, resolve
-from vllm_hisparse.core.residency import hostless_room, may_turn_sparse
+from vllm_hisparse.core.residency import may_turn_sparse
 
 GIB = 1 << 30
 
@@ -214,7 +214,10 @@ def _compute(args, hf: dict) -> dict:
             fit_gpu(kv, n), n_pools if n_pools is not None else 1 << 62))
     else:
         n_seqs = seqs
-    vllm_seqs = seqs if seqs is not None else n_seqs    # the max_num_seqs calc says to pass
+    # the max_num_seqs calc says to pass: the rows, or the room core/deployment.py counts when
+    # that is more (host-less requests with no row, hostless "dense")
+    vllm_seqs = (seqs if seqs is not None else max(n_seqs, sized.room()[0]) if cfg.quest_rows
+                 else n_seqs)
 
     def at_rows(rows: int) -> tuple[int, dict]:
         """KV bytes and the limits other than the Quest rows with ``rows`` rows reserved."""
@@ -258,7 +261,7 @@ def _compute(args, hf: dict) -> dict:
                                                                        host_layers),
                 "max_requests": n_h, "bound_by": by_h,
                 "quest_meta_bytes_per_request": row, "quest_rows": n_seqs,
-                "max_num_seqs": seqs if seqs is not None or not possible else n_seqs,
+                "max_num_seqs": seqs if seqs is not None or not possible else vllm_seqs,
                 "quest_meta_bytes": (n_seqs + 1) * row, "kv_cache_bytes": kv, "num_blocks": h_blocks,
                 "prefill_fits": cap.hisparse_prefill_fits(h_blocks, mml, P),
                 "gpu_bound": {**gpu_terms(h_blocks, vllm_seqs), "requests": limits["gpu"],
@@ -272,18 +275,9 @@ def _compute(args, hf: dict) -> dict:
                 # HiSparseSpec.max_memory_usage_bytes: S+1 blocks (whatever the prompt) when some
                 # request can turn sparse, else every page
                 **vllm_lines(h_blocks, cap.hisparse_blocks(mml, P, S, possible))}
-    # beyond the host tier, host-less requests of their whole life in the GPU blocks, as the
-    # connector admits them (core/residency.hostless_room: usable blocks less R and the
-    # host-backed floors); "sparse" (the default) needs an idle Quest row for each, "dense" none
-    life = -(-min(args.context, mml) // P)
-    room = hostless_room(h_blocks - 1, cap.spill_reserve_blocks(
-        args.max_num_batched_tokens, vllm_seqs, P, cap.watermark_blocks(h_blocks, args.watermark)),
-        n_h, h_bpr)
-    extra = max(0, room // life) if cfg.hostless != "wait" and sparse and possible else 0
-    if cfg.hostless == "sparse":        # (no row at all when none can be sparse: 0, not < 0)
-        extra = max(0, min(extra, n_seqs - n_h))
-    if seqs is not None:
-        extra = max(0, min(extra, seqs - n_h))
+    # beyond the host tier, host-less requests of their whole life in the GPU blocks: the
+    # server's L (its startup line's; None: not counted)
+    extra = server.hostless_requests or 0
     hisparse["hostless_requests"] = extra
     if rows_warning and cfg.hostless == "sparse" and extra:      # those rows serve host-less ones
         used = n_h + extra
