@@ -127,7 +127,10 @@ def main(argv=None) -> int:
         return out
 
     Scheduler.schedule = record_schedule
+    # prefix caching off in every mode: resident mode keeps vLLM's (on by default) while the host
+    # tier turns it off, so hits would give the reference other schedules than the engines it checks
     llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+              enable_prefix_caching=False,
               kv_cache_dtype=a.kv_cache_dtype,
               max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=not a.cuda_graphs,
               seed=0, attention_backend="hisparse", additional_config={"hisparse": cfg.to_dict()},

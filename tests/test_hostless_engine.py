@@ -57,7 +57,8 @@ def probe(model: str, cfg: dict, out: str) -> None:
     llm = LLM(model, dtype="float32", max_model_len=MML, max_num_seqs=SEQS, block_size=PAGE,
               max_num_batched_tokens=BATCHED, enforce_eager=True, seed=0,
               num_gpu_blocks_override=BLOCKS, attention_backend="hisparse",
-              additional_config={"hisparse": cfg})
+              additional_config={"hisparse": cfg},
+              enable_prefix_caching=False)     # as the host tier: the same schedules as resident
     eng = llm.llm_engine
     sched = eng.engine_core.engine_core.scheduler
     pool = sched.kv_cache_manager.block_pool
