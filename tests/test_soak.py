@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE, MIN_CONTEXT, MAX_LEN = 16, 32, 256
@@ -22,6 +21,26 @@ POOL_PAGES = 28                                 # one max_model_len request (16 
 PAGE_ALL_LAYERS = 2 * PAGE * 2 * 32 * 4 * 4     # K+V, Hkv=2, D=32, fp32, 4 layers
 
 
+def test_until_seen_waits_for_every_event():
+    """--until-seen stops the load only once completed and aborted requests, a wait for host pages
+    and a preemption since the start have all been seen; any one missing keeps it going."""
+    from types import SimpleNamespace
+
+    from vllm_hisparse.bench.soak import all_seen
+
+    pre = "vllm:num_preemptions_total"
+    start = {pre: 3.0}
+    every = ({"completed": 2, "aborted": 1}, {"waiting_pool": 1.0}, {pre: 4.0})
+    assert all_seen(every[0], SimpleNamespace(peak=every[1], last=every[2]), start)
+    for missing in ({"completed": 0, "aborted": 1}, {"completed": 2, "aborted": 0}):
+        assert not all_seen(missing, SimpleNamespace(peak=every[1], last=every[2]), start)
+    assert not all_seen(every[0], SimpleNamespace(peak={"waiting_pool": 0.0}, last=every[2]), start)
+    assert not all_seen(every[0], SimpleNamespace(peak=every[1], last={pre: 3.0}), start)  # none new
+    assert not all_seen(every[0], SimpleNamespace(peak=every[1], last={}), start)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_soak_cpu(tmp_path):
     import socket
 
