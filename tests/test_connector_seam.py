@@ -224,3 +224,51 @@ def test_floor_cow_seam_attributes_and_the_copies_path_exist():
     assert "kv_cache_block_copies" in fields, (
         "vLLM's SchedulerOutput.kv_cache_block_copies is gone: the floor copy-on-write's copies "
         "(vllm/spec.py) run on the worker from it")
+
+
+# ---- the donation of hashed hot slots (prefix caching step 2a, the host tier) ---------------------
+# vllm/spec.py:HiSparseManager overrides take_pending_cow_copies (once per step, after every
+# allocation: its donations are queued there) and calls these BlockPool methods with these
+# parameters; the worker's start of a request is its Request.num_computed_tokens at cache_blocks.
+POOL_CALLED = {"move_block_hashes": ("src_block", "dst_block"), "evict_blocks": ("block_ids",),
+               "get_new_blocks": ("num_blocks",), "free_blocks": ("ordered_blocks",),
+               "get_num_free_blocks": (), "get_cached_block": ("block_hash", "kv_cache_group_ids")}
+
+
+def test_donation_seam_keeps_its_vllm_names():
+    import inspect
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    from vllm_hisparse.vllm.spec import HiSparseManager
+
+    base = _vllm_base_method("take_pending_cow_copies")
+    assert _params(base) == () == _params(HiSparseManager.take_pending_cow_copies), (
+        f"vLLM's SingleTypeKVCacheManager.take_pending_cow_copies{_params(base)} changed "
+        f"(vllm/spec.py HiSparseManager queues its donations there)")
+    for name, want in POOL_CALLED.items():
+        fn = getattr(BlockPool, name, None)
+        assert fn is not None and _params(fn) == want, (
+            f"vLLM's BlockPool.{name} changed or is gone (vllm/spec.py HiSparseManager's donation "
+            f"calls it with {want})")
+    for owner, fn, calls in ((Scheduler, "schedule", "take_kv_cache_block_copies"),
+                             (KVCacheManager, "take_kv_cache_block_copies",
+                              "take_pending_cow_copies")):
+        assert calls in inspect.getsource(getattr(owner, fn)), (
+            f"vLLM's {owner.__name__}.{fn} no longer calls {calls}: vllm/spec.py "
+            f"HiSparseManager's donations (take_pending_cow_copies) would never be queued")
+    blk = KVCacheBlock(3)
+    for name in ("ref_cnt", "block_hash", "block_id", "is_null"):
+        assert hasattr(blk, name), f"vLLM's KVCacheBlock.{name} is gone (vllm/spec.py uses it)"
+    init = inspect.getsource(Request.__init__)
+    for name in ("num_computed_tokens", "num_prompt_tokens"):
+        assert f"self.{name}" in init, f"vLLM's Request.{name} is gone (vllm/spec.py reads it)"
+    from test_prefix_host_pool import manager
+
+    m, pool = manager(8)
+    assert isinstance(pool.blocks, list) and pool.blocks[3].block_id == 3
+    assert m.floor_blocks == m.hs_cfg.num_slots

@@ -48,13 +48,13 @@ def test_register_idempotent_and_alias_case_insensitive():
     assert "HiSparseConnector" in KVConnectorFactory._registry
 
 
-def test_prepare_config_sets_block_size_connector_and_disables_prefix_caching():
+def test_prepare_config_sets_block_size_connector_and_keeps_prefix_caching():
     from vllm_hisparse.vllm.setup_check import prepare_config
 
     cfg = fake_config()
     prepare_config(cfg)
     assert cfg.cache_config.block_size == 16
-    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.cache_config.enable_prefix_caching is True         # the user's (vLLM: on)
     assert cfg.kv_transfer_config.kv_connector == "HiSparseConnector"
     assert cfg.kv_transfer_config.kv_role == "kv_producer"   # no deferred frees
 

@@ -82,13 +82,11 @@ def prepare_config(vllm_config) -> None:
     cc.block_size = cfg.page_size
     cc.user_specified_block_size = True
     check_speculative(cfg, getattr(vllm_config, "speculative_config", None))
-    if cc.enable_prefix_caching and cfg.host_tier:
-        # resident mode keeps it (vllm/spec.py: floor copy-on-write of block 0, the worker's
-        # request identity; core/sparse_runtime.py: a hit's Quest bounds rebuilt from its blocks);
-        # the host tier needs host pages shared by block hash first (step 2 of the design)
-        logger.warning("hisparse: prefix caching is switched off with the host tier (not "
-                       "compatible yet: docs/design/prefix-caching.md); host_tier=false keeps it")
-        cc.enable_prefix_caching = False
+    # vLLM's prefix caching stays the user's choice (docs/design/prefix-caching.md, steps 1, 2a):
+    # vllm/spec.py copies a hit's private floor (block 0, or the S hot slots with the host tier)
+    # and donates a request's hashed slots before they are overwritten; core/sparse_runtime.py
+    # fills a hit's Quest row and host / dense-pool pages from its GPU blocks at its first step.
+    # Host pages stay private per request (a hit saves the prefill, not host memory).
     dep = deployment_of(vllm_config) if mc is not None else None
     if dep is not None and dep.auto:
         logger.info("hisparse: sized from this machine (%s): %s", ", ".join(dep.auto),

@@ -20,11 +20,19 @@ core/residency.py ``hostless_fits``) has no host copy: the manager never frees a
 and never spills it, in either mode. The connector names it in the ledger's ``hostless`` before
 vLLM allocates its first block.
 
-With vLLM's prefix caching on (resident mode only so far: docs/design/prefix-caching.md, step 1)
-a request's first ``floor_blocks`` blocks are private (*floor copy-on-write*, rule F of section
-3.1): prefix-cache hits among them are copied into fresh blocks with vLLM's own CoW
-(``_apply_cow``: the copy runs on the worker before the step's forward), so block 0 of a live
-request, the worker's identity of its batch rows (vllm/request_rows.py), is never shared.
+With vLLM's prefix caching on (docs/design/prefix-caching.md, steps 1 and 2a) a request's first
+``floor_blocks`` blocks F are private (*floor copy-on-write*, rule F of section 3.1): prefix-cache
+hits among them are copied into fresh blocks with vLLM's own CoW (``_apply_cow``: the copy runs on
+the worker before the step's forward). F = 1 in resident mode: block 0 of a live request, the
+worker's identity of its batch rows (vllm/request_rows.py), is never shared. F = S with the host
+tier: blocks [0, S) are the request's hot slots, which RESOLVE and the give-back inserts overwrite
+from the first step the request has pages given back (``residency.freed_pages`` non-empty, as the
+worker counts: ``_slots_written``). The blocks among them that the request computed itself were
+hashed by ``cache_blocks``; at the end of that step's scheduling (``take_pending_cow_copies``,
+after every allocation and prefix-cache lookup of the step) each hashed one is *donated*: its
+cache entries move to a fresh block (``move_block_hashes``) that a copy queued for this step's
+forward fills, and which then lies free, cached and evictable; with no free block its entries
+are dropped instead (a lost hit, never a wrong one). Counted in ``donation``.
 """
 from __future__ import annotations
 
@@ -118,15 +126,24 @@ def ledger_of(block_pool) -> SpillLedger:
 
 class HiSparseManager(FullAttentionManager):
     # F: a request's blocks [0, F) are never shared through the prefix cache (copied at a hit).
-    # 1 in resident mode: block 0 is the worker's identity of a request; the host tier, which
-    # needs F = S (its hot slots), keeps prefix caching off for now (vllm/setup_check.py)
-    floor_blocks = 1
+    # None: 1 in resident mode (block 0 is the worker's identity of a request), S with the host
+    # tier (its hot slots); a number here (a test's control) overrides both
+    floor_blocks: int | None = None
+    donate = True           # False: a test's control (slots overwritten while still cached)
 
     def __init__(self, kv_cache_spec: HiSparseSpec, **kwargs):
         super().__init__(kv_cache_spec, **kwargs)
         self.hs_cfg = kv_cache_spec.cfg
+        dep = kv_cache_spec.deployment
+        if type(self).floor_blocks is None:
+            self.floor_blocks = (dep.num_slots if self.hs_cfg.host_tier and dep.sparse_possible
+                                 else 1)
         self._floor_cow: dict[str, list[tuple[int, object]]] = {}   # req -> [(index, hit block)]
         self._cached_this_step: set = set()     # hashes of blocks first computed in this step
+        self._given_back_now: set[int] = set()  # ids of blocks given back in this step
+        self._scheduled: dict[str, tuple[int, int]] = {}   # this step: req -> (start, prompt)
+        self._donated: set[str] = set()         # requests whose slots may be overwritten now
+        self.donation = {"donated": 0, "dropped": 0}       # hashed slot blocks moved / dropped
         self._ledger = None                             # resident_first's spills
         # the pool's ledger: its host-less requests (both modes)
         self._shared = ledger_of(self.block_pool) if self.hs_cfg.host_tier else None
@@ -160,6 +177,11 @@ class HiSparseManager(FullAttentionManager):
     def _free(self, request_id: str, processed: int, num_prompt: int, keep: int | None) -> None:
         lo, hi = freed_pages(self.hs_cfg, processed, num_prompt, keep)
         if hi > lo:
+            # the worker's plan of this step may still read them (core/give_back.py): no copy
+            # queued for this step may write one (_copy_dst)
+            self._given_back_now.update(
+                b.block_id for b in self.req_to_blocks.get(request_id, ())[lo:hi]
+                if not b.is_null)
             # Walks [lo, hi) backwards and stops at the first block freed by an earlier call: the
             # freed pages are always one range [S, hi) that only grows.
             self._remove_blocks_in_range(request_id, lo, hi)
@@ -225,6 +247,10 @@ class HiSparseManager(FullAttentionManager):
         if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens) and \
                 num_local_computed_tokens // self.block_size < k:
             k -= 1
+        if k and self._given_back_now:
+            # the copies must not land on blocks given back in this step (_copy_dst): counting
+            # those still free makes vLLM's check guarantee k others
+            k += sum(self.block_pool.blocks[i].ref_cnt == 0 for i in self._given_back_now)
         return n + k
 
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks,
@@ -245,7 +271,8 @@ class HiSparseManager(FullAttentionManager):
         (``Scheduler._free_cow_retained_blocks``)."""
         cow_blocks = []
         for i, src in self._floor_cow.pop(request_id, ()):
-            cow = self.block_pool.get_new_blocks(1)[0]
+            cow = self._copy_dst()
+            assert cow is not None, "reserved by get_num_blocks_to_allocate"
             self._apply_cow(request_id, i, src, cow)
             if self._record_new_block_ids:
                 self.new_block_ids.append(cow.block_id)
@@ -254,21 +281,94 @@ class HiSparseManager(FullAttentionManager):
                                                         num_tokens_main_model)
 
     def cache_blocks(self, request, num_tokens: int, retention_interval: int | None = None):
-        before = self.num_cached_block.get(request.request_id, 0)
+        rid = request.request_id
+        before = self.num_cached_block.get(rid, 0)
         super().cache_blocks(request, num_tokens, retention_interval=retention_interval)
-        after = self.num_cached_block.get(request.request_id, 0)
-        for b in self.req_to_blocks[request.request_id][before:after]:
-            if b.block_hash is not None:
-                self._cached_this_step.add(b.block_hash)
+        after = self.num_cached_block.get(rid, 0)
+        # (called once per scheduled request and step, caching on): the worker's start this step
+        self._scheduled[rid] = (getattr(request, "num_computed_tokens", 0),
+                                request.num_prompt_tokens)
+        for i, b in enumerate(self.req_to_blocks[rid][before:after], before):
+            if b.block_hash is None:
+                continue
+            if rid in self._donated and i < self.hs_cfg.num_slots and self.donate:
+                # hashed after its slots were first overwritten (a hash known a step late):
+                # its bytes may be another page's already
+                self.block_pool.evict_blocks({b.block_id})
+                self.donation["dropped"] += 1
+                continue
+            self._cached_this_step.add(b.block_hash)
 
     def new_step_starts(self) -> None:
         super().new_step_starts()
         self._cached_this_step.clear()
+        self._given_back_now.clear()
+
+    # ---- donation of hashed hot slots (docs/design/prefix-caching.md, step 2a) -----------------
+    def _slots_written(self, request_id: str, start: int, prompt: int) -> bool:
+        """Whether the worker may overwrite the request's hot slots in this step (at start
+        tokens): it has pages given back, by the worker's own rule (its keep: 0 without
+        resident_first, the manager's last spill with it; a host-less request keeps all)."""
+        if self._shared is not None and request_id in self._shared.hostless:
+            return False
+        keep = self._keep.get(request_id) if self._ledger is not None else 0
+        lo, hi = freed_pages(self.hs_cfg, start, prompt, keep)
+        return hi > lo
+
+    def _copy_dst(self):
+        """A free block for a copy queued in this step (None: none): never one given back in this
+        step, which the worker's plan still reads after vLLM's copies ran (those popped on the
+        way go back, uncached: a lost hit)."""
+        pool, skipped, dst = self.block_pool, [], None
+        while pool.get_num_free_blocks() > 0:
+            blk = pool.get_new_blocks(1)[0]
+            if blk.block_id not in self._given_back_now:
+                dst = blk
+                break
+            skipped.append(blk)
+        if skipped:
+            pool.free_blocks(skipped)
+        return dst
+
+    def _donate(self, request_id: str) -> None:
+        """Move the cache entries of the request's hashed blocks [0, S) to fresh blocks, filled by
+        copies that run before this step's forward (both endpoints retained until the scheduler
+        queued them: ``Scheduler._free_cow_retained_blocks`` frees them, so the copy ends up a
+        free, cached block), or drop the entries when no block is free."""
+        self._donated.add(request_id)
+        if not self.donate:
+            return
+        for blk in self.req_to_blocks.get(request_id, ())[:self.hs_cfg.num_slots]:
+            if blk.is_null or blk.block_hash is None:
+                continue
+            dst = self._copy_dst()
+            if dst is None:
+                self.block_pool.evict_blocks({blk.block_id})
+                self.donation["dropped"] += 1
+                continue
+            self.block_pool.move_block_hashes(blk, dst)
+            blk.ref_cnt += 1
+            self._pending_cow_copies.append((blk, dst))
+            self.donation["donated"] += 1
+
+    def take_pending_cow_copies(self):
+        """Once per step, after every allocation and lookup (KVCacheManager.take_kv_cache_block_
+        copies): the requests whose slots this step's forward may overwrite first donate theirs,
+        so no hit, in this step or later, reads an overwritten slot."""
+        if self.hs_cfg.host_tier:
+            for rid, (start, prompt) in self._scheduled.items():
+                if rid not in self._donated and rid in self.req_to_blocks and \
+                        self._slots_written(rid, start, prompt):
+                    self._donate(rid)
+        self._scheduled.clear()
+        return super().take_pending_cow_copies()
 
     def pop_blocks_for_free(self, request_id: str):         # free() and vLLM's batched frees
         # A preempted request gives every block back and restarts resident, here and on the
         # worker (SparseRuntime.add on its resumption); a spill recorded for it this step is void.
         self._floor_cow.pop(request_id, None)
+        self._scheduled.pop(request_id, None)
+        self._donated.discard(request_id)
         self._seen.pop(request_id, None)
         self._keep.pop(request_id, None)
         if self._ledger is not None:

@@ -1,0 +1,166 @@
+"""Prefix caching with the host tier, step 2a (docs/design/prefix-caching.md), without an engine:
+the KV manager on a real vLLM BlockPool. The floor is the S hot slots (F = S: a hit's blocks
+[0, S) become private copies); a request's own hashed slots are donated (their cache entries moved
+to fresh copies, queued for the step's forward) in the step its slots are first overwritten, or
+dropped when no block is free; copies never land on a block given back in the same step (the
+worker's plan still reads those)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.core.deployment import EngineLimits, resolve
+
+pytestmark = pytest.mark.vllm
+PAGE, S = 16, 4                   # device_buffer_size 64 / page 16: four hot slots
+
+
+def manager(num_blocks: int):
+    from vllm.v1.core.block_pool import BlockPool
+
+    from vllm_hisparse.vllm.spec import HiSparseManager, HiSparseSpec
+
+    cfg = HiSparseConfig(top_k=48, device_buffer_size=64, page_size=PAGE, min_context=64,
+                         host_tier=True, resident_first=False, host_pool_gib=0.05)
+    spec = HiSparseSpec(block_size=PAGE, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                        deployment=resolve(cfg, EngineLimits(4, 1024, 16, 2, 32, 4)))
+    pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=PAGE)
+    m = HiSparseManager(spec, block_pool=pool, enable_caching=True, kv_cache_group_id=0,
+                        scheduler_block_size=PAGE)
+    return m, pool
+
+
+def request(rid: str, pages: int, seed: int = 0):
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    return SimpleNamespace(request_id=rid, num_prompt_tokens=pages * PAGE, num_computed_tokens=0,
+                           shared_prefix_boundary=None,
+                           block_hashes=[BlockHash(bytes([seed, i]) * 16) for i in range(pages)])
+
+
+def prefill(m, req, pages: int) -> list:
+    """Request ``req`` computes its ``pages``-page prompt itself in one step (hashed)."""
+    m.allocate_new_blocks(req.request_id, pages * PAGE, pages * PAGE)
+    m.cache_blocks(req, pages * PAGE)
+    assert m.take_pending_cow_copies() == []          # its slots hold its own pages still
+    return list(m.req_to_blocks[req.request_id])
+
+
+def first_decode(m, req, pages: int) -> None:
+    """The next step: its first decode row, at its floor (pages [S, pages) given back)."""
+    m.new_step_starts()
+    m.remove_skipped_blocks(req.request_id, pages * PAGE, pages * PAGE)
+    m.allocate_new_blocks(req.request_id, pages * PAGE + 1, pages * PAGE + 1)
+    req.num_computed_tokens = pages * PAGE
+    m.cache_blocks(req, pages * PAGE + 1)
+
+
+def test_the_floor_is_the_hot_slots_with_the_host_tier():
+    m, pool = manager(41)                             # 40 usable blocks
+    assert m.floor_blocks == S
+    a = prefill(m, request("a", 6), 6)
+    m.new_step_starts()
+    n = m.get_num_blocks_to_allocate("b", 7 * PAGE, a[:5], 5 * PAGE, 5 * PAGE, 7 * PAGE)
+    assert n == 2 + S                                 # pages 5, 6 + the floor's copies
+    m.add_local_computed_blocks("b", a[:5], 5 * PAGE, 0)
+    m.allocate_new_blocks("b", 7 * PAGE, 7 * PAGE)
+    b = m.req_to_blocks["b"]
+    assert all(b[i] is not a[i] for i in range(S)) and b[S] is a[S] and len(b) == 7
+    copies = m.take_pending_cow_copies()
+    assert copies == [(a[i], b[i]) for i in range(S)]
+    assert all(a[i].ref_cnt == 2 and b[i].ref_cnt == 2 for i in range(S)) and a[S].ref_cnt == 2
+    pool.free_blocks([blk for pair in copies for blk in pair])   # _free_cow_retained_blocks
+    assert all(a[i].ref_cnt == 1 and b[i].ref_cnt == 1 for i in range(S))
+    assert all(b[i].block_hash is None for i in range(S))       # copies are never hashed
+    for rid in ("a", "b"):
+        m.free(rid)
+    assert pool.get_num_free_blocks() == 40
+
+
+def test_hashed_slots_are_donated_in_the_step_they_are_first_overwritten():
+    m, pool = manager(41)
+    req = request("a", 6)
+    a = prefill(m, req, 6)
+    hashes = [blk.block_hash for blk in a]
+    first_decode(m, req, 6)                           # pages 4, 5 given back: slots written now
+    assert m.req_to_blocks["a"][S].is_null and a[S].ref_cnt == 0
+    copies = m.take_pending_cow_copies()
+    assert [src for src, _ in copies] == a[:S] and m.donation == {"donated": S, "dropped": 0}
+    for i, (src, dst) in enumerate(copies):
+        assert src.block_hash is None and dst.block_hash == hashes[i]
+        assert pool.get_cached_block(req.block_hashes[i], [0]) == [dst]
+        assert src.ref_cnt == 2 and dst.ref_cnt == 1                 # owner + retention; retention
+        assert dst.block_id not in {blk.block_id for blk in a[S:]}  # not a page given back now
+    pool.free_blocks([blk for pair in copies for blk in pair])   # after the copies were queued
+    assert all(src.ref_cnt == 1 and dst.ref_cnt == 0 for src, dst in copies)
+    assert pool.get_cached_block(req.block_hashes[S], [0]) == [a[S]]   # given back, still cached
+    m.new_step_starts()                               # once per request: nothing more
+    m.cache_blocks(req, 6 * PAGE + 2)
+    assert m.take_pending_cow_copies() == []
+    # a later hit on the donated prefix takes the copies, and copies them again (F = S)
+    hits = [dst for _, dst in copies] + [a[S]]
+    m.add_local_computed_blocks("b", hits, 5 * PAGE, 0)
+    m.allocate_new_blocks("b", 6 * PAGE, 6 * PAGE)
+    assert [src for src, _ in m.take_pending_cow_copies()] == hits[:S]
+
+
+def test_without_a_free_block_the_entries_are_dropped_never_left():
+    m, pool = manager(9)                              # 8 usable: a's 6 + its decode page + 1
+    req = request("a", 6)
+    a = prefill(m, req, 6)
+    first_decode(m, req, 6)                           # frees 4, 5; takes one: 3 free
+    free = {blk.block_id for blk in pool.free_block_queue.get_all_free_blocks()}
+    given_back = {a[4].block_id, a[5].block_id}
+    assert given_back < free and len(free) == 3
+    copies = m.take_pending_cow_copies()
+    # one block that no plan reads: a[0]'s entries move there; the pages given back in this step
+    # are never a copy's destination (the worker's plan still reads them): the rest are dropped
+    assert len(copies) == 1 and copies[0][0] is a[0]
+    assert copies[0][1].block_id in free - given_back
+    assert m.donation == {"donated": 1, "dropped": S - 1}
+    assert all(blk.block_hash is None for blk in a[:S])
+    assert all(pool.get_cached_block(req.block_hashes[i], [0]) is None for i in range(1, S))
+
+
+def test_a_slot_hashed_after_the_donation_is_dropped_at_once():
+    """A block whose hash is known only after the step its slots were first overwritten (vLLM
+    caches up to the tokens it knows: under async scheduling an output token is known a step
+    late): its bytes may be another page's by then, so its entries go at once."""
+    m, pool = manager(41)
+    req = request("a", 6)
+    m.allocate_new_blocks("a", 6 * PAGE, 6 * PAGE)
+    m.cache_blocks(req, 3 * PAGE)                     # tokens of pages 3.. not known yet
+    a = list(m.req_to_blocks["a"])
+    m.take_pending_cow_copies()
+    m.new_step_starts()
+    m.remove_skipped_blocks("a", 6 * PAGE, 6 * PAGE)
+    m.allocate_new_blocks("a", 6 * PAGE + 1, 6 * PAGE + 1)
+    req.num_computed_tokens = 6 * PAGE
+    m.cache_blocks(req, 3 * PAGE)
+    assert len(m.take_pending_cow_copies()) == 3      # the hashed slots 0..2
+    m.new_step_starts()
+    m.cache_blocks(req, 6 * PAGE + 1)                 # slot 3 hashed now: dropped
+    assert a[3].block_hash is None and m.donation == {"donated": 3, "dropped": 1}
+    assert pool.get_cached_block(req.block_hashes[3], [0]) is None
+
+
+def test_a_hit_copied_in_a_step_with_pages_given_back_counts_them_as_taken():
+    """The floor's copies must not land on blocks given back in this step (the worker's plan
+    still reads them after vLLM's copies ran): the count vLLM checks against the free blocks adds
+    those still free, so the request waits a step rather than copy onto one."""
+    m, pool = manager(11)                             # 10 usable
+    c = prefill(m, request("c", 2, seed=1), 2)        # c's prompt, finished: cached, free
+    m.free("c")
+    req = request("a", 6)
+    prefill(m, req, 6)
+    first_decode(m, req, 6)                           # 10 - 7 + a's 2 given back = 5 free
+    assert pool.get_num_free_blocks() == 5
+    args = ("b", 3 * PAGE, c, 2 * PAGE, 2 * PAGE, 3 * PAGE)
+    n_now = m.get_num_blocks_to_allocate(*args)
+    m.new_step_starts()
+    n_next = m.get_num_blocks_to_allocate(*args)
+    assert n_next == 1 + 2 + 2                        # its new page, c's 2 cached blocks, 2 copies
+    assert n_now == n_next + 2 > pool.get_num_free_blocks() >= n_next
