@@ -21,7 +21,11 @@ densely: docs/design/prefix-caching.md, step 1).
 
 MODE: stock (vLLM's own backend, prefix caching on), on / off (hisparse resident mode, prefix
 caching on / off), noswitch (on, the first-step Quest rebuild of a hit turned off), floor0 (on,
-no floor copy-on-write: F = 0). Writes {outputs, hits, error, leaks...} as JSON.
+no floor copy-on-write: F = 0). With the host tier and prefix caching on (step 2a, MODES_HOST):
+host (every request host-backed, at its floor after its prompt: misses), hostless (a host pool of
+one request: the others run host-less), elastic (resident_first on a small GPU pool: spills),
+nodonate (host, the donation of hashed hot slots off), nohostfill (host, the first step of a hit
+fills its Quest row but not its host pages). Writes {outputs, hits, error, leaks...} as JSON.
 """
 from __future__ import annotations
 
@@ -35,30 +39,41 @@ CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers":
        "min_context": MIN_CONTEXT, "host_tier": False}
 MML, SEQS, BATCHED = 1024, 8, 2048
 PREEMPT = ("c1t1", 1)            # preempted once, after this many engine steps of its turn
+HOST = dict(CFG, host_tier=True, resident_first=False, host_pool_gib=0.05)
+# mode -> (hisparse config, max_model_len, num_gpu_blocks_override) of the host-tier engines.
+# hostless: the smallest host pool max_model_len allows holds one request's life (11 pages of
+# 32 KiB: the tiny model's 4 layers x 2 KV heads x 32 x fp32), so the others run host-less.
+# elastic: 169 usable blocks, the spill reserve R = 2048 / 16 + 8 + 1: spills from the first turn.
+MODES_HOST = {"host": (HOST, MML, None),
+              "hostless": (dict(HOST, host_pool_gib=11 * 32 / 2**20), 176, None),
+              "elastic": (dict(HOST, resident_first=True), MML, 150),
+              "nodonate": (HOST, MML, None), "nohostfill": (HOST, MML, None)}
 
 
 def engine(model: str, mode: str):
     from vllm import LLM
 
-    kw = dict(dtype="float32", max_model_len=MML, max_num_seqs=SEQS, block_size=PAGE,
+    cfg, mml, blocks = MODES_HOST.get(mode, (CFG, MML, None))
+    kw = dict(dtype="float32", max_model_len=mml, max_num_seqs=SEQS, block_size=PAGE,
               max_num_batched_tokens=BATCHED, enforce_eager=True, seed=0,
-              enable_prefix_caching=mode != "off")
+              enable_prefix_caching=mode != "off", num_gpu_blocks_override=blocks)
     if mode == "stock":
         return LLM(model, **kw)
     from vllm_hisparse.vllm.plugin import register
+    from vllm_hisparse.vllm.spec import HiSparseManager
 
     register()
-    if mode == "floor0":
-        from vllm_hisparse.vllm.spec import HiSparseManager
-
-        HiSparseManager.floor_blocks = 0          # put back after the job (engine_jobs)
-    return LLM(model, attention_backend="hisparse", additional_config={"hisparse": CFG}, **kw)
+    if mode == "floor0":                          # (engine_jobs puts both back after the job)
+        HiSparseManager.floor_blocks = 0
+    if mode == "nodonate":
+        HiSparseManager.donate = False
+    return LLM(model, attention_backend="hisparse", additional_config={"hisparse": cfg}, **kw)
 
 
 def run(eng, batch: dict, sp, abort_after: dict | None = None,
-        preempt_after: dict | None = None) -> dict:
-    """Serve {rid: prompt ids} to completion; abort_after / preempt_after {rid: steps}. Returns
-    {rid: output}."""
+        preempt_after: dict | None = None, each_step=None) -> dict:
+    """Serve {rid: prompt ids} to completion; abort_after / preempt_after {rid: steps};
+    each_step() after every step. Returns {rid: output}."""
     for rid, ids in batch.items():
         eng.add_request(rid, {"prompt_token_ids": ids}, sp)
     done, steps = {}, 0
@@ -67,6 +82,8 @@ def run(eng, batch: dict, sp, abort_after: dict | None = None,
             if o.finished:
                 done[o.request_id] = o
         steps += 1
+        if each_step is not None:
+            each_step()
         for rid, n in (abort_after or {}).items():
             if steps == n:
                 eng.abort_request([rid])
@@ -108,7 +125,32 @@ def record_resumed_hits(sched, into: list) -> None:
     mgr.get_computed_blocks = get_computed_blocks
 
 
+def no_host_fill():
+    """nohostfill: the first step of a hit copies its prefix into its Quest row only (every
+    request of the driver is sparse from its prompt, so every indexing switch is a hit's).
+    Returns the undo."""
+    from dataclasses import replace
+
+    from vllm_hisparse.core import sparse_runtime
+
+    copy = sparse_runtime.copy_context
+
+    def copy_context(rt, switches, block_table):
+        copy(rt, [replace(s, host_pages=None) if s.index else s for s in switches], block_table)
+    sparse_runtime.copy_context = copy_context
+    return lambda: setattr(sparse_runtime, "copy_context", copy)
+
+
 def main(mode: str, model: str, out: str) -> None:
+    undo = no_host_fill() if mode == "nohostfill" else None
+    try:
+        _main(mode, model, out)
+    finally:
+        if undo is not None:
+            undo()
+
+
+def _main(mode: str, model: str, out: str) -> None:
     from vllm import SamplingParams
 
     llm = engine(model, mode)
@@ -131,13 +173,19 @@ def main(mode: str, model: str, out: str) -> None:
              for _ in range(CONVS + 1)]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
     hist = [list(system) for _ in range(CONVS + 1)]
-    res = {"outputs": [], "hits": 0, "error": None, "resumed": []}
-    record_resumed_hits(eng.engine_core.engine_core.scheduler, res["resumed"])
+    res = {"outputs": [], "hits": 0, "error": None, "resumed": [], "hostless_max": 0}
+    sched = eng.engine_core.engine_core.scheduler
+    record_resumed_hits(sched, res["resumed"])
+    cs = getattr(sched.connector, "connector_scheduler", None) if mode != "stock" else None
+
+    def each_step():
+        if cs is not None:
+            res["hostless_max"] = max(res["hostless_max"], len(cs._hostless))
     try:
         for t in range(TURNS):
             batch = {f"c{c}t{t}": hist[c] + users[c][t] for c in range(CONVS)}
             done = run(eng, batch, sp, preempt_after=dict([PREEMPT]) if PREEMPT[0] in batch
-                       else None)
+                       else None, each_step=each_step)
             for c in range(CONVS):
                 o = done[f"c{c}t{t}"]
                 toks = list(o.outputs[0].token_ids)
@@ -155,15 +203,18 @@ def main(mode: str, model: str, out: str) -> None:
         if rt is None or not rt.reqs:
             break
         eng.step()
-    sched = eng.engine_core.engine_core.scheduler
     pool = sched.kv_cache_manager.block_pool
     res["free_blocks"], res["num_blocks"] = pool.get_num_free_blocks(), pool.num_gpu_blocks
     if rt is not None and res["error"] is None:
         w = worker.current()
         res["leaks"] = {"runtime_reqs": len(rt.reqs), "rows": len(w.rows.req_to_block),
                         "blocks_bound": len(w.rows.block_to_req),
-                        "indexer_rows_used": rt.ix.rows - len(rt.ix._free)}
-        res["stats"] = {k: rt.stats_dict()[k] for k in ("prefix_hits", "turned_sparse")}
+                        "indexer_rows_used": rt.ix.rows - len(rt.ix._free),
+                        "host_pages_used": rt.host_pages_used}
+        res["stats"] = {k: rt.stats_dict()[k] for k in ("prefix_hits", "turned_sparse",
+                                                        "spills", "misses")}
+        [mgr] = sched.kv_cache_manager.coordinator.single_type_managers
+        res["donation"] = dict(mgr.donation)
     with open(out, "w") as f:
         json.dump(res, f)
 

@@ -75,5 +75,6 @@ def test_a_preempted_hit_request_resumes_with_a_hit_and_stays_exact(runs):
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_no_leaks_after_the_turns_and_an_abort(runs, mode):
     r = runs[mode]
-    assert r["leaks"] == {"runtime_reqs": 0, "rows": 0, "blocks_bound": 0, "indexer_rows_used": 0}
+    assert r["leaks"] == {"runtime_reqs": 0, "rows": 0, "blocks_bound": 0, "indexer_rows_used": 0,
+                          "host_pages_used": 0}
     assert r["free_blocks"] == r["num_blocks"] - 1              # block 0 is vLLM's null block

@@ -1,0 +1,80 @@
+"""Prefix caching with the host tier, step 2a (docs/design/prefix-caching.md, issue 47) through
+the real vLLM 0.26 engine (CPU): host pages private per request, F = S, hashed hot slots donated
+before they are overwritten, a hit's Quest row and host pages filled from its GPU blocks at its
+first step.
+
+tests/prefix_chat.py's fake chat (3 conversations x 3 turns on an 80-token system prompt, every
+request sparse, turns in flight together, one request with a hit preempted and resumed, an abort
+mid-turn) on seven engines side by side (tests/engine_jobs.py, run_script): with prefix caching
+on, the host tier at its floor (misses), with most requests host-less, and elastic
+(resident_first, spills) each equal resident mode with prefix caching on, tokens and top-5
+logprobs bit for bit (the exactness definition of the design doc's Q1), with stock vLLM's hits;
+the negative controls fail: without the donation a later hit reads slots that misses overwrote,
+without the host fill misses read host pages never written; nothing is left after the run.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefix_chat.py")
+EXACT = ("host", "hostless", "elastic")
+CONTROLS = ("nodonate", "nohostfill")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from engine_jobs import run_script, tiny_model
+
+    model = tiny_model()
+    return run_script(DRIVER, tmp_path_factory.mktemp("pch"), {
+        mode: [mode, model] for mode in ("on", "stock") + EXACT + CONTROLS})
+
+
+@pytest.mark.parametrize("mode", EXACT)
+def test_host_tier_with_prefix_caching_equals_resident_with_stocks_hits(runs, mode):
+    ref, r, stock = runs["on"], runs[mode], runs["stock"]
+    assert r["error"] is None and ref["error"] is None and stock["error"] is None
+    assert len(r["outputs"]) == len(ref["outputs"]) == 9
+    for i, (a, b) in enumerate(zip(r["outputs"], ref["outputs"])):
+        assert a["tokens"] == b["tokens"], f"request {i}: tokens differ"
+        assert a["logprobs"] == b["logprobs"], f"request {i}: logprobs differ"
+    assert [o["cached"] for o in r["outputs"]] == [o["cached"] for o in stock["outputs"]]
+    assert r["hits"] == stock["hits"] > 0
+    assert r["resumed"] == stock["resumed"]            # the preempted hit resumes with a hit
+    # every admission with a hit, the resumption and the abort phase's two rebuilt their rows
+    assert r["stats"]["prefix_hits"] == ref["stats"]["prefix_hits"] > 0
+
+
+def test_the_engines_exercise_what_they_are_for(runs):
+    host, hostless, elastic = (runs[m] for m in EXACT)
+    # at the floor after the prompt: misses; the prompt owner's hashed slots donated once
+    assert host["stats"]["misses"] > 0 and host["donation"]["donated"] > 0
+    assert host["hostless_max"] == 0
+    assert hostless["hostless_max"] >= 2 and hostless["stats"]["misses"] > 0
+    # spills under a small GPU pool, the system prompt's owner among them after its blocks
+    # were cached (its slots donated in the step of its spill)
+    assert elastic["stats"]["spills"] > 0 and elastic["donation"]["donated"] > 0
+    assert elastic["num_blocks"] < 200
+    for r in (host, hostless, elastic):
+        assert r["donation"]["dropped"] == 0
+
+
+def test_negative_controls_fail(runs):
+    ref = [o["logprobs"] for o in runs["on"]["outputs"]]
+    nd, nf = runs["nodonate"], runs["nohostfill"]
+    assert nd["error"] is None and nd["donation"] == {"donated": 0, "dropped": 0}
+    assert nd["hits"] == runs["host"]["hits"]
+    assert [o["logprobs"] for o in nd["outputs"]] != ref
+    assert nf["error"] is None and nf["stats"]["prefix_hits"] > 0
+    assert [o["logprobs"] for o in nf["outputs"]] != ref
+
+
+@pytest.mark.parametrize("mode", EXACT)
+def test_no_leaks_after_the_turns_and_an_abort(runs, mode):
+    r = runs[mode]
+    assert r["leaks"] == {"runtime_reqs": 0, "rows": 0, "blocks_bound": 0, "indexer_rows_used": 0,
+                          "host_pages_used": 0}
+    assert r["free_blocks"] == r["num_blocks"] - 1              # block 0 is vLLM's null block
