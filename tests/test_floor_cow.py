@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_sparse_runtime_exact import P, Driver
+from test_sparse_runtime_exact import L, P, W, Driver
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core.deployment import EngineLimits, resolve
 
@@ -151,3 +151,54 @@ def test_first_step_of_a_hit_folds_the_prefix_into_its_quest_row():
     (b, a), stats = _hit_run(False)                                   # the switch off
     assert stats["prefix_hits"] == 0
     assert not (torch.equal(b[0], a[0]) and torch.equal(b[1], a[1]))
+
+
+def _hostless_hit_moved(host_tier: bool, copy: bool = True):
+    """Step 2a's host-less path: request b runs host-less with a prefix-cache hit of 64 tokens
+    on a's blocks (pages [0, S) its private floor copies, the same bytes; pages [S, 8) a's
+    blocks, shared), moves into the host tier (core/hostless.py ``host_back``: its next step
+    copies [0, start) from its GPU blocks, the shared ones included, to its new host pages),
+    then is spilled to its floor: the pages it gives back (a's blocks among them) are poisoned
+    after every step (Driver), so it reads them from that copy. copy False: the move's copy is
+    skipped (the control). Returns every layer's outputs of every step."""
+    from vllm_hisparse.core.hostless import host_back
+
+    cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(0,),
+                         min_context=40, host_pool_gib=0.01, host_tier=host_tier,
+                         resident_first=True)
+    S = cfg.num_slots
+    d = Driver(cfg)
+    if host_tier:                  # never-written host pages read as NaN (not a previous run's)
+        for layer in d.rt.pool.data:
+            layer.fill_(float("nan"))
+    d.add("a", 80)
+    d.step({"a": 80})
+    d.rt.add("b", 72, hostless=host_tier)
+    d.blocks["b"] = torch.arange(1 + W, 1 + 2 * W, dtype=torch.int32)
+    d.lens["b"], d.prompt["b"] = 64, 72
+    for kv in d.kv:                                     # the floor's copies (vLLM's CoW)
+        kv[d.blocks["b"][:S].long()] = kv[d.blocks["a"][:S].long()]
+    d.blocks["b"][S:8] = d.blocks["a"][S:8]             # shared
+    d.step({"b": 8})                                    # host-less: its Quest row only
+    for _ in range(3):
+        d.step({"b": 1})
+    host_back(d.rt, "b")
+    if not copy:
+        d.rt.reqs["b"].moving = False
+    d.step({"b": 1})
+    d.spill("b", 0)
+    for _ in range(6):
+        d.step({"b": 1})
+    stats = d.rt.stats_dict()
+    assert d.rt.finish("a") and d.rt.finish("b") and not d.rt.reqs
+    return d.outs, stats
+
+
+def test_a_hostless_hit_moved_into_the_host_tier_reads_its_shared_prefix_from_its_host_copy():
+    ref, _ = _hostless_hit_moved(False)                  # resident mode: the reference
+    outs, stats = _hostless_hit_moved(True)
+    assert stats["misses"] > 0 and stats["spills"] == 1 and stats["prefix_hits"] == 1
+    assert len(outs) == len(ref) and all(torch.equal(a, b) for a, b in zip(outs, ref))
+    bad, _ = _hostless_hit_moved(True, copy=False)
+    same = [torch.equal(a, b) for a, b in zip(bad, ref)]
+    assert all(same[:L * 6]) and not all(same)           # equal until the first step after the move
