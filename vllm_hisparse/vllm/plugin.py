@@ -9,7 +9,7 @@ each is needed and which upstream change would remove it):
   * ``HiSparseSpec`` -> ``HiSparseManager`` in the KV-cache spec registry;
   * a wrap of ``Attention.get_kv_cache_spec`` (hisparse layers get ``HiSparseSpec``);
   * a wrap of the platform's ``check_and_update_config`` (validates the setup, block_size ==
-    page_size, prefix caching off, our KV connector on);
+    page_size, prefix caching off on the MLA path only, our KV connector on);
   * on CPU, a wrap of ``CpuPlatform.get_attn_backend_cls`` (it otherwise always picks CPU_ATTN);
   * on CUDA, a wrap of the platform's ``get_attn_backend_cls``: CUSTOM on an MLA layer with a
     sparse indexer (DeepSeek-V3.2 style) is the MLA backend (``route``), anything else the GQA one;
