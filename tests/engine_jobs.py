@@ -311,6 +311,12 @@ def tiny_model() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+# The exactness harnesses' engines, every mode alike: prefix caching off, so a reference and the
+# engine it checks run the same batches (a hit in one and not the other changes the schedule, and
+# vLLM is not batch-invariant). The prefix-caching tests (test_prefix_*) turn it on in both.
+SAME_SCHEDULE = {"enable_prefix_caching": False}
+
+
 def engine_env(**over) -> dict:
     """This process's environment for an in-process engine of the tiny model: the engine core in
     the job's process, a 1 GiB CPU KV cache, no hub; ``over`` sets (None: unsets) more."""

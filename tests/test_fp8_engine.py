@@ -38,12 +38,13 @@ def _engine(cfg: dict, out: str, kv_cache_dtype: str) -> None:
     from vllm_hisparse.vllm import worker_state
     from vllm_hisparse.vllm.plugin import register
 
+    from engine_jobs import SAME_SCHEDULE
     register()
     llm = LLM(model=os.path.join(ROOT, "models", "tiny-llama"), dtype="float32",
               max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, enforce_eager=True,
               seed=0, skip_tokenizer_init=True, attention_backend="hisparse",
               kv_cache_dtype=kv_cache_dtype, additional_config={"hisparse": cfg},
-              enable_prefix_caching=False)     # as the host tier: the same schedules as resident
+              **SAME_SCHEDULE)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True,
                         detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], sp, use_tqdm=False)

@@ -53,12 +53,13 @@ def probe(model: str, cfg: dict, out: str) -> None:
     from vllm_hisparse.vllm import worker_state
     from vllm_hisparse.vllm.plugin import register
 
+    from engine_jobs import SAME_SCHEDULE
     register()
     llm = LLM(model, dtype="float32", max_model_len=MML, max_num_seqs=SEQS, block_size=PAGE,
               max_num_batched_tokens=BATCHED, enforce_eager=True, seed=0,
               num_gpu_blocks_override=BLOCKS, attention_backend="hisparse",
               additional_config={"hisparse": cfg},
-              enable_prefix_caching=False)     # as the host tier: the same schedules as resident
+              **SAME_SCHEDULE)
     eng = llm.llm_engine
     sched = eng.engine_core.engine_core.scheduler
     pool = sched.kv_cache_manager.block_pool

@@ -38,12 +38,13 @@ def _engine(cfg: dict, out: str, over: dict | None = None) -> None:
     from vllm_hisparse.vllm import worker_state
     from vllm_hisparse.vllm.plugin import register
 
+    from engine_jobs import SAME_SCHEDULE
     register()
     kw = dict(model=os.path.join(ROOT, "models", "tiny-llama"), dtype="float32",
               max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=256, enforce_eager=True,
               seed=0, skip_tokenizer_init=True, attention_backend="hisparse",
               additional_config={"hisparse": cfg}, disable_log_stats=False,
-              speculative_config=SPEC, enable_prefix_caching=False)   # as the host tier's
+              speculative_config=SPEC, **SAME_SCHEDULE)
     llm = LLM(**dict(kw, **(over or {})))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True,
                         detokenize=False)
