@@ -2,7 +2,9 @@
 hand computation here: per token per layer 576 bf16 latent values (1152 B) and 128 fp8 indexer
 values + one fp32 scale (132 B); stock keeps both in one KV-cache group of 64-token blocks;
 the docs/dsa.md design keeps the indexer K (+ a 16 B stub) in vLLM's blocks and the latent in
-a plugin pool: (B + newest) rows per request (+ RESOLVE's tables) + full-length prefill regions."""
+a plugin pool: (B + newest) rows per request (+ RESOLVE's tables) + full-length prefill regions.
+With --kv-cache-dtype fp8_ds_mla the latent row is FLASHMLA_SPARSE's 656 B (512 fp8 + 4 fp32
+scales + 64 bf16 rope) in both backends' tiers."""
 import json
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from vllm_hisparse.core import capacity_mla as mla
 GIB = 1 << 30
 L = 61
 LATENT, INDEX, STUB = (512 + 64) * 2, 128 + 4, 16
+FP8_DS_MLA = 512 + 4 * 4 + 64 * 2          # FLASHMLA_SPARSE's "FP8 with scale" row: 656 B
 
 
 def cdiv(a, b):
@@ -40,8 +43,13 @@ def test_shape_from_config():
     assert mla.MLAShape.from_hf_config(mla_config("deepseek-v3.2-l4", 512)).num_layers == 4
     with pytest.raises(ValueError, match="no index_topk"):
         mla.MLAShape.from_hf_config({"kv_lora_rank": 512, "num_hidden_layers": 2})
+    f = mla.MLAShape.from_hf_config(mla_config("deepseek-v3.2", 512), kv_cache_dtype="fp8_ds_mla")
+    assert (f.latent_bytes, f.index_bytes) == (FP8_DS_MLA, 132)
+    with pytest.raises(ValueError, match="fp8_ds_mla"):
+        mla.MLAShape.from_hf_config(mla_config("deepseek-v3.2", 512), kv_cache_dtype="fp8")
 
 
+@pytest.mark.parametrize("kvd", ["auto", "fp8_ds_mla"])
 @pytest.mark.parametrize("context,B,newest,slots,gpu_gib,host_gib,mml,seqs", [
     (32768, 4096, 0, 1, 100, 800, None, None),
     (32768, 2048, 64, 2, 100, 200, 65536, None),
@@ -49,12 +57,15 @@ def test_shape_from_config():
     (8000, 4096, 0, 1, 60, 400, 32768, 30),
 ])
 def test_calc_against_a_hand_computation(v32_dir, context, B, newest, slots, gpu_gib, host_gib,
-                                         mml, seqs):
+                                         mml, seqs, kvd):
     argv = ["--context", context, "--buffer", B, "--top-k", 2048, "--gpu-kv-gib", gpu_gib,
-            "--host-gib", host_gib, "--newest-rows", newest, "--prefill-slots", slots]
+            "--host-gib", host_gib, "--newest-rows", newest, "--prefill-slots", slots,
+            "--kv-cache-dtype", kvd]
+    LATENT = FP8_DS_MLA if kvd == "fp8_ds_mla" else globals()["LATENT"]
     argv += ["--max-model-len", mml] if mml else []
     argv += ["--max-num-seqs", seqs] if seqs else []
     r = calc_json(v32_dir, *argv)
+    assert (r["kv_cache_dtype"], r["latent_bytes_per_token_layer"]) == (kvd, LATENT)
     mml = mml or context
     gpu, page = int(gpu_gib * GIB), 16
     # stock: 64-token blocks of latent + indexer K, every layer
@@ -97,3 +108,26 @@ def test_table_prints_the_ratio(v32_dir):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "1152 B" in r.stdout and "132 B" in r.stdout and "the requests of stock" in r.stdout
+
+
+def test_fp8_ds_mla_table_and_refusals(v32_dir, tmp_path):
+    """fp8_ds_mla fits more stock and hisparse requests than bf16 at one budget; it is refused for
+    a GQA model and fp8 is refused for the MLA model, each in one line naming the value."""
+    base = ["--context", 32768, "--gpu-kv-gib", 100, "--host-gib", 800]
+    bf, f8 = calc_json(v32_dir, *base), calc_json(v32_dir, *base, "--kv-cache-dtype", "fp8_ds_mla")
+    for side in ("baseline", "hisparse"):
+        assert f8[side]["max_requests"] > bf[side]["max_requests"]
+    r = subprocess.run([sys.executable, "-m", "vllm_hisparse.cli", "calc", "--model", v32_dir,
+                        *map(str, base), "--kv-cache-dtype", "fp8_ds_mla"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "656 B" in r.stdout and "not served yet" in r.stdout
+    for model, kvd, msg in ((v32_dir, "fp8", "fp8_ds_mla (656 B rows)"),
+                            ("llama3-8b", "fp8_ds_mla", "for a GQA/MHA model pass fp8")):
+        if model == "llama3-8b":
+            model = tmp_path / "gqa"
+            subprocess.run([sys.executable, "-m", "vllm_hisparse.bench.model_shapes", "llama3-8b",
+                            str(model)], check=True, capture_output=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "vllm_hisparse.cli", "calc", "--model", model,
+                            *map(str, base), "--kv-cache-dtype", kvd],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and msg in r.stderr, r.stderr

@@ -85,15 +85,18 @@ def _compute(args, hf: dict) -> dict:
         raise SystemExit(f"--dtype {args.dtype}: --dtype is the model dtype (the Quest bounds stay "
                          f"in it); for an fp8 KV cache pass --kv-cache-dtype fp8")
     if "kv_lora_rank" in hf:
-        if kv_dtype != "auto":
-            raise SystemExit(f"--kv-cache-dtype {kv_dtype}: the MLA/DSA path keeps its latent rows "
-                             f"in the model dtype (fp8 is served for GQA models only)")
+        if kv_dtype not in ("auto", "fp8_ds_mla"):
+            raise SystemExit(f"--kv-cache-dtype {kv_dtype}: an MLA/DSA model's latent is auto "
+                             f"(the model dtype) or fp8_ds_mla (656 B rows)")
         if args.host_gib == "auto":      # the RAM share, as core/deployment._latent_sizes
             room = host_rank_room(machine(args, 0, args.tensor_parallel_size))
             if room <= 0:
                 raise SystemExit("--host-gib auto: the host has no RAM to give; pass --host-gib")
             args.host_gib = int(room * args.tensor_parallel_size / GIB * 100) / 100   # 0.01 GiB
         return calc_mla.compute(args, hf)
+    if kv_dtype == "fp8_ds_mla":
+        raise SystemExit("--kv-cache-dtype fp8_ds_mla: the latent format of MLA + DSA models "
+                         "(kv_lora_rank in config.json); for a GQA/MHA model pass fp8")
     mml = args.max_model_len or args.context
     asked = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer,
                            page_size=args.page_size, host_pool_gib=_opt(args.host_gib),

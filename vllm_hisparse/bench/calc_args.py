@@ -7,7 +7,7 @@ import argparse
 from vllm_hisparse.core.auto_size import Machine
 
 GIB = 1 << 30
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")     # what hisparse serves (vllm/backend.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")  # GQA: what hisparse serves; MLA: 656 B rows
 
 EPILOG = """\
 --gpu-kv-gib is the KV memory a stock vLLM run gets on this GPU (its "Available KV cache memory"
@@ -77,7 +77,9 @@ def add_arguments(p):
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="vLLM --kv-cache-dtype: fp8 (= fp8_e4m3) counts every KV tier (both "
                         "backends' GPU blocks, the host and dense pools) at 1 byte a value; the "
-                        "Quest bounds stay in the model dtype (default auto: the model dtype)")
+                        "Quest bounds stay in the model dtype (default auto: the model dtype); "
+                        "fp8_ds_mla (MLA + DSA models only): 656 B latent rows in both backends' "
+                        "tiers (FLASHMLA_SPARSE's format; not served by hisparse yet)")
     p.add_argument("--dense-layers", type=int, default=2,
                    help="how many leading layers attend densely (default 2, as Quest)")
     p.add_argument("--dense-pool-gib", type=_auto(float), default="auto",

@@ -19,7 +19,7 @@ GIB = 1 << 30
 
 def compute(args, hf: dict) -> dict:
     try:
-        m = mla.MLAShape.from_hf_config(hf, args.dtype)
+        m = mla.MLAShape.from_hf_config(hf, args.dtype, getattr(args, "kv_cache_dtype", "auto"))
     except (ValueError, KeyError) as e:
         raise SystemExit(f"--model {args.model}: {e}") from None
     mml = args.max_model_len or args.context
@@ -73,6 +73,7 @@ def compute(args, hf: dict) -> dict:
                 "block_bytes": mla.index_block_bytes(m), "host_pool_bytes_per_rank": host,
                 "vllm_max_concurrency": hconc, "vllm_kv_cache_tokens": int(hconc * mml)}
     return {"model": "mla-dsa", "max_model_len": mml, "tensor_parallel_size": tp,
+            "kv_cache_dtype": "fp8_ds_mla" if m.fp8_ds_mla else "auto",
             "num_layers": m.num_layers, "latent_bytes_per_token_layer": m.latent_bytes,
             "index_bytes_per_token_layer": m.index_bytes, "baseline": baseline,
             "hisparse": hisparse}
@@ -88,7 +89,10 @@ def report(args, r: dict) -> None:
     for name, v in (("baseline", b), ("hisparse", h)):
         print(f"{name:10s} {_gib(v['gpu_bytes_per_request']):>14s} "
               f"{_gib(v['host_bytes_per_request']):>14s} {v['max_requests']:13d}  {v['bound_by']}")
-    print(f"hisparse (docs/dsa.md, not served yet): latent pool = {args.prefill_slots} prefill "
+    if r.get("kv_cache_dtype") == "fp8_ds_mla":
+        print("fp8_ds_mla: stock FLASHMLA_SPARSE serves it; hisparse's rows are modelled at the "
+              "same 656 B but not served yet (issue 46)")
+    print(f"hisparse (docs/dsa.md): latent pool = {args.prefill_slots} prefill "
           f"region(s) {_gib(h['prefill_region_bytes'])} + {h['latent_row_sets']} row sets x "
           f"{h['latent_rows_per_request']} rows x {r['num_layers']} layers "
           f"({_gib(h['latent_row_set_bytes'])} each); vLLM keeps the indexer K: "

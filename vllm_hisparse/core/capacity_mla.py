@@ -1,10 +1,13 @@
 """Memory per request of an MLA model with a DSA indexer (DeepSeek-V3.2, GLM-5.x), stock
-FLASH_ATTN_MLA_SPARSE vs HiSparse as docs/dsa.md designs it (not served yet: these are the
-formulas that design is sized and checked with; ``hisparse calc`` prints them).
+FLASH_ATTN_MLA_SPARSE vs HiSparse as docs/dsa.md designs it (the served DSA path follows it with a
+bf16 latent; ``hisparse calc`` prints these formulas).
 
-Per token per layer (bf16 latent; ``ops/sparse_mla.py``, ``ops/dsa_indexer.py``):
+Per token per layer (``ops/sparse_mla.py``, ``ops/dsa_indexer.py``):
 
-* latent row: ``kv_lora_rank + qk_rope_head_dim`` = 576 values = **1152 B**;
+* latent row: ``kv_lora_rank + qk_rope_head_dim`` = 576 values = **1152 B** in bf16; with
+  ``--kv-cache-dtype fp8_ds_mla`` (FLASHMLA_SPARSE's "FP8 with scale" row) ``kv_lora_rank`` fp8
+  values + one fp32 scale per 128 + the rope part in bf16 = 512 + 16 + 128 = **656 B** (modelled
+  for both tiers; hisparse does not serve fp8_ds_mla yet: issue 46);
 * indexer K: ``index_head_dim`` fp8 + one fp32 scale per 128 = **132 B**.
 
 Stock vLLM 0.26 keeps both for every token in **one** KV-cache group (one block table, block 64):
@@ -47,10 +50,13 @@ class MLAShape:
     index_head_dim: int = 128
     index_topk: int = 2048
     dtype_bytes: int = 2
+    fp8_ds_mla: bool = False       # the latent in FLASHMLA_SPARSE's 656 B fp8-with-scale rows
 
     @property
     def latent_bytes(self) -> int:
         """One latent row: one token of one layer."""
+        if self.fp8_ds_mla:        # fp8 nope + an fp32 scale per 128 + bf16 rope
+            return self.kv_lora_rank + self.kv_lora_rank // 128 * 4 + self.qk_rope_head_dim * 2
         return (self.kv_lora_rank + self.qk_rope_head_dim) * self.dtype_bytes
 
     @property
@@ -59,8 +65,10 @@ class MLAShape:
         return self.index_head_dim + self.index_head_dim // 128 * 4
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, dtype: str | None = None) -> "MLAShape":
-        """From a HF config dict with ``kv_lora_rank`` (MLA) and ``index_topk`` (DSA)."""
+    def from_hf_config(cls, cfg: dict, dtype: str | None = None,
+                       kv_cache_dtype: str = "auto") -> "MLAShape":
+        """From a HF config dict with ``kv_lora_rank`` (MLA) and ``index_topk`` (DSA);
+        ``kv_cache_dtype`` auto (the model dtype) or fp8_ds_mla."""
         if "index_topk" not in cfg:
             raise ValueError("MLA without a DSA indexer (no index_topk in config: DeepSeek-V3 "
                              "style dense MLA) has nothing for hisparse to select with; calc "
@@ -69,8 +77,15 @@ class MLAShape:
         if DTYPE_BYTES.get(name) != 2:
             raise ValueError(f"--dtype {name!r}: FLASH_ATTN_MLA_SPARSE keeps a bf16/fp16 latent; "
                              f"use bf16 or fp16")
+        if kv_cache_dtype not in ("auto", "fp8_ds_mla"):
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: an MLA + DSA model's latent is "
+                             f"auto (bf16) or fp8_ds_mla (FLASHMLA_SPARSE's 656 B rows)")
+        if kv_cache_dtype == "fp8_ds_mla" and cfg["kv_lora_rank"] % 128:
+            raise ValueError(f"--kv-cache-dtype fp8_ds_mla: kv_lora_rank {cfg['kv_lora_rank']} is "
+                             f"not a multiple of 128 (one fp32 scale per 128 values)")
         return cls(cfg["num_hidden_layers"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"],
-                   cfg.get("index_head_dim", 128), cfg["index_topk"], 2)
+                   cfg.get("index_head_dim", 128), cfg["index_topk"], 2,
+                   kv_cache_dtype == "fp8_ds_mla")
 
 
 # ---- stock FLASH_ATTN_MLA_SPARSE ----------------------------------------------------------------
