@@ -11,7 +11,9 @@ A token is one of:
   resident mode): written to ``region_base + pos`` (and to the host in hisparse mode), reads
   ``region_base + topk``;
 - a **decode** token of a sparse request (hisparse, prompt complete): written to the host only,
-  reads its row set's hot slots through RESOLVE (one such token per request per step);
+  reads its row set's hot slots through RESOLVE (one such token per request per step; with
+  ``verify_tokens`` n, up to n of them, speculative decoding's verify rows, read through ONE
+  RESOLVE of the union of their selections: core/latent_spec.py);
 - **padding** (request key None): writes nothing, reads nothing (-1).
 
 Which process: the worker (the connector's plan of the step, then every sparse layer).
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from vllm_hisparse.core.latent_admission import LatentAdmission
+from vllm_hisparse.core.latent_spec import VerifyRows
 from vllm_hisparse.ops.latent_index import pool_indices
 from vllm_hisparse.ops.latent_write import write_latent
 
@@ -32,7 +35,8 @@ from vllm_hisparse.ops.latent_write import write_latent
 class LatentStep:
     """Index tensors of one step (on the pool's device), T tokens, D decode tokens:
     host_row, pool_row, region_base (T,) int64 (-1 = none); dec_tok, dec_rows, dec_seq (D,) int64;
-    dec_slots (D, B) int32."""
+    dec_slots (D, B) int32; verify: the verify rows (with ``verify_tokens`` and a sparse request
+    decoding; None otherwise; then D = 0)."""
     adm: LatentAdmission
     host_row: torch.Tensor
     pool_row: torch.Tensor
@@ -41,12 +45,16 @@ class LatentStep:
     dec_rows: torch.Tensor
     dec_seq: torch.Tensor
     dec_slots: torch.Tensor
+    verify: VerifyRows | None = None
 
     @classmethod
-    def plan(cls, adm: LatentAdmission, keys: list, req_of_token, positions) -> "LatentStep":
+    def plan(cls, adm: LatentAdmission, keys: list, req_of_token, positions,
+             verify_tokens: int | None = None) -> "LatentStep":
         """keys: the step's request keys (None = a padding request); req_of_token: (T,) int index
         into keys of each token (vLLM's req_id_per_token), -1 = padding; positions: (T,) int each
-        token's position in its request."""
+        token's position in its request; verify_tokens: None = one decode token per sparse
+        request (today's path); n >= 1 = up to n (num_speculative_tokens + 1), resolved as one
+        union per request (core/latent_spec.py)."""
         pool = adm.pool
         req = np.asarray(req_of_token, dtype=np.int64).reshape(-1)
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
@@ -59,7 +67,11 @@ class LatentStep:
         rset = np.full(T, -1, dtype=np.int64)
         rbase = np.full(T, -1, dtype=np.int64)
         dec: list[int] = []
+        groups: list[tuple[int, list[int], list[int]]] = []
         seen: set = set()
+        if verify_tokens is not None and verify_tokens < 1:
+            raise ValueError(f"verify_tokens={verify_tokens} must be None or >= 1 "
+                             f"(num_speculative_tokens + 1)")
         for i, key in enumerate(keys):
             if key is None:
                 continue
@@ -74,6 +86,13 @@ class LatentStep:
             rset[toks] = g.row_set
             if g.in_region:
                 rbase[toks] = pool.region_base(g.region)
+            elif verify_tokens is not None:
+                if len(toks) > verify_tokens or key in seen:
+                    raise ValueError(f"request {key!r} has {len(toks)} decode tokens this step; "
+                                     f"at most verify_tokens={verify_tokens} (num_speculative_"
+                                     f"tokens + 1)")
+                seen.add(key)
+                groups.append((g.row_set, toks.tolist(), pos[toks].tolist()))
             else:
                 if len(toks) != 1 or key in seen:
                     raise ValueError(f"request {key!r} has {len(toks)} decode tokens this step; "
@@ -94,7 +113,8 @@ class LatentStep:
         dec_rows = rset_t[dec_t]
         return cls(adm, host_row, pool_row, rbase_t, dec_t, dec_rows, pos_t[dec_t] + 1,
                    pool.slot_rows(dec_rows) if len(dec) else
-                   torch.empty(0, pool.B, dtype=torch.int32, device=dev))
+                   torch.empty(0, pool.B, dtype=torch.int32, device=dev),
+                   VerifyRows.build(pool, groups, verify_tokens, T) if groups else None)
 
     # ---- per layer ------------------------------------------------------------------------------
     def _host(self, layer: int) -> torch.Tensor | None:
@@ -102,9 +122,13 @@ class LatentStep:
 
     def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """The step's new latent rows of ``layer`` (kv_c (T, L), k_pe (T, Rd), token order of
-        the plan): host pool and regions (ops/latent_write.write_latent)."""
+        the plan): host pool and regions (ops/latent_write.write_latent); verify tokens also
+        to the hot slot holding their position (VerifyRows.write_rows)."""
+        pool_row = self.pool_row
+        if self.verify is not None:
+            pool_row = self.verify.write_rows(self.adm.pool.states[layer], pool_row)
         write_latent(kv_c, k_pe, self._host(layer), self.host_row,
-                     self.adm.pool.rows[layer], self.pool_row)
+                     self.adm.pool.rows[layer], pool_row)
 
     def convert(self, layer: int, topk: torch.Tensor, out: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,4 +146,9 @@ class LatentStep:
                      None if host is None else pool.host_rows.fetch,
                      None if host is None else host.view(host.shape[0], -1),
                      pool.rows[layer], pool.counts, out, valid)
+        if self.verify is not None:
+            self.verify.convert(topk, pool.max_model_len, pool.states[layer],
+                                pool.host_rows.fetch, host.view(host.shape[0], -1),
+                                pool.rows[layer], pool.counts, out)
+            valid.copy_((out >= 0).sum(1).to(valid.dtype))
         return out, valid

@@ -1,0 +1,233 @@
+"""DSA speculative decoding's verify rows (core/latent_spec.py): requests decoding n in {1, 2, 4}
+query tokens a step (the verified token + drafts), each token with its own causal top-k, all
+through ONE row set of B = n x top_k hot slots, against resident mode (every row in a region),
+over several steps with random draft acceptance (rejected positions written again with other
+rows), selections that overlap between sibling tokens and drift between steps (misses,
+evictions), under each served policy:
+
+- every token's attention output ``torch.equal`` to resident mode's, its rows == the ground truth
+  rows of its positions when it attends, valid counts == its selection's;
+- no two positions of a request in one slot (the step's position -> row map is one-to-one, and
+  the RESOLVE state's slot <-> position tables agree);
+- three negative controls, each of which must be detected: today's per-token RESOLVE with the
+  one-token refusal bypassed (two batch rows racing on one state row), a union missing the last
+  token's positions, and no write-through of a rewritten (rejected draft) position into its slot;
+- n = 1 through the union path == today's one-decode-token path: same rows, same slots, same
+  RESOLVE state and counts.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_hisparse.core import latent_spec
+from vllm_hisparse.core.host_pool import HostKVPool
+from vllm_hisparse.core.latent_admission import LatentAdmission
+from vllm_hisparse.core.latent_pool import LatentPool
+from vllm_hisparse.core.latent_step import LatentStep
+from vllm_hisparse.ops.selection_union import selection_union
+from vllm_hisparse.ops.sparse_mla import KV_LORA_RANK, LATENT_ROW, sparse_mla_decode
+
+BF = torch.bfloat16
+H_MLA, SCALE = 2, 192 ** -0.5
+LAYERS, MML, K = 2, 256, 8
+PROMPTS = [120, 75, 151]              # > B: the row sets cannot hold a request
+STEPS = 7
+QUERY_TOKENS = [1, 2, 4]              # n = num_speculative_tokens + 1
+POLICIES = ["lru", "crf"]
+
+
+class Engine:
+    def __init__(self, resident: bool, n: int, policy: str):
+        R = len(PROMPTS)
+        self.max_tokens = STEPS * n
+        pool = LatentPool(LAYERS, MML, n * K, 0 if resident else R, R if resident else 1,
+                          policy=policy)
+        pages = sum(PROMPTS) + R * self.max_tokens
+        self.host = None if resident else HostKVPool(LAYERS, pages, 1, 1, LATENT_ROW // 2, BF,
+                                                     pin=False)
+        self.pool, self.adm = pool, LatentAdmission(pool, self.host)
+        g = torch.Generator().manual_seed(99)
+        for rows in pool.rows:                      # poison: a wrong row read shows
+            rows.copy_(torch.randn(rows.shape, generator=g).to(BF) * (5 if resident else -9))
+
+
+def per_token(step: LatentStep) -> LatentStep:
+    """Control: today's path with the one-token refusal bypassed, one RESOLVE row per token."""
+    v = step.verify
+    live = v.pos >= 0
+    n = v.pos.shape[1]
+    return LatentStep(step.adm, step.host_row, step.pool_row, step.region_base, v.tok[live],
+                      v.rows[:, None].expand(-1, n)[live], v.pos[live] + 1,
+                      v.slots[:, None].expand(-1, n, -1)[live])
+
+
+def union_without_last_token(sel, pos):
+    """Control: the union with the positions first selected by each request's last token dropped."""
+    union, first = selection_union(sel, pos)
+    K_ = sel.shape[2]
+    last = (pos >= 0).sum(1) - 1                                   # (R,)
+    col = torch.arange(union.shape[1]) // K_
+    return torch.where(col[None] == last[:, None], -1, union), first
+
+
+def no_write_through(self, state, pool_row):
+    """Control: verify tokens written to the host only, not to a slot holding their position."""
+    return pool_row
+
+
+def selections(g, pos_tok, p0, hot_set, n_live):
+    """(n, K) causal selections of one request's tokens at positions pos_tok (p0 = the first):
+    each from its request's hot set (hits across steps), fresh positions (misses) and its
+    siblings' newest positions (overlap; drafts made resident), in a random order, -1 padded."""
+    out = torch.full((len(pos_tok), K), -1, dtype=torch.int32)
+    fresh = torch.randint(0, p0, (K,), generator=g)
+    for j, p in enumerate(pos_tok[:n_live]):
+        cand = torch.cat([torch.arange(p0, p + 1), hot_set, fresh[: 2 + j]]).unique()
+        cand = cand[cand <= p]
+        pick = cand[torch.randperm(len(cand), generator=g)][: K - int(torch.randint(0, 2, (1,),
+                                                                                    generator=g))]
+        out[j, :len(pick)] = pick.int()
+    return out
+
+
+def run(n: int, policy: str, verify_tokens: int | None = "n", control: str | None = None,
+        seed: int = 0) -> dict:
+    """The episode; returns its counts (mismatches, hits, misses, evictions, rewrites)."""
+    g = torch.Generator().manual_seed(seed)
+    hs, rs = Engine(False, n, policy), Engine(True, n, policy)
+    vt = n if verify_tokens == "n" else verify_tokens
+    R = len(PROMPTS)
+    truth = [torch.randn(LAYERS, MML, LATENT_ROW, generator=g).to(BF) for _ in range(R)]
+    for r, P in enumerate(PROMPTS):             # prefill in the one region, then decode
+        for e in (hs, rs):
+            e.adm.admit(r, P, e.max_tokens)
+        plans = [LatentStep.plan(e.adm, [r], np.zeros(P, np.int64), np.arange(P)) for e in (hs, rs)]
+        for layer in range(LAYERS):
+            rows = truth[r][layer, :P]
+            for p in plans:
+                p.write(layer, rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:])
+        for e in (hs, rs):
+            e.adm.prompt_done(r)
+    c = dict(out_diff=0, wrong_rows=0, valid_diff=0, conflicts=0, evictions=0, rewrites=0)
+    p0 = list(PROMPTS)
+    written = [set() for _ in range(R)]
+    hot = [torch.randint(0, P, (K // 2,), generator=g) for P in PROMPTS]
+    for step_no in range(STEPS):
+        n_live = [n if n == 1 else int(torch.randint(1, n + 1, (1,), generator=g)) for _ in range(R)]
+        keys = list(range(R)) + [None]          # + a padding request
+        req = np.concatenate([np.full(k, r) for r, k in enumerate(n_live)] + [np.full(2, R)])
+        pos = np.concatenate([np.arange(p0[r], p0[r] + k) for r, k in enumerate(n_live)]
+                             + [np.zeros(2, np.int64)])
+        for r, k in enumerate(n_live):
+            for p in range(p0[r], p0[r] + k):
+                c["rewrites"] += p in written[r]
+                written[r].add(p)
+                truth[r][:, p] = torch.randn(LAYERS, LATENT_ROW, generator=g).to(BF)
+        hp = LatentStep.plan(hs.adm, keys, req, pos, verify_tokens=vt)
+        if control == "per_token":
+            hp = per_token(hp)
+        rp = LatentStep.plan(rs.adm, keys, req, pos)
+        T = len(req)
+        for layer in range(LAYERS):
+            rows = torch.stack([truth[r][layer, p] if r < R else torch.zeros(LATENT_ROW, dtype=BF)
+                                for r, p in zip(req, pos)])
+            for p in (hp, rp):
+                p.write(layer, rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:])
+            topk = torch.full((T, K), -1, dtype=torch.int32)
+            t0 = 0
+            for r, k in enumerate(n_live):
+                topk[t0:t0 + k] = selections(g, list(range(p0[r], p0[r] + k)), p0[r], hot[r], k)
+                t0 += k
+            before = hs.pool.states[layer].slot_unit.clone()
+            ih, vh = hp.convert(layer, topk)
+            ir, vr = rp.convert(layer, topk)
+            su = hs.pool.states[layer].slot_unit
+            c["evictions"] += int(((before >= 0) & (su != before)).sum())
+            ql = torch.randn(T, H_MLA, KV_LORA_RANK, generator=g).to(BF)
+            qpe = torch.randn(T, H_MLA, LATENT_ROW - KV_LORA_RANK, generator=g).to(BF)
+            oh = sparse_mla_decode(ql, qpe, hs.pool.rows[layer], ih, SCALE)
+            orr = sparse_mla_decode(ql, qpe, rs.pool.rows[layer], ir, SCALE)
+            t0 = 0
+            for r, k in enumerate(n_live):
+                seen: dict[int, int] = {}
+                for t in range(t0, t0 + k):
+                    ok = topk[t] >= 0
+                    want = truth[r][layer, topk[t][ok].long()]
+                    assert torch.equal(rs.pool.rows[layer][ir[t][ok].long()], want)   # reference
+                    c["wrong_rows"] += not torch.equal(hs.pool.rows[layer][ih[t][ok].long()], want)
+                    c["valid_diff"] += int(vh[t]) != int(ok.sum())
+                    c["out_diff"] += not torch.equal(oh[t], orr[t])
+                    for u, row in zip(topk[t][ok].tolist(), ih[t][ok].tolist()):
+                        c["conflicts"] += seen.setdefault(u, row) != row
+                t0 += k
+                rows_used = list(seen.values())
+                c["conflicts"] += len(rows_used) - len(set(rows_used))   # two positions, one row
+                row = hs.adm.grant(r).row_set
+                held = su[row][su[row] >= 0]
+                c["conflicts"] += len(held) - len(held.unique())
+                us = hs.pool.states[layer].unit_slot[row]
+                c["conflicts"] += int((su[row][us[held.long()].long()] != held).sum())
+        for r, k in enumerate(n_live):           # accept 1..k of the tokens (the rest rewritten)
+            p0[r] += 1 + int(torch.randint(0, k, (1,), generator=g))
+    c["hits"], c["misses"] = hs.pool.counts.tolist()
+    return c
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("n", QUERY_TOKENS)
+def test_verify_rows_equal_resident(n, policy):
+    c = run(n, policy)
+    assert c["misses"] > 0 and c["hits"] > 0 and c["evictions"] > 0, c
+    if n > 1:
+        assert c["rewrites"] > 0, c
+    assert (c["out_diff"], c["wrong_rows"], c["valid_diff"], c["conflicts"]) == (0, 0, 0, 0), c
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_per_token_resolve_races(n):
+    c = run(n, "lru", control="per_token")
+    assert c["out_diff"] > 0 and c["wrong_rows"] > 0, c
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_union_missing_a_token_is_detected(n, monkeypatch):
+    monkeypatch.setattr(latent_spec, "selection_union", union_without_last_token)
+    c = run(n, "lru")
+    assert c["out_diff"] > 0 and c["valid_diff"] > 0, c
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_stale_draft_rows_without_write_through_are_detected(n, monkeypatch):
+    monkeypatch.setattr(latent_spec.VerifyRows, "write_rows", no_write_through)
+    c = run(n, "lru")
+    assert c["out_diff"] > 0 and c["wrong_rows"] > 0, c
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_token_union_is_todays_path(policy, monkeypatch):
+    """n = 1 through VerifyRows == LatentStep's one-decode-token path, step by step: the same pool
+    rows, the same bytes in the pool, the same RESOLVE state and counts."""
+    states = {}
+    orig = LatentStep.convert
+    for vt in (None, 1):
+        outs = []
+
+        def spy(self, layer, topk, out=None, valid=None):
+            o, v = orig(self, layer, topk, out, valid)
+            if self.adm.resident:
+                return o, v
+            assert (self.verify is not None) == (vt == 1)
+            st = self.adm.pool.states[layer]
+            outs.append((o.clone(), v.clone(), st.slot_unit.clone(), st.unit_slot.clone(),
+                         *(t.clone() for t in st.pstate.values()), self.adm.pool.rows[layer].clone(),
+                         self.adm.pool.counts.clone()))
+            return o, v
+        monkeypatch.setattr(LatentStep, "convert", spy)
+        c = run(1, policy, verify_tokens=vt)
+        assert c["misses"] > 0 and c["hits"] > 0 and c["out_diff"] == 0, c
+        states[vt] = outs
+    assert len(states[None]) == len(states[1]) > 0
+    for i, (a, b) in enumerate(zip(states[None], states[1])):
+        assert [j for j, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)] == [], i

@@ -1,0 +1,108 @@
+"""The union of a request's query tokens' selections (ops/selection_union.py) against its loop
+reference on fresh random inputs (overlaps, -1 anywhere, positions past a token's own, padding
+tokens), what the union must be (each causal position once, at its first occurrence; every entry
+finds its position through ``first``), and the capacity rule of DSA verify rows
+(core/latent_spec.py: device_buffer_size >= (k + 1) x top_k) refused in one line at each door."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_hisparse.core import latent_spec
+from vllm_hisparse.core.host_pool import HostKVPool
+from vllm_hisparse.core.latent_admission import LatentAdmission
+from vllm_hisparse.core.latent_pool import LatentPool
+from vllm_hisparse.core.latent_step import LatentStep
+from vllm_hisparse.ops.selection_union import selection_union, selection_union_reference
+from vllm_hisparse.ops.sparse_mla import LATENT_ROW
+
+SHAPES = [(0, 2, 4), (1, 1, 1), (3, 1, 7), (4, 2, 16), (5, 4, 33), (2, 5, 32)]   # R, n, K
+SEEDS = [0, 1, 2]
+
+
+def random_inputs(R, n, K, seed):
+    """Selections from a small range (overlaps within and across tokens), some past the token's
+    position, -1 anywhere; token positions increasing per request, some tokens padding (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    span = max(2, K + K // 2)
+    sel = torch.randint(-1, span, (R, n, K), generator=g).int()
+    p0 = torch.randint(0, span, (R, 1), generator=g)
+    pos = p0 + torch.arange(n)[None]
+    pos[torch.rand(R, n, generator=g) < 0.2] = -1
+    return sel, pos
+
+
+@pytest.mark.parametrize("R, n, K", SHAPES)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_union_equals_the_reference(R, n, K, seed):
+    sel, pos = random_inputs(R, n, K, seed)
+    union, first = selection_union(sel, pos)
+    ru, rf = selection_union_reference(sel, pos)
+    assert union.dtype == ru.dtype == torch.int32 and first.dtype == rf.dtype == torch.int64
+    assert torch.equal(union, ru) and torch.equal(first, rf)
+    for r in range(R):                                  # what the union must be, from scratch
+        want = {int(u) for j in range(n) for u in sel[r, j]
+                if int(pos[r, j]) >= 0 and 0 <= int(u) <= int(pos[r, j])}
+        got = union[r][union[r] >= 0].tolist()
+        assert len(got) == len(set(got)) and set(got) == want
+        flat = sel[r].reshape(-1).long()
+        live = (pos[r].repeat_interleave(K) >= 0) & (flat >= 0) & (flat <= pos[r].repeat_interleave(K))
+        assert torch.equal(union[r][first[r]][live].long(), flat[live])
+        assert (first[r] <= torch.arange(n * K)).all()
+
+
+def test_union_of_one_token_is_its_selection():
+    g = torch.Generator().manual_seed(3)
+    sel = torch.stack([torch.randperm(50, generator=g)[:12] for _ in range(4)])[:, None].int()
+    sel[1, 0, 9:] = -1
+    pos = torch.full((4, 1), 60)
+    union, first = selection_union(sel, pos)
+    assert torch.equal(union, sel[:, 0]) and torch.equal(first, torch.arange(12).expand(4, 12))
+
+
+def test_union_refuses_bad_shapes():
+    with pytest.raises(ValueError, match=r"sel must be \(R, n, K\)"):
+        selection_union(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 3))
+
+
+# ---- the capacity rule --------------------------------------------------------------------------
+@pytest.mark.parametrize("B, top_k, k, ok", [(2048, 2048, 0, True), (4095, 2048, 1, False),
+                                             (4096, 2048, 1, True), (8191, 2048, 3, False),
+                                             (33, 11, 2, True)])
+def test_buffer_rule(B, top_k, k, ok):
+    assert latent_spec.buffer_needed(top_k, k) == (k + 1) * top_k
+    if ok:
+        latent_spec.check_buffer(B, top_k, k)
+    else:
+        with pytest.raises(ValueError, match=rf"device_buffer_size={B} must be >= .* = "
+                                             rf"{(k + 1) * top_k} .*device_buffer_size="
+                                             rf"{(k + 1) * top_k}$"):
+            latent_spec.check_buffer(B, top_k, k)
+
+
+def decoding(B=8):
+    pool = LatentPool(1, 64, B, 1, 1)
+    host = HostKVPool(1, 64, 1, 1, LATENT_ROW // 2, torch.bfloat16, pin=False)
+    adm = LatentAdmission(pool, host)
+    adm.admit("a", 10, 10)
+    adm.prompt_done("a")
+    return adm
+
+
+def test_plan_and_convert_refuse_past_the_rule():
+    adm = decoding(B=8)
+    with pytest.raises(ValueError, match="one token a step"):          # today's path unchanged
+        LatentStep.plan(adm, ["a"], [0, 0], [10, 11])
+    with pytest.raises(ValueError, match="at most verify_tokens=2"):
+        LatentStep.plan(adm, ["a"], [0, 0, 0], [10, 11, 12], verify_tokens=2)
+    with pytest.raises(ValueError, match="verify_tokens=0 must be None or >= 1"):
+        LatentStep.plan(adm, ["a"], [0], [10], verify_tokens=0)
+    step = LatentStep.plan(adm, ["a"], np.zeros(2, np.int64), [10, 11], verify_tokens=2)
+    assert step.verify is not None and step.dec_tok.numel() == 0
+    with pytest.raises(ValueError, match=r"device_buffer_size=8 must be >= .* = 10"):
+        step.convert(0, torch.full((2, 5), -1, dtype=torch.int32))      # 2 x 5 > B = 8
+    out, valid = step.convert(0, torch.tensor([[3, 10, -1, 11], [11, 2, 3, -1]]).int())
+    assert valid.tolist() == [2, 3]                 # 11 is past token 0's position: masked
+    assert out[0, 0] == out[1, 2] and out[0, 2] == out[0, 3] == out[1, 3] == -1
+    assert len({int(x) for x in out[out >= 0]}) == 4          # positions 3, 10, 11, 2
