@@ -1,14 +1,17 @@
 """The union of a request's query tokens' selections (ops/selection_union.py) against its loop
 reference on fresh random inputs (overlaps, -1 anywhere, positions past a token's own, padding
 tokens), what the union must be (each causal position once, at its first occurrence; every entry
-finds its position through ``first``), and the capacity rule of DSA verify rows
-(core/latent_spec.py: device_buffer_size >= (k + 1) x top_k) refused in one line at each door."""
+finds its position through ``first``), the capacity rule of DSA verify rows
+(core/latent_spec.py: device_buffer_size >= (k + 1) x top_k) refused in one line at each door, and
+unions through the existing Triton RESOLVE kernel (ops/triton_resolve_given.py, Triton's
+interpreter on the CPU) == its reference, with B = n x K exactly."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
+from triton_interpreter import run_cases
 from vllm_hisparse.core import latent_spec
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.latent_admission import LatentAdmission
@@ -106,3 +109,44 @@ def test_plan_and_convert_refuse_past_the_rule():
     assert valid.tolist() == [2, 3]                 # 11 is past token 0's position: masked
     assert out[0, 0] == out[1, 2] and out[0, 2] == out[0, 3] == out[1, 3] == -1
     assert len({int(x) for x in out[out >= 0]}) == 4          # positions 3, 10, 11, 2
+
+
+# ---- the union through the Triton RESOLVE kernel (interpreter on the CPU) ------------------------
+# (N rows, runtime rows M, tokens n, top_k K, units U, steps): slots S = n x K, the rule's least
+UNION_CASES = [(3, 5, 2, 8, 40, 3), (2, 3, 4, 5, 30, 3), (4, 6, 1, 12, 50, 2)]
+
+
+def run_interpreter_cases():
+    """Called in a subprocess with TRITON_INTERPRET=1: unions of random token selections (with
+    overlaps and causal masking) through ops/triton_resolve_given.py == resolve_given_reference,
+    step by step over shared state: locs, the hot buffer's bytes, the state, the counts."""
+    import test_resolve_given as base
+
+    from vllm_hisparse.ops import resolve_given as rg
+    from vllm_hisparse.ops import triton_resolve_given as trg
+
+    def tri(sel, seq, bt, locs, hot, rows, state, host_pt, host, kv, counts):
+        work = tuple(torch.empty(s, dtype=torch.int32)
+                     for s in rg.workspace_shapes(sel.shape[0], sel.shape[1], state.slots))
+        trg.resolve_given(sel, seq, bt, locs, *work, hot, rows, state, host_pt, host, kv, counts)
+
+    for policy in base.POLICIES:
+        for i, (N, M, n, K, U, steps) in enumerate(UNION_CASES):
+            g = torch.Generator().manual_seed(70 + i)
+            a = base.make(N, M, n * K, U, n * K, g, policy)
+            b = base.copy(a)
+            for s in range(steps):
+                sel = torch.randint(0, U, (N, n, K), generator=g).int()
+                pos = U - n + torch.arange(n).repeat(N, 1) - torch.randint(0, 3, (N, 1), generator=g)
+                union, _ = selection_union(sel, pos)
+                want = base.step(rg.resolve_given_reference, b, union)
+                assert torch.equal(base.step(tri, a, union), want), (policy, i, s)
+                assert torch.equal(a["kv"], b["kv"]) and torch.equal(a["counts"], b["counts"])
+                for x, y in zip(base.state_tensors(a["state"]), base.state_tensors(b["state"])):
+                    assert torch.equal(x, y), (policy, i, s)
+            assert int(b["counts"][1]) > 0 and int(b["counts"][0]) > 0
+    print("interpreter ok")
+
+
+def test_union_through_the_kernel_in_interpreter():
+    run_cases("test_dsa_spec_union")
