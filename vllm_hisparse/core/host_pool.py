@@ -4,8 +4,10 @@ Layout ``data: (layers, pages, 2, page_size, Hkv, D)``: one host page holds ``pa
 one layer, K block then V block (FlashInfer's NHD paged layout, the same as a hot-buffer slot), so
 one page-level selection unit of one layer is one contiguous run of bytes — what fast GPU-side
 gathers need (rows >= 4 KB reach ~90% of the pinned H2D ceiling).
-A request owns a list of page ids shared by all of its layers; pages are handed out from a free
-list, never twice, and all come back on ``free``.
+A request owns a list of page ids shared by all of its layers. Core tests hand pages out from the
+pool's free list (``ensure``, never twice; all come back on ``free``); in an engine the scheduler
+owns the ids (core/host_pages.py ``HostPageTable``: pages shared by block hash) and ``assign``
+gives a request its whole list, which ``free`` only forgets.
 """
 from __future__ import annotations
 
@@ -178,6 +180,7 @@ class HostKVPool:
                 raise HostPoolPinError(nbytes, str(e).strip().splitlines()[0], pinned=pin) from e
         self._free: list[int] = list(range(num_pages - 1, -1, -1))   # pop() hands out 0, 1, ...
         self._owned: dict[object, list[int]] = {}
+        self.assigned = False             # page ids come from the scheduler (``assign``)
 
     @staticmethod
     def page_bytes(page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -191,6 +194,8 @@ class HostKVPool:
 
     @property
     def used_pages(self) -> int:
+        if self.assigned:                 # distinct pages the live requests hold
+            return len({p for pages in self._owned.values() for p in pages})
         return self.num_pages - len(self._free)
 
     def pages_for(self, num_tokens: int) -> int:
@@ -206,10 +211,23 @@ class HostKVPool:
         return list(self._owned)
 
     # ---- lifecycle ---------------------------------------------------------------------------
+    def assign(self, key, pages: list[int]) -> None:
+        """``key``'s whole page list, from the scheduler (its pages may be shared with other keys:
+        read-only below the request's ``shared_upto``); replaces any list it had."""
+        self.assigned = True
+        self._owned[key] = list(pages)
+
     def ensure(self, key, num_tokens: int) -> list[int]:
-        """Grow ``key``'s page list to hold ``num_tokens`` tokens; all or nothing."""
+        """Grow ``key``'s page list to hold ``num_tokens`` tokens; all or nothing. With assigned
+        pages it only checks that the list holds them."""
         pages = self._owned.setdefault(key, [])
         need = self.pages_for(num_tokens) - len(pages)
+        if self.assigned and need > 0:
+            if not pages:
+                del self._owned[key]
+            raise HostPoolFull(f"host KV pool: request {key!r} holds {len(pages)} pages from the "
+                               f"scheduler, needs {self.pages_for(num_tokens)}; the connector "
+                               f"assigns a request's whole life at admission")
         if need > len(self._free):
             if not pages:
                 del self._owned[key]
@@ -222,7 +240,8 @@ class HostKVPool:
     def free(self, key) -> int:
         """Return every page of ``key``; returns how many (0 if it held none)."""
         pages = self._owned.pop(key, [])
-        self._free.extend(reversed(pages))
+        if not self.assigned:             # assigned pages go back through the scheduler
+            self._free.extend(reversed(pages))
         return len(pages)
 
     # ---- data --------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ class Req:
     hostless: bool = False    # no host copy (admitted so): every page on the GPU (core/hostless.py)
     moving: bool = False      # host-less until now, sparse: its next step copies its KV to the host
     fresh: bool = True        # added, not planned since: a first step with start > 0 is a prefix hit
+    shared_upto: int = 0      # its host pages [0, shared_upto) are shared, complete: never written
 
 
 class SparseRuntime:
@@ -145,6 +146,14 @@ class SparseRuntime:
         self.steady.forget()          # a resumed id's steady plan is stale
         if self.trace is not None:
             self.trace.restart(req_id)
+
+    def assign_host(self, req_id: str, pages: list[int], shared_upto: int) -> None:
+        """The scheduler's host pages of the request's whole life (core/host_pages.py), the first
+        ``shared_upto`` shared with others: complete, never written (the switch skips them)."""
+        r = self.reqs[req_id]
+        self.pool.assign(req_id, pages)
+        self.host_pt.clear(r.row)            # re-mirrored at its next step (a resumption swaps)
+        r.shared_upto = shared_upto
 
     def _make_sparse(self, req_id: str, r: Req, context: int) -> None:
         """The request is sparse from now on (core/residency.py): its indexer row and fresh
@@ -327,6 +336,10 @@ class SparseRuntime:
             r = self.reqs[rid]
             t0, t1 = query_start_loc[i], query_start_loc[i + 1]
             start, n = seq_lens[i] - (t1 - t0), seq_lens[i]
+            if start < r.shared_upto * self.P:      # its writes would land on shared host pages
+                raise RuntimeError(f"hisparse runtime: {rid} starts at token {start}, inside its "
+                                   f"{r.shared_upto} shared (read-only) host pages; the scheduler "
+                                   f"makes them private first (HostPageTable.make_writable)")
             if start == 0:
                 self.hot.reset(r.row)
                 if self.trace is not None:
@@ -363,7 +376,8 @@ class SparseRuntime:
                 raise RuntimeError("hisparse runtime: a request turns sparse in a step planned "
                                    "without its block table")
             copy_context(self, [Switch(i, start, self.reqs[rid].irow, *pages.get(rid, (None, None)),
-                                       index) for i, rid, start, index in switches], block_table)
+                                       index, self.reqs[rid].shared_upto)
+                                for i, rid, start, index in switches], block_table)
         give_back.insert(self, steps, block_table)
         return steps, pages
 

@@ -18,6 +18,10 @@ hot-slot state starts empty (the runtime resets the row). Resident mode makes th
 the same step and has no pools. No host sync: the indices go through the runtime's pinned staging,
 the copies are device ops on the current stream, queued ahead of the step's layers.
 
+Host pages below a request's ``shared_upto`` (a prefix-cache hit on pages the scheduler's
+``HostPageTable`` shares: core/host_pages.py) hold the prefix already and others read them: their
+destinations are -1 (skipped); the dense pool is private and always filled.
+
 A *host-less* request (no host pages: core/hostless.py) takes the same path without the host copy
 (its host page column is -1, which write-through skips), and, moving into the host tier once it is
 sparse, the copy without the indexer (``Switch.index`` False: its row is up to date).
@@ -42,6 +46,7 @@ class Switch:
     host_pages: list[int] | None        # its host-pool pages (None: none, host-less or resident)
     dpool_pages: list[int] | None       # its dense-pool pages (None: none)
     index: bool = True                  # fold its tokens into its indexer row
+    shared_upto: int = 0                # host pages [0, shared_upto): shared, complete, not written
 
 
 def copy_context(rt, switches: list[Switch], block_table: torch.Tensor) -> None:
@@ -53,9 +58,12 @@ def copy_context(rt, switches: list[Switch], block_table: torch.Tensor) -> None:
     P = rt.P
     has_host, has_dpool = rt.pool is not None, rt.dpool is not None
 
-    def dst(pages, n, page):           # a pool's page of each position (-1: none, skipped)
-        return (np.full(len(page), -1, dtype=np.int64) if pages is None else
-                np.asarray(pages[:n], dtype=np.int64)[page])
+    def dst(pages, n, page, shared=0):  # a pool's page of each position (-1: none, skipped)
+        if pages is None:
+            return np.full(len(page), -1, dtype=np.int64)
+        ids = np.asarray(pages[:n], dtype=np.int64)
+        ids[:shared] = -1               # shared host pages (section 3.3): never written again
+        return ids[page]
     cols: dict[str, list] = {c: [] for c in ("row", "page", "off", "host", "dpool")}
     for s in switches:                                       # a few requests at most: a loop
         pos = np.arange(s.start, dtype=np.int64)
@@ -65,7 +73,7 @@ def copy_context(rt, switches: list[Switch], block_table: torch.Tensor) -> None:
         cols["page"].append(page)
         cols["off"].append(pos % P)
         if has_host:
-            cols["host"].append(dst(s.host_pages, npages, page))
+            cols["host"].append(dst(s.host_pages, npages, page, s.shared_upto))
         if has_dpool:
             cols["dpool"].append(dst(s.dpool_pages, npages, page))
     names = [c for c in cols if cols[c]]
