@@ -272,3 +272,25 @@ def test_donation_seam_keeps_its_vllm_names():
     m, pool = manager(8)
     assert isinstance(pool.blocks, list) and pool.blocks[3].block_id == 3
     assert m.floor_blocks == m.hs_cfg.num_slots
+
+
+# ---- shared host pages (prefix caching step 2b) ----------------------------------------------------
+# vllm/host_page_admission.py reads Request.block_hashes (page p's hash: one KV-cache group) and
+# num_computed_tokens at build_connector_meta (before _update_after_schedule advances it: the
+# tokens of earlier steps, complete); reset_prefix_cache(reset_connector=True) reaches the
+# connector's reset_cache.
+def test_shared_host_pages_seam_keeps_its_vllm_names():
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    assert "self.block_hashes" in inspect.getsource(Request.__init__), (
+        "vLLM's Request.block_hashes is gone (vllm/host_page_admission.py shares host pages by it)")
+    sched = inspect.getsource(Scheduler.schedule)
+    assert sched.index("_build_kv_connector_meta") < sched.index("_update_after_schedule("), (
+        "vLLM's Scheduler.schedule now advances num_computed_tokens before build_connector_meta: "
+        "vllm/host_page_admission.py would publish host pages of the step being scheduled")
+    assert "connector.reset_cache()" in inspect.getsource(Scheduler.reset_connector_cache), (
+        "vLLM's Scheduler.reset_connector_cache no longer calls the connector's reset_cache "
+        "(the host page index, vllm/host_page_admission.py, would outlive a reset)")

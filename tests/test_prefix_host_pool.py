@@ -3,7 +3,9 @@ the KV manager on a real vLLM BlockPool. The floor is the S hot slots (F = S: a 
 [0, S) become private copies); a request's own hashed slots are donated (their cache entries moved
 to fresh copies, queued for the step's forward) in the step its slots are first overwritten, or
 dropped when no block is free; copies never land on a block given back in the same step (the
-worker's plan still reads those)."""
+worker's plan still reads those). Step 2b: the scheduler connector's shared host pages (share at
+admission, publish of running requests' complete pages, the resumption swap / unpublish, release,
+reset; admission counting fresh pages only; publishing off shares nothing)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -164,3 +166,116 @@ def test_a_hit_copied_in_a_step_with_pages_given_back_counts_them_as_taken():
     n_next = m.get_num_blocks_to_allocate(*args)
     assert n_next == 1 + 2 + 2                        # its new page, c's 2 cached blocks, 2 copies
     assert n_now == n_next + 2 > pool.get_num_free_blocks() >= n_next
+
+
+# ---- step 2b: the scheduler connector's shared host pages (core/host_pages.py) ---------------------
+def _req(rid: str, hashes: list, prompt: int, max_tokens: int = 16):
+    return SimpleNamespace(request_id=rid, num_prompt_tokens=prompt, max_tokens=max_tokens,
+                           num_tokens=prompt, block_hashes=list(hashes))
+
+
+def _running(*rids_computed):
+    """A SchedulerOutput whose scheduled_cached_reqs are running requests (not resumed) with
+    their num_computed_tokens before the step."""
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
+        req_ids=[r for r, _ in rids_computed], resumed_req_ids=set(),
+        new_block_ids=[None] * len(rids_computed),
+        num_computed_tokens=[n for _, n in rids_computed]))
+
+
+def test_connector_shares_publishes_swaps_at_resumption_and_releases():
+    """a (160-token prompt, 11 pages of life) is admitted, runs, publishes its 10 full pages; b
+    hits a's first 6 pages and shares them; b resumes with a shorter hit (64 tokens): its shared
+    pages 4, 5 (a reads them) are swapped for fresh ones; a resumes from 0: its pages b reads are
+    swapped, those only the index holds unpublished. After both are released the index holds the
+    rest; a reset frees everything."""
+    from test_hostless_admission import make, sched_out
+
+    conn, _, _ = make(quest_rows=4)
+    hp = conn.host_pages
+    ha = [("a", p) for p in range(10)]
+    a = _req("a", ha, 160)
+    assert conn.get_num_new_matched_tokens(a, 0) == (0, False)
+    pa = list(conn._pages["a"])
+    assert len(pa) == 11 and hp.used == 11
+    md = conn.build_connector_meta(sched_out(new=[("a", 1)]))
+    assert md.pages == {"a": (pa, 0)}
+    conn.build_connector_meta(_running(("a", 160)))      # its prefill ran: 10 full pages
+    assert hp.lookup(ha) == pa[:10] and hp.used == 11
+    b = _req("b", ha[:6] + [("b", p) for p in range(6, 8)], 128)
+    assert conn.get_num_new_matched_tokens(b, 96) == (0, False)
+    pb = conn._pages["b"]
+    assert pb[:6] == pa[:6] and not set(pb[6:]) & set(pa) and len(pb) == 9
+    assert conn._shared_upto["b"] == 6 and hp.used == 11 + 3
+    assert conn.build_connector_meta(sched_out(new=[("b", 40)])).pages["b"] == (pb, 6)
+    # b preempted, resumed with 64 tokens hit: pages 4, 5 are a's (and the index's): swapped
+    assert conn.get_num_new_matched_tokens(b, 64) == (0, False)
+    pb = conn._pages["b"]
+    assert pb[:4] == pa[:4] and not set(pb[4:]) & set(pa) and conn._shared_upto["b"] == 4
+    assert hp.used == 11 + 5
+    # a resumed from token 0: pages 0..3 b reads -> swapped, 4..9 only the index's -> unpublished
+    assert conn.get_num_new_matched_tokens(a, 0) == (0, False)
+    pa2 = conn._pages["a"]
+    assert not set(pa2[:4]) & set(pb) and pa2[4:] == pa[4:]
+    assert hp.lookup(ha) == pa[:4] and len(hp.index) == 4
+    # released (the worker's drop report): the index keeps pages 0..3, cache-only
+    conn._release("a")
+    conn._release("b")
+    assert hp.used == len(hp.index) == hp.evictable == 4 and sum(hp.ref) == 4
+    assert conn.reset_cache() is True and hp.used == 0
+
+
+def test_connector_without_publishing_shares_nothing_and_admission_counts_fresh_pages():
+    """Publishing off: the same admissions hold a private page for every page of every life.
+    Admission counts fresh pages only: with the pool nearly full, a hit on published pages is
+    admitted where a miss of the same life waits."""
+    from test_hostless_admission import make
+
+    conn, _, _ = make(quest_rows=4, hostless="wait")
+    hp = conn.host_pages
+    hashes = [("s", p) for p in range(40)]
+    big = _req("big", hashes, 640, 16)                  # 41 pages of the 80
+    assert conn.get_num_new_matched_tokens(big, 0) == (0, False)
+    conn.build_connector_meta(_running(("big", 640)))   # publishes pages 0..39
+    mid = _req("mid", [("m", p) for p in range(30)], 480, 16)   # 31 pages: 72 of 80 held
+    assert conn.get_num_new_matched_tokens(mid, 0) == (0, False)
+    miss = _req("miss", [("x", p) for p in range(20)], 320, 16)   # 21 fresh: waits
+    assert conn.get_num_new_matched_tokens(miss, 0) == (None, False)
+    hit = _req("hit", hashes[:20], 320, 16)              # 20 shared + 1 fresh: admitted
+    assert conn.get_num_new_matched_tokens(hit, 320) == (0, False)
+    assert conn._shared_upto["hit"] == 20 and hp.used == 73
+    off, _, _ = make(quest_rows=4, hostless="wait")
+    off.host_pages.publish_enabled = False
+    assert off.get_num_new_matched_tokens(_req("big", hashes, 640, 16), 0) == (0, False)
+    off.build_connector_meta(_running(("big", 640)))
+    assert off.host_pages.index == {}
+    assert off.get_num_new_matched_tokens(_req("mid", [("m", p) for p in range(30)], 480, 16),
+                                          0) == (0, False)
+    assert off.get_num_new_matched_tokens(_req("hit", hashes[:20], 320, 16), 320) == (None, False)
+
+
+def test_a_hostless_hit_moving_into_the_host_tier_shares_the_published_pages():
+    """h (a 20-page hit on big's published pages, 30 pages of life) finds 8 free pages: host-less.
+    Once mid is released, it moves into the host tier (``_move_to_host``) taking big's 20 pages
+    shared and 10 fresh; the worker learns both (``md.pages``, shared_upto 20)."""
+    from test_hostless_admission import make
+
+    conn, _, _ = make(quest_rows=4)
+    hp = conn.host_pages
+    hashes = [("s", p) for p in range(40)]
+    assert conn.get_num_new_matched_tokens(_req("big", hashes, 640, 16), 0) == (0, False)
+    conn.build_connector_meta(_running(("big", 640)))
+    assert conn.get_num_new_matched_tokens(_req("mid", [("m", p) for p in range(30)], 480, 16),
+                                           0) == (0, False)
+    h = _req("h", hashes[:20] + [("h", p) for p in range(20, 29)], 464, 16)
+    assert conn.get_num_new_matched_tokens(h, 320) == (0, False)
+    assert conn._hostless == {"h": 30} and "h" not in conn._pages
+    conn._release("mid")
+    md = conn.build_connector_meta(_running(("big", 641), ("h", 464)))
+    assert md.hosted == ["h"]
+    pages, upto = md.pages["h"]
+    assert upto == 20 and pages[:20] == conn._pages["big"][:20] and len(pages) == 30
+    assert not set(pages[20:]) & set(conn._pages["big"])
+    conn._release("h")
+    conn._release("big")
+    assert hp.used == len(hp.index) == 40 and conn.reset_cache() and hp.used == 0

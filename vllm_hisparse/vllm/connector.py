@@ -120,6 +120,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request, block_ids):
         return self.connector_scheduler.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool | None:
+        """reset_prefix_cache(reset_connector=True): the scheduler's host page index."""
+        return _optional(self.connector_scheduler, "reset_cache")   # None: nothing to reset
+
     def update_connector_output(self, connector_output) -> None:
         return self.connector_scheduler.update_connector_output(connector_output)
 

@@ -34,10 +34,12 @@ from typing import Any
 
 from vllm_hisparse.core.deployment import Deployment
 from vllm_hisparse.core.capacity import hisparse_blocks
+from vllm_hisparse.core.host_pages import HostPageTable
 from vllm_hisparse.core.residency import hostless_fits, may_turn_sparse
 
 from . import metrics
 from .compat import KVConnectorMetadata, init_logger
+from .host_page_admission import HostPageAdmission
 from .spec import ledger_of
 
 logger = init_logger(__name__)
@@ -53,6 +55,9 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     spilled: dict[str, int] = field(default_factory=dict)  # resident_first: req -> its new keep
     hostless: list[str] = field(default_factory=list)  # of ``new``: no host copy, all on the GPU
     hosted: list[str] = field(default_factory=list)    # host-less until now: host pages, a row
+    # of ``new`` and ``hosted``: req -> (host page ids of its whole life, shared_upto: its first
+    # pages shared with others, complete, never written by it): core/host_pages.py
+    pages: dict[str, tuple[list[int], int]] = field(default_factory=dict)
 
 
 def check_prefill_fits(cfg, max_model_len: int, num_gpu_blocks: int) -> int:
@@ -69,7 +74,7 @@ def check_prefill_fits(cfg, max_model_len: int, num_gpu_blocks: int) -> int:
     return have
 
 
-class ConnectorScheduler:
+class ConnectorScheduler(HostPageAdmission):
     def __init__(self, vllm_config, dep: Deployment):
         self._vllm_config = vllm_config
         # every size from the engine's one deployment (core/deployment.py), as the worker's pools
@@ -101,6 +106,14 @@ class ConnectorScheduler:
         self._hostless: dict[str, int] = {}    # host-less req -> GPU blocks of its whole life
         self._moved = 0                        # host-less requests moved into the host tier
         self._watermark_blocks = 0
+        # host page ids, shared by block hash (docs/design/prefix-caching.md section 3.3): each
+        # host-backed request's list, its shared prefix, the pages it has published so far
+        self.host_pages = HostPageTable(self.capacity if self.cfg.host_tier else 0)
+        self._pages: dict[str, list[int]] = {}
+        self._shared_upto: dict[str, int] = {}
+        self._published: dict[str, int] = {}
+        self._requests: dict[str, Any] = {}    # vLLM's Request (block_hashes, num_computed_tokens)
+        self._hit: dict[str, int] = {}         # prefix-cache hit tokens at admission
         self._log_room()
 
     def _log_room(self) -> None:
@@ -227,28 +240,37 @@ class ConnectorScheduler:
         return None, False
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        """Admission (see the module docstring); num_computed_tokens: the prefix-cache hit, the
+        request's first step's start if its allocation stands (else vLLM asks again)."""
         rid = request.request_id
         self._prompt[rid] = request.num_prompt_tokens
-        if rid in self._reserved or rid in self._hostless:      # resumed after a preemption
+        self._requests[rid] = request
+        if rid in self._reserved or rid in self._hostless:   # resumed, or its allocation failed
+            if not self._writable_from(rid, num_computed_tokens):
+                self._waiting[rid] = self._pool_reason
+                return None, False
+            self._waiting.pop(rid, None)
             self._make_room(request)
             return 0, False
         need = self._pages_needed(request)
+        shared = self._shareable(request, num_computed_tokens) if need else []
+        self._hit[rid] = num_computed_tokens      # (a host-less one shares when it moves)
         sparse = self._may_be_sparse(request)
         if sparse and len(self._rows_held) >= self.indexer_rows:
             return self._wait_or_hostless(
                 request, "quest_rows",
                 f"indexer rows full (quest_rows={self.indexer_rows} long requests at once)")
-        if self._reserved_total + need > self.admit_pages:
+        if not self._host_fits(need, shared):
             return self._wait_or_hostless(
                 request, self._pool_reason,
                 f"{self._bound} pool full ({self._reserved_total} of {self.admit_pages} pages "
-                f"reserved, request needs {need})")
+                f"reserved, {self.host_pages.used} in use, {self.host_pages.evictable} of them "
+                f"cache-only; request needs {need}, {len(shared)} shared)")
         self._waiting_logged.discard(rid)
         self._waiting.pop(rid, None)
         if sparse:
             self._rows_held.add(rid)
-        self._reserved[rid] = need
-        self._reserved_total += need
+        self._take_pages(rid, need, shared)
         self._make_room(request)
         return 0, False
 
@@ -269,6 +291,10 @@ class ConnectorScheduler:
                 md.new[rid] = (self._prompt[rid], cached.new_block_ids[i][0][0])
         md.hostless = [rid for rid in md.new if rid in self._hostless]
         md.hosted = self._move_to_host(cached)
+        for rid in list(md.new) + md.hosted:
+            if rid in self._pages:
+                md.pages[rid] = (list(self._pages[rid]), self._shared_upto[rid])
+        self._publish(cached, md.hosted)
         self._sent.update(md.new)
         return md
 
@@ -288,14 +314,14 @@ class ConnectorScheduler:
                     or cached.num_computed_tokens[i] < self._prompt.get(rid, 0)):
                 continue
             pages = self._hostless[rid]          # a host page for each block of its life
+            shared = self._shareable(self._requests[rid], self._hit.get(rid, 0))
             if ((rid not in self._rows_held and len(self._rows_held) >= self.indexer_rows)
-                    or self._reserved_total + pages > self.admit_pages):
+                    or not self._host_fits(pages, shared)):
                 continue
             del self._hostless[rid]
             self._shared.hostless.discard(rid)
             self._rows_held.add(rid)
-            self._reserved[rid] = pages
-            self._reserved_total += pages
+            self._take_pages(rid, pages, shared)
             self._moved += 1
             moved.append(rid)
             logger.info("hisparse: request %s moves into the host tier (%d pages; "
@@ -305,6 +331,9 @@ class ConnectorScheduler:
 
     def _release(self, rid: str) -> None:
         self._reserved_total -= self._reserved.pop(rid, 0)
+        self.host_pages.release(self._pages.pop(rid, []))
+        for d in (self._shared_upto, self._published, self._requests, self._hit):
+            d.pop(rid, None)
         self._rows_held.discard(rid)
         if self._hostless.pop(rid, None) is not None:
             self._shared.hostless.discard(rid)

@@ -46,7 +46,8 @@ class ConnectorWorker:
         """The scheduler's step metadata (HiSparseConnectorMetadata), before the step's forward:
         drops, spills, host-less requests moved into the host tier (``hosted``), then the new or
         resumed requests and their first blocks (those in ``hostless``: no host copy, every page
-        on the GPU, never spilled: core/hostless.py)."""
+        on the GPU, never spilled: core/hostless.py), with the host page ids the scheduler gave
+        them (``pages``: the list of their whole life, its shared prefix read-only)."""
         rt = self.worker.get_runtime()
         for rid in connector_metadata.finished:
             self._drop(rt, rid)
@@ -57,13 +58,18 @@ class ConnectorWorker:
         for rid, keep in connector_metadata.spilled.items():   # before the step is planned
             if rid in rt.reqs:
                 rt.spill(rid, keep)
+        pages = connector_metadata.pages       # the scheduler's host page ids (HostPageTable)
         for rid in connector_metadata.hosted:   # host pages and a row now: sparse from this step
             if rid in rt.reqs:
                 host_back(rt, rid)
+                if rid in pages:
+                    rt.assign_host(rid, *pages[rid])
         hostless = set(connector_metadata.hostless)
         for rid, (num_prompt, first_block) in connector_metadata.new.items():
             rt.add(rid, num_prompt, hostless=rid in hostless)
             self.worker.rows.bind(rid, first_block)
+            if rid in pages:
+                rt.assign_host(rid, *pages[rid])
 
     def start_load_kv(self) -> None:
         # full_decode_graphs: plan a single-token step now that its requests are bound, before
