@@ -24,8 +24,11 @@ caching on / off), noswitch (on, the first-step Quest rebuild of a hit turned of
 no floor copy-on-write: F = 0). With the host tier and prefix caching on (step 2a, MODES_HOST):
 host (every request host-backed, at its floor after its prompt: misses), hostless (a host pool of
 one request: the others run host-less), elastic (resident_first on a small GPU pool: spills),
-nodonate (host, the donation of hashed hot slots off), nohostfill (host, the first step of a hit
-fills its Quest row but not its host pages). Writes {outputs, hits, error, leaks...} as JSON.
+nodonate (host, the donation of hashed hot slots off), nohostfill (host with publishing off, so
+every page private: the first step of a hit fills its Quest row but not its host pages). Step 2b
+(host pages shared by block hash, core/host_pages.py): nopublish (host, nothing published: every
+host page private), poisonshared (host, the first step of a hit overwrites the shared host pages
+it must not write). Writes {outputs, hits, error, leaks, host page counts...} as JSON.
 """
 from __future__ import annotations
 
@@ -47,7 +50,9 @@ HOST = dict(CFG, host_tier=True, resident_first=False, host_pool_gib=0.05)
 MODES_HOST = {"host": (HOST, MML, None),
               "hostless": (dict(HOST, host_pool_gib=11 * 32 / 2**20), 176, None),
               "elastic": (dict(HOST, resident_first=True), MML, 150),
-              "nodonate": (HOST, MML, None), "nohostfill": (HOST, MML, None)}
+              "nodonate": (HOST, MML, None), "nohostfill": (HOST, MML, None),
+              "nopublish": (HOST, MML, None), "poisonshared": (HOST, MML, None)}
+POISON = 1.0e4       # poisonshared: what the shared pages of a hit are overwritten with
 
 
 def engine(model: str, mode: str):
@@ -141,8 +146,25 @@ def no_host_fill():
     return lambda: setattr(sparse_runtime, "copy_context", copy)
 
 
+def poison_shared():
+    """poisonshared: after each hit's first-step copy, its shared host pages (read-only, others
+    read them) are overwritten, as a rewrite by a request that must not write them would.
+    Returns the undo."""
+    from vllm_hisparse.core import sparse_runtime
+
+    copy = sparse_runtime.copy_context
+
+    def copy_context(rt, switches, block_table):
+        copy(rt, switches, block_table)
+        for s in switches:
+            if s.host_pages is not None and s.shared_upto:
+                rt.pool.data[:, s.host_pages[:s.shared_upto]] = POISON
+    sparse_runtime.copy_context = copy_context
+    return lambda: setattr(sparse_runtime, "copy_context", copy)
+
+
 def main(mode: str, model: str, out: str) -> None:
-    undo = no_host_fill() if mode == "nohostfill" else None
+    undo = {"nohostfill": no_host_fill, "poisonshared": poison_shared}.get(mode, lambda: None)()
     try:
         _main(mode, model, out)
     finally:
@@ -177,10 +199,20 @@ def _main(mode: str, model: str, out: str) -> None:
     sched = eng.engine_core.engine_core.scheduler
     record_resumed_hits(sched, res["resumed"])
     cs = getattr(sched.connector, "connector_scheduler", None) if mode != "stock" else None
+    if mode in ("nopublish", "nohostfill"):
+        cs.host_pages.publish_enabled = False
+    res["host"] = {"live_max": 0, "lives_max": 0, "saved_max": 0, "shared_max": 0}
 
     def each_step():
         if cs is not None:
             res["hostless_max"] = max(res["hostless_max"], len(cs._hostless))
+            hp, h = cs.host_pages, res["host"]
+            live = hp.used - hp.evictable           # pages live requests hold
+            lives = sum(len(p) for p in cs._pages.values())    # as if each held its own
+            h["live_max"] = max(h["live_max"], live)
+            h["lives_max"] = max(h["lives_max"], lives)
+            h["saved_max"] = max(h["saved_max"], lives - live)
+            h["shared_max"] = max(h["shared_max"], sum(cs._shared_upto.values()))
     try:
         for t in range(TURNS):
             batch = {f"c{c}t{t}": hist[c] + users[c][t] for c in range(CONVS)}
@@ -215,6 +247,13 @@ def _main(mode: str, model: str, out: str) -> None:
                                                         "spills", "misses")}
         [mgr] = sched.kv_cache_manager.coordinator.single_type_managers
         res["donation"] = dict(mgr.donation)
+        if cs is not None and cs.cfg.host_tier:
+            hp = cs.host_pages
+            res["leaks"]["sched_host_pages_used"] = hp.used
+            res["leaks"]["sched_host_pages_indexed"] = len(hp.index)
+            res["leaks"]["sched_host_pages_held"] = sum(hp.ref) - len(hp.index)
+            res["reset"] = llm.reset_prefix_cache(reset_connector=True)
+            res["leaks"]["sched_host_pages_after_reset"] = hp.used
     with open(out, "w") as f:
         json.dump(res, f)
 

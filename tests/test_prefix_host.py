@@ -1,7 +1,8 @@
-"""Prefix caching with the host tier, step 2a (docs/design/prefix-caching.md, issue 47) through
-the real vLLM 0.26 engine (CPU): host pages private per request, F = S, hashed hot slots donated
-before they are overwritten, a hit's Quest row and host pages filled from its GPU blocks at its
-first step.
+"""Prefix caching with the host tier, steps 2a and 2b (docs/design/prefix-caching.md, issue 47)
+through the real vLLM 0.26 engine (CPU): F = S, hashed hot slots donated before they are
+overwritten, a hit's Quest row filled from its GPU blocks at its first step; host pages shared by
+block hash (core/host_pages.py: a hit takes the pages the scheduler's index holds, its first step
+fills only the rest; complete pages of running requests published).
 
 tests/prefix_chat.py's fake chat (3 conversations x 3 turns on an 80-token system prompt, every
 request sparse, turns in flight together, one request with a hit preempted and resumed, an abort
@@ -9,8 +10,11 @@ mid-turn) on seven engines side by side (tests/engine_jobs.py, run_script): with
 on, the host tier at its floor (misses), with most requests host-less, and elastic
 (resident_first, spills) each equal resident mode with prefix caching on, tokens and top-5
 logprobs bit for bit (the exactness definition of the design doc's Q1), with stock vLLM's hits;
-the negative controls fail: without the donation a later hit reads slots that misses overwrote,
-without the host fill misses read host pages never written; nothing is left after the run.
+with publishing off (every host page private) the outputs are the same and the host pages in use
+are more; the negative controls fail: without the donation a later hit reads slots that misses
+overwrote, without the host fill (publishing off) misses read host pages never written, a hit
+that overwrites its shared host pages changes what others read; nothing is left after the run
+but the index's pages, none after a prefix-cache reset.
 """
 from __future__ import annotations
 
@@ -20,8 +24,8 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefix_chat.py")
-EXACT = ("host", "hostless", "elastic")
-CONTROLS = ("nodonate", "nohostfill")
+EXACT = ("host", "hostless", "elastic", "nopublish")
+CONTROLS = ("nodonate", "nohostfill", "poisonshared")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +53,7 @@ def test_host_tier_with_prefix_caching_equals_resident_with_stocks_hits(runs, mo
 
 
 def test_the_engines_exercise_what_they_are_for(runs):
-    host, hostless, elastic = (runs[m] for m in EXACT)
+    host, hostless, elastic = (runs[m] for m in ("host", "hostless", "elastic"))
     # at the floor after the prompt: misses; the prompt owner's hashed slots donated once
     assert host["stats"]["misses"] > 0 and host["donation"]["donated"] > 0
     assert host["hostless_max"] == 0
@@ -62,6 +66,18 @@ def test_the_engines_exercise_what_they_are_for(runs):
         assert r["donation"]["dropped"] == 0
 
 
+def test_host_pages_are_shared(runs):
+    """The index's pages serve later hits: fewer host pages held than private copies would
+    take; with publishing off nothing is shared and the same outputs hold more pages."""
+    host, off = runs["host"]["host"], runs["nopublish"]["host"]
+    assert host["shared_max"] > 0 and host["saved_max"] > 0
+    assert host["live_max"] < host["lives_max"]
+    assert off["shared_max"] == off["saved_max"] == 0 and off["live_max"] == off["lives_max"]
+    assert host["live_max"] < off["live_max"]
+    for mode in ("hostless", "elastic"):
+        assert runs[mode]["host"]["shared_max"] > 0, mode
+
+
 def test_negative_controls_fail(runs):
     ref = [o["logprobs"] for o in runs["on"]["outputs"]]
     nd, nf = runs["nodonate"], runs["nohostfill"]
@@ -70,11 +86,18 @@ def test_negative_controls_fail(runs):
     assert [o["logprobs"] for o in nd["outputs"]] != ref
     assert nf["error"] is None and nf["stats"]["prefix_hits"] > 0
     assert [o["logprobs"] for o in nf["outputs"]] != ref
+    ps = runs["poisonshared"]
+    assert ps["error"] is None and ps["host"]["shared_max"] > 0
+    assert [o["logprobs"] for o in ps["outputs"]] != ref
 
 
 @pytest.mark.parametrize("mode", EXACT)
 def test_no_leaks_after_the_turns_and_an_abort(runs, mode):
     r = runs[mode]
-    assert r["leaks"] == {"runtime_reqs": 0, "rows": 0, "blocks_bound": 0, "indexer_rows_used": 0,
-                          "host_pages_used": 0}
+    leaks = dict(r["leaks"])
+    indexed = leaks.pop("sched_host_pages_indexed")
+    assert leaks == {"runtime_reqs": 0, "rows": 0, "blocks_bound": 0, "indexer_rows_used": 0,
+                     "host_pages_used": 0, "sched_host_pages_used": indexed,
+                     "sched_host_pages_held": 0, "sched_host_pages_after_reset": 0}
+    assert (indexed > 0) == (mode != "nopublish") and r["reset"] is True
     assert r["free_blocks"] == r["num_blocks"] - 1              # block 0 is vLLM's null block
