@@ -150,3 +150,38 @@ def run_interpreter_cases():
 
 def test_union_through_the_kernel_in_interpreter():
     run_cases("test_dsa_spec_union")
+
+
+# (N rows, runtime rows M, tokens n, top_k K, units U, steps): DeepSeek-V3.2's top_k at B = n x K
+GPU_UNION_CASES = [(4, 8, 2, 2048, 32768, 3), (4, 8, 4, 2048, 32768, 3)]
+
+
+def gpu_union_steps(case, policy):
+    """The union through the Triton kernel on the GPU (the host pool copied to the GPU: no UVA,
+    no extension) from one start as the reference on the CPU: equal after every step."""
+    import test_resolve_given as base
+
+    from vllm_hisparse.ops import resolve_given as rg
+
+    N, M, n, K, U, steps = case
+    g = torch.Generator().manual_seed(60 + n)
+    t = base.make(N, M, n * K, U, n * K, g, policy, "cuda")
+    ref = base.copy(t)
+    for s in range(steps):
+        sel = torch.randint(0, U, (N, n, K), generator=g).int()
+        pos = U - n + torch.arange(n).repeat(N, 1)
+        union, _ = selection_union(sel, pos)
+        want = base.step(rg.resolve_given_reference, ref, union)
+        got = base.step(rg.resolve_given, t, union.cuda())
+        assert torch.equal(got.cpu(), want) and torch.equal(t["kv"].cpu(), ref["kv"]), s
+        assert torch.equal(t["counts"].cpu(), ref["counts"]), s
+        for x, y in zip(base.state_tensors(t["state"]), base.state_tensors(ref["state"])):
+            assert torch.equal(x.cpu(), y), s
+    assert int(ref["counts"][0]) > 0 and int(ref["counts"][1]) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["lru", "crf"])
+@pytest.mark.parametrize("case", GPU_UNION_CASES)
+def test_gpu_union_through_resolve_given(case, policy):
+    gpu_union_steps(case, policy)
