@@ -294,3 +294,21 @@ def test_shared_host_pages_seam_keeps_its_vllm_names():
     assert "connector.reset_cache()" in inspect.getsource(Scheduler.reset_connector_cache), (
         "vLLM's Scheduler.reset_connector_cache no longer calls the connector's reset_cache "
         "(the host page index, vllm/host_page_admission.py, would outlive a reset)")
+
+
+def test_publish_guard_seam_keeps_its_vllm_names():
+    """vllm/publish_guard.py asks BlockPool.cached_block_hash_to_block ``contain(key, block_id)``
+    and ``get_one_block(key)`` (the block a hit reads: the first cached of duplicates) and strips
+    the group id with kv_cache_utils.get_block_hash."""
+    from vllm.v1.core.block_pool import BlockHashToBlockMap
+    from vllm.v1.core.kv_cache_utils import (KVCacheBlock, get_block_hash,
+                                             make_block_hash_with_group_id)
+
+    m = BlockHashToBlockMap()
+    key = make_block_hash_with_group_id(b"h" * 32, 0)
+    a, b = KVCacheBlock(1), KVCacheBlock(2)
+    m.insert(key, a)
+    m.insert(key, b)
+    assert m.get_one_block(key) is a and m.contain(key, 2) and not m.contain(key, 3), (
+        "vLLM's BlockHashToBlockMap.get_one_block / contain changed (vllm/publish_guard.py)")
+    assert get_block_hash(key) == b"h" * 32, "vLLM's get_block_hash changed (publish_guard)"

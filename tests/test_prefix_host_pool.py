@@ -192,6 +192,7 @@ def test_connector_shares_publishes_swaps_at_resumption_and_releases():
     from test_hostless_admission import make, sched_out
 
     conn, _, _ = make(quest_rows=4)
+    conn._shared.guard = None     # stand-in requests: no KV manager hashed a block (the guard: below)
     hp = conn.host_pages
     ha = [("a", p) for p in range(10)]
     a = _req("a", ha, 160)
@@ -232,6 +233,7 @@ def test_connector_without_publishing_shares_nothing_and_admission_counts_fresh_
     from test_hostless_admission import make
 
     conn, _, _ = make(quest_rows=4, hostless="wait")
+    conn._shared.guard = None      # stand-in requests (as above)
     hp = conn.host_pages
     hashes = [("s", p) for p in range(40)]
     big = _req("big", hashes, 640, 16)                  # 41 pages of the 80
@@ -245,6 +247,7 @@ def test_connector_without_publishing_shares_nothing_and_admission_counts_fresh_
     assert conn.get_num_new_matched_tokens(hit, 320) == (0, False)
     assert conn._shared_upto["hit"] == 20 and hp.used == 73
     off, _, _ = make(quest_rows=4, hostless="wait")
+    off._shared.guard = None      # stand-in requests (as above)
     off.host_pages.publish_enabled = False
     assert off.get_num_new_matched_tokens(_req("big", hashes, 640, 16), 0) == (0, False)
     off.build_connector_meta(_running(("big", 640)))
@@ -261,6 +264,7 @@ def test_a_hostless_hit_moving_into_the_host_tier_shares_the_published_pages():
     from test_hostless_admission import make
 
     conn, _, _ = make(quest_rows=4)
+    conn._shared.guard = None     # stand-in requests: no KV manager hashed a block (the guard: below)
     hp = conn.host_pages
     hashes = [("s", p) for p in range(40)]
     assert conn.get_num_new_matched_tokens(_req("big", hashes, 640, 16), 0) == (0, False)
@@ -279,3 +283,41 @@ def test_a_hostless_hit_moving_into_the_host_tier_shares_the_published_pages():
     conn._release("h")
     conn._release("big")
     assert hp.used == len(hp.index) == 40 and conn.reset_cache() and hp.used == 0
+
+
+def test_a_page_is_shared_only_while_a_hit_reads_the_block_its_copy_came_from():
+    """vllm/publish_guard.py: each published host page keeps the GPU block its bytes came from; a
+    hit shares the page only while vLLM's lookup for the hash returns that block. A duplicate
+    computed by another request does not void it while the source is cached first; once the
+    source is evicted (the lookup returns the duplicate: other bytes in bf16) or reused for a
+    recompute of the same hash, the entry is void. A donation moves the source to its copy."""
+    m, pool = manager(41)
+    guard = m._shared.guard
+    ra = request("a", 6)
+    a = prefill(m, ra, 6)
+    h = ra.block_hashes
+    assert all(guard.publishable("a", p, h[p]) for p in range(6))
+    assert not guard.publishable("a", 0, h[1])                  # another page's hash
+    assert not guard.publishable("x", 0, h[0])                  # a request that read nothing
+    assert all(guard.valid(h[p]) for p in range(6))
+    # c computes the same prompt itself (no hit taken): duplicates; the lookup still returns a's
+    m.new_step_starts()
+    c = prefill(m, request("c", 6), 6)
+    assert all(c[p] is not a[p] for p in range(6)) and all(guard.valid(h[p]) for p in range(3))
+    # a's blocks go back and are evicted: a hit now reads c's bytes -> a's copies are void
+    m.free("a")
+    for blk in a[3:]:
+        pool.evict_blocks({blk.block_id})
+    assert all(guard.valid(h[p]) for p in range(3)) and not any(guard.valid(h[p]) for p in (3, 4, 5))
+    assert guard.dropped == 3 and not guard.valid(h[3])          # dropped, stays dropped
+    # c publishes its own copies of pages 3..5 (the lookup's block now)
+    assert all(guard.publishable("c", p, h[p]) and guard.valid(h[p]) for p in (3, 4, 5))
+    # c's block 5 recomputed for the same hash (evicted and reused: the manager hashes it for a
+    # computation again): c's record is void, its generation moved on
+    guard.computed("z", 5, c[5])
+    assert not guard.valid(h[5]) and guard.valid(h[4])
+    # a donation moves c's source of page 3 to its copy: still valid there
+    dst = pool.get_new_blocks(1)[0]
+    pool.move_block_hashes(c[3], dst)
+    guard.moved(c[3], dst)
+    assert guard.valid(h[3]) and c[3].block_hash is None

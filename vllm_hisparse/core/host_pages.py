@@ -126,6 +126,15 @@ class HostPageTable:
         self.ref[page] += 1
         return True
 
+    def forget(self, block_hash) -> bool:
+        """Drop ``block_hash``'s entry (the GPU block a hit would read is no longer the one its
+        host copy came from); the page stays with the requests that hold it. True if indexed."""
+        page = self.index.get(block_hash)
+        if page is None:
+            return False
+        self._unpublish(page)
+        return True
+
     def reset(self) -> int:
         """Drop every index entry (the prefix cache was reset); returns how many."""
         n = len(self.index)

@@ -6,7 +6,9 @@ owns the state (``host_pages``, ``_pages``, ``_shared_upto``, ``_published``, ``
 
 * admission: the leading full pages of the request's prefix-cache hit that the index holds are
   shared (read-only for it: ``shared_upto``), the rest of its life's pages are fresh;
-* publishing: each step, the complete host pages of running host-backed requests are indexed;
+* publishing: each step, the complete host pages of running host-backed requests are indexed, each
+  with the GPU block its bytes came from; a hit shares a page only while vLLM's lookup returns that
+  block (vllm/publish_guard.py), else the entry is dropped;
 * resumption (or a retried allocation) from a start below pages it holds: those become private
   (``HostPageTable.make_writable``), else the request waits;
 * ``reset_cache``: the index is dropped (vLLM's ``reset_prefix_cache(reset_connector=True)``).
@@ -21,7 +23,16 @@ class HostPageAdmission:
     def _shareable(self, request, hit_tokens: int) -> list[int]:
         """Host pages the index holds for the leading full pages of the request's hit."""
         hashes = _hashes(request)
-        return self.host_pages.lookup(hashes[:min(hit_tokens // self.cfg.page_size, len(hashes))])
+        hashes = hashes[:min(hit_tokens // self.cfg.page_size, len(hashes))]
+        guard = self._shared.guard if self._shared is not None else None
+        if guard is not None:                 # each page's source still the block the hit reads
+            n = 0
+            while n < len(hashes) and hashes[n] in self.host_pages.index and guard.valid(hashes[n]):
+                n += 1
+            if n < len(hashes) and hashes[n] in self.host_pages.index:
+                self.host_pages.forget(hashes[n])           # its source went: unpublished
+            hashes = hashes[:n]
+        return self.host_pages.lookup(hashes)
 
     def _host_fits(self, need: int, shared: list[int]) -> bool:
         """``need`` pages of a life, ``shared`` of them the index's: the host pool holds the
@@ -68,9 +79,16 @@ class HostPageAdmission:
                 continue
             hashes = _hashes(self._requests[rid])
             end = min(n // P, len(hashes), len(pages))
+            guard = self._shared.guard if self._shared is not None else None
             for p in range(self._published[rid], end):
-                self.host_pages.publish(hashes[p], pages[p])
+                # only a copy equal to the one GPU block a hit reads (vllm/publish_guard.py)
+                if hashes[p] in self.host_pages.index:
+                    continue
+                if guard is None or guard.publishable(rid, p, hashes[p]):
+                    self.host_pages.publish(hashes[p], pages[p])
             self._published[rid] = max(self._published[rid], end)
+        if self._shared is not None and self._shared.guard is not None:
+            self._shared.guard.prune(self.host_pages.index)
 
     def reset_cache(self) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True): drop the host index (pages only it

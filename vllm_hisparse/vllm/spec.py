@@ -47,6 +47,7 @@ from vllm_hisparse.core.residency import freed_pages, spill_order
 from vllm_hisparse.ops.fp8 import FP8
 
 from .compat import FullAttentionManager, FullAttentionSpec
+from .publish_guard import PublishGuard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +98,7 @@ class SpillLedger:
     hostless: set[str] = field(default_factory=set)     # requests with no host copy
     bound: bool = False               # a HiSparseManager uses it (one per pool: one sparse group;
                                       # a flag and a weak reference: the pool holds the ledger)
+    guard: object = None              # the manager's PublishGuard (vllm/publish_guard.py)
     _manager: "weakref.ref | None" = None
 
     def take(self) -> dict[str, int]:
@@ -147,6 +149,8 @@ class HiSparseManager(FullAttentionManager):
         self._ledger = None                             # resident_first's spills
         # the pool's ledger: its host-less requests (both modes)
         self._shared = ledger_of(self.block_pool) if self.hs_cfg.host_tier else None
+        if self._shared is not None:
+            self._shared.guard = PublishGuard(self.block_pool)
         self._seen: dict[str, tuple[int, int]] = {}     # req -> (processed tokens, prompt)
         self._keep: dict[str, int] = {}                 # spilled req -> keep (residency.freed_pages)
         if self.hs_cfg.resident_first and self.hs_cfg.host_tier:
@@ -259,6 +263,9 @@ class HiSparseManager(FullAttentionManager):
         super().add_local_computed_blocks(request_id, new_computed_blocks,
                                           num_local_computed_tokens, num_external_computed_tokens)
         blocks = self.req_to_blocks[request_id]
+        if self._shared is not None:
+            for i, blk in enumerate(new_computed_blocks):
+                self._shared.guard.hit(request_id, len(blocks) - len(new_computed_blocks) + i, blk)
         todo = [(i, blocks[i]) for i in self._floor_hits(request_id, blocks)]
         if todo:
             self._floor_cow[request_id] = todo
@@ -298,6 +305,8 @@ class HiSparseManager(FullAttentionManager):
                 self.donation["dropped"] += 1
                 continue
             self._cached_this_step.add(b.block_hash)
+            if self._shared is not None:
+                self._shared.guard.computed(rid, i, b)
 
     def new_step_starts(self) -> None:
         super().new_step_starts()
@@ -347,6 +356,8 @@ class HiSparseManager(FullAttentionManager):
                 self.donation["dropped"] += 1
                 continue
             self.block_pool.move_block_hashes(blk, dst)
+            if self._shared is not None:
+                self._shared.guard.moved(blk, dst)
             blk.ref_cnt += 1
             self._pending_cow_copies.append((blk, dst))
             self.donation["donated"] += 1
@@ -369,6 +380,8 @@ class HiSparseManager(FullAttentionManager):
         self._floor_cow.pop(request_id, None)
         self._scheduled.pop(request_id, None)
         self._donated.discard(request_id)
+        if self._shared is not None:
+            self._shared.guard.drop(request_id)
         self._seen.pop(request_id, None)
         self._keep.pop(request_id, None)
         if self._ledger is not None:
