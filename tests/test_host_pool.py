@@ -35,6 +35,27 @@ def test_random_alloc_free_never_double_never_leak():
     assert pool.used_pages == 0 and pool.free_pages == 50 and pool.owners() == []
 
 
+def test_assigned_pages_counted_once_however_many_hold_them():
+    """Scheduler-assigned lists (pages shared between keys, lists replaced): used_pages == the
+    distinct pages the live keys hold (a plain set here), kept as lists come and go."""
+    pool = make_pool(pages=50)
+    rng = random.Random(torch.randint(0, 2**31, ()).item())
+    live = {}
+    for step in range(1500):
+        if live and rng.random() < 0.3:
+            key = rng.choice(list(live))
+            assert pool.free(key) == len(live.pop(key))
+        else:
+            key = rng.randrange(20)
+            pages = rng.sample(range(50), rng.randrange(0, 12))
+            pool.assign(key, pages)
+            live[key] = pages
+        assert pool.used_pages == len({p for ps in live.values() for p in ps})
+    for key in list(live):
+        pool.free(key)
+    assert pool.used_pages == 0 and pool.owners() == []
+
+
 def test_ensure_is_all_or_nothing_and_message():
     pool = make_pool(pages=3, page=4)
     pool.ensure("a", 8)

@@ -181,6 +181,7 @@ class HostKVPool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))   # pop() hands out 0, 1, ...
         self._owned: dict[object, list[int]] = {}
         self.assigned = False             # page ids come from the scheduler (``assign``)
+        self._held: dict[int, int] = {}   # assigned pages -> how many keys hold them
 
     @staticmethod
     def page_bytes(page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -194,8 +195,8 @@ class HostKVPool:
 
     @property
     def used_pages(self) -> int:
-        if self.assigned:                 # distinct pages the live requests hold
-            return len({p for pages in self._owned.values() for p in pages})
+        if self.assigned:                 # distinct pages the live requests hold (kept as they
+            return len(self._held)        # change: read every step by the metrics)
         return self.num_pages - len(self._free)
 
     def pages_for(self, num_tokens: int) -> int:
@@ -215,7 +216,9 @@ class HostKVPool:
         """``key``'s whole page list, from the scheduler (its pages may be shared with other keys:
         read-only below the request's ``shared_upto``); replaces any list it had."""
         self.assigned = True
+        self._hold(self._owned.get(key, ()), -1)
         self._owned[key] = list(pages)
+        self._hold(pages, 1)
 
     def ensure(self, key, num_tokens: int) -> list[int]:
         """Grow ``key``'s page list to hold ``num_tokens`` tokens; all or nothing. With assigned
@@ -242,7 +245,18 @@ class HostKVPool:
         pages = self._owned.pop(key, [])
         if not self.assigned:             # assigned pages go back through the scheduler
             self._free.extend(reversed(pages))
+        else:
+            self._hold(pages, -1)
         return len(pages)
+
+    def _hold(self, pages, d: int) -> None:
+        held = self._held
+        for p in pages:
+            c = held.get(p, 0) + d
+            if c:
+                held[p] = c
+            else:
+                del held[p]
 
     # ---- data --------------------------------------------------------------------------------
     def _addr(self, key, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
