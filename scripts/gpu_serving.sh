@@ -9,7 +9,8 @@
 set -euo pipefail
 out=$1; shift
 source scripts/gpu_setup.sh "$out"
-python3 -m vllm_hisparse.bench.model_shapes llama3-8b models/llama3-8b-bench > /dev/null
+# MODEL_POSITIONS: the model's max_position_embeddings (vLLM's RoPE table); past 65536 for 128K
+python3 -m vllm_hisparse.bench.model_shapes llama3-8b models/llama3-8b-bench ${MODEL_POSITIONS:-65536} > /dev/null
 work=/tmp/serving
 mkdir -p "$work"
 set +e

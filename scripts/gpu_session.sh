@@ -107,12 +107,13 @@ case "$part" in
     # matters); the verdict is scripts/exact_verdict.py's EXACT, MISMATCH or VOID. Every engine
     # stops at EXACT_LIMIT s; each minute the engines' last log lines go to the summary.
     ex=$out/exact; mkdir -p $ex/A $ex/B $ex/Q
-    # quest_rows 0 (= --max-num-seqs, the default before auto sizing): every prompt gets a row, so
-    # admission never waits on rows and schedules stay the reference's
-    A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0, "quest_rows": 0}'
+    # no quest_rows: gpu_exactness.py gives one row per prompt, so admission never waits on rows
+    # and schedules stay the reference's (quest_rows 0 = 32 rows of 32K: 7.7 GiB, which the
+    # startup check refused on an H100 beside a second engine, 2026-12-07)
+    A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0}'
     runA() { engine A $1 HISPARSE_EXTRA="${EXACT_A:-$A}" EXACT_PROMPTS=${EXACT_PROMPTS:-6000,20000,12000,9000} \
                EXACT_KV_GIB=$2; }
-    runB() { engine B $1 HISPARSE_EXTRA='{"dense_pool_gib": 1, "quest_rows": 0}' EXACT_PROMPTS=1200,5000 \
+    runB() { engine B $1 HISPARSE_EXTRA='{"dense_pool_gib": 1}' EXACT_PROMPTS=1200,5000 \
                EXACT_MAX_TOKENS=1500 EXACT_KV_GIB=2 EXACT_MAX_LEN=8192; }
     # Q (EXACT_PAIRS=Q): a real model at 20-32K, QWEN=model folder, QWEN_PROMPTS=token-id prompts
     # (scripts/long_prompts.py), 256 outputs: exactness and the miss rates of fixed / elastic x
@@ -121,7 +122,7 @@ case "$part" in
                EXACT_PROMPTS_FILE=${QWEN_PROMPTS:-$PWD/.lab/qwen-prompts.json} EXACT_MAX_TOKENS=${QWEN_OUT:-256} \
                HISPARSE_EXTRA="${EXACT_A:-$QA}" EXACT_UTIL=${QWEN_UTIL:-0.15} EXACT_KV_GIB=$2; }
     # (four engines at once: 8 GiB of pinned host pool each, 4.3 GiB of prompts)
-    QA='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0, "host_pool_gib": 8, "quest_rows": 0}'
+    QA='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0, "host_pool_gib": 8}'
     ( while sleep 60 > /dev/null 2>&1; do for f in $ex/*/*.log; do
         echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
     mon=$!

@@ -1,6 +1,11 @@
 """Model directories for GPU benchmarks with `load_format=dummy`: real layer shapes, random weights.
 
-    python -m vllm_hisparse.bench.model_shapes llama3-8b OUT_DIR
+    python -m vllm_hisparse.bench.model_shapes llama3-8b OUT_DIR [MAX_POSITIONS]
+
+MAX_POSITIONS (default 65536) is the config's max_position_embeddings: vLLM sizes its RoPE table
+from it, so a server of a longer max_model_len needs it at least as large (128K in + 1K out:
+262144; with VLLM_ALLOW_LONG_MAX_MODEL_LEN alone, positions past the table trip a device-side
+assert, H100, 2026-12-07).
 
 The KV footprint depends only on layers, KV heads and head_dim, so the benchmark model keeps the
 Llama-3-8B attention/MLP shapes but uses the tiny model's locally trained 512-token tokenizer (no
@@ -79,6 +84,6 @@ def build(name: str, out: str, max_len: int = 65536) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (3, 4) or (len(sys.argv) == 4 and not sys.argv[3].isdigit()):
         raise SystemExit(__doc__)
-    print(build(sys.argv[1], sys.argv[2]))
+    print(build(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:])))
