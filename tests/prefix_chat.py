@@ -136,31 +136,31 @@ def no_host_fill():
     Returns the undo."""
     from dataclasses import replace
 
-    from vllm_hisparse.core import sparse_runtime
+    from vllm_hisparse.core import step_requests
 
-    copy = sparse_runtime.copy_context
+    copy = step_requests.copy_context
 
     def copy_context(rt, switches, block_table):
         copy(rt, [replace(s, host_pages=None) if s.index else s for s in switches], block_table)
-    sparse_runtime.copy_context = copy_context
-    return lambda: setattr(sparse_runtime, "copy_context", copy)
+    step_requests.copy_context = copy_context
+    return lambda: setattr(step_requests, "copy_context", copy)
 
 
 def poison_shared():
     """poisonshared: after each hit's first-step copy, its shared host pages (read-only, others
     read them) are overwritten, as a rewrite by a request that must not write them would.
     Returns the undo."""
-    from vllm_hisparse.core import sparse_runtime
+    from vllm_hisparse.core import step_requests
 
-    copy = sparse_runtime.copy_context
+    copy = step_requests.copy_context
 
     def copy_context(rt, switches, block_table):
         copy(rt, switches, block_table)
         for s in switches:
             if s.host_pages is not None and s.shared_upto:
                 rt.pool.data[:, s.host_pages[:s.shared_upto]] = POISON
-    sparse_runtime.copy_context = copy_context
-    return lambda: setattr(sparse_runtime, "copy_context", copy)
+    step_requests.copy_context = copy_context
+    return lambda: setattr(step_requests, "copy_context", copy)
 
 
 def main(mode: str, model: str, out: str) -> None:

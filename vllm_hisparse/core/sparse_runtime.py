@@ -24,14 +24,13 @@ from vllm_hisparse.core.decode_trace import DecodeTrace
 from vllm_hisparse.core.deployment import Deployment, EngineLimits, resolve
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.hot_rows import HotRows
-from vllm_hisparse.core.page_table import DevicePageTable, flush_tables
-from vllm_hisparse.core import give_back, runtime_stats
+from vllm_hisparse.core.page_table import DevicePageTable
+from vllm_hisparse.core import give_back, runtime_stats, step_requests
 from vllm_hisparse.core.hostless import runs_dense
-from vllm_hisparse.core.residency import freed_pages, is_sparse_at, is_sparse_request
+from vllm_hisparse.core.residency import is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.steady_step import SteadyStep
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
-from vllm_hisparse.core.turn_sparse import Switch, copy_context
 
 
 @dataclass
@@ -135,7 +134,7 @@ class SparseRuntime:
             r = Req(self._free_rows.pop(), num_prompt, False, keep=keep, hostless=hostless)
             if not runs_dense(self.cfg, r) and is_sparse_request(self.cfg, num_prompt):
                 try:
-                    self._make_sparse(req_id, r, num_prompt)
+                    self.make_sparse(req_id, r, num_prompt)
                 except RuntimeError:
                     self._free_rows.append(r.row)
                     raise
@@ -155,7 +154,7 @@ class SparseRuntime:
         self.host_pt.clear(r.row)            # re-mirrored at its next step (a resumption swaps)
         r.shared_upto = shared_upto
 
-    def _make_sparse(self, req_id: str, r: Req, context: int) -> None:
+    def make_sparse(self, req_id: str, r: Req, context: int) -> None:
         """The request is sparse from now on (core/residency.py): its indexer row and fresh
         hot-slot state. A request stays sparse once it is (also when recomputed after a preemption)."""
         irow = self.ix.allocate()    # the connector admits at most quest_rows that may be sparse
@@ -251,7 +250,8 @@ class SparseRuntime:
         lengths with this step's tokens; block_table (B, W); slot_mapping (T,). All host work is
         here, once per step (forward_layer syncs nothing); one-token rows form the decode batch."""
         self.steady.forget()
-        steps, pages = self._req_steps(req_ids, query_start_loc, seq_lens, block_table)
+        steps, pages = step_requests.req_steps(self, req_ids, query_start_loc, seq_lens,
+                                                   block_table)
         dec = [s for s in steps if s.t1 - s.t0 == 1]
         plan = prefill.plan(self, [s for s in steps if s.t1 - s.t0 > 1], block_table,
                             slot_mapping)
@@ -272,8 +272,8 @@ class SparseRuntime:
         t0 = time.perf_counter()
         db = self._batch(N)
         if not self.steady.advance(self, req_ids, seq_lens, db):
-            steps, pages = self._req_steps(req_ids, list(range(len(req_ids) + 1)), seq_lens,
-                                           block_table)
+            steps, pages = step_requests.req_steps(self, req_ids, list(range(len(req_ids) + 1)),
+                                                   seq_lens, block_table)
             self._fill_batch(steps, pages, N)
             self.steady.remember(self, db, req_ids, seq_lens, steps)
         self.stats["steps"] += 1
@@ -322,64 +322,6 @@ class SparseRuntime:
         if db is None:
             db = self._batches[N] = DecodeBatch(N, self.device, (self.num_layers, self.k_sel))
         return db
-
-    def _req_steps(self, req_ids: list[str], query_start_loc: list[int], seq_lens: list[int],
-                   block_table: torch.Tensor | None) -> tuple[list[ReqStep], dict]:
-        """The batch's requests with their tokens; one starting at token 0 (new, or recomputed
-        after a preemption) gets fresh hot-slot state; one whose context reaches min_context turns
-        sparse (core/residency.py), its KV so far copied from block_table's row to the pools and
-        its indexer row (core/turn_sparse.py; to the pools only when it moves into the host tier:
-        core/hostless.py); sparse requests (not host-less) get host (and dense-pool) pages for the
-        step, mirrored on the device and returned: req_id -> (host pages, dense-pool pages)."""
-        steps, pages, switches = [], {}, []
-        for i, rid in enumerate(req_ids):
-            r = self.reqs[rid]
-            t0, t1 = query_start_loc[i], query_start_loc[i + 1]
-            start, n = seq_lens[i] - (t1 - t0), seq_lens[i]
-            if start < r.shared_upto * self.P:      # its writes would land on shared host pages
-                raise RuntimeError(f"hisparse runtime: {rid} starts at token {start}, inside its "
-                                   f"{r.shared_upto} shared (read-only) host pages; the scheduler "
-                                   f"makes them private first (HostPageTable.make_writable)")
-            if start == 0:
-                self.hot.reset(r.row)
-                if self.trace is not None:
-                    self.trace.restart(rid)
-            if not r.sparse and not runs_dense(self.cfg, r) and is_sparse_at(self.cfg, r.num_prompt, n):
-                self._make_sparse(rid, r, n)
-                self.stats["turned_sparse"] += 1
-                if start > 0:                   # KV on the GPU to copy (none at a restart)
-                    switches.append((i, rid, start, True))
-            elif r.fresh and start > 0 and r.sparse:
-                # a prefix-cache hit: tokens [0, start) are in (shared) GPU blocks it never
-                # computed; its new indexer row (and host / dense-pool pages) get them here, as
-                # a request turning sparse (docs/design/prefix-caching.md section 3.2)
-                switches.append((i, rid, start, True))
-                self.stats["prefix_hits"] += 1
-            elif r.moving and start > 0:        # into the host tier: its KV so far to the host
-                switches.append((i, rid, start, False))
-            r.moving = r.fresh = False
-            r.start = start
-            steps.append(ReqStep(i, rid, t0, t1, start, n, r.row, r.sparse,
-                                 freed_pages(self.cfg, start, r.num_prompt, r.keep), r.irow))
-            self.hot.step(r.row, steps[-1].freed)      # (seeded at its first step through them)
-            if self.pool is not None and r.sparse and not r.hostless:
-                hp = self.pool.ensure(rid, n)
-                self.host_pt.grow(r.row, hp)
-                dp = None
-                if self.dpool is not None:
-                    dp = self.dpool.ensure(rid, n)
-                    self.stats["dense_pool_pages_handed"] += self.dense_pt.grow(r.row, dp)
-                pages[rid] = (hp, dp)
-        flush_tables([self.host_pt, self.dense_pt if self.dpool is not None else None])
-        if switches:
-            if block_table is None:
-                raise RuntimeError("hisparse runtime: a request turns sparse in a step planned "
-                                   "without its block table")
-            copy_context(self, [Switch(i, start, self.reqs[rid].irow, *pages.get(rid, (None, None)),
-                                       index, self.reqs[rid].shared_upto)
-                                for i, rid, start, index in switches], block_table)
-        give_back.insert(self, steps, block_table)
-        return steps, pages
 
     # ---- per layer -----------------------------------------------------------------------------
     def forward_layer(self, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor,

@@ -1,7 +1,7 @@
 """The switch: a request whose context reaches ``min_context`` during its life turns sparse
 (core/residency.py's length rule), and the KV it already has goes where a sparse request keeps it.
 
-At the first step a request is sparse (``SparseRuntime._req_steps``), before any layer of that step
+At the first step a request is sparse (``step_requests.req_steps``), before any layer of that step
 runs, its positions ``[0, start)`` — in its own GPU blocks, none given back yet (``freed_pages`` is
 empty until the switch step has run) — are copied, for every layer, to:
 
