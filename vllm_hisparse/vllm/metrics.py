@@ -7,7 +7,8 @@ How they travel (vLLM 0.26, no wrap needed):
    ``{"ranks": {"<tp rank>": {...}}}``, or None when nothing changed;
 2. the executor's ``KVOutputAggregator`` merges the ranks' reports of the step
    (``HiSparseStats.aggregate``); the scheduler adds the scheduler-side connector's report
-   (``{"sched": {...}}``: requests told to wait, pages reserved, requests running host-less)
+   (``{"sched": {...}}``: requests told to wait, pages reserved, requests running host-less,
+   the page table's pages in use and held by the prefix-cache index: ``table_gauges``)
    and ships the data dict in ``SchedulerStats.kv_connector_stats``;
 3. front end: ``PrometheusStatLogger.record`` -> ``KVConnectorProm.observe`` ->
    ``HiSparsePromMetrics.observe``; the periodic log line "KV Transfer metrics: ..." is
@@ -31,6 +32,15 @@ from .deployment import config_of
 
 COUNTERS = ("hits", "lookups", "miss_bytes", "sparse_rows", "dense_rows")   # deltas per report
 WAIT_REASONS = ("host_pool", "dense_pool", "quest_rows")
+TABLE_GAUGES = ("host_pages_in_use", "host_pages_cached")     # the scheduler's HostPageTable
+
+
+def table_gauges(table) -> dict[str, int]:
+    """The scheduler's page-table gauges (core/host_pages.py ``HostPageTable``), for its part of a
+    report: pages off the free list (held by a live request or by the prefix-cache index) and pages
+    the index holds. Idle, the two are equal; after ``reset_prefix_cache(reset_connector=True)``
+    both are 0 (bench.chat's leak check)."""
+    return {"host_pages_in_use": table.used, "host_pages_cached": len(table.index)}
 
 
 class HiSparseStats(KVConnectorStats):
@@ -63,7 +73,7 @@ class HiSparseStats(KVConnectorStats):
         if "miss_bytes" in tot:
             out["miss_MiB"] = round(tot["miss_bytes"] / (1 << 20), 3)
         for k in ("host_pages_used", "host_pages_reserved", "host_pages", "requests_hostless",
-                  "requests_moved_to_host"):
+                  "requests_moved_to_host", *TABLE_GAUGES):
             if k in tot:
                 out[k] = tot[k]
         return out
@@ -184,11 +194,22 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
                                         "Host KV pool pages reserved by admitted requests.", **mp),
             "host_pages": make(gauge, "vllm:hisparse_host_pool_pages_capacity",
                                "Host KV pool capacity in pages.", **mp),
+            "host_pages_in_use": make(gauge, "vllm:hisparse_host_page_table_pages_in_use",
+                                      "Host KV pool pages off the scheduler's free list: held "
+                                      "by a live request or by the prefix-cache index (-1: "
+                                      "not reported).", **mp),
+            "host_pages_cached": make(gauge, "vllm:hisparse_host_page_table_pages_cached",
+                                      "Host KV pool pages the prefix-cache index holds (published "
+                                      "host copies; those no live request holds are evictable; "
+                                      "-1: not reported).", **mp),
             "requests_hostless": make(gauge, "vllm:hisparse_requests_hostless",
                                       "Requests running host-less (admitted when the host pool "
                                       "was full: every page on the GPU, never spilled; sparse, "
                                       "or dense with hostless dense).", **mp),
         }
+        for k in TABLE_GAUGES:             # -1 until the scheduler reports it (not 0: no pages)
+            for m in self.gauges[k].values():
+                m.set(-1)
         self.waiting = make(gauge, "vllm:hisparse_requests_waiting",
                             "Requests held back by hisparse admission, by what is full.",
                             ("reason", WAIT_REASONS), **mp)
