@@ -25,6 +25,8 @@ and writes OUT_DIR/cap-MODE.json: requests, output tok/s, vLLM's lines, and for 
 requests its pool held at once (``max_live_requests``).
 
     DSA_PROMPTS=8000,20000,12000,16000 DSA_MAX_TOKENS=48 DSA_B=2560 DSA_SPLITS=0 ...
+    DSA_INDEXER=dsa_sorted ...   # hisparse / resident with each token's selection sorted by position
+                                 # (core/indexers/dsa/sorted.py): is the reference reproducible then?
 
 Every engine uses ``sparse_mla_force_mqa`` (hisparse sets it itself: its prefill attends through
 the pool), so stock's prefill chunks take the same MQA path. hisparse gets one prefill region and
@@ -53,7 +55,7 @@ PROMPTS = [int(x) for x in os.environ.get("DSA_PROMPTS", "8000,20000,12000,16000
 MAX_TOKENS = int(os.environ.get("DSA_MAX_TOKENS", "48"))
 MAX_LEN = int(os.environ.get("DSA_MAX_LEN", "24576"))
 UTIL = float(os.environ.get("DSA_UTIL", "0.85"))
-CFG = {"indexer": "dsa", "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
+CFG = {"indexer": os.environ.get("DSA_INDEXER", "dsa"), "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
        "dense_layers": [], "host_pool_gib": 8, "quest_rows": len(PROMPTS),
        "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0"))}
 MODES = ("stock", "hisparse", "resident")      # each compared with resident (and crf when it ran)

@@ -74,7 +74,8 @@ def test_the_startup_check_asks_the_registry(probe):
     vc = vconfig()
     check_mla(config_of(vc), vc)                     # a registered MLA indexer is accepted
     vc = vconfig(indexer="quest")
-    with pytest.raises(ValueError, match='indexer=\'quest\' cannot select.*"dsa" or "probe"'):
+    with pytest.raises(ValueError,
+                       match='indexer=\'quest\' cannot select.*"dsa" or "dsa_sorted" or "probe"'):
         check_mla(config_of(vc), vc)
 
 

@@ -19,6 +19,7 @@ from vllm_hisparse.core.indexers.base import Indexer
 _PATHS = {
     "quest": "vllm_hisparse.core.indexers.quest.indexer:QuestIndexer",
     "dsa": "vllm_hisparse.core.indexers.dsa.indexer:DSAIndexer",
+    "dsa_sorted": "vllm_hisparse.core.indexers.dsa.sorted:DSASortedIndexer",
 }
 NAMES = tuple(_PATHS)
 
