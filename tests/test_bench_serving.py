@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_hisparse.bench.serving import Point, RequestResult, server_cmd
+from vllm_hisparse.bench.serving import server_cmd
+from vllm_hisparse.bench.serving_load import Point, RequestResult
 
 
 def args(**kw):
@@ -82,7 +83,7 @@ def test_one_request_counts_tokens_from_usage_not_chunks(n_chunks):
     import asyncio
     import random
 
-    from vllm_hisparse.bench.serving import one_request
+    from vllm_hisparse.bench.serving_load import one_request
 
     out_len = random.randint(20, 600)
     client = _FakeClient(_FakeStream([" ab" * 3] * n_chunks, usage=out_len))
@@ -98,7 +99,7 @@ def test_ttft_counts_chunks_without_text():
     import asyncio
     import math
 
-    from vllm_hisparse.bench.serving import one_request
+    from vllm_hisparse.bench.serving_load import one_request
 
     r = asyncio.run(one_request(_FakeClient(_FakeStream(["", "", "x"], usage=3)), "m", [1], 3))
     assert 0 <= r.ttft <= r.latency and not math.isnan(r.ttft)
@@ -109,7 +110,7 @@ def test_ttft_counts_chunks_without_text():
 def test_one_request_without_usage_says_so():
     import asyncio
 
-    from vllm_hisparse.bench.serving import one_request
+    from vllm_hisparse.bench.serving_load import one_request
 
     with pytest.raises(RuntimeError, match="include_usage"):
         asyncio.run(one_request(_FakeClient(_FakeStream(["x", "y"], usage=None)), "m", [1], 2))
@@ -133,7 +134,7 @@ def test_capacity_from_the_startup_log():
 
 
 def test_host_time_per_step_from_the_worker_counters():
-    from vllm_hisparse.bench.serving import host_per_step
+    from vllm_hisparse.bench.worker_stats import host_per_step
 
     before = {"steps": 10, "host_ms_plan": 5.0, "host_ms_dense_layers": 1.0,
               "host_ms_sparse_layers": 2.0, "host_ms_full_layers": 0.0}
@@ -146,7 +147,7 @@ def test_host_time_per_step_from_the_worker_counters():
 
 
 def test_cache_counters_per_point():
-    from vllm_hisparse.bench.serving import cache_per_point
+    from vllm_hisparse.bench.worker_stats import cache_per_point
 
     before = {"hits": 100, "misses": 20, "spills": 1, "policy": "crf"}
     after = {"hits": 190, "misses": 30, "spills": 3, "shrinks": 5, "resident_units": 100,
@@ -169,7 +170,7 @@ def test_real_text_prompts_are_distinct_windows(tmp_path):
     three layouts load to the same tokens; a text shorter than a prompt is refused."""
     import random
 
-    from vllm_hisparse.bench.serving import load_text_ids, text_prompts
+    from vllm_hisparse.bench.prompts import load_text_ids, text_prompts
 
     a, b = list(range(1000, 1600)), list(range(5000, 5400))
     for i, d in enumerate(({"x": a, "y": b}, [a, b], a + b)):
