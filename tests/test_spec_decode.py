@@ -4,9 +4,11 @@ request and attend causally, and hisparse (host tier, 4 hot slots: misses) == re
 (``host_tier`` false) with the same speculation: tokens, logprobs and vLLM's acceptance counts.
 Prompts repeat a token pattern so that drafts are proposed and accepted. The negative control runs
 the same harness with every host fetch reading its neighbour page (HISPARSE_TEST_CORRUPT_FETCH=1):
-it must differ. The three engines start together in the session's kept engine processes
+it must differ. With prefix caching on and the host tier (issue 47's combination), the prompts run
+twice, the second batch from prefix hits: hisparse == resident mode with prefix caching on (the
+same hits, the same schedule), the verify rows of a hit's first steps included. The three engines start together in the session's kept engine processes
 (tests/engine_jobs.py, run_pooled); this file is also their
-script (``python tests/test_spec_decode.py CONFIG OUT [LLM_KWARGS]``).
+script (``python tests/test_spec_decode.py CONFIG [LLM_KWARGS] OUT``).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": 16, "dense_layers": [
 PATTERNS = ([5, 17, 33, 81, 99, 120, 7, 64], [200, 11, 300, 42, 9], [77, 78, 79, 80, 81, 82])
 REPEATS = (20, 41, 30)                         # 160, 205, 180 tokens: 10-13 pages, 4 hot slots
 MAX_TOKENS = 48
+PC = {"enable_prefix_caching": True, "batches": 2}    # prefix caching on, the prompts twice
 
 
 def _engine(cfg: dict, out: str, over: dict | None = None) -> None:
@@ -45,19 +48,23 @@ def _engine(cfg: dict, out: str, over: dict | None = None) -> None:
               seed=0, skip_tokenizer_init=True, attention_backend="hisparse",
               additional_config={"hisparse": cfg}, disable_log_stats=False,
               speculative_config=SPEC, **SAME_SCHEDULE)
-    llm = LLM(**dict(kw, **(over or {})))
+    over = dict(over or {})
+    batches = over.pop("batches", 1)         # > 1: the same prompts again (prefix hits if on)
+    llm = LLM(**dict(kw, **over))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True,
                         detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p * n} for p, n in zip(PATTERNS, REPEATS)], sp,
-                        use_tqdm=False)
+    for _ in range(batches):
+        outs = llm.generate([{"prompt_token_ids": p * n} for p, n in zip(PATTERNS, REPEATS)], sp,
+                            use_tqdm=False)
     metrics = {m.name: m.value for m in llm.get_metrics()
                if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
     stats = worker_state.get_runtime().stats_dict()
-    res = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+    res = {"cached": [o.num_cached_tokens or 0 for o in outs],
+           "tokens": [list(o.outputs[0].token_ids) for o in outs],
            "logprobs": [[sorted([k, v.logprob] for k, v in d.items())
                          for d in o.outputs[0].logprobs] for o in outs],
            "spec": metrics, "stats": {k: stats[k] for k in ("spec_rows", "decode_rows", "hits",
-                                                            "misses")}}
+                                                            "misses", "prefix_hits")}}
     with open(out, "w") as f:
         json.dump(res, f)
 
@@ -73,7 +80,10 @@ def runs(tmp_path_factory):
     out = run_script(__file__, tmp_path_factory.mktemp("spec"), {
         "hisparse": ([json.dumps(CFG)], env),
         "resident": ([json.dumps(dict(CFG, host_tier=False))], env),
-        "corrupt": ([json.dumps(CFG)], dict(env, HISPARSE_TEST_CORRUPT_FETCH="1"))}, timeout=300)
+        "corrupt": ([json.dumps(CFG)], dict(env, HISPARSE_TEST_CORRUPT_FETCH="1")),
+        "hisparse_pc": ([json.dumps(CFG), json.dumps(PC)], env),
+        "resident_pc": ([json.dumps(dict(CFG, host_tier=False)), json.dumps(PC)], env)},
+        timeout=300)
     return out.__getitem__
 
 
@@ -89,6 +99,17 @@ def test_hisparse_equals_resident_under_ngram_speculation(runs):
     assert hs["logprobs"] == res["logprobs"]          # bit for bit (floats through JSON)
 
 
+def test_prefix_hits_under_ngram_speculation_with_the_host_tier_equal_resident(runs):
+    """The second batch's requests are prefix hits (their first step fills their Quest row and
+    host pages from the hit's GPU blocks) and speculate from their first decode step on."""
+    hs, res = runs("hisparse_pc"), runs("resident_pc")
+    assert min(hs["cached"]) >= 16 and hs["cached"] == res["cached"], (hs["cached"], res["cached"])
+    assert hs["stats"]["prefix_hits"] == len(PATTERNS) and hs["stats"]["misses"] > 0
+    assert hs["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0 and hs["spec"] == res["spec"]
+    assert hs["stats"]["spec_rows"] == res["stats"]["spec_rows"] > 0
+    assert hs["tokens"] == res["tokens"] and hs["logprobs"] == res["logprobs"]
+
+
 def test_corrupted_fetch_differs(runs):
     bad, res = runs("corrupt"), runs("resident")
     assert bad["stats"]["misses"] > 0
@@ -96,5 +117,5 @@ def test_corrupted_fetch_differs(runs):
 
 
 if __name__ == "__main__":
-    _engine(json.loads(sys.argv[1]), sys.argv[2],
-            json.loads(sys.argv[3]) if sys.argv[3:] else None)
+    _engine(json.loads(sys.argv[1]), sys.argv[-1],
+            json.loads(sys.argv[2]) if len(sys.argv) == 4 else None)
