@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_hisparse.bench import chat, prom
+from vllm_hisparse.bench import chat, chat_leaks, prom
 
 LAB = 'model_name="m",engine="0"'
 CLEAN = dict(host_pages_in_use_after=40, host_pages_held_by_cache_after=40,
@@ -37,28 +37,28 @@ def metrics_text(in_use, cached, worker=0, reserved=0, running=0, waiting=0, abo
 
 def test_page_figures_from_a_metrics_page():
     s = prom.parse(metrics_text(52, 40, worker=12, reserved=30, running=1))
-    assert chat.pages(s) == {"in_use": 52, "held_by_cache": 40, "worker_pool_used": 12,
+    assert chat_leaks.pages(s) == {"in_use": 52, "held_by_cache": 40, "worker_pool_used": 12,
                              "reserved": 30}
-    assert not chat.settled(s)
-    assert chat.settled(prom.parse(metrics_text(40, 40)))
-    assert not chat.settled(prom.parse(metrics_text(41, 40)))        # idle, one page too many
-    assert not chat.settled(prom.parse(metrics_text(40, 40, waiting=2)))
+    assert not chat_leaks.settled(s)
+    assert chat_leaks.settled(prom.parse(metrics_text(40, 40)))
+    assert not chat_leaks.settled(prom.parse(metrics_text(41, 40)))        # idle, one page too many
+    assert not chat_leaks.settled(prom.parse(metrics_text(40, 40, waiting=2)))
     # -1: the scheduler never reported (metrics.py's initial value); absent: an older plugin
-    assert chat.pages(prom.parse(metrics_text(-1, -1)))["in_use"] is None
-    assert chat.pages({})["held_by_cache"] is None
+    assert chat_leaks.pages(prom.parse(metrics_text(-1, -1)))["in_use"] is None
+    assert chat_leaks.pages({})["held_by_cache"] is None
 
 
 def test_clean_run_passes_and_every_kind_of_leak_is_named():
-    assert chat.leak_verdict("elastic", CLEAN) is None
-    leak = chat.leak_verdict("elastic", dict(CLEAN, host_pages_in_use_after=43))
+    assert chat_leaks.leak_verdict("elastic", CLEAN) is None
+    leak = chat_leaks.leak_verdict("elastic", dict(CLEAN, host_pages_in_use_after=43))
     assert "host page leak" in leak and "43 pages in use, 40 held by the prefix cache" in leak
     assert "\n" not in leak
-    after_reset = chat.leak_verdict("elastic", dict(CLEAN, host_pages_in_use_after_reset=3))
+    after_reset = chat_leaks.leak_verdict("elastic", dict(CLEAN, host_pages_in_use_after_reset=3))
     assert "after the reset 3 in use, 0 held" in after_reset
     for k in ("host_pages_reserved_after", "host_pages_worker_pool_used_after",
               "host_pages_held_by_cache_after_reset"):
-        assert chat.leak_verdict("elastic", dict(CLEAN, **{k: 2})) is not None, k
-    missing = chat.leak_verdict("elastic", dict(CLEAN, host_pages_in_use_after=None))
+        assert chat_leaks.leak_verdict("elastic", dict(CLEAN, **{k: 2})) is not None, k
+    missing = chat_leaks.leak_verdict("elastic", dict(CLEAN, host_pages_in_use_after=None))
     assert missing.startswith("elastic: leak check impossible") and "in_use_after" in missing
 
 
@@ -77,18 +77,18 @@ class Server:
 
     async def complete(self, prompt, out_len, abort_after=None):
         self.probes += 1
-        assert prompt == chat.PROBE and out_len == 2
+        assert prompt == chat_leaks.PROBE and out_len == 2
         return 0.0, 0.0, [0] * out_len
 
 
 def run_leak_check(monkeypatch, server, timeout=30.0):
     monkeypatch.setattr(chat.prom, "scrape", server.scrape)
-    monkeypatch.setattr(chat, "reset_prefix_cache", server.reset)
+    monkeypatch.setattr(chat_leaks, "reset_prefix_cache", server.reset)
 
     async def no_sleep(s):
         return None
     monkeypatch.setattr(chat.asyncio, "sleep", no_sleep)
-    return asyncio.run(chat.leak_check(server.complete, "http://x", timeout))
+    return asyncio.run(chat_leaks.leak_check(server.complete, "http://x", timeout))
 
 
 def test_leak_check_probes_until_idle_resets_and_reads_again(monkeypatch):
@@ -100,14 +100,14 @@ def test_leak_check_probes_until_idle_resets_and_reads_again(monkeypatch):
     assert r["host_pages_in_use_after"] == 40 and r["host_pages_held_by_cache_after"] == 40
     assert r["host_pages_in_use_after_reset"] == 0 and r["requests_aborted_server"] == 3
     assert srv.probes == 5                     # 2 to settle, 1 after the refused reset, 2 after
-    assert chat.leak_verdict("elastic", r) is None
+    assert chat_leaks.leak_verdict("elastic", r) is None
 
 
 def test_a_leak_that_outlasts_the_probes_is_reported(monkeypatch):
     srv = Server([metrics_text(45, 40), metrics_text(5, 0)], resets=[True])
     r = run_leak_check(monkeypatch, srv, timeout=0.0)          # one probe each, then give up
     assert (r["host_pages_in_use_after"], r["host_pages_in_use_after_reset"]) == (45, 5)
-    v = chat.leak_verdict("elastic", r)
+    v = chat_leaks.leak_verdict("elastic", r)
     assert "45 pages in use, 40 held" in v and "after the reset 5 in use" in v
 
 
@@ -237,8 +237,9 @@ def test_main_end_to_end_on_fakes(tmp_path, monkeypatch, capsys, leak):
         return None
     for name, v in {"wait_healthy": lambda *a: None, "stop": lambda *a, **k: None,
                     "model_vocab": lambda m: 1000, "openai_completer": completer,
-                    "reset_prefix_cache": reset, "plot": lambda rows, out: None}.items():
+                    "plot": lambda rows, out: None}.items():
         monkeypatch.setattr(chat, name, v)
+    monkeypatch.setattr(chat_leaks, "reset_prefix_cache", reset)
     monkeypatch.setattr(chat.subprocess, "Popen", Proc)
     monkeypatch.setattr(chat.prom, "scrape", scrape)
     monkeypatch.setattr(chat.asyncio, "sleep", no_sleep)
@@ -259,8 +260,11 @@ def test_main_end_to_end_on_fakes(tmp_path, monkeypatch, capsys, leak):
 
 
 def test_a_failed_reset_keeps_the_runs_figures_and_fails_the_check(tmp_path, monkeypatch):
+    sent = []
+
     def completer(port, model):
         async def complete(prompt, out_len, abort_after=None):
+            sent.append(list(prompt))
             return 0.01, 0.02, [7] * out_len
 
         class Client:
@@ -275,7 +279,7 @@ def test_a_failed_reset_keeps_the_runs_figures_and_fails_the_check(tmp_path, mon
     async def no_sleep(s):
         return None
     monkeypatch.setattr(chat, "openai_completer", completer)
-    monkeypatch.setattr(chat, "reset_prefix_cache", refused)
+    monkeypatch.setattr(chat_leaks, "reset_prefix_cache", refused)
     monkeypatch.setattr(chat.prom, "scrape", lambda base: prom.parse(metrics_text(4, 4)))
     monkeypatch.setattr(chat.asyncio, "sleep", no_sleep)
     args = _args(conversations=2, turns=2, abort_every=0, port=1, model="M", leak_check=True,
@@ -285,3 +289,7 @@ def test_a_failed_reset_keeps_the_runs_figures_and_fails_the_check(tmp_path, mon
                                              str(tmp_path / "steps.jsonl")))
     assert rows[-1]["requests"] == 4 and rows[-1]["running_max"] is None    # no step records
     assert verdict.startswith("elastic: leak check failed: POST /reset_prefix_cache: HTTP 404")
+    # the warm-up: a first-turn-long prompt sharing no block with the trace, then a hit on it
+    w0, w1 = sent[:2]
+    assert len(w0) == args.system_len + args.user_len and w0[:16] != system[:16]
+    assert w1[:args.system_len] == w0[:args.system_len] and sent[2][:16] == system[:16]

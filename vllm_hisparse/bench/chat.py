@@ -23,8 +23,10 @@ startup log's "Maximum concurrency"; stock first in --backends), so stock queues
 ``--abort-every N``: every Nth turn (c * turns + t + 1 a multiple of N; N prime to --turns spreads
 them) has its stream closed after half its reply (the server aborts it); the conversation goes on
 with that half. Aborted turns are counted (``aborted``), not timed; their tokens count in tok/s.
+Warm-up, not timed: a first-turn-long prompt, then a hit on its prefix (a short one never reached
+hisparse's sparse path: turn 0 timed its kernels' first runs, 2.54 against 1.62 s, H100 12-07).
 Leak check (hisparse backends): probes until nothing runs (an idle engine refreshes no gauge),
-scrape the page figures (``PAGES``), ``POST /reset_prefix_cache?reset_external=true`` (served with
+scrape the page figures (bench/chat_leaks.py ``PAGES``), ``POST /reset_prefix_cache?reset_external=true`` (served with
 VLLM_SERVER_DEV_MODE=1, which the bench sets: the connector's index is emptied too), probe, scrape
 again; the ``all`` row gets host_pages_*_after and *_after_reset, and the bench exits 1 with one
 line of numbers if pages in use != pages the prefix cache holds after the run, or != 0 after it.
@@ -41,22 +43,14 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
 from vllm_hisparse.bench import prom
+from vllm_hisparse.bench.chat_leaks import leak_check, leak_verdict
 from vllm_hisparse.bench import steps as st
 from vllm_hisparse.bench.prompts import load_text_ids
 from vllm_hisparse.bench.serving import capacity, model_vocab, parse_backends, serve_cmd
 from vllm_hisparse.server_health import stop, wait_healthy
-
-# leak-check figures: row key -> /metrics series (vllm/metrics.py); -1 or absent: not reported
-PAGES = {k: f"vllm:hisparse_{v}" for k, v in (
-    ("in_use", "host_page_table_pages_in_use"), ("held_by_cache", "host_page_table_pages_cached"),
-    ("worker_pool_used", "host_pool_pages_used"), ("reserved", "host_pool_pages_reserved"))}
-PROBE = list(range(100, 164))        # warm-up and probes: short, never host-backed
-ABORTED = 'vllm:request_success_total{finished_reason="abort"}'   # since the server started
 
 
 @dataclass
@@ -190,83 +184,6 @@ async def run_backend(complete, args, system, users) -> tuple[list[Turn], float]
     return [t for p in parts for t in p], time.perf_counter() - t0
 
 
-def pages(series: dict[str, float]) -> dict[str, int | None]:
-    """The leak-check figures of one /metrics scrape (PAGES); None: not reported."""
-    got = {k: series.get(name, -1.0) for k, name in PAGES.items()}
-    return {k: int(v) if v >= 0 else None for k, v in got.items()}
-
-
-def settled(series: dict[str, float], empty: bool = False) -> bool:
-    """No request runs or waits, and the prefix cache's pages alone are in use (empty: none)."""
-    p = pages(series)
-    if empty and (p["in_use"] or p["held_by_cache"]):
-        return False
-    busy = series.get("vllm:num_requests_running") or series.get("vllm:num_requests_waiting")
-    return (not busy and p["in_use"] == p["held_by_cache"] and not p["reserved"]
-            and not p["worker_pool_used"])
-
-
-async def settle(complete, base: str, timeout: float, empty: bool = False) -> dict[str, float]:
-    """Probe requests (their steps refresh the gauges; an idle engine reports nothing) until the
-    scrape is ``settled`` or ``timeout`` s passed (a leak outlasts it); the last scrape."""
-    t_end = time.monotonic() + timeout
-    while True:
-        await complete(PROBE, 2)
-        await asyncio.sleep(0.5)
-        series = await asyncio.to_thread(prom.scrape, base)
-        if settled(series, empty) or time.monotonic() > t_end:
-            return series
-
-
-def reset_prefix_cache(base: str) -> bool:
-    """vLLM's dev endpoint (VLLM_SERVER_DEV_MODE=1): the GPU prefix cache and the connector's
-    (reset_connector: hisparse's host page index). False while blocks are held."""
-    req = urllib.request.Request(f"{base}/reset_prefix_cache?reset_external=true", method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return bool(json.loads(r.read()).get("success"))
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"POST /reset_prefix_cache: HTTP {e.code}; the server needs "
-                           f"VLLM_SERVER_DEV_MODE=1 (bench.chat sets it)") from e
-
-
-async def leak_check(complete, base: str, timeout: float) -> dict:
-    """After the run, then after a prefix-cache reset: the PAGES figures (``*_after``,
-    ``*_after_reset``) and requests the server aborted (``requests_aborted_server``)."""
-    after = await settle(complete, base, timeout)
-    t_end = time.monotonic() + timeout
-    while not await asyncio.to_thread(reset_prefix_cache, base):
-        if time.monotonic() > t_end:
-            raise RuntimeError(f"/reset_prefix_cache failed for {timeout:.0f} s (blocks held)")
-        await complete(PROBE, 2)
-        await asyncio.sleep(0.5)
-    reset = await settle(complete, base, timeout, empty=True)
-    out = {f"host_pages_{k}_after": v for k, v in pages(after).items()}
-    out |= {f"host_pages_{k}_after_reset": v for k, v in pages(reset).items()}
-    out["requests_aborted_server"] = int(after.get(ABORTED, 0))
-    return out
-
-
-def leak_verdict(backend: str, r: dict) -> str | None:
-    """None for a clean run, else one line naming the numbers: pages in use must equal those the
-    prefix cache holds after the run (no reserved or worker-held page left) and be 0 after the
-    reset."""
-    keys = ("in_use_after", "held_by_cache_after", "in_use_after_reset",      # [2:]: must be 0
-            "held_by_cache_after_reset", "reserved_after", "worker_pool_used_after")
-    v = {k: r.get(f"host_pages_{k}") for k in keys}
-    missing = [k for k, x in v.items() if x is None]
-    if missing:
-        return (f"{backend}: leak check impossible: /metrics reports no host_pages_"
-                f"{', '.join(missing)} (vllm/metrics.py PAGES: the scheduler's stats must include "
-                f"metrics.table_gauges)")
-    if v["in_use_after"] == v["held_by_cache_after"] and not any(v[k] for k in keys[2:]):
-        return None
-    return (f"{backend}: host page leak: after the run {v['in_use_after']} pages in use, "
-            f"{v['held_by_cache_after']} held by the prefix cache, {v['reserved_after']} reserved, "
-            f"{v['worker_pool_used_after']} held on the worker; after the reset "
-            f"{v['in_use_after_reset']} in use, {v['held_by_cache_after_reset']} held")
-
-
 def server_cmd(args, backend: str) -> list[str]:
     # prefix caching on: vLLM's default, what the multi-turn benchmark measures
     return serve_cmd(args, backend, args.port, max_context(args) + 16, prefix_caching=True)
@@ -300,7 +217,9 @@ async def measure(args, backend: str, system, users, step_log: str):
     complete, client = openai_completer(args.port, args.model)
     base = f"http://127.0.0.1:{args.port}"
     try:
-        await complete(PROBE, 4)              # warm-up (not measured, no shared prefix)
+        warm = system[::-1] + users[0][0]      # warm-up (docstring), no block shared with the trace
+        await complete(warm, 8)
+        await complete(warm[:len(system)] + users[0][-1], 8)
         _, offset = st.read(step_log)
         before = prom.scrape(base)
         turns, wall = await run_backend(complete, args, system, users)
