@@ -149,23 +149,46 @@ def test_a_slot_hashed_after_the_donation_is_dropped_at_once():
     assert pool.get_cached_block(req.block_hashes[3], [0]) is None
 
 
-def test_a_hit_copied_in_a_step_with_pages_given_back_counts_them_as_taken():
-    """The floor's copies must not land on blocks given back in this step (the worker's plan
-    still reads them after vLLM's copies ran): the count vLLM checks against the free blocks adds
-    those still free, so the request waits a step rather than copy onto one."""
-    m, pool = manager(11)                             # 10 usable
-    c = prefill(m, request("c", 2, seed=1), 2)        # c's prompt, finished: cached, free
+def _given_back_step(num_blocks: int):
+    """c's 2-page prompt cached and free; a at its first decode step, its pages 4, 5 given back
+    in this step (still free): ``num_blocks - 1 - 7 + 2`` free blocks."""
+    m, pool = manager(num_blocks)
+    c = prefill(m, request("c", 2, seed=1), 2)
     m.free("c")
     req = request("a", 6)
-    prefill(m, req, 6)
-    first_decode(m, req, 6)                           # 10 - 7 + a's 2 given back = 5 free
+    a = prefill(m, req, 6)
+    first_decode(m, req, 6)
+    return m, pool, c, {a[4].block_id, a[5].block_id}
+
+
+def test_a_hit_copied_in_a_step_with_pages_given_back_waits_when_too_few_others():
+    """The floor's copies must not land on blocks given back in this step (the worker's plan
+    still reads them after vLLM's copies ran): with fewer other free blocks than copies (the
+    evictable hits, touched first, not counted) the request waits a step."""
+    m, pool, c, _ = _given_back_step(11)              # 10 usable: 5 free, 2 given back now
     assert pool.get_num_free_blocks() == 5
     args = ("b", 3 * PAGE, c, 2 * PAGE, 2 * PAGE, 3 * PAGE)
-    n_now = m.get_num_blocks_to_allocate(*args)
+    n_now = m.get_num_blocks_to_allocate(*args)       # others: 5 - 2 - c's 2 = 1 < 2 copies
     m.new_step_starts()
     n_next = m.get_num_blocks_to_allocate(*args)
     assert n_next == 1 + 2 + 2                        # its new page, c's 2 cached blocks, 2 copies
-    assert n_now == n_next + 2 > pool.get_num_free_blocks() >= n_next
+    assert n_now > pool.num_gpu_blocks > pool.get_num_free_blocks() >= n_next
+
+
+def test_a_hit_copied_in_a_step_with_pages_given_back_is_admitted_with_enough_others():
+    """Enough other free blocks for the copies: the count is what allocation takes (its new
+    page, the evictable hits, the copies), not more, so a resident_first admission that spilled
+    in this very step (its spills are given-back blocks) is not put off a step; the copies land
+    on the others."""
+    m, pool, c, given_back = _given_back_step(12)     # 11 usable: 6 free, 2 given back now
+    assert pool.get_num_free_blocks() == 6
+    n = m.get_num_blocks_to_allocate("b", 3 * PAGE, c, 2 * PAGE, 2 * PAGE, 3 * PAGE)
+    assert n == 1 + 2 + 2 <= pool.get_num_free_blocks()    # (counting those 2 too: 7 > 6)
+    m.add_local_computed_blocks("b", c, 2 * PAGE, 0)
+    m.allocate_new_blocks("b", 3 * PAGE, 3 * PAGE)
+    copies = m.take_pending_cow_copies()
+    assert [src for src, _ in copies] == c
+    assert not {dst.block_id for _, dst in copies} & given_back
 
 
 # ---- step 2b: the scheduler connector's shared host pages (core/host_pages.py) ---------------------

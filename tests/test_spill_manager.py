@@ -129,7 +129,8 @@ def connector_view(ledger, max_model_len=512, batched=64, seqs=4, watermark=0.0,
     me = SimpleNamespace(cfg=cfg, max_model_len=max_model_len, _ledger=ledger,
                          _vllm_config=SimpleNamespace(scheduler_config=sc),
                          _watermark_blocks=int(watermark * 101))
-    me.admission_blocks = lambda request: ConnectorScheduler.admission_blocks(me, request)
+    me.admission_blocks = lambda request, hit_tokens=0: ConnectorScheduler.admission_blocks(
+        me, request, hit_tokens)
     return me
 
 

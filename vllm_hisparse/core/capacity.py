@@ -18,7 +18,9 @@ HiSparse today (``vllm/spec.py``, ``core/residency.py``, ``vllm/connector.py``, 
 * Requests at once on the GPU (``gpu_requests``): N - 1 at their floor (S + 1 blocks) while the
   last one admitted holds its peak, plus what admission keeps free: vLLM's watermark (it wants the
   whole prompt free, ``scheduler_reserve_full_isl``) and, with ``resident_first``, the connector's
-  +1 (``admission_blocks``) and the reserve R the KV manager keeps free (``spill_reserve_blocks``).
+  +1 (``admission_blocks``; a prefix-cache hit adds the floor's copies there, up to S, which
+  these formulas do not count: they assume no hit) and the reserve R the KV manager keeps free
+  (``spill_reserve_blocks``).
 * Which requests count as sparse: those whose context (prompt + output) reaches ``min_context``,
   whatever their prompt (``residency.may_turn_sparse``, the connector's admission rule).
 * Host pool: every page of **every** layer of a sparse request (``L x cdiv(n, page)`` pages of

@@ -114,6 +114,10 @@ class ConnectorScheduler(HostPageAdmission):
         self._published: dict[str, int] = {}
         self._requests: dict[str, Any] = {}    # vLLM's Request (block_hashes, num_computed_tokens)
         self._hit: dict[str, int] = {}         # prefix-cache hit tokens at admission
+        # speculative decoding's draft tokens: a step may compute up to this many beyond the
+        # request's max_tokens (vLLM bounds them by max_model_len only)
+        sc = getattr(vllm_config, "speculative_config", None)
+        self._spec_tokens = (getattr(sc, "num_speculative_tokens", 0) or 0) if sc else 0
         self._log_room()
 
     def _log_room(self) -> None:
@@ -155,22 +159,27 @@ class ConnectorScheduler(HostPageAdmission):
         return (-(-sc.max_num_batched_tokens // page) + sc.max_num_seqs
                 + self._watermark_blocks)
 
-    def admission_blocks(self, request) -> int:
+    def admission_blocks(self, request, hit_tokens: int = 0) -> int:
         """Free blocks a waiting request (new, or preempted: prompt and output so far) needs when
         vLLM allocates it: its whole sequence (scheduler_reserve_full_isl, vLLM's default, checks
-        it fits before anything is allocated; else its first chunk), vLLM's watermark and one
-        block of slack (the copy of a partial prefix-cache hit)."""
+        it fits before anything is allocated; else its first chunk; the hit's blocks counted as
+        if all were evictable), vLLM's watermark, one block of slack (the copy of a partial
+        prefix-cache hit) and the fresh blocks the floor copy-on-write takes for a hit of
+        ``hit_tokens`` (vllm/spec.py ``floor_copies``: up to S, block 0 alone for a request that
+        never turns sparse)."""
         sc, page = self._vllm_config.scheduler_config, self.cfg.page_size
         n = min(request.num_tokens, self.max_model_len)
         if not getattr(sc, "scheduler_reserve_full_isl", True):
             n = min(n, sc.max_num_batched_tokens)
-        return -(-n // page) + self._watermark_blocks + 1
+        copies = (self._ledger.floor_copies(request, hit_tokens // page)
+                  if hit_tokens >= page and self._ledger is not None else 0)
+        return -(-n // page) + self._watermark_blocks + 1 + copies
 
-    def _make_room(self, request) -> None:
+    def _make_room(self, request, hit_tokens: int = 0) -> None:
         """resident_first: the KV manager spills until this admitted request's blocks are free,
         before vLLM's checks in this same step (running requests were scheduled already)."""
         if self._ledger is not None:
-            self._ledger.make_room(self.admission_blocks(request))
+            self._ledger.make_room(self.admission_blocks(request, hit_tokens))
 
     def _max_tokens(self, request) -> int:
         """The tokens the request may generate: its max_tokens (unset: max_model_len), within
@@ -183,6 +192,15 @@ class ConnectorScheduler(HostPageAdmission):
         max_tokens reaches min_context (it turns sparse when its context does; with
         max_model_len < min_context none does)."""
         return may_turn_sparse(self.cfg, request.num_prompt_tokens, self._max_tokens(request))
+
+    def _never_sparse(self, request) -> bool:
+        """Provably dense for its whole life: its context stays below min_context even with
+        speculative decoding's draft tokens past max_tokens (within max_model_len). The KV
+        manager then shares a prefix-cache hit's blocks but block 0 (vllm/spec.py
+        ``_floor_hits``): nothing writes its hot slots."""
+        prompt = request.num_prompt_tokens
+        most = min(self._max_tokens(request) + self._spec_tokens, self.max_model_len - prompt)
+        return not may_turn_sparse(self.cfg, prompt, most)
 
     def _pages_needed(self, request) -> int:
         if not self.cfg.host_tier or not self._may_be_sparse(request):
@@ -229,7 +247,7 @@ class ConnectorScheduler(HostPageAdmission):
             logger.info("hisparse: %s; request %s runs host-less (%s: %d GPU blocks, never "
                         "spilled; requests_hostless=%d)", why, rid, self._hostless_kind(),
                         self._hostless[rid], len(self._hostless))
-            self._make_room(request)
+            self._make_room(request, self._hit.get(rid, 0))
             return 0, False
         self._waiting[rid] = reason
         if rid not in self._waiting_logged:
@@ -245,12 +263,17 @@ class ConnectorScheduler(HostPageAdmission):
         rid = request.request_id
         self._prompt[rid] = request.num_prompt_tokens
         self._requests[rid] = request
+        if self._shared is not None:          # the KV manager's floor for it (before vLLM allocates)
+            if self._never_sparse(request):
+                self._shared.never_sparse.add(rid)
+            else:
+                self._shared.never_sparse.discard(rid)
         if rid in self._reserved or rid in self._hostless:   # resumed, or its allocation failed
             if not self._writable_from(rid, num_computed_tokens):
                 self._waiting[rid] = self._pool_reason
                 return None, False
             self._waiting.pop(rid, None)
-            self._make_room(request)
+            self._make_room(request, num_computed_tokens)
             return 0, False
         need = self._pages_needed(request)
         shared = self._shareable(request, num_computed_tokens) if need else []
@@ -271,7 +294,7 @@ class ConnectorScheduler(HostPageAdmission):
         if sparse:
             self._rows_held.add(rid)
         self._take_pages(rid, need, shared)
-        self._make_room(request)
+        self._make_room(request, num_computed_tokens)
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
@@ -337,6 +360,8 @@ class ConnectorScheduler(HostPageAdmission):
         self._rows_held.discard(rid)
         if self._hostless.pop(rid, None) is not None:
             self._shared.hostless.discard(rid)
+        if self._shared is not None:
+            self._shared.never_sparse.discard(rid)
         self._prompt.pop(rid, None)
         self._sent.discard(rid)
         self._waiting_logged.discard(rid)

@@ -27,7 +27,11 @@ the worker before the step's forward). F = 1 in resident mode: block 0 of a live
 worker's identity of its batch rows (vllm/request_rows.py), is never shared. F = S with the host
 tier: blocks [0, S) are the request's hot slots, which RESOLVE and the give-back inserts overwrite
 from the first step the request has pages given back (``residency.freed_pages`` non-empty, as the
-worker counts: ``_slots_written``). The blocks among them that the request computed itself were
+worker counts: ``_slots_written``). A request whose context can never reach ``min_context`` (the
+connector names it in the ledger's ``never_sparse`` before vLLM allocates it) never writes its
+slots, so its floor is block 0 alone, as in resident mode, plus any hit block below S that is
+the own computed slot of a live request that may turn sparse (``_slot_owner``: that owner will
+overwrite it). The blocks among them that the request computed itself were
 hashed by ``cache_blocks``; at the end of that step's scheduling (``take_pending_cow_copies``,
 after every allocation and prefix-cache lookup of the step) each hashed one is *donated*: its
 cache entries move to a fresh block (``move_block_hashes``) that a copy queued for this step's
@@ -96,6 +100,9 @@ class SpillLedger:
     reserve: int | None = None        # free blocks to keep; None (no connector bound): spill at once
     spilled: dict[str, int] = field(default_factory=dict)     # req -> keep, this step's shrinks
     hostless: set[str] = field(default_factory=set)     # requests with no host copy
+    # requests whose context never reaches min_context (the connector's rule, with spec decode's
+    # lookahead): their hot slots are never written, so the floor copies block 0 only
+    never_sparse: set[str] = field(default_factory=set)
     bound: bool = False               # a HiSparseManager uses it (one per pool: one sparse group;
                                       # a flag and a weak reference: the pool holds the ledger)
     guard: object = None              # the manager's PublishGuard (vllm/publish_guard.py)
@@ -111,6 +118,13 @@ class SpillLedger:
         m = self._manager() if self._manager is not None else None
         if m is not None:
             m.spill_until(blocks)
+
+    def floor_copies(self, request, hit_blocks: int) -> int:
+        """Fresh blocks the floor copy-on-write will take for ``request`` with a prefix-cache hit
+        of ``hit_blocks`` blocks (the connector's admission count); no manager: all of them (an
+        upper bound)."""
+        m = self._manager() if self._manager is not None else None
+        return hit_blocks if m is None else m.floor_copies(request, hit_blocks)
 
 
 LEDGER_ATTR = "_hisparse_spill_ledger"     # the attribute of vLLM's BlockPool that holds it
@@ -129,7 +143,8 @@ def ledger_of(block_pool) -> SpillLedger:
 class HiSparseManager(FullAttentionManager):
     # F: a request's blocks [0, F) are never shared through the prefix cache (copied at a hit).
     # None: 1 in resident mode (block 0 is the worker's identity of a request), S with the host
-    # tier (its hot slots); a number here (a test's control) overrides both
+    # tier (its hot slots) but 1 for a request that never turns sparse (``_floor_hits``); a number
+    # here (a test's control) overrides all of them
     floor_blocks: int | None = None
     donate = True           # False: a test's control (slots overwritten while still cached)
 
@@ -141,6 +156,9 @@ class HiSparseManager(FullAttentionManager):
             self.floor_blocks = (dep.num_slots if self.hs_cfg.host_tier and dep.sparse_possible
                                  else 1)
         self._floor_cow: dict[str, list[tuple[int, object]]] = {}   # req -> [(index, hit block)]
+        # block id -> the live request that may turn sparse whose own computed, hashed slot it
+        # is (it overwrites it once it has pages given back): a never-sparse hit copies these
+        self._slot_owner: dict[int, str] = {}
         self._cached_this_step: set = set()     # hashes of blocks first computed in this step
         self._given_back_now: set[int] = set()  # ids of blocks given back in this step
         self._scheduled: dict[str, tuple[int, int]] = {}   # this step: req -> (start, prompt)
@@ -223,12 +241,37 @@ class HiSparseManager(FullAttentionManager):
             self._free(rid, *self._seen[rid], keep)
 
     # ---- floor copy-on-write (prefix caching; docs/design/prefix-caching.md section 3.1) --------
-    def _floor_hits(self, request_id: str, hits) -> list[int]:
-        """Indices of the hit blocks < F that the floor copies (vLLM's partial-hit CoW already
-        copies its tail block: not twice)."""
-        tail = self._partial_hit_reqs.get(request_id, (None,))[0]
+    def _never_sparse(self, request_id: str) -> bool:
+        """The request's context never reaches min_context (the connector's ``never_sparse``):
+        its hot slots are never written. A class-level F (a test's control) overrides it."""
+        return (type(self).floor_blocks is None and self._shared is not None
+                and request_id in self._shared.never_sparse)
+
+    def _floor_hits(self, request_id: str, hits, tail: int | None = None) -> list[int]:
+        """Indices of the hit blocks ``hits`` (the request's first blocks) that the floor copies:
+        those < F (vLLM's partial-hit CoW already copies its ``tail`` block: not twice). A request
+        that never turns sparse copies block 0 (its identity on the worker) and, below S, only a
+        block that a live request that may turn sparse computed as its own slot (it will
+        overwrite it: ``_slot_owner``); it shares the rest, as stock vLLM does."""
+        if self._never_sparse(request_id):
+            S = self.hs_cfg.num_slots
+            return [i for i, b in enumerate(hits[:S]) if not b.is_null and i != tail
+                    and (i == 0 or b.block_id in self._slot_owner)]
         return [i for i, b in enumerate(hits[:self.floor_blocks])
                 if not b.is_null and i != tail]
+
+    def floor_copies(self, request, hit_blocks: int) -> int:
+        """Fresh blocks the floor will take when ``request`` is allocated with a prefix-cache hit
+        of its first ``hit_blocks`` blocks (looked up as vLLM's hit does; the connector's
+        admission count, ``admission_blocks``)."""
+        hashes = list(getattr(request, "block_hashes", ()) or ())[:hit_blocks]
+        hits = []
+        for h in hashes:
+            found = self.block_pool.get_cached_block(h, [self.kv_cache_group_id])
+            if not found:
+                break
+            hits.append(found[0])
+        return len(self._floor_hits(request.request_id, hits))
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks,
                                    total_computed_tokens: int, num_local_computed_tokens: int,
@@ -245,16 +288,22 @@ class HiSparseManager(FullAttentionManager):
             # unwritten; too many blocks defers the request to the next step (vLLM's Mamba
             # manager defers its same-step hits so)
             return self.block_pool.num_gpu_blocks + 1
-        # one fresh block per hit block of the floor (a partial-hit tail at index 0 is counted
-        # by vLLM already; its partial state is recorded only in add_local_computed_blocks)
-        k = min(self.floor_blocks, len(new_computed_blocks))
-        if self._has_partial_local_hit(new_computed_blocks, num_local_computed_tokens) and \
-                num_local_computed_tokens // self.block_size < k:
-            k -= 1
+        # one fresh block per hit block the floor copies (a partial-hit tail is counted by vLLM
+        # already; its partial state is recorded only in add_local_computed_blocks)
+        tail = (num_local_computed_tokens // self.block_size if self._has_partial_local_hit(
+            new_computed_blocks, num_local_computed_tokens) else None)
+        k = len(self._floor_hits(request_id, new_computed_blocks, tail))
         if k and self._given_back_now:
-            # the copies must not land on blocks given back in this step (_copy_dst): counting
-            # those still free makes vLLM's check guarantee k others
-            k += sum(self.block_pool.blocks[i].ref_cnt == 0 for i in self._given_back_now)
+            # the copies must not land on blocks given back in this step (_copy_dst), which vLLM
+            # counts free: with fewer than k others (less the evictable hits touched before the
+            # copies) the request waits a step; else vLLM's check of n + k stands as it is
+            pool, gb = self.block_pool, self._given_back_now
+            others = (pool.get_num_free_blocks()
+                      - sum(pool.blocks[i].ref_cnt == 0 for i in gb)
+                      - sum(b.ref_cnt == 0 and not b.is_null and b.block_id not in gb
+                            for b in new_computed_blocks))
+            if others < k:
+                return self.block_pool.num_gpu_blocks + 1
         return n + k
 
     def add_local_computed_blocks(self, request_id: str, new_computed_blocks,
@@ -266,7 +315,8 @@ class HiSparseManager(FullAttentionManager):
         if self._shared is not None:
             for i, blk in enumerate(new_computed_blocks):
                 self._shared.guard.hit(request_id, len(blocks) - len(new_computed_blocks) + i, blk)
-        todo = [(i, blocks[i]) for i in self._floor_hits(request_id, blocks)]
+        tail = self._partial_hit_reqs.get(request_id, (None,))[0]
+        todo = [(i, blocks[i]) for i in self._floor_hits(request_id, blocks, tail)]
         if todo:
             self._floor_cow[request_id] = todo
 
@@ -307,6 +357,8 @@ class HiSparseManager(FullAttentionManager):
             self._cached_this_step.add(b.block_hash)
             if self._shared is not None:
                 self._shared.guard.computed(rid, i, b)
+                if i < self.hs_cfg.num_slots and rid not in self._shared.never_sparse:
+                    self._slot_owner[b.block_id] = rid
 
     def new_step_starts(self) -> None:
         super().new_step_starts()
@@ -379,6 +431,9 @@ class HiSparseManager(FullAttentionManager):
         # worker (SparseRuntime.add on its resumption); a spill recorded for it this step is void.
         self._floor_cow.pop(request_id, None)
         self._scheduled.pop(request_id, None)
+        for b in self.req_to_blocks.get(request_id, ())[:self.hs_cfg.num_slots]:
+            if self._slot_owner.get(b.block_id) == request_id:
+                del self._slot_owner[b.block_id]
         self._donated.discard(request_id)
         if self._shared is not None:
             self._shared.guard.drop(request_id)
