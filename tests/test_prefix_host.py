@@ -6,35 +6,34 @@ fills only the rest; complete pages of running requests published).
 
 tests/prefix_chat.py's fake chat (3 conversations x 3 turns on an 80-token system prompt, every
 request sparse, turns in flight together, one request with a hit preempted and resumed, an abort
-mid-turn) on seven engines side by side (tests/engine_jobs.py, run_script): with prefix caching
-on, the host tier at its floor (misses), with most requests host-less, and elastic
-(resident_first, spills) each equal resident mode with prefix caching on, tokens and top-5
-logprobs bit for bit (the exactness definition of the design doc's Q1), with stock vLLM's hits;
-with publishing off (every host page private) the outputs are the same and the host pages in use
-are more; the negative controls fail: without the donation a later hit reads slots that misses
-overwrote, without the host fill (publishing off) misses read host pages never written, a hit
-that overwrites its shared host pages changes what others read; nothing is left after the run
-but the index's pages, none after a prefix-cache reset.
+mid-turn) on nine engines side by side (tests/prefix_engines.py: "on" and "stock" are
+test_prefix_resident.py's too, run once for both): with prefix caching on, the host tier at its
+floor (misses), with most requests host-less, and elastic (resident_first, spills) each equal
+resident mode with prefix caching on, tokens and top-5 logprobs bit for bit (the exactness
+definition of the design doc's Q1), with stock vLLM's hits; with publishing off (every host page
+private) the outputs are the same and the host pages in use are more; the negative controls fail:
+without the donation a later hit reads slots that misses overwrote, without the host fill
+(publishing off) misses read host pages never written, a hit that overwrites its shared host pages
+changes what others read; nothing is left after the run but the index's pages, none after a
+prefix-cache reset.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefix_chat.py")
 EXACT = ("host", "hostless", "elastic", "nopublish")
 CONTROLS = ("nodonate", "nohostfill", "poisonshared")
+PREFIX_MODES = ("on", "stock") + EXACT + CONTROLS
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from engine_jobs import run_script, tiny_model
+def runs(request, tmp_path_factory):
+    """The engines' results, "on" and "stock" shared with test_prefix_resident.py
+    (tests/prefix_engines.py: each mode run once per pytest run)."""
+    import prefix_engines
 
-    model = tiny_model()
-    return run_script(DRIVER, tmp_path_factory.mktemp("pch"), {
-        mode: [mode, model] for mode in ("on", "stock") + EXACT + CONTROLS})
+    return prefix_engines.runs(request, tmp_path_factory, PREFIX_MODES)
 
 
 @pytest.mark.parametrize("mode", EXACT)

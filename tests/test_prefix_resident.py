@@ -2,33 +2,31 @@
 engine (CPU): hisparse resident mode (host_tier false) keeps vLLM's prefix caching on, exact.
 
 tests/prefix_chat.py drives a fake multi-turn chat (3 conversations x 3 turns sharing an 80-token
-system prompt, every request sparse, the conversations' turns in flight together: live requests
-hit one cached block 0) on five engines side by side (tests/engine_jobs.py, run_script):
-hisparse resident with prefix caching on == off (fp32, no prompt chunked: where stock vLLM's own
-PC on == off holds, the design doc's Q1), with hits, as many as stock vLLM's; the negative
-controls fail: without the first-step Quest rebuild (section 3.2) outputs differ, without the
-floor copy-on-write (F = 0) RequestRows refuses the batch or outputs differ; nothing is left
-after the run and an abort mid-turn. In every engine one request with a hit is preempted by vLLM's
-own preemption after its prefill step and resumes with a hit on its own blocks (prefix_chat.py,
-PREEMPT): its outputs are among those compared.
+system prompt, every request sparse, the conversations' turns in flight together: live requests hit
+one cached block 0) on five engines side by side (tests/prefix_engines.py: "on" and "stock" are
+test_prefix_host.py's too, run once for both): hisparse resident with prefix caching on == off
+(fp32, no prompt chunked: where stock vLLM's own PC on == off holds, the design doc's Q1), with
+hits, as many as stock vLLM's; the negative controls fail: without the first-step Quest rebuild
+(section 3.2) outputs differ, without the floor copy-on-write (F = 0) RequestRows refuses the batch
+or outputs differ; nothing is left after the run and an abort mid-turn. In every engine one request
+with a hit is preempted by vLLM's own preemption after its prefill step and resumes with a hit on
+its own blocks (prefix_chat.py, PREEMPT): its outputs are among those compared.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefix_chat.py")
+PREFIX_MODES = ("on", "noswitch", "off", "stock", "floor0")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from engine_jobs import run_script, tiny_model
+def runs(request, tmp_path_factory):
+    """The engines' results, "on" and "stock" shared with test_prefix_host.py
+    (tests/prefix_engines.py: each mode run once per pytest run)."""
+    import prefix_engines
 
-    model = tiny_model()
-    return run_script(DRIVER, tmp_path_factory.mktemp("pc"), {
-        mode: [mode, model] for mode in ("on", "noswitch", "off", "stock", "floor0")})
+    return prefix_engines.runs(request, tmp_path_factory, PREFIX_MODES)
 
 
 def test_resident_prefix_caching_on_equals_off_with_stocks_hits(runs):
