@@ -136,7 +136,8 @@ def _connector(spec_tokens: int = 0, min_context: int = 64, mml: int = 1024):
                          scheduler_reserve_full_isl=True)
     me = SimpleNamespace(cfg=cfg, max_model_len=mml, _spec_tokens=spec_tokens,
                          _watermark_blocks=0, _vllm_config=SimpleNamespace(scheduler_config=sc))
-    me._max_tokens = lambda r: C._max_tokens(me, r)
+    for name in ("_max_tokens", "_most_tokens", "_may_be_sparse"):
+        setattr(me, name, getattr(C, name).__get__(me))
     return C, me
 
 
@@ -155,6 +156,22 @@ def test_the_connector_names_requests_that_never_turn_sparse(prompt, max_tokens,
     # a max_model_len below min_context bounds every request (drafts included)
     C, me = _connector(spec_tokens=8, mml=60)
     assert C._never_sparse(me, SimpleNamespace(num_prompt_tokens=32, max_tokens=None))
+
+
+@pytest.mark.parametrize("prompt,max_tokens,spec,mml,pages", [
+    (32, 32, 0, 1024, 4),      # 64 tokens: 4 pages of 16
+    (32, 32, 2, 1024, 5),      # a step's drafts may reach token 66: a fifth page
+    (32, 32, 2, 64, 4),        # max_model_len bounds the drafts too
+    (32, 30, 2, 1024, 4),      # 64 with drafts: may turn sparse, so it reserves them
+    (32, 29, 2, 1024, 0),      # never sparse: no host page
+])
+def test_host_pages_cover_the_draft_tokens(prompt, max_tokens, spec, mml, pages):
+    """Host pages are reserved for the context's reach with drafts, which the worker's pool then
+    grows into (HostKVPool.ensure raised HostPoolFull past the reservation)."""
+    C, me = _connector(spec, mml=mml)
+    req = SimpleNamespace(num_prompt_tokens=prompt, max_tokens=max_tokens)
+    me._life_blocks = C._life_blocks.__get__(me)
+    assert C._pages_needed(me, req) == pages
 
 
 def test_admission_counts_the_copies_the_floor_will_take():

@@ -162,7 +162,7 @@ class SparseRuntime:
             raise RuntimeError(
                 f"hisparse runtime: no free indexer row for {req_id}, sparse at {context} tokens "
                 f"(quest_rows={self.ix.rows}); the connector reserves one at admission for "
-                f"every request whose prompt + max_tokens reaches min_context")
+                f"every request whose prompt + max_tokens (+ draft tokens) reaches min_context")
         r.irow = irow
         r.sparse = True
         self.hot.reset(r.row)

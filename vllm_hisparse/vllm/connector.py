@@ -36,7 +36,8 @@ from .compat import (
     SupportsHMA,
     get_tensor_model_parallel_rank,
 )
-from .connector_scheduler import ConnectorScheduler, HiSparseConnectorMetadata
+from .connector_metadata import HiSparseConnectorMetadata
+from .connector_scheduler import ConnectorScheduler
 from .connector_worker import STATS_ENV, ConnectorWorker
 from .deployment import deployment_of
 from .mla_connector import LatentConnectorScheduler, LatentConnectorWorker

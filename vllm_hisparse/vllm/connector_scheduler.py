@@ -29,7 +29,6 @@ Every method runs in the scheduler process.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_hisparse.core.deployment import Deployment
@@ -38,26 +37,12 @@ from vllm_hisparse.core.host_pages import HostPageTable
 from vllm_hisparse.core.residency import hostless_fits, may_turn_sparse
 
 from . import metrics
-from .compat import KVConnectorMetadata, init_logger
+from .compat import init_logger
+from .connector_metadata import HiSparseConnectorMetadata
 from .host_page_admission import HostPageAdmission
 from .spec import ledger_of
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class HiSparseConnectorMetadata(KVConnectorMetadata):
-    new: dict[str, tuple[int, int]] = field(default_factory=dict)   # req -> (prompt len, block 0)
-    finished: list[str] = field(default_factory=list)   # dropped before ``new`` takes their rows
-    # dropped like ``finished`` but never reported in finished_sending: vLLM freed their blocks
-    # at once (never sparse: no host page, no indexer row) and has forgotten them
-    freed: list[str] = field(default_factory=list)
-    spilled: dict[str, int] = field(default_factory=dict)  # resident_first: req -> its new keep
-    hostless: list[str] = field(default_factory=list)  # of ``new``: no host copy, all on the GPU
-    hosted: list[str] = field(default_factory=list)    # host-less until now: host pages, a row
-    # of ``new`` and ``hosted``: req -> (host page ids of its whole life, shared_upto: its first
-    # pages shared with others, complete, never written by it): core/host_pages.py
-    pages: dict[str, tuple[list[int], int]] = field(default_factory=dict)
 
 
 def check_prefill_fits(cfg, max_model_len: int, num_gpu_blocks: int) -> int:
@@ -187,20 +172,24 @@ class ConnectorScheduler(HostPageAdmission):
         max_tokens = getattr(request, "max_tokens", None) or self.max_model_len
         return min(max_tokens, self.max_model_len - request.num_prompt_tokens)
 
+    def _most_tokens(self, request) -> int:
+        """Tokens past the prompt its context may reach: max_tokens plus speculative decoding's
+        draft tokens (a step computes them, and vLLM bounds them by max_model_len only), within
+        max_model_len."""
+        return min(self._max_tokens(request) + self._spec_tokens,
+                   self.max_model_len - request.num_prompt_tokens)
+
     def _may_be_sparse(self, request) -> bool:
         """Sparse at some step of its life: a long prompt, or a short one whose prompt +
-        max_tokens reaches min_context (it turns sparse when its context does; with
-        max_model_len < min_context none does)."""
-        return may_turn_sparse(self.cfg, request.num_prompt_tokens, self._max_tokens(request))
+        max_tokens (+ draft tokens) reaches min_context (it turns sparse when its context does;
+        with max_model_len < min_context none does)."""
+        return may_turn_sparse(self.cfg, request.num_prompt_tokens, self._most_tokens(request))
 
     def _never_sparse(self, request) -> bool:
-        """Provably dense for its whole life: its context stays below min_context even with
-        speculative decoding's draft tokens past max_tokens (within max_model_len). The KV
-        manager then shares a prefix-cache hit's blocks but block 0 (vllm/spec.py
-        ``_floor_hits``): nothing writes its hot slots."""
-        prompt = request.num_prompt_tokens
-        most = min(self._max_tokens(request) + self._spec_tokens, self.max_model_len - prompt)
-        return not may_turn_sparse(self.cfg, prompt, most)
+        """Provably dense for its whole life (not ``_may_be_sparse``). The KV manager then shares
+        a prefix-cache hit's blocks but block 0 (vllm/spec.py ``_floor_hits``): nothing writes its
+        hot slots."""
+        return not self._may_be_sparse(request)
 
     def _pages_needed(self, request) -> int:
         if not self.cfg.host_tier or not self._may_be_sparse(request):
@@ -208,8 +197,10 @@ class ConnectorScheduler(HostPageAdmission):
         return self._life_blocks(request)        # a host page for each GPU block of its life
 
     def _life_blocks(self, request) -> int:
-        """GPU blocks of the request's whole life (prompt + max_tokens, within max_model_len)."""
-        n = request.num_prompt_tokens + self._max_tokens(request)
+        """GPU blocks of the request's whole life (prompt + max_tokens + draft tokens, within
+        max_model_len: a step's drafts may reach a page past max_tokens, whose host page the
+        worker then needs)."""
+        n = request.num_prompt_tokens + self._most_tokens(request)
         return -(-n // self.cfg.page_size)
 
     def _hostless_kind(self) -> str:
@@ -395,7 +386,7 @@ class ConnectorScheduler(HostPageAdmission):
         pages = self.capacity if self.cfg.host_tier else 0         # resident mode has no pool
         now = {"host_pages_reserved": self._reserved_total, "host_pages": pages,
                "requests_hostless": len(self._hostless), "requests_moved_to_host": self._moved,
-               **waiting}
+               **metrics.table_gauges(self.host_pages), **waiting}
         if now == self._sched_report:
             return None
         self._sched_report = now
