@@ -4,9 +4,10 @@ request and attend causally, and hisparse (host tier, 4 hot slots: misses) == re
 (``host_tier`` false) with the same speculation: tokens, logprobs and vLLM's acceptance counts.
 Prompts repeat a token pattern so that drafts are proposed and accepted. The negative control runs
 the same harness with every host fetch reading its neighbour page (HISPARSE_TEST_CORRUPT_FETCH=1):
-it must differ. With prefix caching on and the host tier (issue 47's combination), the prompts run
-twice, the second batch from prefix hits: hisparse == resident mode with prefix caching on (the
-same hits, the same schedule), the verify rows of a hit's first steps included. The three engines start together in the session's kept engine processes
+it must differ. Prefix caching is on in every engine (issue 47's combination with the host tier)
+and the prompts run twice: the first batch has no hit, the second is all prefix hits; resident
+mode with prefix caching on makes the same hits and schedules the same batches, so both batches
+compare bit for bit, the verify rows of a hit's first steps included. The three engines start together in the session's kept engine processes
 (tests/engine_jobs.py, run_pooled); this file is also their
 script (``python tests/test_spec_decode.py CONFIG [LLM_KWARGS] OUT``).
 """
@@ -53,13 +54,16 @@ def _engine(cfg: dict, out: str, over: dict | None = None) -> None:
     llm = LLM(**dict(kw, **over))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True,
                         detokenize=False)
+    outs, cached = [], []
     for _ in range(batches):
-        outs = llm.generate([{"prompt_token_ids": p * n} for p, n in zip(PATTERNS, REPEATS)], sp,
-                            use_tqdm=False)
+        got = llm.generate([{"prompt_token_ids": p * n} for p, n in zip(PATTERNS, REPEATS)], sp,
+                           use_tqdm=False)
+        outs += got
+        cached.append([o.num_cached_tokens or 0 for o in got])
     metrics = {m.name: m.value for m in llm.get_metrics()
                if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
     stats = worker_state.get_runtime().stats_dict()
-    res = {"cached": [o.num_cached_tokens or 0 for o in outs],
+    res = {"cached": cached,                              # per batch: prefix-hit tokens
            "tokens": [list(o.outputs[0].token_ids) for o in outs],
            "logprobs": [[sorted([k, v.logprob] for k, v in d.items())
                          for d in o.outputs[0].logprobs] for o in outs],
@@ -77,12 +81,11 @@ def runs(tmp_path_factory):
     # NUMBA_DISABLE_JIT: the ngram proposer in plain Python (numba compiles it in ~30 s per
     # process, uncached); the same proposals, in both modes alike
     env = engine_env(NUMBA_DISABLE_JIT="1", HISPARSE_TEST_CORRUPT_FETCH=None)
+    pc = json.dumps(PC)
     out = run_script(__file__, tmp_path_factory.mktemp("spec"), {
-        "hisparse": ([json.dumps(CFG)], env),
-        "resident": ([json.dumps(dict(CFG, host_tier=False))], env),
-        "corrupt": ([json.dumps(CFG)], dict(env, HISPARSE_TEST_CORRUPT_FETCH="1")),
-        "hisparse_pc": ([json.dumps(CFG), json.dumps(PC)], env),
-        "resident_pc": ([json.dumps(dict(CFG, host_tier=False)), json.dumps(PC)], env)},
+        "hisparse": ([json.dumps(CFG), pc], env),
+        "resident": ([json.dumps(dict(CFG, host_tier=False)), pc], env),
+        "corrupt": ([json.dumps(CFG), pc], dict(env, HISPARSE_TEST_CORRUPT_FETCH="1"))},
         timeout=300)
     return out.__getitem__
 
@@ -99,15 +102,14 @@ def test_hisparse_equals_resident_under_ngram_speculation(runs):
     assert hs["logprobs"] == res["logprobs"]          # bit for bit (floats through JSON)
 
 
-def test_prefix_hits_under_ngram_speculation_with_the_host_tier_equal_resident(runs):
+def test_the_second_batch_is_prefix_hits_in_both_modes(runs):
     """The second batch's requests are prefix hits (their first step fills their Quest row and
-    host pages from the hit's GPU blocks) and speculate from their first decode step on."""
-    hs, res = runs("hisparse_pc"), runs("resident_pc")
-    assert min(hs["cached"]) >= 16 and hs["cached"] == res["cached"], (hs["cached"], res["cached"])
-    assert hs["stats"]["prefix_hits"] == len(PATTERNS) and hs["stats"]["misses"] > 0
-    assert hs["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0 and hs["spec"] == res["spec"]
-    assert hs["stats"]["spec_rows"] == res["stats"]["spec_rows"] > 0
-    assert hs["tokens"] == res["tokens"] and hs["logprobs"] == res["logprobs"]
+    host pages from the hit's GPU blocks) and speculate from their first decode step on; the
+    comparison above covers their tokens and logprobs."""
+    hs, res = runs("hisparse"), runs("resident")
+    first, second = hs["cached"]
+    assert max(first) < 16 and min(second) >= 16 and hs["cached"] == res["cached"], hs["cached"]
+    assert hs["stats"]["prefix_hits"] == len(PATTERNS)
 
 
 def test_corrupted_fetch_differs(runs):

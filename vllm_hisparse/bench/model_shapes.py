@@ -83,7 +83,12 @@ def build(name: str, out: str, max_len: int = 65536) -> str:
     return out
 
 
-if __name__ == "__main__":
-    if len(sys.argv) not in (3, 4) or (len(sys.argv) == 4 and not sys.argv[3].isdigit()):
+def main(argv: list[str]) -> str:
+    """NAME OUT_DIR [MAX_POSITIONS] (the module docstring); the folder written."""
+    if len(argv) not in (2, 3) or (len(argv) == 3 and not argv[2].isdigit()):
         raise SystemExit(__doc__)
-    print(build(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:])))
+    return build(argv[0], argv[1], *(int(a) for a in argv[2:]))
+
+
+if __name__ == "__main__":
+    print(main(sys.argv[1:]))

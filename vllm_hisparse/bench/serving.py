@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 
+from vllm_hisparse.bench import served_profile
 from vllm_hisparse.bench import steps as st
 from vllm_hisparse.bench.serving_load import profiled_point, run_point, warm_up
 from vllm_hisparse.server_health import stop, wait_healthy
