@@ -81,6 +81,21 @@ class Server:
         return 0.0, 0.0, [0] * out_len
 
 
+def fake_completer(sent: list):
+    """bench.chat's openai_completer stand-in: every reply 7s (cut at abort_after), the prompts
+    appended to ``sent``."""
+    def completer(port, model):
+        async def complete(prompt, out_len, abort_after=None):
+            sent.append(list(prompt))
+            return 0.01, 0.02, [7] * (out_len if abort_after is None else abort_after)
+
+        class Client:
+            async def close(self):
+                pass
+        return complete, Client()
+    return completer
+
+
 def run_leak_check(monkeypatch, server, timeout=30.0):
     monkeypatch.setattr(chat.prom, "scrape", server.scrape)
     monkeypatch.setattr(chat_leaks, "reset_prefix_cache", server.reset)
@@ -214,15 +229,7 @@ def test_main_end_to_end_on_fakes(tmp_path, monkeypatch, capsys, leak):
             mml = chat.max_context(_args(turns=2, system_len=32, user_len=16, output_len=4)) + 16
             stdout.write(f"Maximum concurrency for {mml:,} tokens per request: 2.0x\n")
 
-    def completer(port, model):
-        async def complete(prompt, out_len, abort_after=None):
-            n = out_len if abort_after is None else abort_after
-            return 0.01, 0.02, [7] * n
-
-        class Client:
-            async def close(self):
-                pass
-        return complete, Client()
+    completer = fake_completer([])
 
     def scrape(base):
         if state["reset"]:
@@ -261,16 +268,7 @@ def test_main_end_to_end_on_fakes(tmp_path, monkeypatch, capsys, leak):
 
 def test_a_failed_reset_keeps_the_runs_figures_and_fails_the_check(tmp_path, monkeypatch):
     sent = []
-
-    def completer(port, model):
-        async def complete(prompt, out_len, abort_after=None):
-            sent.append(list(prompt))
-            return 0.01, 0.02, [7] * out_len
-
-        class Client:
-            async def close(self):
-                pass
-        return complete, Client()
+    completer = fake_completer(sent)
 
     def refused(base):
         raise RuntimeError("POST /reset_prefix_cache: HTTP 404; the server needs "
