@@ -37,7 +37,7 @@
 #       GPU busy time and host time per backend (BACKENDS=resident,elastic), each diffed against the
 #       first (bench.step_profile; ~2.5 min a backend; MLP=N: the MLP's width N, a shorter step;
 #       PFLAGS=--log-stats: vLLM's per-step stats on, as in a server)
-#   bash scripts/gpu_session.sh OUT chat     # multi-turn chat with prefix caching, stock vs elastic (~6 min)
+#   bash scripts/gpu_session.sh OUT chat     # multi-turn chat at capacity with prefix caching, aborts, leak check (~8-11 min)
 #   bash scripts/gpu_session.sh OUT prefill  # a 32K prompt's time to first token: its kernels, GPU
 #       busy time and host time per backend (BACKENDS=stock,resident,elastic), each diffed against
 #       the first (bench.prefill_profile; ~1.5 min a backend)
@@ -286,16 +286,19 @@ c = json.load(open(p)); c['intermediate_size'] = int(sys.argv[1]); json.dump(c, 
     done ;;
   chat)
     # issue 47: multi-turn chat through vllm serve with prefix caching on in both (vLLM's default):
-    # CONV conversations x TURNS turns on a shared 2K system prompt, each turn re-sending its
-    # history plus a 6K message (to ~28K tokens), stock against elastic (the host tier shares the
-    # prefix's host pages): TTFT per turn, prefix hit rate, output tok/s (bench.chat; ~6 min)
+    # CONV conversations (default auto: AUTO_FACTOR x what stock's KV holds at full length, so
+    # both run at capacity) x TURNS turns on a shared 2K system prompt, each turn re-sending its
+    # history plus a 6K message (to ~28K tokens); every ABORT_EVERY-th request is aborted mid-turn;
+    # after each backend the leak check (host page-table pages in use/cached back to 0). Stock
+    # against elastic: TTFT per turn, prefix hit rate, output tok/s (bench.chat; ~8-11 min)
     python3 -m vllm_hisparse.bench.model_shapes llama3-8b models/llama3-8b-bench > /dev/null
-    timeout -s INT -k 30 ${LIMIT:-480} python3 -m vllm_hisparse.bench.chat \
+    timeout -s INT -k 30 ${LIMIT:-700} python3 -m vllm_hisparse.bench.chat \
       --model models/llama3-8b-bench --backends ${BACKENDS:-stock,elastic} \
-      --conversations ${CONV:-8} --turns ${TURNS:-4} --system-len 2048 --user-len 6144 \
-      --output-len 256 --gpu-memory-utilization ${UTIL:-0.9} --load-format scaled_dummy \
+      --conversations ${CONV:-auto} --auto-factor ${AUTO_FACTOR:-2} --turns ${TURNS:-4} \
+      --system-len 2048 --user-len 6144 --output-len 256 --abort-every ${ABORT_EVERY:-5} \
+      --gpu-memory-utilization ${UTIL:-0.9} --load-format scaled_dummy \
       ${HISPARSE:+--hisparse "$HISPARSE"} --out "$out" > "$out/chat.log" 2>&1
-    echo "== chat rc=$?"; grep -E '^\{|^chat' "$out/chat.log" | tail -20 ;;
+    echo "== chat rc=$?"; grep -E '^\{|^chat|leak' "$out/chat.log" | tail -20 ;;
   *) echo "part: kernels, exact, qwen, quality, exact2, cap, paper, reasoning, 4k, 32k1, profile, prefill or chat" >&2
      exit 2 ;;
 esac
