@@ -16,8 +16,11 @@ Five things are checked, each printed:
    outputs differ while its schedule (tokens per request per step) differs from the reference's
    proves nothing either way: its difference is unattributable (VOID), not a MISMATCH;
 4. the negative control (hisparse with HISPARSE_TEST_CORRUPT_FETCH=1: every page fetched from the
-   host pool is its neighbour's) must differ from the reference. A control that matches shows a
-   harness that cannot see a wrong fetch: VOID. So does a control that fetched nothing (0 misses).
+   host pool is its neighbour's) must differ from the reference, clearly: some greedy token, or
+   the logprobs of at least CONTROL_STEPS steps (a wrong fetch moves many; one step's 1e-6 is
+   what other numerics give, and a test's control once "mismatched" by that alone, 2026-12-07).
+   Its schedule, where recorded, must be the reference's (other batches: its difference is not
+   the fetch's). A control that matches, or fetched nothing (0 misses): VOID.
 
 A request is a dict with "tokens" (ids) and "logprobs" (any JSON; compared whole).
 
@@ -35,6 +38,7 @@ import random
 import sys
 
 EXACT, MISMATCH, VOID = 0, 1, 3
+CONTROL_STEPS = 5      # check 4: a control whose tokens all match must move this many steps' logprobs
 WORDS = {EXACT: "EXACT", MISMATCH: "MISMATCH", VOID: "VOID"}
 
 
@@ -66,6 +70,42 @@ def same(ref: list[dict], got: list[dict]) -> tuple[bool, list[str]]:
         lines.append(f"request {i} ({n} tokens): tokens identical {st} (first difference at "
                      f"{first_difference(r['tokens'], g['tokens'])}), logprobs identical {sl}")
     return ok, lines
+
+
+def differing_steps(ref: list[dict], got: list[dict]) -> tuple[int, int]:
+    """(requests whose greedy tokens differ, steps whose logprobs differ) over matching requests
+    (logprobs a list per step; otherwise the whole value counts as one step)."""
+    toks = steps = 0
+    for r, g in zip(ref, got):
+        toks += r["tokens"] != g["tokens"]
+        a, b = r["logprobs"], g["logprobs"]
+        if isinstance(a, list) and isinstance(b, list):
+            steps += sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+        else:
+            steps += a != b
+    return toks, steps
+
+
+def control_caught(ref: list[dict], control: list[dict], misses: int | None,
+                   schedule_diff) -> tuple[bool, str]:
+    """Check 4: did the negative control mismatch clearly, for the fetch's sake?"""
+    toks, steps = differing_steps(ref, control)
+    caught = toks > 0 or steps >= CONTROL_STEPS
+    what = f"{toks} requests' tokens and {steps} steps' logprobs differ"
+    if toks == 0 and steps == 0 and len(ref) == len(control):
+        why = "negative control: MATCHED"
+    elif caught:
+        why = f"negative control: mismatched, as it must ({what})"
+    else:
+        why = f"negative control: barely differs ({what}; < {CONTROL_STEPS} steps, no token)"
+    if misses is not None:
+        why += f" ({misses} misses)"
+    if misses == 0:
+        caught, why = False, why + ": it fetched nothing"
+    if caught and schedule_diff not in (None, "unknown"):
+        caught, why = False, why + (f": but its schedule differs from the reference's at step "
+                                    f"{schedule_diff}, so the difference is not the fetch's")
+    return caught, why
 
 
 def attention_matters(ref: list[dict], shuffled: list[dict]) -> tuple[bool, str]:
@@ -107,7 +147,8 @@ def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict]
     """(EXACT / MISMATCH / VOID, the lines to print). control_misses: the control's miss count
     when known (0: it fetched nothing, so it could not mismatch). again: a second reference run
     (see reproducible); a reference that is not reproducible voids every comparison. schedules:
-    each engine's recorded batches by name, the reference's as "reference" (see check 3)."""
+    each engine's recorded batches by name, the reference's as "reference", the negative
+    control's as "control" (see checks 3 and 4)."""
     stable, lines = reproducible(ref, again)
     exact, unattributable = True, []
     schedules = schedules or {}
@@ -127,12 +168,8 @@ def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict]
     if control is None:
         caught, why = False, "negative control: not run"
     else:
-        ok, _ = same(ref, control)
-        caught = not ok
-        why = (f"negative control: {'mismatched, as it must' if caught else 'MATCHED'}"
-               + ("" if control_misses is None else f" ({control_misses} misses)"))
-        if control_misses == 0:
-            caught, why = False, why + ": it fetched nothing"
+        caught, why = control_caught(ref, control, control_misses, schedule_difference(
+            schedules.get("reference"), schedules.get("control")))
     lines.append(why)
     if not engines:
         code = VOID
@@ -156,7 +193,7 @@ def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict]
         lines.append(f"{WORDS[code]}" + ("" if code != VOID else
                      " (identical outputs here prove nothing: " +
                      ", ".join(w for w, bad in (("attention did not matter", not matters),
-                                                ("the negative control did not mismatch",
+                                                ("the negative control did not mismatch clearly",
                                                  not caught)) if bad) + ")"))
     return code, lines
 

@@ -180,7 +180,8 @@ def compare(out: str, modes=("hisparse",)) -> int:
         a["batches"][0], {m: b["batches"][0] for m, b in got.items()},
         None if ctl is None else ctl["batches"][0], a["batches"][1] if len(a["batches"]) > 1 else None,
         None if ctl is None else ctl["stats"].get("misses"), again,
-        {"reference": _schedule(a), **{m: _schedule(b) for m, b in got.items()}})
+        {"reference": _schedule(a), **{m: _schedule(b) for m, b in got.items()},
+         **({} if ctl is None else {"control": _schedule(ctl)})})
     for mode, b in got.items():
         st = b["stats"]
         print(f"{mode} miss rate {st.get('miss_rate', float('nan')):.4f} ({st.get('misses')} misses "

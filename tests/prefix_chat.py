@@ -130,9 +130,14 @@ def record_resumed_hits(sched, into: list) -> None:
     mgr.get_computed_blocks = get_computed_blocks
 
 
+FIRED = {"pages": 0}   # the host pages a copy control poisoned (written to the result: it fired)
+
+
 def no_host_fill():
     """nohostfill: the first step of a hit copies its prefix into its Quest row only (every
-    request of the driver is sparse from its prompt, so every indexing switch is a hit's).
+    request of the driver is sparse from its prompt, so every indexing switch is a hit's); the
+    private host pages it skips are POISON, not whatever they held (a page freed by the same
+    conversation's last turn may hold the very bytes the copy would write, and prove nothing).
     Returns the undo."""
     from dataclasses import replace
 
@@ -142,6 +147,11 @@ def no_host_fill():
 
     def copy_context(rt, switches, block_table):
         copy(rt, [replace(s, host_pages=None) if s.index else s for s in switches], block_table)
+        for s in switches:
+            if s.index and s.host_pages is not None:
+                skipped = list(s.host_pages[s.shared_upto:-(-s.start // rt.P)])
+                rt.pool.data[:, skipped] = POISON
+                FIRED["pages"] += len(skipped)
     step_requests.copy_context = copy_context
     return lambda: setattr(step_requests, "copy_context", copy)
 
@@ -159,6 +169,7 @@ def poison_shared():
         for s in switches:
             if s.host_pages is not None and s.shared_upto:
                 rt.pool.data[:, s.host_pages[:s.shared_upto]] = POISON
+                FIRED["pages"] += s.shared_upto
     step_requests.copy_context = copy_context
     return lambda: setattr(step_requests, "copy_context", copy)
 
@@ -254,6 +265,7 @@ def _main(mode: str, model: str, out: str) -> None:
             res["leaks"]["sched_host_pages_held"] = sum(hp.ref) - len(hp.index)
             res["reset"] = llm.reset_prefix_cache(reset_connector=True)
             res["leaks"]["sched_host_pages_after_reset"] = hp.used
+    res["fired"] = FIRED["pages"]
     with open(out, "w") as f:
         json.dump(res, f)
 

@@ -40,11 +40,20 @@ def _doctor(reqs, what: str, rng: random.Random):
     return out
 
 
+def _doctor_steps(reqs, n: int, rng: random.Random):
+    """n distinct (request, step) logprobs moved by 1e-6, every token kept."""
+    out = copy.deepcopy(reqs)
+    cells = [(r, j) for r in range(len(out)) for j in range(len(out[r]["logprobs"]))]
+    for r, j in rng.sample(cells, n):
+        out[r]["logprobs"][j][0][1] -= 1e-6
+    return out
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_exact_needs_attention_that_matters_and_a_control_that_mismatches(seed):
     rng = random.Random(seed)
     ref, same, shuf = _case(seed)
-    control = _doctor(ref, "logprob", rng)
+    control = _doctor(ref, "token", rng)
     code, lines = ev.verdict(ref, {"hisparse": same, "elastic": copy.deepcopy(ref)}, control, shuf)
     assert code == ev.EXACT and lines[-1] == "EXACT"
     # a doctored engine (one token, or one logprob by 1e-6): MISMATCH, whatever else holds
@@ -60,6 +69,14 @@ def test_exact_needs_attention_that_matters_and_a_control_that_mismatches(seed):
     for ctl, misses in ((copy.deepcopy(ref), None), (control, 0), (None, None)):
         code, lines = ev.verdict(ref, {"hisparse": same}, ctl, shuf, misses)
         assert code == ev.VOID and "the negative control did not mismatch" in lines[-1]
+    # a control that barely differs (its tokens all equal, logprobs of < CONTROL_STEPS steps):
+    # VOID; from CONTROL_STEPS steps on it counts
+    n = ev.CONTROL_STEPS
+    for k, want in ((1, ev.VOID), (n - 1, ev.VOID), (n, ev.EXACT), (n + 3, ev.EXACT)):
+        code, lines = ev.verdict(ref, {"hisparse": same}, _doctor_steps(ref, k, rng), shuf)
+        assert code == want, (k, lines)
+        assert (f"0 requests' tokens and {k} steps' logprobs differ" in lines[-2]), lines
+        assert ("barely differs" in lines[-2]) == (want == ev.VOID)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -91,6 +108,16 @@ def test_differences_under_other_batches_are_unattributable():
     other[1] = [[0, 1]]
     diff = _doctor(ref, "logprob", rng)
     kw = dict(control=control, shuffled=shuf)
+    # a control that ran other batches: its difference is not the fetch's (VOID); the same
+    # batches, or none recorded for it: it counts
+    for ctl_sched, want in ((other, ev.VOID), (sched, ev.EXACT), (None, ev.EXACT)):
+        sch = {"reference": sched, "hisparse": sched}
+        if ctl_sched is not None:
+            sch["control"] = ctl_sched
+        code, lines = ev.verdict(ref, {"hisparse": same}, **kw, schedules=sch)
+        assert code == want, (ctl_sched, lines)
+        assert ("its schedule differs from the reference's at step 1" in "\n".join(lines)) == \
+            (want == ev.VOID)
     code, lines = ev.verdict(ref, {"hisparse": same, "elastic": diff}, **kw,
                              schedules={"reference": sched, "hisparse": sched, "elastic": other})
     assert code == ev.VOID and "elastic: outputs differ but so do the batches" in lines[-1]
@@ -168,6 +195,16 @@ def test_gpu_exactness_compare_on_doctored_files(tmp_path):
     write("elastic", [_doctor(ref, "logprob", rng)])
     write("control", [_doctor(ref, "token", rng)])
     assert _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse")[0] == ev.EXACT
+    ctl = json.load(open(tmp_path / "control.json"))             # the control ran other batches
+    res = json.load(open(tmp_path / "resident.json"))
+    res["batch_info"] = [{"schedule": [[[0, 8]], [[0, 1]]]}]
+    ctl["batch_info"] = [{"schedule": [[[0, 8]], [[0, 1], [1, 4]]]}]
+    for path, d in (("resident.json", res), ("control.json", ctl)):
+        json.dump(d, open(tmp_path / path, "w"))
+    code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse")
+    assert code == ev.VOID and "not the fetch's" in out, out
+    write("resident", [ref, shuf])
+    write("control", [_doctor(ref, "token", rng)])
     code, out = _run("gpu_exactness.py", "compare", str(tmp_path), "hisparse", "elastic")
     assert code == ev.MISMATCH and out.rstrip().endswith("MISMATCH")
     write("control", [ref], misses=3)                           # the control matched
@@ -191,12 +228,15 @@ def test_gpu_dsa_compare_on_doctored_files(tmp_path):
     write("resident2", _doctor(ref, "logprob", rng))
     write("hisparse", same)
     write("stock", copy.deepcopy(ref))
-    write("control", _doctor(ref, "logprob", rng))
+    write("control", _doctor(ref, "token", rng))
     code, out = _run("gpu_dsa.py", "compare", str(tmp_path))
     assert code == ev.VOID and "reference reproducible: NO" in out
     write("resident2", copy.deepcopy(ref))
     write("stock", copy.deepcopy(ref))
-    write("control", _doctor(ref, "logprob", rng))
+    write("control", _doctor(ref, "logprob", rng))          # one step's 1e-6: not clearly caught
+    code, out = _run("gpu_dsa.py", "compare", str(tmp_path))
+    assert code == ev.VOID and "negative control: barely differs" in out, out
+    write("control", _doctor(ref, "token", rng))
     code, out = _run("gpu_dsa.py", "compare", str(tmp_path))
     assert code == ev.EXACT and "weights: scaled_dummy" in out
     write("stock", _doctor(ref, "token", rng))

@@ -218,7 +218,10 @@ def test_hostless_requests_run_sparse_and_equal_resident_mode(runs):
         assert out[rid]["logprobs"] == ref[rid]["logprobs"], f"request {rid}: logprobs"
     # the negative control: without its move's bulk copy, request 2 differs from resident mode
     assert hs["poisoned"] == [CONTROL]                        # its move came, and was skipped
-    assert out[CONTROL]["logprobs"] != ref[CONTROL]["logprobs"]
+    d = [i for i, (a, b) in enumerate(zip(out[CONTROL]["logprobs"], ref[CONTROL]["logprobs"]))
+         if a != b]
+    # equal before its move, then most steps after it differ (84 of the 84 since, 2026-12-07)
+    assert d and d[0] >= hs["moved"][CONTROL] and len(d) >= (THEN[CONTROL][1] - d[0]) // 2, d
 
 
 def test_aborts_in_each_state_leak_nothing(runs):

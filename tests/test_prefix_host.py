@@ -86,10 +86,13 @@ def test_negative_controls_fail(runs):
     assert nd["error"] is None and nd["donation"] == {"donated": 0, "dropped": 0}
     assert nd["hits"] == runs["host"]["hits"]
     assert [o["logprobs"] for o in nd["outputs"]] != ref
-    assert nf["error"] is None and nf["stats"]["prefix_hits"] > 0
+    assert nf["error"] is None and nf["stats"]["prefix_hits"] > 0 and nf["fired"] > 0
+    assert nf["stats"]["misses"] > 0
     assert [o["logprobs"] for o in nf["outputs"]] != ref
     ps = runs["poisonshared"]
-    assert ps["error"] is None and ps["host"]["shared_max"] > 0
+    assert ps["error"] is None and ps["host"]["shared_max"] > 0 and ps["fired"] > 0
+    # the copy controls' pages: none in the engines they are compared with
+    assert all(runs[m]["fired"] == 0 for m in ("on", "host", "nodonate"))
     assert [o["logprobs"] for o in ps["outputs"]] != ref
 
 
