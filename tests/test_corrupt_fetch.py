@@ -72,8 +72,11 @@ def test_dsa_episode_under_the_control_reads_wrong_rows(monkeypatch):
     from test_dsa_core import episode
 
     monkeypatch.setenv(ENV, "1")
-    with pytest.raises(AssertionError):     # the decode rows hold other tokens' latent rows
-        episode("lru")
+    # a fresh episode (episode is cached: a result made without the control must not come back),
+    # failing at the row check: the decode rows hold other tokens' latent rows
+    with pytest.raises(AssertionError) as e:
+        episode.__wrapped__("lru")
+    assert "lat[who[t]]" in str(e.traceback[-1].statement), e.traceback[-1]
 
 
 def test_vllm_serve_refuses_the_control(monkeypatch, capsys):
