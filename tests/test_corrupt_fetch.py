@@ -68,6 +68,32 @@ def test_gqa_runtime_under_the_control_differs_from_resident(monkeypatch):
     assert bad, "the negative control matched resident mode: its fetches were not corrupted"
 
 
+def test_the_control_covers_the_dense_layers_host_read_back(monkeypatch):
+    """The one host read outside the fetch table (core/prefill.attend_from_host: a dense layer
+    without a dense pool reads a request's freed pages back) takes the neighbour pages too: under
+    the control, dense layer 0's outputs differ from resident mode's once pages left the GPU, and
+    equal them before."""
+    from test_sparse_runtime_exact import L, run
+
+    from vllm_hisparse.core import prefill
+
+    res, _ = run(False)
+    monkeypatch.setenv(ENV, "1")
+    reads = []
+    attend = prefill.attend_from_host
+
+    def counted(*a, **k):
+        reads.append(1)
+        return attend(*a, **k)
+    monkeypatch.setattr(prefill, "attend_from_host", counted)
+    hs, _ = run(True)
+    assert reads, "no dense layer read the host pool"
+    dense = range(0, len(res), L)                          # layer 0 of every step
+    bad = [i for i in dense if not torch.equal(hs[i], res[i])]
+    assert bad, "the dense layers' host read-back escaped the negative control"
+    assert bad[0] > 0                                      # equal while every page was on the GPU
+
+
 def test_dsa_episode_under_the_control_reads_wrong_rows(monkeypatch):
     from test_dsa_core import episode
 

@@ -6,10 +6,11 @@ written by ``flush_tables``: one host->device copy for every table, one scatter 
 is cleared when its request finishes, so RESOLVE, the write-through and the dense-pool attention
 index it without host work.
 
-``fetch`` is the table the fetches read (pages copied from the pool into the GPU); writes index
-``table``. They are one tensor, except under ``HISPARSE_TEST_CORRUPT_FETCH=1``: the negative
-control of the exactness harnesses (scripts/exact_verdict.py), refused by ``vllm serve``. Then
-``fetch`` is a second tensor in which entry [row, u] holds the page of u's neighbour (u ^ 1) where
+``fetch`` is the table the fetches read (pages copied from the pool into the GPU), and
+``host_reads`` the pages the one read on the host side takes (dense layers reading freed pages
+back); writes index ``table``. They are one tensor, except under
+``HISPARSE_TEST_CORRUPT_FETCH=1``: the negative control of the exactness harnesses
+(scripts/exact_verdict.py), refused by ``vllm serve``. Then ``fetch`` is a second tensor in which entry [row, u] holds the page of u's neighbour (u ^ 1) where
 both have one: every page fetched from the pool is the wrong one, nothing else changes, so a
 harness that compares a run with misses against resident mode must report a mismatch.
 """
@@ -63,6 +64,15 @@ class DevicePageTable:
             self.table[row] = -1
             self._len[row] = 0
             self._corrupt()
+
+    def host_reads(self, pages: list[int]) -> list[int]:
+        """The pool pages a read on the host side takes for a request's logical pages 0..n-1
+        (``pages``; core/prefill.attend_from_host): ``pages``, or under the negative control each
+        page's neighbour where both exist, as ``fetch`` gives the kernels."""
+        if self.fetch is self.table:
+            return pages
+        n = len(pages)
+        return [pages[u ^ 1] if u ^ 1 < n else pages[u] for u in range(n)]
 
     def _corrupt(self) -> None:
         """Under the negative control: ``fetch`` = ``table`` with each pair of neighbouring

@@ -158,7 +158,8 @@ def attend_from_host(rt, fr: list[ReqStep], bt: torch.Tensor, q: torch.Tensor, k
         torch.cuda.current_stream(rt.device).synchronize()
     pages, table = sl.gather_pages(
         kv, host, [bt[s.idx] for s in fr],
-        [torch.tensor(rt.pool.page_table(s.req_id), dtype=torch.int64) for s in fr],
+        [torch.tensor(rt.host_pt.host_reads(rt.pool.page_table(s.req_id)), dtype=torch.int64)
+         for s in fr],
         [s.seq_len for s in fr], [s.freed for s in fr])
     if all(s.t1 - s.t0 == 1 for s in fr) and (rt.split_dense or not q.is_cuda):
         idx = torch.tensor([s.t0 for s in fr], dtype=torch.int64, device=q.device)
