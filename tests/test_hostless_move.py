@@ -100,9 +100,11 @@ def _sparse_run(host_tier: bool, full: bool, dense_pool_gib: float, skip_copy: b
                 if rt.dpool is not None:
                     assert rt.dpool.page_table(rid) == []
         if host_tier and i == MOVE:
+            at_move = len(d.outs)
             for rid in "xy":
                 host_back(rt, rid)
                 if skip_copy:                 # the negative control: no bulk copy
+                    assert rt.reqs[rid].moving        # (a copy to skip: it is sparse already)
                     rt.reqs[rid].moving = False
         if i == SPILL:
             for rid in "xyz":
@@ -112,6 +114,7 @@ def _sparse_run(host_tier: bool, full: bool, dense_pool_gib: float, skip_copy: b
             for rid in "xy":
                 _check_host_copy(d, rid, d.lens[rid] - 1)
     st = rt.stats_dict()
+    st["outs_at_move"] = at_move if host_tier else None
     for rid in PROMPTS:
         assert rt.finish(rid)
     assert rt.host_pages_used == 0 and len(rt.ix._free) == rt.ix.rows
@@ -128,12 +131,15 @@ def test_sparse_hostless_moved_and_spilled_equals_resident_mode(full, dense_pool
     assert st["turned_sparse"] == 2 and st["misses"] > 0
 
 
-def test_sparse_hostless_without_the_moves_copy_differs():
-    """The negative control: the same run with the move's bulk copy skipped mismatches."""
-    outs, st = _sparse_run(True, False, 0.0, skip_copy=True)
-    ref, _ = _sparse_run(False, False, 0.0)
-    assert st["misses"] > 0
-    assert not all(torch.equal(a, b) for a, b in zip(outs, ref))
+@pytest.mark.parametrize("full,dense_pool_gib", [(False, 0.0), (True, 0.0), (True, 0.01)])
+def test_sparse_hostless_without_the_moves_copy_differs(full, dense_pool_gib):
+    """The negative control, in each config of the exactness test: the same run with the move's
+    bulk copy skipped equals resident mode before the move and mismatches after it."""
+    outs, st = _sparse_run(True, full, dense_pool_gib, skip_copy=True)
+    ref, _ = _sparse_run(False, full, dense_pool_gib)
+    assert st["misses"] > 0 and len(outs) == len(ref)
+    same = [torch.equal(a, b) for a, b in zip(outs, ref)]
+    assert all(same[:st["outs_at_move"]]) and not all(same), same
 
 
 @pytest.mark.parametrize("when", ["hostless", "moving", "moved"])

@@ -46,10 +46,12 @@ def test_negative_controls_fail(runs):
     ref = runs["off"]["outputs"]
     ns = runs["noswitch"]
     assert ns["error"] is None and ns["stats"]["prefix_hits"] == 0
+    assert ns["hits"] == runs["on"]["hits"] > 0     # the hits came; only their switch was off
     assert [o["logprobs"] for o in ns["outputs"]] != [o["logprobs"] for o in ref]
     f0 = runs["floor0"]
-    assert (f0["error"] is not None and "share first blocks" in f0["error"]) or \
-        [o["logprobs"] for o in f0["outputs"]] != [o["logprobs"] for o in ref], f0["error"]
+    # F = 0: two live requests on one block 0, which the worker's guard refuses (2026-12-07: this
+    # is how it fails; a run that got through would be a guard that no longer sees it)
+    assert f0["error"] is not None and "share first blocks" in f0["error"], f0["error"]
 
 
 def test_a_preempted_hit_request_resumes_with_a_hit_and_stays_exact(runs):
