@@ -18,7 +18,8 @@ PAGE, S = 16, 4                                  # device_buffer_size 64: 4 hot 
 def manager(num_blocks, reserve, **over):
     from vllm.v1.core.block_pool import BlockPool
 
-    from vllm_hisparse.vllm.spec import HiSparseManager, HiSparseSpec, ledger_of
+    from vllm_hisparse.vllm.spec import HiSparseManager, HiSparseSpec
+    from vllm_hisparse.vllm.spill_ledger import ledger_of
 
     cfg = HiSparseConfig(**dict(dict(top_k=48, device_buffer_size=64, page_size=PAGE,
                                      min_context=64, resident_first=True), **over))

@@ -347,11 +347,9 @@ _TYPES = {
     "host_pool_gib": (int, float, type(None)), "io_chunk_bytes": int, "policy": str,
     "dense_layers": tuple, "dense_pool_gib": (int, float, type(None)),
     "min_context": (int, type(None)), "quest_rows": (int, type(None)), "prefill_slots": int,
-    "mla_num_splits": int, "prefetch": bool, "resident_first": bool,
-    "host_tier": bool, "hostless": str,
-    "full_decode_graphs": (bool, type(None)),
-    "split_dense_decode": (bool, type(None)),
-    "trace_dir": (str, type(None)),
+    "mla_num_splits": int, "prefetch": bool, "resident_first": bool, "host_tier": bool,
+    "hostless": str, "full_decode_graphs": (bool, type(None)),
+    "split_dense_decode": (bool, type(None)), "trace_dir": (str, type(None)),
 }
 
 

@@ -1,6 +1,6 @@
 """Host-less requests on the worker (core/residency.py says when the scheduler admits one): a
 request the host pool had no room for, held whole in its own GPU blocks, never spilled (the KV
-manager skips it: vllm/spec.py ``SpillLedger.hostless``).
+manager skips it: vllm/spill_ledger.py ``SpillLedger.hostless``).
 
 With ``hostless`` "sparse" (the default) it is sparse by the length rule like every request, and
 exactly as resident mode runs it: its indexer row (reserved at admission) selects its pages, and

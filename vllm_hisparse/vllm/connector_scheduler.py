@@ -40,7 +40,7 @@ from . import metrics
 from .compat import init_logger
 from .connector_metadata import HiSparseConnectorMetadata
 from .host_page_admission import HostPageAdmission
-from .spec import ledger_of
+from .spill_ledger import ledger_of
 
 logger = init_logger(__name__)
 
