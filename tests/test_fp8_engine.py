@@ -68,9 +68,9 @@ def _engine(cfg: dict, out: str, kv_cache_dtype: str) -> None:
 def runs(tmp_path_factory):
     from engine_jobs import run_pooled
 
-    from test_vllm_engine import make_tiny_model
+    from engine_jobs import tiny_model
 
-    make_tiny_model()
+    tiny_model()
     tmp = tmp_path_factory.mktemp("fp8")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     env.pop("HISPARSE_TEST_CORRUPT_FETCH", None)

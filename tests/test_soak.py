@@ -44,9 +44,9 @@ def test_until_seen_waits_for_every_event():
 def test_soak_cpu(tmp_path):
     import socket
 
-    from test_vllm_engine import make_tiny_model
+    from engine_jobs import tiny_model
 
-    model = make_tiny_model()
+    model = tiny_model()
     cfg = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
            "min_context": MIN_CONTEXT, "host_pool_gib": POOL_PAGES * PAGE_ALL_LAYERS / (1 << 30),
            "dense_pool_gib": 0}      # no dense pool: the host pool holds all 4 layers (POOL_PAGES)

@@ -240,9 +240,11 @@ def test_tp2_hisparse_equals_resident_on_cpu(tmp_path, monkeypatch):
     if bind is None:
         pytest.skip("needs two CPU cores")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
-    from test_vllm_engine import CFG, MAX_TOKENS, MIN_CONTEXT, PAGE, generate, make_tiny_model, prompts
+    from engine_generate import MAX_TOKENS, generate
+    from engine_jobs import tiny_model
+    from test_vllm_engine import CFG, MIN_CONTEXT, PAGE, prompts
 
-    model = make_tiny_model()
+    model = tiny_model()
     cfg = dict(CFG, min_context=MIN_CONTEXT)
     tp = ["--tensor-parallel-size", "2"]
     resident = generate(tmp_path, model, dict(cfg, host_tier=False), [prompts()], "tp-resident", tp)

@@ -13,34 +13,26 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
+from engine_generate import MAX_TOKENS, PY, generate_all
+from engine_jobs import tiny_model
 from vllm_hisparse.server_health import stop, wait_healthy
 
 pytestmark = pytest.mark.vllm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PY = sys.executable
 PAGE = 16
 CFG = {"top_k": 48, "device_buffer_size": 64, "page_size": PAGE, "dense_layers": [0],
        "host_pool_gib": 0.05, "resident_first": False,   # the fixed hot buffer: misses every step
        "dense_pool_gib": 0}      # no dense pool unless a run sets one (auto would size one)
 PROMPT_LENS = (150, 333, 90, 260, 17)       # 17 + 40 < min_context below: resident and dense
 SHORT_LENS = (17, 25, 9, 30)                  # dense, and two that turn sparse at 64 tokens
-MAX_TOKENS = 40
 MIN_CONTEXT = 64
 GROW_LENS = (20, 40)                          # short prompts generating far past min_context
 GROW_TOKENS = 100
-
-
-def make_tiny_model() -> str:
-    out = subprocess.run([PY, os.path.join(ROOT, "scripts", "make_tiny_model.py")], check=True,
-                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return out
 
 
 def prompts(lens=PROMPT_LENS, seed=0) -> list[list[int]]:
@@ -67,43 +59,6 @@ def requests() -> list[tuple[int, int, int]]:
 def ever_sparse(n: int, max_tokens: int) -> bool:
     """The request's context reaches MIN_CONTEXT (its last step computes n + max_tokens - 1)."""
     return n + max_tokens - 1 >= MIN_CONTEXT
-
-
-def generate_job(tmp, model: str, cfg: dict, batches: list[list], tag: str, extra=()) -> tuple:
-    """(argv, env) of one engine run through scripts/hisparse_generate.py (its prompt files
-    written to tmp); ``finish`` reads what it wrote."""
-    args = [PY, os.path.join(ROOT, "scripts", "hisparse_generate.py"), "--model", model,
-            "--config", json.dumps(cfg), "--max-tokens", str(MAX_TOKENS),
-            "--out", str(tmp / f"{tag}.json"), *extra]
-    for i, b in enumerate(batches):
-        path = tmp / f"{tag}-prompts{i}.json"
-        path.write_text(json.dumps(b))
-        args += ["--prompts", str(path)]
-    return args, dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-
-
-def finish(tmp, tag: str, r: subprocess.CompletedProcess) -> dict:
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    res = json.loads((tmp / f"{tag}.json").read_text())
-    res["log"] = r.stdout + r.stderr
-    return res
-
-
-def generate(tmp, model: str, cfg: dict, batches: list[list], tag: str, extra=()) -> dict:
-    args, env = generate_job(tmp, model, cfg, batches, tag, extra)
-    return finish(tmp, tag, subprocess.run(args, capture_output=True, text=True, env=env,
-                                           timeout=600))
-
-
-def generate_all(tmp, model: str, runs: dict) -> dict:
-    """{tag: (cfg, batches, extra)} run side by side in the session's kept engine processes
-    (tests/engine_jobs.py, run_pooled), longest first; {tag: a function giving the run's result}:
-    a run that failed fails only the tests that read it."""
-    from engine_jobs import run_pooled
-
-    done = run_pooled({tag: generate_job(tmp, model, cfg, batches, tag, extra)
-                    for tag, (cfg, batches, extra) in runs.items()})
-    return {tag: (lambda tag=tag: finish(tmp, tag, done[tag])) for tag in runs}
 
 
 # Every offline engine run of this module, started together by the engines fixture (each alone
@@ -135,7 +90,7 @@ def engine_runs(tmp) -> dict:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
-    out = generate_all(tmp, make_tiny_model(), engine_runs(tmp))
+    out = generate_all(tmp, tiny_model(), engine_runs(tmp))
     out["trace_dir"] = tmp / "traces"
     return out
 
@@ -345,7 +300,7 @@ def server(tmp_path_factory):
     from types import SimpleNamespace
 
     tmp = tmp_path_factory.mktemp("serve")
-    model = make_tiny_model()
+    model = tiny_model()
     port = _free_port()
     stats = tmp / "stats.json"
     cfg_file = tmp / "hisparse.json"                # through the --hisparse-config shorthand

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from test_vllm_engine import PY, ROOT, generate_all
+from engine_generate import PY, ROOT, generate_all
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
