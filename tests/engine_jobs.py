@@ -221,7 +221,14 @@ def _serve() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)                         # between jobs: nothing reaches the answers
     base_env, base_argv, base_path = dict(os.environ), list(sys.argv), list(sys.path)
-    from vllm import LLM                    # the one import of vLLM (and torch) of this process
+    import torch
+
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it has bound threads, so
+    # whatever one job's engine set would stay for every later job of this process: each job gets
+    # its environment's OMP_NUM_THREADS (the suite's 1, tests/conftest.py) through the original
+    # (a served engine and an offline one must compute alike: CPU sums depend on the thread count)
+    set_threads = torch.set_num_threads
+    from vllm import LLM                    # the one import of vLLM of this process
 
     llms: list = []
     orig_init = LLM.__init__
@@ -244,6 +251,8 @@ def _serve() -> None:
         os.dup2(fds[1], 2)
         os.environ.clear()
         os.environ.update(job["env"])
+        set_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
+        print(f"engine_jobs: torch threads {torch.get_num_threads()}", file=sys.stderr)
         rc = 0
         try:
             argv = job["argv"][1:]
