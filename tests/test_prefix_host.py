@@ -84,8 +84,11 @@ def test_negative_controls_fail(runs):
     ref = [o["logprobs"] for o in runs["on"]["outputs"]]
     nd, nf = runs["nodonate"], runs["nohostfill"]
     assert nd["error"] is None and nd["donation"] == {"donated": 0, "dropped": 0}
-    assert nd["hits"] == runs["host"]["hits"]
-    assert [o["logprobs"] for o in nd["outputs"]] != ref
+    assert nd["hits"] == runs["host"]["hits"] and runs["host"]["donation"]["donated"] > 0
+    steps = sum(a != b for o, r in zip(nd["outputs"], ref, strict=True)
+                for a, b in zip(o["logprobs"], r))
+    print("nodonate: steps whose logprobs differ:", steps)
+    assert steps >= 5, steps                 # clearly (scripts/exact_verdict.py CONTROL_STEPS)
     assert nf["error"] is None and nf["stats"]["prefix_hits"] > 0 and nf["fired"] > 0
     assert nf["stats"]["misses"] > 0
     assert [o["logprobs"] for o in nf["outputs"]] != ref
