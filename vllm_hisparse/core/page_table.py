@@ -10,8 +10,9 @@ index it without host work.
 ``host_reads`` the pages the one read on the host side takes (dense layers reading freed pages
 back); writes index ``table``. They are one tensor, except under
 ``HISPARSE_TEST_CORRUPT_FETCH=1``: the negative control of the exactness harnesses
-(scripts/exact_verdict.py), refused by ``vllm serve``. Then ``fetch`` is a second tensor in which entry [row, u] holds the page of u's neighbour (u ^ 1) where
-both have one: every page fetched from the pool is the wrong one, nothing else changes, so a
+(scripts/exact_verdict.py), refused by ``vllm serve``. Then ``fetch`` is a second tensor in which
+entry [row, u] holds the page of u's neighbour (u ^ 1) where both have one, and ``host_reads``
+swaps the same pairs: every page read from the pool is the wrong one, nothing else changes, so a
 harness that compares a run with misses against resident mode must report a mismatch.
 """
 from __future__ import annotations
