@@ -38,7 +38,7 @@ import random
 import sys
 
 EXACT, MISMATCH, VOID = 0, 1, 3
-CONTROL_STEPS = 5      # check 4: a control whose tokens all match must move this many steps' logprobs
+CONTROL_STEPS = 5      # check 4: a control with every token equal must move this many steps
 WORDS = {EXACT: "EXACT", MISMATCH: "MISMATCH", VOID: "VOID"}
 
 
