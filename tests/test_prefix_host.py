@@ -82,21 +82,19 @@ def test_host_pages_are_shared(runs):
 
 def test_negative_controls_fail(runs):
     ref = [o["logprobs"] for o in runs["on"]["outputs"]]
-    nd, nf = runs["nodonate"], runs["nohostfill"]
+    nd, nf, ps = runs["nodonate"], runs["nohostfill"], runs["poisonshared"]
     assert nd["error"] is None and nd["donation"] == {"donated": 0, "dropped": 0}
     assert nd["hits"] == runs["host"]["hits"] and runs["host"]["donation"]["donated"] > 0
-    steps = sum(a != b for o, r in zip(nd["outputs"], ref, strict=True)
-                for a, b in zip(o["logprobs"], r))
-    print("nodonate: steps whose logprobs differ:", steps)
-    assert steps >= 5, steps                 # clearly (scripts/exact_verdict.py CONTROL_STEPS)
     assert nf["error"] is None and nf["stats"]["prefix_hits"] > 0 and nf["fired"] > 0
     assert nf["stats"]["misses"] > 0
-    assert [o["logprobs"] for o in nf["outputs"]] != ref
-    ps = runs["poisonshared"]
     assert ps["error"] is None and ps["host"]["shared_max"] > 0 and ps["fired"] > 0
     # the copy controls' pages: none in the engines they are compared with
     assert all(runs[m]["fired"] == 0 for m in ("on", "host", "nodonate"))
-    assert [o["logprobs"] for o in ps["outputs"]] != ref
+    for name, c in (("nodonate", nd), ("nohostfill", nf), ("poisonshared", ps)):
+        steps = sum(a != b for o, r in zip(c["outputs"], ref, strict=True)
+                    for a, b in zip(o["logprobs"], r))
+        print(f"{name}: steps whose logprobs differ:", steps)
+        assert steps >= 5, (name, steps)     # clearly (scripts/exact_verdict.py CONTROL_STEPS)
 
 
 @pytest.mark.parametrize("mode", EXACT)
