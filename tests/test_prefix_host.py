@@ -81,7 +81,9 @@ def test_host_pages_are_shared(runs):
 
 
 def test_negative_controls_fail(runs):
-    ref = [o["logprobs"] for o in runs["on"]["outputs"]]
+    from control_steps import CONTROL_STEPS, differing
+
+    ref = runs["on"]["outputs"]
     nd, nf, ps = runs["nodonate"], runs["nohostfill"], runs["poisonshared"]
     assert nd["error"] is None and nd["donation"] == {"donated": 0, "dropped": 0}
     assert nd["hits"] == runs["host"]["hits"] and runs["host"]["donation"]["donated"] > 0
@@ -91,10 +93,9 @@ def test_negative_controls_fail(runs):
     # the copy controls' pages: none in the engines they are compared with
     assert all(runs[m]["fired"] == 0 for m in ("on", "host", "nodonate"))
     for name, c in (("nodonate", nd), ("nohostfill", nf), ("poisonshared", ps)):
-        steps = sum(a != b for o, r in zip(c["outputs"], ref, strict=True)
-                    for a, b in zip(o["logprobs"], r))
+        steps = differing(ref, c["outputs"])[1]
         print(f"{name}: steps whose logprobs differ:", steps)
-        assert steps >= 5, (name, steps)     # clearly (scripts/exact_verdict.py CONTROL_STEPS)
+        assert steps >= CONTROL_STEPS, (name, steps)                       # clearly
 
 
 @pytest.mark.parametrize("mode", EXACT)

@@ -43,14 +43,15 @@ def test_resident_prefix_caching_on_equals_off_with_stocks_hits(runs):
 
 
 def test_negative_controls_fail(runs):
+    from control_steps import CONTROL_STEPS, differing
+
     ref = runs["off"]["outputs"]
     ns = runs["noswitch"]
     assert ns["error"] is None and ns["stats"]["prefix_hits"] == 0
     assert ns["hits"] == runs["on"]["hits"] > 0     # the hits came; only their switch was off
-    steps = sum(a != b for o, r in zip(ns["outputs"], ref, strict=True)
-                for a, b in zip(o["logprobs"], r["logprobs"]))
+    steps = differing(ref, ns["outputs"])[1]
     print("noswitch: steps whose logprobs differ:", steps)
-    assert steps >= 5, steps                 # clearly (scripts/exact_verdict.py CONTROL_STEPS)
+    assert steps >= CONTROL_STEPS, steps                                   # clearly
     f0 = runs["floor0"]
     # F = 0: two live requests on one block 0, which the worker's guard refuses (2026-12-07: this
     # is how it fails; a run that got through would be a guard that no longer sees it)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine_jobs import tiny_model
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import capacity as cap
 from vllm_hisparse.core import host_pool
@@ -22,7 +23,6 @@ from vllm_hisparse.core.host_pool import HostPoolTooLarge, check_host_room
 
 GIB = 1 << 30
 MEM = {"total": int(125.8 * GIB), "available": 120 * GIB}        # a 128 GiB GPU host
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_each_rank_pins_its_share():
@@ -104,8 +104,7 @@ def test_vllm_config_at_tp2_refuses_an_oversized_pool(monkeypatch):
     register()
     monkeypatch.setattr(host_pool, "host_memory", lambda: dict(MEM))
     monkeypatch.setenv(RAY_PREFIXES, "")              # the startup check adds to it: restored after
-    model = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_model.py")],
-                           check=True, capture_output=True, text=True).stdout.split()[-1]
+    model = tiny_model()
 
     def config(gib):
         return EngineArgs(model=model, tensor_parallel_size=2, attention_backend="hisparse",
@@ -139,8 +138,7 @@ def test_the_engine_cores_second_config_check_passes_its_own_pinned_pool(monkeyp
     mem = dict(MEM)
     monkeypatch.setattr(host_pool, "host_memory", lambda: dict(mem))
     monkeypatch.setenv(RAY_PREFIXES, "")
-    model = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_model.py")],
-                           check=True, capture_output=True, text=True).stdout.split()[-1]
+    model = tiny_model()
 
     def config():
         return EngineArgs(model=model, attention_backend="hisparse", dtype="float32",
@@ -241,7 +239,6 @@ def test_tp2_hisparse_equals_resident_on_cpu(tmp_path, monkeypatch):
         pytest.skip("needs two CPU cores")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
     from engine_generate import MAX_TOKENS, generate
-    from engine_jobs import tiny_model
     from test_vllm_engine import CFG, MIN_CONTEXT, PAGE, prompts
 
     model = tiny_model()
