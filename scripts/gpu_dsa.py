@@ -58,6 +58,7 @@ UTIL = float(os.environ.get("DSA_UTIL", "0.85"))
 CFG = {"indexer": os.environ.get("DSA_INDEXER", "dsa"), "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
        "dense_layers": [], "host_pool_gib": 8, "quest_rows": len(PROMPTS),
        "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0"))}
+SPEC = int(os.environ.get("DSA_SPEC", "0"))     # ngram drafts a step (0 = none); B >= (k+1) x 2048
 MODES = ("stock", "hisparse", "resident")      # each compared with resident (and crf when it ran)
 LINES = re.compile(r"(GPU KV cache size.*|Maximum concurrency.*|hisparse dsa: .*|"
                    r"Using .* backend.*|cudagraph_mode.*?[,}]|Error.*|error.*)")
@@ -116,11 +117,17 @@ def run(mode: str, model: str, out: str) -> int:
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     rng = random.Random(0)
     ids = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPTS]
+    if SPEC:                                 # a 256-token block repeated: ngram finds matches
+        ids = [(p[:256] * (len(p) // 256 + 1))[:len(p)] for p in ids]
     prompts = [{"prompt_token_ids": p} for p in ids]
     kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format=LOAD,
               dtype="bfloat16", seed=0, max_model_len=MAX_LEN, max_num_seqs=8,
               max_num_batched_tokens=8192, gpu_memory_utilization=UTIL,
               compilation_config=compilation())
+    if SPEC:
+        kw.update(speculative_config={"method": "ngram", "num_speculative_tokens": SPEC,
+                                      "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+                  disable_log_stats=False)
     cfg = dict(CFG, host_tier=mode in ("hisparse", "crf", "control"),
                policy="crf" if mode == "crf" else "lru")
     llm = LLM(**kw, **backend(mode, cfg))
@@ -130,6 +137,9 @@ def run(mode: str, model: str, out: str) -> int:
     outs = llm.generate(prompts, sp, use_tqdm=False)
     res = {"mode": mode, "elapsed_s": time.time() - t0, "config": cfg, "load_format": LOAD,
            "requests": requests(outs)}
+    if SPEC:                                 # acceptance: drafts and accepted tokens
+        res["spec"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                       if "spec_decode" in m.name and hasattr(m, "value")}
     if mode == "resident":                  # the proof that attention matters, after the batch
         res["shuffled"] = requests(llm.generate(
             [{"prompt_token_ids": exact_verdict.shuffle_context(p, i)} for i, p in enumerate(ids)],
@@ -206,6 +216,9 @@ def compare(out: str) -> int:
     for m in ("hisparse", "resident", "crf", "control"):
         if m in got:
             print(f"{m} stats: {json.dumps(got[m].get('stats'))}")
+    for m in ("hisparse", "resident", "resident2", "stock"):
+        if "spec" in got.get(m, {}):
+            print(f"{m} ngram: {json.dumps(got[m]['spec'])}")
     print(f"weights: {ref.get('load_format', 'dummy')}")
     print("\n".join(lines))
     return code

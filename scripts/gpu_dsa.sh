@@ -8,6 +8,8 @@
 #   DSA_INDEXER=dsa_sorted (hisparse/resident sort each selection by position) DSA_SPLITS=0 (FA3 num_splits of hisparse/resident; 1 = batch-invariant) MODES="hisparse stock
 #   resident resident2 control" (add crf: hisparse under policy crf, compared with resident, its misses
 #   beside lru's; control: the negative control, which must mismatch)
+#   DSA_SPEC=1 DSA_B=4096: ngram speculation with 1 draft (verify rows; B >= (k + 1) x 2048), prompts of
+#   a repeated 256-token block, acceptance counts printed beside the verdict
 #   DSA_TESTS=0 (skip the CUDA tests) bash scripts/gpu_dsa.sh OUT; DSA_COMPILE=0: no torch.compile (FULL
 #   decode graphs only), DSA_DETERMINISTIC=1: Inductor's deterministic mode
 #   DSA_UTIL=0.85: the engines' gpu_memory_utilization (engines side by side do not work: on an H100

@@ -117,3 +117,42 @@ def test_host_pages_for_counts_rows_of_every_layer():
     assert host_pages_for(61 * 1152 * 1000 + 5, 61, 1152) == 1000
     with pytest.raises(ValueError, match="regions >= 1"):
         LatentLedger(1, 0, 10, MML, False)
+
+
+@pytest.mark.parametrize("verify_tokens", [None, 2])
+def test_runtime_plans_verify_rows_of_ngram_speculation(verify_tokens):
+    """vLLM's batch of two sparse requests with 2 query tokens each (the verified token + one
+    ngram draft): refused without verify_tokens, served with it, each token's pool rows holding
+    the latent rows written at its selected positions (host pool -> hot slots)."""
+    from vllm_hisparse.ops.sparse_mla import KV_LORA_RANK
+
+    rt = LatentRuntime(2, MML, 2 * K, 2, 1, 150, 32, 4, K, LATENT_ROW, torch.bfloat16, "cpu",
+                       pin=False, verify_tokens=verify_tokens)
+    led = LatentLedger(2, 1, 150, MML, False)
+    g = torch.Generator().manual_seed(5)
+    truth = torch.randn(2, 2, MML, LATENT_ROW, generator=g).to(torch.bfloat16)  # (req, layer)
+    P = 30
+    for r, key in enumerate("ab"):
+        assert led.admit(key, P, 10)
+        rt.apply(led.take_events())
+        rt.plan([key], [0, P], [P])
+        for layer in range(2):
+            rows = truth[r, layer, :P]
+            rt.write(layer, rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:])
+        led.prompt_done(key)
+    rt.apply(led.take_events())
+    if verify_tokens is None:
+        with pytest.raises(ValueError, match="a sparse request decodes one token a step"):
+            rt.plan(["a", "b"], [0, 2, 4], [P + 2, P + 2])
+        return
+    rt.plan(["a", "b"], [0, 2, 4], [P + 2, P + 2])          # positions P, P + 1 of each
+    for layer in range(2):
+        rows = truth[:, layer, P:P + 2].reshape(4, LATENT_ROW)
+        rt.write(layer, rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:])
+        topk = torch.stack([torch.randperm(P + 1 + t % 2, generator=g)[:K] for t in range(4)])
+        out, valid = rt.convert(layer, topk.int())
+        assert valid.tolist() == [K] * 4
+        for t in range(4):
+            want = truth[t // 2, layer, topk[t].long()]
+            assert torch.equal(rt.pool.rows[layer][out[t].long()], want), t
+    assert rt.stats()["misses"] > 0

@@ -50,6 +50,23 @@ def test_prepare_config_sets_what_the_dsa_path_needs(host_tier, policy):
         "HiSparseConnector", "vllm_hisparse.vllm.connector", "kv_both")     # the one connector
 
 
+def test_ngram_speculation_is_served_with_room_for_its_verify_rows():
+    """ngram with k drafts: started when device_buffer_size >= (k + 1) x index_topk; the
+    deployment carries k (admission of prompt + max_tokens + k, verify rows of k + 1 tokens)."""
+    from vllm_hisparse.vllm.deployment import deployment_of
+    from vllm_hisparse.vllm.mla_connector import admission_of
+    from vllm_hisparse.vllm.setup_check import prepare_config
+
+    cfg = mla_config(cfg__speculative_config=SimpleNamespace(method="ngram",
+                                                             num_speculative_tokens=1))
+    prepare_config(cfg)
+    assert deployment_of(cfg).limits.spec_tokens == 1
+    req = SimpleNamespace(num_prompt_tokens=1000, max_tokens=10)
+    assert admission_of(req, 1024, 1) == (1000, 11) and admission_of(req, 1024) == (1000, 10)
+    assert admission_of(req, 1010, 3) == (1000, 10)         # within max_model_len
+    assert deployment_of(mla_config()).limits.spec_tokens == 0
+
+
 REFUSED = [
     ({"device_config__device_type": "cpu"}, None, "indexer='dsa' runs on CUDA only"),
     ({}, {"indexer": "quest", "top_k": 64, "device_buffer_size": 128}, 'set "indexer": "dsa"'),
@@ -61,7 +78,11 @@ REFUSED = [
     ({"cache_config__cache_dtype": "fp8_ds_mla"}, None, "kv_cache_dtype='fp8_ds_mla'"),
     ({"cache_config__user_specified_block_size": True, "cache_config__block_size": 16}, None,
      "--block-size 16 must be 64"),
-    ({"cfg__speculative_config": object()}, None, "speculative decoding"),
+    ({"cfg__speculative_config": SimpleNamespace(method="mtp", num_speculative_tokens=1)}, None,
+     "method='mtp' is not supported with indexer 'dsa'"),
+    ({"cfg__speculative_config": SimpleNamespace(method="ngram", num_speculative_tokens=2)}, None,
+     "device_buffer_size=128 must be >= (num_speculative_tokens + 1) x top_k = (2 + 1) x 64 = 192"
+     " for DSA speculative decoding; set device_buffer_size=192"),
     ({"parallel_config__tensor_parallel_size": 2}, None, "tensor_parallel_size=2"),
     ({"model_config__hf_config": SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64)}, None,
      "no DSA indexer"),

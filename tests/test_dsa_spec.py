@@ -24,6 +24,7 @@ import torch
 from vllm_hisparse.core import latent_spec
 from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.latent_admission import LatentAdmission
+from vllm_hisparse.core.latent_graph import LatentGraphStep
 from vllm_hisparse.core.latent_pool import LatentPool
 from vllm_hisparse.core.latent_step import LatentStep
 from vllm_hisparse.ops.selection_union import selection_union
@@ -93,12 +94,16 @@ def selections(g, pos_tok, p0, hot_set, n_live):
 
 
 def run(n: int, policy: str, verify_tokens: int | None = "n", control: str | None = None,
-        seed: int = 0) -> dict:
-    """The episode; returns its counts (mismatches, hits, misses, evictions, rewrites)."""
+        seed: int = 0, pad: int | None = None) -> dict:
+    """The episode; returns its counts (mismatches, hits, misses, evictions, rewrites). pad: None =
+    the hisparse side's decode steps run the plan's own tensors (LatentStep); an int = they run
+    through the fixed buffers of the FULL graphs (LatentGraphStep, loaded per step) with pad
+    vLLM padding tokens after the step's own."""
     g = torch.Generator().manual_seed(seed)
     hs, rs = Engine(False, n, policy), Engine(True, n, policy)
     vt = n if verify_tokens == "n" else verify_tokens
     R = len(PROMPTS)
+    gs = None if pad is None else LatentGraphStep(hs.adm, R * n + 2 + pad, R + 1, K, vt)
     truth = [torch.randn(LAYERS, MML, LATENT_ROW, generator=g).to(BF) for _ in range(R)]
     for r, P in enumerate(PROMPTS):             # prefill in the one region, then decode
         for e in (hs, rs):
@@ -130,18 +135,30 @@ def run(n: int, policy: str, verify_tokens: int | None = "n", control: str | Non
             hp = per_token(hp)
         rp = LatentStep.plan(rs.adm, keys, req, pos)
         T = len(req)
+        if gs is not None:
+            gs.load(hp)
         for layer in range(LAYERS):
             rows = torch.stack([truth[r][layer, p] if r < R else torch.zeros(LATENT_ROW, dtype=BF)
                                 for r, p in zip(req, pos)])
-            for p in (hp, rp):
-                p.write(layer, rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:])
+            if gs is None:
+                hp.write(layer, rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:])
+            else:                                   # + vLLM's padding tokens (noise: never read)
+                padded = torch.cat([rows, torch.randn(pad, LATENT_ROW, generator=g).to(BF)])
+                gs.write(layer, padded[:, :KV_LORA_RANK], padded[:, KV_LORA_RANK:])
+            rp.write(layer, rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:])
             topk = torch.full((T, K), -1, dtype=torch.int32)
             t0 = 0
             for r, k in enumerate(n_live):
                 topk[t0:t0 + k] = selections(g, list(range(p0[r], p0[r] + k)), p0[r], hot[r], k)
                 t0 += k
             before = hs.pool.states[layer].slot_unit.clone()
-            ih, vh = hp.convert(layer, topk)
+            if gs is None:
+                ih, vh = hp.convert(layer, topk)
+            else:
+                noise = torch.randint(0, MML, (pad, K), generator=g, dtype=torch.int32)
+                ih, vh = gs.convert(layer, torch.cat([topk, noise]))
+                assert (ih[T:] == -1).all() and (vh[T:] == 0).all()   # padding reads nothing
+                ih, vh = ih[:T], vh[:T]
             ir, vr = rp.convert(layer, topk)
             su = hs.pool.states[layer].slot_unit
             c["evictions"] += int(((before >= 0) & (su != before)).sum())
@@ -183,6 +200,27 @@ def test_verify_rows_equal_resident(n, policy):
     if n > 1:
         assert c["rewrites"] > 0, c
     assert (c["out_diff"], c["wrong_rows"], c["valid_diff"], c["conflicts"]) == (0, 0, 0, 0), c
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("n", [2, 4])
+def test_verify_rows_in_graph_buffers_equal_resident(n, policy, pad):
+    """The same episode through LatentGraphStep's fixed buffers (what FULL CUDA graphs replay),
+    with vLLM's padding tokens after the step's own."""
+    c = run(n, policy, pad=pad)
+    assert c["misses"] > 0 and c["hits"] > 0 and c["evictions"] > 0 and c["rewrites"] > 0, c
+    assert (c["out_diff"], c["wrong_rows"], c["valid_diff"], c["conflicts"]) == (0, 0, 0, 0), c
+
+
+@pytest.mark.parametrize("control", ["union", "write_through"])
+def test_graph_buffers_controls_are_detected(control, monkeypatch):
+    if control == "union":
+        monkeypatch.setattr(latent_spec, "selection_union", union_without_last_token)
+    else:
+        monkeypatch.setattr(latent_spec.VerifyRows, "write_rows", no_write_through)
+    c = run(4, "lru", pad=2)
+    assert c["out_diff"] > 0 and (c["valid_diff"] if control == "union" else c["wrong_rows"]) > 0
 
 
 @pytest.mark.parametrize("n", [2, 4])

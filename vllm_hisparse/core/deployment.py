@@ -42,6 +42,9 @@ class EngineLimits:
         outside vLLM and calc (the fixed sizes of before).
     max_num_batched_tokens, watermark: vLLM's scheduler settings, for the spill reserve R the
         connector keeps beside host-less requests (auto rows: core/auto_size.py rule 1).
+    spec_tokens: vLLM's ``num_speculative_tokens`` (0 = no speculative decoding): a step may
+        compute that many tokens past a request's max_tokens (admission counts them) and a
+        request's decode step has up to spec_tokens + 1 query tokens (verify rows).
     """
     num_layers: int
     max_model_len: int
@@ -55,6 +58,7 @@ class EngineLimits:
     max_num_batched_tokens: int = 0
     watermark: float = 0.0
     kv_dtype_bytes: int = 0
+    spec_tokens: int = 0
 
     def __post_init__(self):
         if self.kv_dtype_bytes < 0:

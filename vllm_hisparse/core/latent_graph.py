@@ -14,6 +14,11 @@ entry a no-op (what a dummy run or a graph capture sees). The per-layer work has
   ``index_copy_`` of their rows into the output, padding entries into a spare last row ``T_max``.
   Same rows, same order as ``LatentStep.convert`` (tests/test_dsa_graph.py checks it bit for bit).
 
+With ``verify_tokens`` n (speculative decoding: num_speculative_tokens + 1) the decode entries are
+verify rows instead: ``max_decodes`` requests of up to n tokens in ``VerifyRows.empty``'s fixed
+buffers, each request's tokens resolved as ONE union of width n x top_k (core/latent_spec.py), and
+``write`` also refreshes a rewritten position's hot slot (tests/test_dsa_graph_verify.py).
+
 Which process: the worker (the connector's ``start_load_kv`` loads the plan; every sparse layer
 runs write/convert).
 """
@@ -23,6 +28,7 @@ import numpy as np
 import torch
 
 from vllm_hisparse.core.latent_admission import LatentAdmission
+from vllm_hisparse.core.latent_spec import VerifyRows
 from vllm_hisparse.core.latent_step import LatentStep
 from vllm_hisparse.ops.latent_write import write_latent
 from vllm_hisparse.ops.resolve_given import resolve_given, workspace_shapes
@@ -45,14 +51,20 @@ def batch_tokens(query_start_loc, seq_lens) -> tuple[np.ndarray, np.ndarray]:
 
 
 class LatentGraphStep:
-    def __init__(self, adm: LatentAdmission, max_tokens: int, max_decodes: int, top_k: int):
+    def __init__(self, adm: LatentAdmission, max_tokens: int, max_decodes: int, top_k: int,
+                 verify_tokens: int | None = None):
         """adm: the worker's admission (its pool and host pool); max_tokens: the most tokens of a
-        step (max_num_batched_tokens); max_decodes: the most decode tokens of a step (max_num_seqs;
-        none in resident mode); top_k: the indexer's K (index_topk)."""
+        step (max_num_batched_tokens); max_decodes: the most decode requests of a step
+        (max_num_seqs; none in resident mode); top_k: the indexer's K (index_topk);
+        verify_tokens: None = one decode token a request; n = up to n (verify rows)."""
         pool = adm.pool
         dev, i64 = pool.device, torch.int64
         self.adm, self.T, self.K = adm, max_tokens, top_k
-        self.D = 0 if adm.resident else max_decodes
+        self.verify_tokens = verify_tokens
+        sparse = 0 if adm.resident else max_decodes
+        self.verify = (VerifyRows.empty(pool, sparse, verify_tokens, max_tokens)
+                       if verify_tokens is not None and sparse else None)
+        self.D = 0 if self.verify is not None else sparse       # one-token decode entries
         self.host_row = torch.full((max_tokens,), -1, dtype=i64, device=dev)
         self.pool_row = torch.full((max_tokens,), -1, dtype=i64, device=dev)
         self.region_base = torch.full((max_tokens,), -1, dtype=i64, device=dev)
@@ -73,8 +85,10 @@ class LatentGraphStep:
             if dev.type == "cuda":
                 from vllm_hisparse.ops import kernels
 
+                rows, width = ((sparse, verify_tokens * top_k) if self.verify is not None
+                               else (D, top_k))
                 self.work = tuple(torch.empty(s, dtype=torch.int32, device=dev)
-                                  for s in workspace_shapes(D, top_k, pool.B))
+                                  for s in workspace_shapes(rows, width, pool.B))
             for layer in range(pool.num_layers):
                 h = adm.host.data[layer]
                 rows = h.view(h.shape[0], -1)
@@ -92,14 +106,21 @@ class LatentGraphStep:
             self.dec_seq.zero_()
             self.dec_gather.zero_()
             self.dec_scatter.fill_(self.T)
+        if self.verify is not None:
+            self.verify.clear()
 
     def load(self, step: LatentStep) -> None:
         """Copy a planned step into the buffers (the rest cleared)."""
         n, d = step.host_row.shape[0], step.dec_tok.shape[0]
+        if (step.verify is not None and self.verify is None) or (d and self.verify is not None):
+            raise ValueError(f"a step planned {'with' if d == 0 else 'without'} verify rows "
+                             f"loaded into buffers of verify_tokens={self.verify_tokens}")
         if n > self.T or d > self.D:
             raise ValueError(f"a step of {n} tokens / {d} decode tokens exceeds the buffers' "
                              f"{self.T} / {self.D} (max_num_batched_tokens / max_num_seqs)")
         self.clear()
+        if self.verify is not None:
+            self.verify.load(step.verify)
         self.host_row[:n].copy_(step.host_row)
         self.pool_row[:n].copy_(step.pool_row)
         self.region_base[:n].copy_(step.region_base)
@@ -118,8 +139,10 @@ class LatentGraphStep:
         if T > self.T:
             raise ValueError(f"{T} tokens exceed the plan's {self.T} (max_num_batched_tokens)")
         host = self._host[layer][0] if self._host[layer] is not None else None
-        write_latent(kv_c, k_pe, host, self.host_row[:T], self.adm.pool.rows[layer],
-                     self.pool_row[:T])
+        pool_row = self.pool_row[:T]
+        if self.verify is not None:    # a rewritten (rejected draft's) position: its hot slot too
+            pool_row = self.verify.write_rows(self.adm.pool.states[layer], pool_row)
+        write_latent(kv_c, k_pe, host, self.host_row[:T], self.adm.pool.rows[layer], pool_row)
 
     def convert(self, layer: int, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(out (T, K) int32 pool rows, -1 = none; valid (T,) int32 counts) of ``layer`` for topk
@@ -144,5 +167,9 @@ class LatentGraphStep:
                           pool.states[layer], pool.host_rows.fetch,
                           self._host[layer][1], pool.rows[layer], pool.counts, self.work)
             self.out.index_copy_(0, self.dec_scatter, self.locs)
+        if self.verify is not None:
+            self.verify.convert(topk, pool.max_model_len, pool.states[layer],
+                                pool.host_rows.fetch, self._host[layer][1], pool.rows[layer],
+                                pool.counts, out, self.work)
         valid.copy_((out >= 0).sum(1))
         return out, valid

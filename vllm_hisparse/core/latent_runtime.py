@@ -34,20 +34,23 @@ class LatentRuntime:
     def __init__(self, num_layers: int, max_model_len: int, buffer: int, row_sets: int,
                  regions: int, host_pages: int, max_tokens: int, max_decodes: int, top_k: int,
                  row: int = 576, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                 pin: bool | None = None, policy: str = "lru"):
+                 pin: bool | None = None, policy: str = "lru", verify_tokens: int | None = None):
         """num_layers: sparse MLA layers; buffer: B hot slots a row set; row_sets: N sparse
         requests at once; regions: prefill_slots (hisparse) or N (resident); host_pages: latent
         rows of the host pool (0 = resident mode); max_tokens / max_decodes: a step's most tokens
         (max_num_batched_tokens) / decode tokens (max_num_seqs); top_k: the indexer's K; row:
         kv_lora_rank + qk_rope_head_dim; pin: pin the host pool (None: when CUDA is up); policy:
-        the hot slots' replacement policy (config ``policy``: lru or crf)."""
+        the hot slots' replacement policy (config ``policy``: lru or crf); verify_tokens:
+        speculative decoding's num_speculative_tokens + 1 (None: one decode token a request;
+        core/latent_spec.py)."""
         self.resident = host_pages == 0
         self.pool = LatentPool(num_layers, max_model_len, buffer, 0 if self.resident else row_sets,
                                regions, row, dtype, device, policy)
         self.host = None if self.resident else HostKVPool(num_layers, host_pages, 1, 1, row // 2,
                                                           dtype, pin=pin)
         self.adm = LatentAdmission(self.pool, self.host)
-        self.graph = LatentGraphStep(self.adm, max_tokens, max_decodes, top_k)
+        self.verify_tokens = verify_tokens
+        self.graph = LatentGraphStep(self.adm, max_tokens, max_decodes, top_k, verify_tokens)
         self.steps = 0
         self.max_live = 0           # most requests held at once (admitted, not yet released)
 
@@ -74,7 +77,7 @@ class LatentRuntime:
         query tokens); query_start_loc: (B+1,) int; seq_lens: (B,) int (this step's tokens
         included): vLLM's CommonAttentionMetadata, host copies."""
         req, pos = batch_tokens(query_start_loc, seq_lens)
-        self.graph.load(LatentStep.plan(self.adm, keys, req, pos))
+        self.graph.load(LatentStep.plan(self.adm, keys, req, pos, self.verify_tokens))
         self.steps += 1
 
     def clear(self) -> None:

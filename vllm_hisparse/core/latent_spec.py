@@ -30,8 +30,9 @@ the slot holding its position, if any (write-through to resident slots), so a hi
 stale row. On the k = 1 path a position is written once and is never resident before that.
 
 Which process: the worker (planned in ``LatentStep.plan``, run per layer by ``write`` /
-``convert``). vLLM-free. Not wired into the served path yet (vllm/mla_setup.py refuses a
-speculative_config; docs/dsa.md says what is left).
+``convert``; in FULL CUDA graphs the fixed buffers of ``VerifyRows.empty``, loaded per step by
+core/latent_graph.py). vLLM-free. Served with ngram speculation (vllm/mla_setup.py: the buffer
+rule at startup; vllm/mla_connector.py: admission of prompt + max_tokens + k).
 """
 from __future__ import annotations
 
@@ -59,9 +60,11 @@ def check_buffer(device_buffer_size: int, top_k: int, spec_tokens: int) -> None:
 
 def _scatter_rows(base: torch.Tensor, tok: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
     """base (T, ...) with base[tok[e]] = vals[e] for every entry e of tok (flattened), entries
-    tok == T (padding) going to a spare row that is dropped."""
+    tok >= T (padding) going to a spare row that is dropped."""
+    T = base.shape[0]
     buf = torch.cat([base, base.new_full((1, *base.shape[1:]), -1)])
-    buf.index_copy_(0, tok.reshape(-1), vals.reshape(tok.numel(), *base.shape[1:]).to(buf.dtype))
+    buf.index_copy_(0, tok.reshape(-1).clamp(max=T),
+                    vals.reshape(tok.numel(), *base.shape[1:]).to(buf.dtype))
     return buf[:-1]
 
 
@@ -69,14 +72,17 @@ def _scatter_rows(base: torch.Tensor, tok: torch.Tensor, vals: torch.Tensor) -> 
 class VerifyRows:
     """The step's decode tokens of sparse requests grouped per request: D requests, n = k + 1
     entries each (device tensors):
-    tok (D, n) int64 the token's index in the step, T = padding entry (fewer tokens this step);
-    pos (D, n) int64 its position, -1 = padding; rows (D,) int64 row sets; seq (D,) int64 last
-    position + 1; slots (D, B) int32 pool rows of the row sets' hot slots."""
+    tok (D, n) int64 the token's index in the step, >= T = padding entry (fewer tokens this
+    step); pos (D, n) int64 its position, -1 = padding; rows (D,) int64 row sets; seq (D,) int64
+    last position + 1, 0 = a padding request (RESOLVE skips it); slots (D, B) int32 pool rows of
+    the row sets' hot slots. Built per step (``build``) or held in fixed buffers that a FULL
+    CUDA graph replays (``empty`` / ``load`` / ``clear``: core/latent_graph.py)."""
     tok: torch.Tensor
     pos: torch.Tensor
     rows: torch.Tensor
     seq: torch.Tensor
     slots: torch.Tensor
+    pad: int | None = None      # fixed buffers: the padding entries' token index
 
     @classmethod
     def build(cls, pool, groups: list[tuple[int, list[int], list[int]]], n: int, T: int
@@ -94,6 +100,39 @@ class VerifyRows:
         slots = (pool.slot_rows(rows) if len(groups) else
                  torch.empty(0, pool.B, dtype=torch.int32, device=dev))
         return cls(tok.to(dev), pos.to(dev), rows, seq.to(dev), slots)
+
+    @classmethod
+    def empty(cls, pool, D: int, n: int, pad: int) -> "VerifyRows":
+        """Fixed buffers for up to D requests of n tokens (max_num_seqs, k + 1), all padding;
+        pad: the token index of a padding entry (max_num_batched_tokens, past any call's T)."""
+        dev, i64 = pool.device, torch.int64
+        rows = torch.zeros(D, dtype=i64, device=dev)
+        return cls(torch.full((D, n), pad, dtype=i64, device=dev),
+                   torch.full((D, n), -1, dtype=i64, device=dev), rows,
+                   torch.zeros(D, dtype=i64, device=dev), pool.slot_rows(rows), pad)
+
+    def clear(self) -> None:
+        """Every entry padding (fixed buffers: a dummy run, a capture, a step without verify
+        rows)."""
+        self.tok.fill_(self.pad)
+        self.pos.fill_(-1)
+        self.seq.zero_()
+
+    def load(self, step: "VerifyRows | None") -> None:
+        """Copy a step's verify rows into these fixed buffers, the rest padding."""
+        self.clear()
+        if step is None:
+            return
+        d, n = step.tok.shape
+        if d > self.tok.shape[0] or n != self.tok.shape[1]:
+            raise ValueError(f"{d} requests of {n} verify tokens exceed the buffers' "
+                             f"{self.tok.shape[0]} x {self.tok.shape[1]} (max_num_seqs x "
+                             f"num_speculative_tokens + 1)")
+        self.tok[:d].copy_(torch.where(step.pos >= 0, step.tok, self.pad))
+        self.pos[:d].copy_(step.pos)
+        self.rows[:d].copy_(step.rows)
+        self.seq[:d].copy_(step.seq)
+        self.slots[:d].copy_(step.slots)
 
     @property
     def width(self) -> int:
@@ -119,7 +158,7 @@ class VerifyRows:
         check_buffer(state.slots, K, n - 1)
         if D == 0:
             return
-        sel = torch.cat([topk, topk.new_full((1, K), -1)])[self.tok]        # (D, n, K)
+        sel = torch.cat([topk, topk.new_full((1, K), -1)])[self.tok.clamp(max=T)]  # (D, n, K)
         sel = torch.where(sel < region_len, sel, -1)                     # stock's range rule
         union, first = selection_union(sel, self.pos)
         locs = torch.full_like(union, -1)

@@ -90,7 +90,7 @@ class SparseRuntime:
         # no request can ever be sparse (core/gpu_pools.py): no hot slots, as in resident mode;
         # decode_fn may then take every layer (use_decode_fn; the GPU adapter plugs in FlashAttention)
         self.sparse_possible, self.decode_fn = dep.sparse_possible, None
-        self.spec_tokens = 0       # vLLM's num_speculative_tokens (core/spec_rows.py; the adapter)
+        self.spec_tokens = dep.limits.spec_tokens   # vLLM's num_speculative_tokens (spec_rows.py)
         self.hot = HotRows(num_layers, [i for i in range(num_layers) if i not in self.dense_layers]
                            if cfg.host_tier and self.sparse_possible else [],
                            max_rows + 1, self.S, self.U, cfg.policy, self.device)

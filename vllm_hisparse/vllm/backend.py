@@ -150,9 +150,6 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.worker: HiSparseWorker = worker.of_layer(vllm_config, layer_names[0])
-        sc = getattr(vllm_config, "speculative_config", None)
-        # the runtime attends a sparse request's verify rows (<= 1 + this many tokens) sparsely
-        self.spec_tokens = (sc.num_speculative_tokens or 0) if sc is not None else 0
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -166,8 +163,6 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
               fast_build: bool = False) -> HiSparseMetadata:
         cm = common_attn_metadata
         B = cm.num_reqs
-        if self.worker.runtime is not None:       # (made after this builder: set it here)
-            self.worker.runtime.spec_tokens = self.spec_tokens
         bt = cm.block_table_tensor[:B]
         qsl = cm.query_start_loc_cpu[:B + 1].tolist()
         md = HiSparseMetadata(

@@ -101,8 +101,7 @@ class ConnectorScheduler(HostPageAdmission):
         self._hit: dict[str, int] = {}         # prefix-cache hit tokens at admission
         # speculative decoding's draft tokens: a step may compute up to this many beyond the
         # request's max_tokens (vLLM bounds them by max_model_len only)
-        sc = getattr(vllm_config, "speculative_config", None)
-        self._spec_tokens = (getattr(sc, "num_speculative_tokens", 0) or 0) if sc else 0
+        self._spec_tokens = dep.limits.spec_tokens
         self._log_room()
 
     def _log_room(self) -> None:

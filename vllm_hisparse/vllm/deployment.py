@@ -92,6 +92,7 @@ def limits_of(vllm_config, machine: Machine | None = None) -> EngineLimits | Non
     pc = getattr(vllm_config, "parallel_config", None)
     sc = getattr(vllm_config, "scheduler_config", None)
     hf = getattr(mc, "hf_config", None)
+    spec = getattr(vllm_config, "speculative_config", None)
     latent = getattr(hf, "kv_lora_rank", None)
     kw = {}
     if latent:                     # MLA: one latent row per token (kv_lora_rank + rope dims)
@@ -105,7 +106,8 @@ def limits_of(vllm_config, machine: Machine | None = None) -> EngineLimits | Non
                         tensor_parallel_size=getattr(pc, "tensor_parallel_size", 1) or 1,
                         machine=machine,
                         max_num_batched_tokens=getattr(sc, "max_num_batched_tokens", 0) or 0,
-                        watermark=getattr(sc, "watermark", 0.0) or 0.0, **kw)
+                        watermark=getattr(sc, "watermark", 0.0) or 0.0,
+                        spec_tokens=getattr(spec, "num_speculative_tokens", 0) or 0, **kw)
 
 
 def kv_dtype_bytes(vllm_config, model_bytes: int) -> int:

@@ -6,7 +6,7 @@ worker object: vllm/mla_worker.py, vllm/worker.py).
 
 ``LatentConnectorScheduler`` (scheduler process, role SCHEDULER):
   * admission (``get_num_new_matched_tokens``): a row set, a prefill region and host rows for
-    prompt + max_tokens, all or nothing, else the request waits (``None``); a request asked again
+    prompt + max_tokens (+ ngram drafts), all or nothing, else the request waits (``None``); a request asked again
     (preempted, or not scheduled after its admission) gives everything back and is admitted again:
     it recomputes its tokens in a region, its row set starts empty;
   * ``build_connector_meta``: the ledger's events since the last step, in order, and each new or
@@ -41,12 +41,14 @@ class HiSparseMLAConnectorMetadata(KVConnectorMetadata):
     bind: dict[str, int] = field(default_factory=dict)  # req -> first GPU block (new, resumed)
 
 
-def admission_of(request, max_model_len: int) -> tuple[int, int]:
-    """(prompt_len, max_tokens) a request is admitted with: its positions clipped to
-    max_model_len (a request without max_tokens may run to max_model_len)."""
+def admission_of(request, max_model_len: int, spec_tokens: int = 0) -> tuple[int, int]:
+    """(prompt_len, tokens past the prompt) a request is admitted with: max_tokens plus
+    speculative decoding's spec_tokens drafts (a step writes them, and vLLM bounds drafts by
+    max_model_len only), its positions clipped to max_model_len (a request without max_tokens
+    may run to max_model_len)."""
     prompt = request.num_prompt_tokens
     max_tokens = getattr(request, "max_tokens", None) or max_model_len
-    return prompt, max(0, min(max_tokens, max_model_len - prompt))
+    return prompt, max(0, min(max_tokens + spec_tokens, max_model_len - prompt))
 
 
 class LatentConnectorScheduler:
@@ -55,6 +57,7 @@ class LatentConnectorScheduler:
     def __init__(self, vllm_config, dep: Deployment):
         self.cfg = dep.cfg
         self.max_model_len = dep.limits.max_model_len
+        self.spec_tokens = dep.limits.spec_tokens
         s = dep.latent               # the latent pool's sizes, as the worker's (mla_worker)
         self.ledger = LatentLedger(s.row_sets, s.regions, s.host_rows, self.max_model_len,
                                    s.resident)
@@ -71,7 +74,7 @@ class LatentConnectorScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         rid = request.request_id
         self.ledger.release(rid)                  # asked again: preempted or not yet scheduled
-        prompt, max_tokens = admission_of(request, self.max_model_len)
+        prompt, max_tokens = admission_of(request, self.max_model_len, self.spec_tokens)
         why = self.ledger.refusal(rid, prompt, max_tokens)
         if why is not None:
             if self._waiting.get(rid) != why:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from vllm_hisparse.config import HiSparseConfig, gib_at_least
 from vllm_hisparse.config import HiSparseConfigError as Refused
-from vllm_hisparse.core import indexers
+from vllm_hisparse.core import indexers, latent_spec
 from vllm_hisparse.core.capacity_mla import MLA_BLOCK
 
 from .deployment import deployment_of
@@ -14,6 +14,28 @@ from .deployment import deployment_of
 # the one connector of every hisparse run (plugin.CONNECTOR): it picks the MLA halves (connector.py)
 CONNECTOR = ("HiSparseConnector", "vllm_hisparse.vllm.connector")
 LATENT_DTYPES = ("auto", "bfloat16", "float16")
+
+
+SPEC_METHODS = ("ngram",)    # no draft model: only the target model's MLA layers run hisparse
+
+
+def check_speculative(cfg: HiSparseConfig, sc, topk: int) -> None:
+    """Speculative decoding on the DSA path: ngram's k drafts make a request's decode step k + 1
+    query tokens, resolved as ONE union into its row set (core/latent_spec.py), which needs
+    device_buffer_size >= (k + 1) x index_topk. MTP is refused: its draft layer is an MLA layer
+    with its own indexer and KV cache, which the latent pool does not hold."""
+    if sc is None:
+        return
+    method, k = getattr(sc, "method", None), getattr(sc, "num_speculative_tokens", None) or 0
+    if method not in SPEC_METHODS:
+        raise Refused(f"hisparse: speculative_config method={method!r} is not supported with "
+                      f"indexer 'dsa' (only {', '.join(SPEC_METHODS)}: an MTP draft layer's "
+                      f"latent is not in the plugin's pool); use method \"ngram\" or drop "
+                      f"--speculative-config")
+    try:
+        latent_spec.check_buffer(cfg.device_buffer_size, topk, k)
+    except ValueError as e:
+        raise Refused(f"hisparse: {e}") from None
 
 
 def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
@@ -51,9 +73,7 @@ def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
     if getattr(cc, "user_specified_block_size", False) and cc.block_size not in (None, MLA_BLOCK):
         raise Refused(f"hisparse: --block-size {cc.block_size} must be {MLA_BLOCK} for indexer "
                       f"'dsa' (FLASH_ATTN_MLA_SPARSE's block); drop --block-size")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise Refused("hisparse: speculative decoding (MTP) is not supported with indexer 'dsa' "
-                      "(one decode token per request per step); drop --speculative-config")
+    check_speculative(cfg, getattr(vllm_config, "speculative_config", None), topk)
     for name, value in (("pipeline_parallel_size", pc.pipeline_parallel_size),
                         ("tensor_parallel_size", pc.tensor_parallel_size),
                         ("decode_context_parallel_size",

@@ -52,6 +52,7 @@ class LatentWorker:
         the settings that size it."""
         dep = deployment_of(vllm_config)
         cfg, s, layers = dep.cfg, dep.latent, dep.limits.num_layers
+        k = dep.limits.spec_tokens      # ngram drafts: verify rows of k + 1 tokens (latent_spec)
         ix = indexers.get(cfg.indexer)
         if ix.serves != "mla":      # mla_setup refused it at startup; a worker built without it
             raise ValueError(f"hisparse: indexer={cfg.indexer!r} does not serve MLA models; use "
@@ -81,13 +82,15 @@ class LatentWorker:
         with torch.device("cpu"):
             rt = LatentRuntime(layers, mc.max_model_len, cfg.device_buffer_size, s.row_sets,
                                s.regions, s.host_rows, max_tokens, sc.max_num_seqs, top_k, row,
-                               dtype, dev, policy=cfg.policy)
+                               dtype, dev, policy=cfg.policy,
+                               verify_tokens=k + 1 if k else None)
         logger.info("hisparse dsa: latent pool %.2f GiB on %s (%d regions x %d rows, %d row sets "
-                    "x B=%d, %d layers, policy %s), host pool %.2f GiB (%d rows)%s",
+                    "x B=%d, %d layers, policy %s), host pool %.2f GiB (%d rows)%s%s",
                     rt.pool.nbytes / (1 << 30), dev, s.regions, mc.max_model_len,
                     0 if s.resident else s.row_sets, cfg.device_buffer_size, layers,
                     cfg.policy, rt.stats()["host_pool_bytes"] / (1 << 30), s.host_rows,
-                    " (resident mode)" if s.resident else "")
+                    " (resident mode)" if s.resident else "",
+                    f", verify rows of {k + 1} tokens a request" if k else "")
         return cls(rt, ix)
 
     def get_runtime(self) -> LatentRuntime:
