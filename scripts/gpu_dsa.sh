@@ -29,7 +29,7 @@ set +e
 since "setup done"
 if [ "${DSA_TESTS:-1}" = 1 ]; then
   timeout 150 python3 -X faulthandler -m pytest -q -m cuda -p no:cacheprovider \
-    tests/test_dsa_resolve.py tests/test_dsa_reference.py tests/test_resolve_given.py \
+    tests/test_dsa_resolve.py tests/test_dsa_reference.py tests/test_resolve_given.py tests/test_fp8_ds_mla.py \
     > "$out/pytest-dsa.txt" 2>&1
   echo "== CUDA tests rc=$?: $(tail -1 $out/pytest-dsa.txt)"
   grep -hE "FAILED|Error" "$out/pytest-dsa.txt" | head -10

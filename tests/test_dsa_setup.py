@@ -174,3 +174,17 @@ def test_cuda_selection_wrap_routes_custom_by_layer_kind(monkeypatch, why):
     other = c.AttentionBackendEnum.FLASH_ATTN_MLA_SPARSE
     assert FakeCuda.get_attn_backend_cls(other, _selector_config()) == "stock.path"
     assert seen == [custom, other]
+
+
+def test_fp8_ds_mla_latent_rows_are_656_bytes_in_the_deployment():
+    """The deployment sizes fp8_ds_mla latent rows at 656 B (ops/fp8_ds_mla.py), bf16 at 1152 B:
+    the host pool's rows and the pool's row bytes follow (the served path still refuses the
+    dtype at startup: the FlashMLA adapter is not written)."""
+    from vllm_hisparse.vllm.deployment import deployment_of
+
+    bf = deployment_of(mla_config())
+    f8 = deployment_of(mla_config(cache_config__cache_dtype="fp8_ds_mla"))
+    assert (bf.limits.latent_row_bytes, f8.limits.latent_row_bytes) == (1152, 656)
+    assert (bf.latent.row_bytes, f8.latent.row_bytes) == (1152, 656)
+    assert f8.latent.host_rows == int(0.01 * (1 << 30)) // (656 * 4)
+    assert bf.latent.host_rows == int(0.01 * (1 << 30)) // (1152 * 4)

@@ -27,6 +27,7 @@ from vllm_hisparse.core.latent_admission import LatentAdmission
 from vllm_hisparse.core.latent_graph import LatentGraphStep
 from vllm_hisparse.core.latent_pool import LatentPool
 from vllm_hisparse.core.latent_step import LatentStep
+from vllm_hisparse.ops import fp8_ds_mla
 from vllm_hisparse.ops.selection_union import selection_union
 from vllm_hisparse.ops.sparse_mla import KV_LORA_RANK, LATENT_ROW, sparse_mla_decode
 
@@ -39,19 +40,30 @@ QUERY_TOKENS = [1, 2, 4]              # n = num_speculative_tokens + 1
 POLICIES = ["lru", "crf"]
 
 
+def as_stored(rows: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """(T, 576) bf16 latent values as the pool stores them: themselves, or fp8_ds_mla bytes."""
+    return fp8_ds_mla.pack(rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:]) if fp8 else rows
+
+
+def as_values(pool_rows: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """What the attention reads from pool rows: the values, fp8_ds_mla's dequantized."""
+    return fp8_ds_mla.unpack(pool_rows) if fp8 else pool_rows
+
+
 class Engine:
-    def __init__(self, resident: bool, n: int, policy: str):
+    def __init__(self, resident: bool, n: int, policy: str, fp8: bool = False):
         R = len(PROMPTS)
         self.max_tokens = STEPS * n
+        row, dt = (fp8_ds_mla.ROW_BYTES, torch.uint8) if fp8 else (LATENT_ROW, BF)
         pool = LatentPool(LAYERS, MML, n * K, 0 if resident else R, R if resident else 1,
-                          policy=policy)
+                          row, dt, policy=policy)
         pages = sum(PROMPTS) + R * self.max_tokens
-        self.host = None if resident else HostKVPool(LAYERS, pages, 1, 1, LATENT_ROW // 2, BF,
-                                                     pin=False)
+        self.host = None if resident else HostKVPool(LAYERS, pages, 1, 1, row // 2, dt, pin=False)
         self.pool, self.adm = pool, LatentAdmission(pool, self.host)
         g = torch.Generator().manual_seed(99)
         for rows in pool.rows:                      # poison: a wrong row read shows
-            rows.copy_(torch.randn(rows.shape, generator=g).to(BF) * (5 if resident else -9))
+            rows.copy_(as_stored(torch.randn(rows.shape[0], LATENT_ROW, generator=g).to(BF)
+                                 * (5 if resident else -9), fp8))
 
 
 def per_token(step: LatentStep) -> LatentStep:
@@ -94,13 +106,13 @@ def selections(g, pos_tok, p0, hot_set, n_live):
 
 
 def run(n: int, policy: str, verify_tokens: int | None = "n", control: str | None = None,
-        seed: int = 0, pad: int | None = None) -> dict:
+        seed: int = 0, pad: int | None = None, fp8: bool = False) -> dict:
     """The episode; returns its counts (mismatches, hits, misses, evictions, rewrites). pad: None =
     the hisparse side's decode steps run the plan's own tensors (LatentStep); an int = they run
     through the fixed buffers of the FULL graphs (LatentGraphStep, loaded per step) with pad
-    vLLM padding tokens after the step's own."""
+    vLLM padding tokens after the step's own. fp8: both sides hold fp8_ds_mla rows (656 B)."""
     g = torch.Generator().manual_seed(seed)
-    hs, rs = Engine(False, n, policy), Engine(True, n, policy)
+    hs, rs = Engine(False, n, policy, fp8), Engine(True, n, policy, fp8)
     vt = n if verify_tokens == "n" else verify_tokens
     R = len(PROMPTS)
     gs = None if pad is None else LatentGraphStep(hs.adm, R * n + 2 + pad, R + 1, K, vt)
@@ -164,14 +176,14 @@ def run(n: int, policy: str, verify_tokens: int | None = "n", control: str | Non
             c["evictions"] += int(((before >= 0) & (su != before)).sum())
             ql = torch.randn(T, H_MLA, KV_LORA_RANK, generator=g).to(BF)
             qpe = torch.randn(T, H_MLA, LATENT_ROW - KV_LORA_RANK, generator=g).to(BF)
-            oh = sparse_mla_decode(ql, qpe, hs.pool.rows[layer], ih, SCALE)
-            orr = sparse_mla_decode(ql, qpe, rs.pool.rows[layer], ir, SCALE)
+            oh = sparse_mla_decode(ql, qpe, as_values(hs.pool.rows[layer], fp8), ih, SCALE)
+            orr = sparse_mla_decode(ql, qpe, as_values(rs.pool.rows[layer], fp8), ir, SCALE)
             t0 = 0
             for r, k in enumerate(n_live):
                 seen: dict[int, int] = {}
                 for t in range(t0, t0 + k):
                     ok = topk[t] >= 0
-                    want = truth[r][layer, topk[t][ok].long()]
+                    want = as_stored(truth[r][layer, topk[t][ok].long()], fp8)
                     assert torch.equal(rs.pool.rows[layer][ir[t][ok].long()], want)   # reference
                     c["wrong_rows"] += not torch.equal(hs.pool.rows[layer][ih[t][ok].long()], want)
                     c["valid_diff"] += int(vh[t]) != int(ok.sum())
@@ -211,6 +223,31 @@ def test_verify_rows_in_graph_buffers_equal_resident(n, policy, pad):
     c = run(n, policy, pad=pad)
     assert c["misses"] > 0 and c["hits"] > 0 and c["evictions"] > 0 and c["rewrites"] > 0, c
     assert (c["out_diff"], c["wrong_rows"], c["valid_diff"], c["conflicts"]) == (0, 0, 0, 0), c
+
+
+@pytest.mark.parametrize("pad", [None, 2])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fp8_ds_mla_rows_equal_resident(policy, pad):
+    """The episode with fp8_ds_mla rows (656 packed bytes: RESOLVE, write-through and the host
+    pool move them as opaque bytes), eager and through the graph buffers: every row read is the
+    packed truth byte for byte, every output equal to resident's."""
+    c = run(2, policy, pad=pad, fp8=True)
+    assert c["misses"] > 0 and c["hits"] > 0 and c["evictions"] > 0 and c["rewrites"] > 0, c
+    assert (c["out_diff"], c["wrong_rows"], c["valid_diff"], c["conflicts"]) == (0, 0, 0, 0), c
+
+
+def test_fp8_ds_mla_rows_control_is_detected(monkeypatch):
+    """Control: the hisparse side's misses fetch the neighbouring host row (a byte copy off by one
+    row) -> rows and outputs differ."""
+    from vllm_hisparse.ops import resolve_given as rg
+
+    orig = rg.resolve_given_reference
+
+    def shifted(sel, seq, bt, locs, hot, rows, state, host_pt, host, kv, counts):
+        orig(sel, seq, bt, locs, hot, rows, state, host_pt, host.roll(1, 0), kv, counts)
+    monkeypatch.setattr(rg, "resolve_given_reference", shifted)
+    c = run(2, "lru", fp8=True)
+    assert c["out_diff"] > 0 and c["wrong_rows"] > 0, c
 
 
 @pytest.mark.parametrize("control", ["union", "write_through"])

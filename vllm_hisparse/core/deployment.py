@@ -42,6 +42,9 @@ class EngineLimits:
         outside vLLM and calc (the fixed sizes of before).
     max_num_batched_tokens, watermark: vLLM's scheduler settings, for the spill reserve R the
         connector keeps beside host-less requests (auto rows: core/auto_size.py rule 1).
+    latent_row_bytes: bytes of one latent row (one token of one layer) on an MLA model: 0 =
+        latent_row x kv_dtype_bytes (filled in); 656 with ``--kv-cache-dtype fp8_ds_mla``
+        (ops/fp8_ds_mla.py: fp8 nope, fp32 scales, bf16 rope).
     spec_tokens: vLLM's ``num_speculative_tokens`` (0 = no speculative decoding): a step may
         compute that many tokens past a request's max_tokens (admission counts them) and a
         request's decode step has up to spec_tokens + 1 query tokens (verify rows).
@@ -58,6 +61,7 @@ class EngineLimits:
     max_num_batched_tokens: int = 0
     watermark: float = 0.0
     kv_dtype_bytes: int = 0
+    latent_row_bytes: int = 0
     spec_tokens: int = 0
 
     def __post_init__(self):
@@ -66,6 +70,8 @@ class EngineLimits:
                              f"(0: the model dtype's)")
         if not self.kv_dtype_bytes:        # frozen: set once here, so equal limits compare equal
             object.__setattr__(self, "kv_dtype_bytes", self.dtype_bytes)
+        if not self.latent_row_bytes:
+            object.__setattr__(self, "latent_row_bytes", self.latent_row * self.kv_dtype_bytes)
         for name in ("num_layers", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"hisparse: {name}={getattr(self, name)} must be >= 1")
@@ -293,7 +299,7 @@ def _latent_sizes(cfg: HiSparseConfig, limits: EngineLimits) -> HiSparseConfig:
     sizes = {"quest_rows": 0, "dense_pool_gib": 0.0}
     sizes = {f: v for f, v in sizes.items() if f in auto}
     if "host_pool_gib" in auto:
-        token = limits.latent_row * limits.kv_dtype_bytes * limits.num_layers
+        token = limits.latent_row_bytes * limits.num_layers
         rows = (cfg.quest_rows or limits.max_num_seqs) * limits.max_model_len
         if m.host_available_bytes is not None:
             rows = min(rows, auto_size.host_rank_room(m) // token)
@@ -302,7 +308,7 @@ def _latent_sizes(cfg: HiSparseConfig, limits: EngineLimits) -> HiSparseConfig:
 
 
 def _latent(cfg: HiSparseConfig, limits: EngineLimits) -> LatentSizes:
-    row_bytes = limits.latent_row * limits.kv_dtype_bytes
+    row_bytes = limits.latent_row_bytes
     n = cfg.quest_rows or limits.max_num_seqs
     host = cfg.host_pool_bytes // (row_bytes * limits.num_layers) if cfg.host_tier else 0
     return LatentSizes(row_bytes=row_bytes, row_sets=n,

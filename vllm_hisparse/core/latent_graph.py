@@ -8,7 +8,8 @@ buffers allocated once, sized for the largest step (``max_tokens`` = vLLM's max_
 ``max_decodes`` = max_num_seqs: at most one decode token per request), and ``clear`` makes every
 entry a no-op (what a dummy run or a graph capture sees). The per-layer work has fixed shapes:
 
-- ``write``: ``ops/latent_write.write_latent`` over the call's T tokens (-1 rows write nothing);
+- ``write``: ``ops/latent_write.write_latent_rows`` of the call's T tokens in the pool's row
+  format (``LatentPool.rows_of``; -1 rows write nothing);
 - ``convert``: region rows ``region_base + pos`` for all T tokens, then RESOLVE of all
   ``max_decodes`` decode entries (padding entries have ``dec_seq`` 0: RESOLVE skips them) and one
   ``index_copy_`` of their rows into the output, padding entries into a spare last row ``T_max``.
@@ -30,7 +31,7 @@ import torch
 from vllm_hisparse.core.latent_admission import LatentAdmission
 from vllm_hisparse.core.latent_spec import VerifyRows
 from vllm_hisparse.core.latent_step import LatentStep
-from vllm_hisparse.ops.latent_write import write_latent
+from vllm_hisparse.ops.latent_write import write_latent_rows
 from vllm_hisparse.ops.resolve_given import resolve_given, workspace_shapes
 
 
@@ -142,7 +143,9 @@ class LatentGraphStep:
         pool_row = self.pool_row[:T]
         if self.verify is not None:    # a rewritten (rejected draft's) position: its hot slot too
             pool_row = self.verify.write_rows(self.adm.pool.states[layer], pool_row)
-        write_latent(kv_c, k_pe, host, self.host_row[:T], self.adm.pool.rows[layer], pool_row)
+        pool = self.adm.pool
+        write_latent_rows(pool.rows_of(kv_c, k_pe), host, self.host_row[:T], pool.rows[layer],
+                          pool_row)
 
     def convert(self, layer: int, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(out (T, K) int32 pool rows, -1 = none; valid (T,) int32 counts) of ``layer`` for topk

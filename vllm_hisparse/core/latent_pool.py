@@ -1,5 +1,7 @@
 """The latent pool of the DSA path (docs/dsa.md section 2): per layer, one GPU tensor of latent
-rows (``[kv_c, k_pe]``, 576 values a token) laid out as
+rows (``[kv_c, k_pe]``, 576 bf16/fp16 values a token, or with ``--kv-cache-dtype fp8_ds_mla``
+656 packed bytes: ops/fp8_ds_mla.py; rows are opaque to everything below the attention) laid out
+as
 
     [ regions: regions x max_model_len rows ][ row sets: row_sets x B rows ]
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from vllm_hisparse.core.page_table import DevicePageTable
+from vllm_hisparse.ops import fp8_ds_mla
 from vllm_hisparse.slots import HotBufferState, make, served
 
 
@@ -38,8 +41,8 @@ class LatentPool:
         """num_layers: sparse MLA layers; max_model_len: rows of a region and tokens of a row
         set's tables; buffer: B hot slots per row set; row_sets: N sparse requests at once (0 in
         resident mode); regions: full-length regions (prefill_slots, or resident requests at
-        once); row: values per latent row (kv_lora_rank + qk_rope_head_dim); dtype: the latent's
-        (bf16/fp16); policy: the row sets' replacement policy (one RESOLVE kernel branch:
+        once); row: values per latent row (kv_lora_rank + qk_rope_head_dim; fp8_ds_mla: its
+        656 bytes); dtype: the latent's (bf16/fp16; uint8 = fp8_ds_mla rows); policy: the row sets' replacement policy (one RESOLVE kernel branch:
         slots.served()). Rows start zeroed (the attention reference reads row 0 under a -1 index,
         masked: it must be finite)."""
         _check("num_layers", num_layers, 1, "give the model's sparse MLA layer count")
@@ -50,9 +53,12 @@ class LatentPool:
         _check("row", row, 1, "give kv_lora_rank + qk_rope_head_dim (576)")
         if row_sets + regions == 0:
             raise ValueError("LatentPool needs row_sets > 0 or regions > 0; give prefill_slots >= 1")
-        if dtype not in (torch.bfloat16, torch.float16):
+        if dtype not in (torch.bfloat16, torch.float16, torch.uint8):
             raise ValueError(f"LatentPool dtype={dtype} must be bf16 or fp16 (FLASH_ATTN_MLA_SPARSE's"
-                             f" latent); use torch.bfloat16")
+                             f" latent) or uint8 (fp8_ds_mla rows); use torch.bfloat16")
+        if dtype == torch.uint8 and row != fp8_ds_mla.ROW_BYTES:
+            raise ValueError(f"LatentPool row={row} must be {fp8_ds_mla.ROW_BYTES} bytes for "
+                             f"fp8_ds_mla rows (dtype uint8)")
         if policy not in served():
             raise ValueError(f"LatentPool policy={policy!r} has no RESOLVE kernel branch; choose "
                              f"one of {', '.join(served())}")
@@ -63,6 +69,9 @@ class LatentPool:
         self.num_layers, self.max_model_len, self.B = num_layers, max_model_len, buffer
         self.row_sets, self.regions, self.row, self.dtype = row_sets, regions, row, dtype
         self.device = torch.device(device)
+        # fp8_ds_mla: what packs a step's [kv_c, k_pe] into rows (the reference; on a GPU the
+        # adapter plugs in vLLM's own kernel, so stock and hisparse hold the same bytes)
+        self.packer = fp8_ds_mla.pack if dtype == torch.uint8 else None
         self.num_rows = regions * max_model_len + row_sets * buffer
         self.rows = [torch.zeros(self.num_rows, row, dtype=dtype, device=self.device)
                      for _ in range(num_layers)]
@@ -73,6 +82,16 @@ class LatentPool:
         self.counts = torch.zeros(2, dtype=torch.int64, device=self.device)   # [hits, misses]
 
     # ---- layout ---------------------------------------------------------------------------------
+    def rows_of(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """(T, row) the step's new latent rows in the pool's format: ``[kv_c, k_pe]`` (kv_c (T, L),
+        k_pe (T, Rd), the pool's dtype), or packed fp8_ds_mla bytes (``packer``)."""
+        if self.packer is not None:
+            return self.packer(kv_c, k_pe)
+        if kv_c.dtype != self.dtype or k_pe.dtype != self.dtype:
+            raise ValueError(f"kv_c/k_pe dtype {kv_c.dtype}/{k_pe.dtype} must be the pool's "
+                             f"{self.dtype}; cast them first")
+        return torch.cat([kv_c, k_pe], 1)
+
     def region_base(self, region: int) -> int:
         """First pool row of region ``region`` (its position p is row region_base + p)."""
         if not 0 <= region < self.regions:

@@ -28,7 +28,7 @@ import torch
 from vllm_hisparse.core.latent_admission import LatentAdmission
 from vllm_hisparse.core.latent_spec import VerifyRows
 from vllm_hisparse.ops.latent_index import pool_indices
-from vllm_hisparse.ops.latent_write import write_latent
+from vllm_hisparse.ops.latent_write import write_latent_rows
 
 
 @dataclass
@@ -122,13 +122,15 @@ class LatentStep:
 
     def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """The step's new latent rows of ``layer`` (kv_c (T, L), k_pe (T, Rd), token order of
-        the plan): host pool and regions (ops/latent_write.write_latent); verify tokens also
+        the plan), in the pool's row format (``LatentPool.rows_of``): host pool and regions
+        (ops/latent_write.write_latent_rows); verify tokens also
         to the hot slot holding their position (VerifyRows.write_rows)."""
         pool_row = self.pool_row
         if self.verify is not None:
             pool_row = self.verify.write_rows(self.adm.pool.states[layer], pool_row)
-        write_latent(kv_c, k_pe, self._host(layer), self.host_row,
-                     self.adm.pool.rows[layer], pool_row)
+        pool = self.adm.pool
+        write_latent_rows(pool.rows_of(kv_c, k_pe), self._host(layer), self.host_row,
+                          pool.rows[layer], pool_row)
 
     def convert(self, layer: int, topk: torch.Tensor, out: torch.Tensor | None = None,
                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

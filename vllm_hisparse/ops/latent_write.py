@@ -17,32 +17,45 @@ from .write_through import write_through
 def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, host: torch.Tensor | None,
                  host_row: torch.Tensor, pool: torch.Tensor, pool_row: torch.Tensor) -> None:
     """In place: row t = [kv_c[t], k_pe[t]] -> host[host_row[t]] where host_row[t] >= 0 and ->
-    pool[pool_row[t]] where pool_row[t] >= 0.
+    pool[pool_row[t]] where pool_row[t] >= 0 (``write_latent_rows`` of the concatenated rows).
 
     kv_c: (T, L) and k_pe: (T, Rd), the latent rows' dtype (vLLM's do_kv_cache_update inputs; the
-    token stride may be wider); host: (P, 2, 1, 1, (L + Rd) / 2) one layer of core/host_pool's
-    pool with one token a page (None: resident mode, host_row all -1); host_row, pool_row: (T,)
-    int64 on kv_c's device, -1 = none, the valid ones distinct and in range; pool: (M, L + Rd) one
-    layer of the latent pool (core/latent_pool.py)."""
-    T, W = kv_c.shape[0], kv_c.shape[1] + k_pe.shape[1]
-    if k_pe.shape[0] != T or pool.dim() != 2 or pool.shape[1] != W:
+    token stride may be wider); the rest as ``write_latent_rows``."""
+    if k_pe.shape[0] != kv_c.shape[0]:
         raise ValueError(f"kv_c {tuple(kv_c.shape)} and k_pe {tuple(k_pe.shape)} must make rows "
                          f"of the pool's {tuple(pool.shape[1:])} values, one per token")
-    if host_row.shape != (T,) or pool_row.shape != (T,):
-        raise ValueError(f"host_row {tuple(host_row.shape)} and pool_row {tuple(pool_row.shape)} "
-                         f"must be ({T},): one entry per token")
     if kv_c.dtype != pool.dtype or k_pe.dtype != pool.dtype:
         raise ValueError(f"kv_c/k_pe dtype {kv_c.dtype}/{k_pe.dtype} must be the pool's "
                          f"{pool.dtype}; cast them first")
+    write_latent_rows(torch.cat([kv_c, k_pe], 1), host, host_row, pool, pool_row)
+
+
+def write_latent_rows(rows: torch.Tensor, host: torch.Tensor | None, host_row: torch.Tensor,
+                      pool: torch.Tensor, pool_row: torch.Tensor) -> None:
+    """In place: rows[t] -> host[host_row[t]] where host_row[t] >= 0 and -> pool[pool_row[t]]
+    where pool_row[t] >= 0; rows are opaque (bf16 [kv_c, k_pe], or fp8_ds_mla's 656 bytes).
+
+    rows: (T, W) the pool's dtype; host: (P, 2, 1, 1, W / 2) one layer of core/host_pool's pool
+    with one token a page (None: resident mode, host_row all -1); host_row, pool_row: (T,) int64
+    on rows' device, -1 = none, the valid ones distinct and in range; pool: (M, W) one layer of
+    the latent pool (core/latent_pool.py)."""
+    T, W = rows.shape
+    if pool.dim() != 2 or pool.shape[1] != W:
+        raise ValueError(f"rows {tuple(rows.shape)} must be rows of the pool's "
+                         f"{tuple(pool.shape[1:])} values, one per token")
+    if host_row.shape != (T,) or pool_row.shape != (T,):
+        raise ValueError(f"host_row {tuple(host_row.shape)} and pool_row {tuple(pool_row.shape)} "
+                         f"must be ({T},): one entry per token")
+    if rows.dtype != pool.dtype:
+        raise ValueError(f"rows dtype {rows.dtype} must be the pool's {pool.dtype}")
     if T == 0:
         return
     if W % 2:
         raise ValueError(f"latent rows of {W} values cannot be split into a host page's K and V "
-                         f"halves; rows must have an even width (576)")
+                         f"halves; rows must have an even width (576, 656)")
     half = W // 2
-    row = torch.cat([kv_c, k_pe], 1)              # the halves straddle kv_c | k_pe: one copy
-    k, v = row[:, None, :half], row[:, None, half:]
-    tok = torch.arange(T, device=row.device)
+    k, v = rows[:, None, :half], rows[:, None, half:]
+    tok = torch.arange(T, device=rows.device)
     off = torch.zeros_like(host_row)
     if host is not None:
         if host[0].numel() != W or host.shape[1:3] != (2, 1):

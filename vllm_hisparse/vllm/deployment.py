@@ -26,6 +26,7 @@ from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core.auto_size import Machine
 from vllm_hisparse.core.capacity import DTYPE_BYTES
 from vllm_hisparse.core.deployment import Deployment, EngineLimits, resolve
+from vllm_hisparse.ops import fp8_ds_mla
 
 ATTR = "_hisparse_deployment"      # the attribute of the VllmConfig that holds it
 
@@ -97,6 +98,8 @@ def limits_of(vllm_config, machine: Machine | None = None) -> EngineLimits | Non
     kw = {}
     if latent:                     # MLA: one latent row per token (kv_lora_rank + rope dims)
         kw["latent_row"] = latent + hf.qk_rope_head_dim
+        if getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None) == "fp8_ds_mla":
+            kw["latent_row_bytes"] = fp8_ds_mla.row_bytes(latent, hf.qk_rope_head_dim)
     else:
         kw["num_kv_heads"], kw["head_dim"] = mc.get_num_kv_heads(pc), mc.get_head_size()
     return EngineLimits(num_layers=mc.get_num_layers(pc), max_model_len=mc.max_model_len,
