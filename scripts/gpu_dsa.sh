@@ -8,6 +8,7 @@
 #   DSA_INDEXER=dsa_sorted (hisparse/resident sort each selection by position) DSA_SPLITS=0 (FA3 num_splits of hisparse/resident; 1 = batch-invariant) MODES="hisparse stock
 #   resident resident2 control" (add crf: hisparse under policy crf, compared with resident, its misses
 #   beside lru's; control: the negative control, which must mismatch)
+#   DSA_SHAPE=deepseek-v3.2-l16: the 16-layer shape (bench/model_shapes.py CHANGES), default the 4-layer one
 #   DSA_SPEC=1 DSA_B=4096: ngram speculation with 1 draft (verify rows; B >= (k + 1) x 2048), prompts of
 #   a repeated 256-token block, acceptance counts printed beside the verdict
 #   DSA_TESTS=0 (skip the CUDA tests) bash scripts/gpu_dsa.sh OUT; DSA_COMPILE=0: no torch.compile (FULL
@@ -35,8 +36,8 @@ if [ "${DSA_TESTS:-1}" = 1 ]; then
   grep -hE "FAILED|Error" "$out/pytest-dsa.txt" | head -10
   since "tests done"
 fi
-model=$out/deepseek-v3.2-l4
-python3 -m vllm_hisparse.bench.model_shapes deepseek-v3.2-l4 "$model" > "$out/model.log" 2>&1 \
+model=$out/${DSA_SHAPE:-deepseek-v3.2-l4}
+python3 -m vllm_hisparse.bench.model_shapes ${DSA_SHAPE:-deepseek-v3.2-l4} "$model" > "$out/model.log" 2>&1 \
   || { tail -5 "$out/model.log"; exit 1; }
 # engine KIND MODE NAME LIMIT: scripts/gpu_dsa.py KIND MODE, its log and JSON as OUT/NAME.*
 engine() {

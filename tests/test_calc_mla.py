@@ -13,6 +13,7 @@ import pytest
 
 from vllm_hisparse.bench.model_shapes import mla_config
 from vllm_hisparse.core import capacity_mla as mla
+from vllm_hisparse.ops import fp8_ds_mla
 
 GIB = 1 << 30
 L = 61
@@ -47,6 +48,23 @@ def test_shape_from_config():
     assert (f.latent_bytes, f.index_bytes) == (FP8_DS_MLA, 132)
     with pytest.raises(ValueError, match="fp8_ds_mla"):
         mla.MLAShape.from_hf_config(mla_config("deepseek-v3.2", 512), kv_cache_dtype="fp8")
+    assert FP8_DS_MLA == fp8_ds_mla.ROW_BYTES                  # calc and the pool's rows agree
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3.2-l4", "deepseek-v3.2-l16"])
+def test_narrowed_shapes_keep_v32_attention_and_route_consistently(name):
+    """A narrowed shape changes only depth and experts (CHANGES says how), so its per-layer KV and
+    its attention, MLA and indexer dims are V3.2's; its router can pick 8 experts a token."""
+    from vllm_hisparse.bench import model_shapes
+
+    full, cfg = mla_config("deepseek-v3.2", 512), mla_config(name, 512)
+    changed = {k for k in cfg if cfg[k] != full.get(k)}
+    assert changed <= {"num_hidden_layers", "first_k_dense_replace", "n_routed_experts",
+                       "n_group", "topk_group"} and name in model_shapes.CHANGES
+    assert cfg["n_routed_experts"] % cfg["n_group"] == 0
+    assert cfg["num_experts_per_tok"] <= cfg["topk_group"] * cfg["n_routed_experts"] // cfg["n_group"]
+    m = mla.MLAShape.from_hf_config(cfg)
+    assert m.num_layers == cfg["num_hidden_layers"] and m.latent_bytes == 1152
 
 
 @pytest.mark.parametrize("kvd", ["auto", "fp8_ds_mla"])

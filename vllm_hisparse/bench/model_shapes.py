@@ -12,9 +12,10 @@ Llama-3-8B attention/MLP shapes but uses the tiny model's locally trained 512-to
 model hub here); generated tokens stay decodable, and the embedding/LM head shrink by ~1 GB.
 
 DeepSeek-V3.2 (MLA + DSA indexer): ``deepseek-v3.2`` has the real config (61 layers; for
-``hisparse calc``, far too large to load on one GPU); ``deepseek-v3.2-l4`` keeps every attention and
-indexer dimension (so per-layer KV bytes are real) with 4 layers and 16 routed experts, small
-enough for one 80 GB GPU with dummy weights. vLLM picks the ``deepseek_v32`` tokenizer mode for this
+``hisparse calc``, far too large to load on one GPU); ``deepseek-v3.2-l4`` / ``-l16`` keep every attention and
+indexer dimension (so per-layer KV bytes are real) with 4 / 16 layers and 16 routed experts, small
+enough for one 80 GB GPU with dummy or scaled_dummy weights (``CHANGES`` says what differs from
+V3.2; the 16-layer one is the realistic depth of issue 46). vLLM picks the ``deepseek_v32`` tokenizer mode for this
 architecture: serve these folders with ``--tokenizer-mode hf`` (they carry the tiny tokenizer).
 """
 from __future__ import annotations
@@ -50,6 +51,15 @@ MLA_SHAPES = {
     "deepseek-v3.2": {},
     "deepseek-v3.2-l4": dict(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16,
                              n_group=4, topk_group=2),
+    "deepseek-v3.2-l16": dict(num_hidden_layers=16, first_k_dense_replace=1, n_routed_experts=16,
+                              n_group=4, topk_group=2),
+}
+# what each narrowed shape changes against DeepSeek-V3.2 (every attention, MLA and indexer
+# dimension, the experts' width and the 8 experts a token are V3.2's)
+CHANGES = {
+    "deepseek-v3.2-l4": "4 of 61 layers, 1 dense layer of 3, 16 of 256 routed experts in 4 groups",
+    "deepseek-v3.2-l16": "16 of 61 layers, 1 dense layer of 3, 16 of 256 routed experts in 4 groups "
+                         "(~30 GB of bf16 weights: one H100 keeps ~30 GB for the KV at 0.85)",
 }
 
 
