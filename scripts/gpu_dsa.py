@@ -58,6 +58,7 @@ UTIL = float(os.environ.get("DSA_UTIL", "0.85"))
 CFG = {"indexer": os.environ.get("DSA_INDEXER", "dsa"), "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
        "dense_layers": [], "host_pool_gib": 8, "quest_rows": len(PROMPTS),
        "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0"))}
+KV = os.environ.get("DSA_KV", "auto")            # fp8_ds_mla: FLASHMLA_SPARSE's 656 B rows
 SPEC = int(os.environ.get("DSA_SPEC", "0"))     # ngram drafts a step (0 = none); B >= (k+1) x 2048
 MODES = ("stock", "hisparse", "resident")      # each compared with resident (and crf when it ran)
 LINES = re.compile(r"(GPU KV cache size.*|Maximum concurrency.*|hisparse dsa: .*|"
@@ -68,8 +69,8 @@ def backend(mode: str, cfg: dict) -> dict:
     """LLM kwargs of a mode: stock FLASH_ATTN_MLA_SPARSE (MQA prefill, as hisparse's), else the
     plugin with the hisparse config ``cfg``."""
     if mode == "stock":
-        return {"attention_config": {"backend": "FLASH_ATTN_MLA_SPARSE",
-                                     "sparse_mla_force_mqa": True}}
+        return {"attention_config": {"backend": "FLASHMLA_SPARSE" if KV == "fp8_ds_mla" else
+                                     "FLASH_ATTN_MLA_SPARSE", "sparse_mla_force_mqa": True}}
     from vllm_hisparse.vllm.plugin import register
 
     register()
@@ -123,7 +124,7 @@ def run(mode: str, model: str, out: str) -> int:
     kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format=LOAD,
               dtype="bfloat16", seed=0, max_model_len=MAX_LEN, max_num_seqs=8,
               max_num_batched_tokens=8192, gpu_memory_utilization=UTIL,
-              compilation_config=compilation())
+              compilation_config=compilation(), kv_cache_dtype=KV)
     if SPEC:
         kw.update(speculative_config={"method": "ngram", "num_speculative_tokens": SPEC,
                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2},

@@ -36,11 +36,13 @@ def mla_config(hs=None, **over):
     return cfg
 
 
-@pytest.mark.parametrize("host_tier, policy", [(True, "lru"), (False, "lru"), (True, "crf")])
-def test_prepare_config_sets_what_the_dsa_path_needs(host_tier, policy):
+@pytest.mark.parametrize("host_tier, policy, kv", [(True, "lru", "auto"), (False, "lru", "auto"),
+                                                   (True, "crf", "auto"), (True, "lru", "fp8_ds_mla"),
+                                                   (False, "lru", "fp8_ds_mla")])
+def test_prepare_config_sets_what_the_dsa_path_needs(host_tier, policy, kv):
     from vllm_hisparse.vllm.setup_check import prepare_config
 
-    cfg = mla_config({"host_tier": host_tier, "policy": policy})
+    cfg = mla_config({"host_tier": host_tier, "policy": policy}, cache_config__cache_dtype=kv)
     prepare_config(cfg)                              # crf is served on the DSA path too
     assert cfg.cache_config.block_size == 64 and cfg.cache_config.user_specified_block_size
     assert cfg.cache_config.enable_prefix_caching is False
@@ -75,7 +77,13 @@ REFUSED = [
                                                   "index_topk=64"),
     ({}, {"top_k": 128, "device_buffer_size": 256}, "top_k=128 differs from the model's "
                                                      'index_topk=64; with indexer \'dsa\''),
-    ({"cache_config__cache_dtype": "fp8_ds_mla"}, None, "kv_cache_dtype='fp8_ds_mla'"),
+    ({"cache_config__cache_dtype": "fp8"}, None, "kv_cache_dtype='fp8' is not supported with "
+                                                 "indexer 'dsa'"),
+    ({"cache_config__cache_dtype": "fp8_ds_mla", "model_config__max_model_len": 1000}, None,
+     "--max-model-len 1000 must be a multiple of 64 with kv_cache_dtype fp8_ds_mla"),
+    ({"cache_config__cache_dtype": "fp8_ds_mla"}, {"device_buffer_size": 100},
+     "device_buffer_size 100 must be a multiple of 64 with kv_cache_dtype fp8_ds_mla (the pool is "
+     "read in 64-token blocks); set it to 128"),
     ({"cache_config__user_specified_block_size": True, "cache_config__block_size": 16}, None,
      "--block-size 16 must be 64"),
     ({"cfg__speculative_config": SimpleNamespace(method="mtp", num_speculative_tokens=1)}, None,
@@ -118,11 +126,14 @@ def test_indexer_dsa_on_a_gqa_model_is_refused():
 
 
 def test_route_sends_sparse_mla_to_the_mla_backend_only():
-    from vllm_hisparse.vllm.plugin import BACKEND_PATH, MLA_BACKEND_PATH, route
+    from vllm_hisparse.vllm.plugin import (BACKEND_PATH, MLA_BACKEND_PATH, MLA_FP8_BACKEND_PATH,
+                                           route)
 
     assert route(use_mla=True, use_sparse=True) == MLA_BACKEND_PATH
+    assert route(True, True, "fp8_ds_mla") == MLA_FP8_BACKEND_PATH
     for mla, sparse in ((True, False), (False, False), (False, True)):
-        assert route(mla, sparse) == BACKEND_PATH        # the GQA backend validates (refuses MLA)
+        for dt in ("auto", "fp8_ds_mla"):
+            assert route(mla, sparse, dt) == BACKEND_PATH   # the GQA backend validates (refuses MLA)
 
 
 def _selector_config(**kw):
@@ -158,17 +169,23 @@ def test_cuda_selection_wrap_routes_custom_by_layer_kind(monkeypatch, why):
         def get_device_capability(cls):
             return (9, 0)
 
-    fake = ModuleType("vllm_hisparse.vllm.mla_backend")
-    fake.HiSparseMLASparseBackend = SimpleNamespace(
-        validate_configuration=lambda device_capability, **kw: list(why))
-    monkeypatch.setitem(sys.modules, "vllm_hisparse.vllm.mla_backend", fake)
+    for mod, cls in (("mla_backend", "HiSparseMLASparseBackend"),
+                     ("mla_fp8_backend", "HiSparseFlashMLASparseBackend")):
+        fake = ModuleType(f"vllm_hisparse.vllm.{mod}")
+        setattr(fake, cls, SimpleNamespace(
+            validate_configuration=lambda device_capability, **kw: list(why)))
+        monkeypatch.setitem(sys.modules, f"vllm_hisparse.vllm.{mod}", fake)
     plugin._wrap_cuda_selection(c, FakeCuda)
     custom = c.AttentionBackendEnum.CUSTOM
     if why:
         with pytest.raises(ValueError, match="cannot run this MLA model: compute capability"):
             FakeCuda.get_attn_backend_cls(custom, _selector_config())
+        with pytest.raises(ValueError, match="cannot run this MLA model: compute capability"):
+            FakeCuda.get_attn_backend_cls(custom, _selector_config(kv_cache_dtype="fp8_ds_mla"))
     else:
         assert FakeCuda.get_attn_backend_cls(custom, _selector_config()) == plugin.MLA_BACKEND_PATH
+        assert FakeCuda.get_attn_backend_cls(custom, _selector_config(
+            kv_cache_dtype="fp8_ds_mla")) == plugin.MLA_FP8_BACKEND_PATH
     assert FakeCuda.get_attn_backend_cls(custom, _selector_config(use_mla=False,
                                                                   use_sparse=False)) == "stock.path"
     other = c.AttentionBackendEnum.FLASH_ATTN_MLA_SPARSE
@@ -178,8 +195,7 @@ def test_cuda_selection_wrap_routes_custom_by_layer_kind(monkeypatch, why):
 
 def test_fp8_ds_mla_latent_rows_are_656_bytes_in_the_deployment():
     """The deployment sizes fp8_ds_mla latent rows at 656 B (ops/fp8_ds_mla.py), bf16 at 1152 B:
-    the host pool's rows and the pool's row bytes follow (the served path still refuses the
-    dtype at startup: the FlashMLA adapter is not written)."""
+    the host pool's rows and the pool's row bytes follow."""
     from vllm_hisparse.vllm.deployment import deployment_of
 
     bf = deployment_of(mla_config())

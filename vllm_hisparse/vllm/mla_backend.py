@@ -34,9 +34,10 @@ from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
 
 from . import worker
 from .backend import _host_first_blocks, _host_seq_lens
-from .mla_worker import LatentWorker
-from .compat import extract_layer_index, get_current_vllm_config
+from .compat import get_current_vllm_config
 from .deployment import config_of
+from .mla_impl import LatentImpl
+from .mla_worker import LatentWorker
 
 
 class HiSparseMLASparseBackend(FlashAttnMLASparseBackend):
@@ -79,35 +80,12 @@ class HiSparseMLASparseMetadataBuilder(FlashAttnMLASparseMetadataBuilder):
         return md
 
 
-class HiSparseMLASparseImpl(FlashAttnMLASparseImpl):
+class HiSparseMLASparseImpl(LatentImpl, FlashAttnMLASparseImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         vc = get_current_vllm_config()
-        self._static = vc.compilation_config.static_forward_context
-        self._layer: int | None = None
         self.num_splits = config_of(vc).mla_num_splits
-        assert self.topk_indices_buffer is not None
-        # the process's worker object: made by the first layer, found by the next ones
-        self.hisparse_worker: LatentWorker = worker.find(vc) or LatentWorker.start(
-            vc, self.kv_lora_rank + self.qk_rope_head_dim, self.topk_indices_buffer.shape[1],
-            vc.model_config.dtype)
-
-    def _layer_index(self) -> int:
-        """This impl's layer (vLLM passes do_kv_cache_update no layer): found once by name in the
-        forward context, where the MLAAttention holding it registered itself."""
-        if self._layer is None:
-            for name, layer in self._static.items():
-                if getattr(layer, "impl", None) is self:
-                    self._layer = extract_layer_index(name)
-                    break
-            else:
-                raise RuntimeError("hisparse: an MLA impl is not in vLLM's forward context")
-        return self._layer
-
-    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
-                           k_scale) -> None:
-        # the stub cache and slot_mapping are ignored: rows go where the step's plan says
-        self.hisparse_worker.runtime.write(self._layer_index(), kv_c_normed, k_pe)
+        self._start_hisparse(self.kv_lora_rank + self.qk_rope_head_dim, vc.model_config.dtype)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         if not isinstance(q, tuple):

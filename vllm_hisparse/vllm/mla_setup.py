@@ -13,7 +13,7 @@ from .deployment import deployment_of
 
 # the one connector of every hisparse run (plugin.CONNECTOR): it picks the MLA halves (connector.py)
 CONNECTOR = ("HiSparseConnector", "vllm_hisparse.vllm.connector")
-LATENT_DTYPES = ("auto", "bfloat16", "float16")
+LATENT_DTYPES = ("auto", "bfloat16", "float16", "fp8_ds_mla")   # fp8_ds_mla: mla_fp8_backend.py
 
 
 SPEC_METHODS = ("ngram",)    # no draft model: only the target model's MLA layers run hisparse
@@ -36,6 +36,25 @@ def check_speculative(cfg: HiSparseConfig, sc, topk: int) -> None:
         latent_spec.check_buffer(cfg.device_buffer_size, topk, k)
     except ValueError as e:
         raise Refused(f"hisparse: {e}") from None
+
+
+def check_latent_dtype(cfg: HiSparseConfig, cache_dtype: str, max_model_len: int) -> None:
+    """bf16/fp16 latent rows (FLASH_ATTN_MLA_SPARSE's), or fp8_ds_mla's 656 B rows
+    (FLASHMLA_SPARSE's), whose pool is read as vLLM's cache of 64-token blocks: regions
+    (max_model_len rows) and row sets (device_buffer_size rows) must start on a block."""
+    if cache_dtype not in LATENT_DTYPES:
+        raise Refused(f"hisparse: kv_cache_dtype={cache_dtype!r} is not supported with indexer "
+                      f"'dsa' (the latent pool holds bf16/fp16 rows or fp8_ds_mla's 656 B rows); "
+                      f"use --kv-cache-dtype auto or fp8_ds_mla")
+    if cache_dtype != "fp8_ds_mla":
+        return
+    for name, value in (("--max-model-len", max_model_len),
+                        ("device_buffer_size", cfg.device_buffer_size)):
+        if value % MLA_BLOCK:
+            up = -(-value // MLA_BLOCK) * MLA_BLOCK
+            raise Refused(f"hisparse: {name} {value} must be a multiple of {MLA_BLOCK} with "
+                          f"kv_cache_dtype fp8_ds_mla (the pool is read in {MLA_BLOCK}-token "
+                          f"blocks); set it to {up}")
 
 
 def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
@@ -66,10 +85,7 @@ def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
         raise Refused(f"hisparse: top_k={cfg.top_k} differs from the model's index_topk={topk}; "
                       f"with indexer 'dsa' the model's own indexer selects index_topk tokens a "
                       f"step; set \"top_k\": {topk}")
-    if cc.cache_dtype not in LATENT_DTYPES:
-        raise Refused(f"hisparse: kv_cache_dtype={cc.cache_dtype!r} is not supported with indexer "
-                      f"'dsa' (the latent pool is bf16/fp16, as FLASH_ATTN_MLA_SPARSE's); use "
-                      f"--kv-cache-dtype auto")
+    check_latent_dtype(cfg, cc.cache_dtype, mc.max_model_len)
     if getattr(cc, "user_specified_block_size", False) and cc.block_size not in (None, MLA_BLOCK):
         raise Refused(f"hisparse: --block-size {cc.block_size} must be {MLA_BLOCK} for indexer "
                       f"'dsa' (FLASH_ATTN_MLA_SPARSE's block); drop --block-size")

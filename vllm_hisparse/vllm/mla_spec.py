@@ -20,7 +20,10 @@ def stub_head_size(itemsize: int) -> int:
 
 
 def stub_spec(spec):
-    """``spec`` (an MLAAttentionSpec of a hisparse layer) with the stub head size."""
+    """``spec`` (an MLAAttentionSpec of a hisparse layer) with the stub head size; an fp8_ds_mla
+    spec also loses its cache_dtype_str, which would size its page at 656 B a token."""
     import torch
 
-    return replace(spec, head_size=stub_head_size(torch.empty((), dtype=spec.dtype).element_size()))
+    kw = {"cache_dtype_str": None} if getattr(spec, "cache_dtype_str", None) == "fp8_ds_mla" else {}
+    return replace(spec, head_size=stub_head_size(torch.empty((), dtype=spec.dtype).element_size()),
+                   **kw)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 BACKEND_PATH = "vllm_hisparse.vllm.backend.HiSparseBackend"
 MLA_BACKEND_PATH = "vllm_hisparse.vllm.mla_backend.HiSparseMLASparseBackend"
+MLA_FP8_BACKEND_PATH = "vllm_hisparse.vllm.mla_fp8_backend.HiSparseFlashMLASparseBackend"
 CONNECTOR = ("HiSparseConnector", "vllm_hisparse.vllm.connector")
 
 
@@ -86,11 +87,14 @@ def selected(vllm_config) -> bool:
     return be == c.AttentionBackendEnum.CUSTOM and c.AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
 
 
-def route(use_mla: bool, use_sparse: bool) -> str:
+def route(use_mla: bool, use_sparse: bool, kv_cache_dtype: str = "auto") -> str:
     """The hisparse backend class path for a layer that selected CUSTOM: an MLA layer with a sparse
-    indexer goes to the MLA backend (docs/dsa.md); every other layer to the GQA backend, whose
+    indexer goes to the MLA backend (docs/dsa.md: FLASH_ATTN_MLA_SPARSE's subclass, or with the
+    fp8_ds_mla cache FLASHMLA_SPARSE's); every other layer to the GQA backend, whose
     ``validate_configuration`` refuses MLA without an indexer in one line."""
-    return MLA_BACKEND_PATH if use_mla and use_sparse else BACKEND_PATH
+    if use_mla and use_sparse:
+        return MLA_FP8_BACKEND_PATH if kv_cache_dtype == "fp8_ds_mla" else MLA_BACKEND_PATH
+    return BACKEND_PATH
 
 
 def _is_ours(backend_cls) -> bool:
@@ -187,11 +191,14 @@ def _wrap_cuda_selection(c, plat) -> None:
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         if (selected_backend == c.AttentionBackendEnum.CUSTOM
                 and c.AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH):
-            path = route(attn_selector_config.use_mla, attn_selector_config.use_sparse)
-            if path == MLA_BACKEND_PATH:
-                from .mla_backend import HiSparseMLASparseBackend
-
-                why = HiSparseMLASparseBackend.validate_configuration(
+            path = route(attn_selector_config.use_mla, attn_selector_config.use_sparse,
+                         attn_selector_config.kv_cache_dtype)
+            if path != BACKEND_PATH:
+                if path == MLA_FP8_BACKEND_PATH:
+                    from .mla_fp8_backend import HiSparseFlashMLASparseBackend as cls_
+                else:
+                    from .mla_backend import HiSparseMLASparseBackend as cls_
+                why = cls_.validate_configuration(
                     device_capability=cls.get_device_capability(),
                     **attn_selector_config._asdict())
                 if why:

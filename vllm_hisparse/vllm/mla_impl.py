@@ -1,0 +1,42 @@
+"""What both hisparse MLA impls share (vllm/mla_backend.py on FLASH_ATTN_MLA_SPARSE, bf16 rows;
+vllm/mla_fp8_backend.py on FLASHMLA_SPARSE, fp8_ds_mla rows): the process's worker object, found
+or started by the first layer (``LatentWorker.start``: the runtime's pool is allocated while vLLM
+builds the model, so its memory profiling counts it), the layer's index, and
+``do_kv_cache_update``, which sends the step's new rows where the plan says (the stub cache and
+vLLM's slot_mapping are ignored). A mixin listed before the stock impl class."""
+from __future__ import annotations
+
+import torch
+
+from . import worker
+from .compat import extract_layer_index, get_current_vllm_config
+from .mla_worker import LatentWorker
+
+
+class LatentImpl:
+    def _start_hisparse(self, row: int, dtype: torch.dtype) -> LatentWorker:
+        """The worker (made by the first layer, found by the next ones); row: values of one
+        latent row in ``dtype`` (576 bf16, or fp8_ds_mla's 656 bytes as uint8)."""
+        vc = get_current_vllm_config()
+        self._static = vc.compilation_config.static_forward_context
+        self._layer: int | None = None
+        assert self.topk_indices_buffer is not None
+        self.hisparse_worker = worker.find(vc) or LatentWorker.start(
+            vc, row, self.topk_indices_buffer.shape[1], dtype)
+        return self.hisparse_worker
+
+    def _layer_index(self) -> int:
+        """This impl's layer (vLLM passes do_kv_cache_update no layer): found once by name in the
+        forward context, where the MLAAttention holding it registered itself."""
+        if self._layer is None:
+            for name, layer in self._static.items():
+                if getattr(layer, "impl", None) is self:
+                    self._layer = extract_layer_index(name)
+                    break
+            else:
+                raise RuntimeError("hisparse: an MLA impl is not in vLLM's forward context")
+        return self._layer
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                           k_scale) -> None:
+        self.hisparse_worker.runtime.write(self._layer_index(), kv_c_normed, k_pe)
