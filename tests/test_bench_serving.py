@@ -187,3 +187,32 @@ def test_real_text_prompts_are_distinct_windows(tmp_path):
     assert len(text_prompts(toks, 999, 5, random.Random(0))) == 5    # 2 offsets: repeats allowed
     with pytest.raises(SystemExit, match="cannot fill --input-len 1001"):
         text_prompts(toks, 1001, 1, random.Random(0))
+
+
+def test_dsa_models_run_the_dsa_path(tmp_path, capsys):
+    """A DSA model (index_topk in config.json): stock on FLASH_ATTN_MLA_SPARSE (FLASHMLA_SPARSE
+    with an fp8_ds_mla cache) with every prefill token through the sparse MQA path, the tiny
+    tokenizer's hf mode, hisparse's DSA default config, the DSA ledger's admission line as
+    capacity; elastic refused before any server starts."""
+    from vllm_hisparse.bench.serving import DSA_DEFAULT, capacity, is_dsa, main
+
+    (tmp_path / "config.json").write_text(json.dumps({"index_topk": 2048, "kv_lora_rank": 512}))
+    assert is_dsa(str(tmp_path)) and not is_dsa(str(tmp_path / "none"))
+    a = args(model=str(tmp_path), dsa=True, hisparse=DSA_DEFAULT)
+    stock = server_cmd(a, "stock", 9)
+    cfg = json.loads(stock[stock.index("--attention-config") + 1])
+    assert cfg == {"backend": "FLASH_ATTN_MLA_SPARSE", "sparse_mla_force_mqa": True}
+    assert stock[stock.index("--tokenizer-mode") + 1] == "hf"
+    f8 = server_cmd(args(model=str(tmp_path), dsa=True, hisparse=DSA_DEFAULT,
+                         extra_server_args=["--kv-cache-dtype", "fp8_ds_mla"]), "stock", 9)
+    assert json.loads(f8[f8.index("--attention-config") + 1])["backend"] == "FLASHMLA_SPARSE"
+    his = server_cmd(a, "hisparse", 9)
+    assert "--attention-config" not in his
+    assert json.loads(his[his.index("--additional-config") + 1])["hisparse"]["indexer"] == "dsa"
+    assert "--tokenizer-mode" not in server_cmd(args(), "stock", 9)       # a GQA model: as before
+    log = ("INFO ... Maximum concurrency for 33,000 tokens per request: 40.10x\n"
+           "INFO ... hisparse dsa: admission of 24 requests at once (2 prefill regions, ...)\n")
+    assert capacity(log, "hisparse", 33000, 256) == 24
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path), "--backends", "stock,elastic", "--out", str(tmp_path)])
+    assert "elastic is the GQA path's resident_first" in capsys.readouterr().err

@@ -18,6 +18,12 @@ docs/vllm-integration.md, "Residency states"), so one run compares the two.
         --concurrency 1,2,4,8,16,32,64,128,256 --backends stock,resident,hisparse \
         --gpu-memory-utilization 0.3 --hisparse '{"top_k":2048,"device_buffer_size":4096}' --out DIR
 
+A DSA model (config.json with ``index_topk``: DeepSeek-V3.2 shapes, bench/model_shapes.py) runs
+the DSA path: hisparse's default config is ``DSA_DEFAULT`` (indexer dsa), stock is
+FLASH_ATTN_MLA_SPARSE (FLASHMLA_SPARSE with ``-- --kv-cache-dtype fp8_ds_mla``) with every prefill
+token through the sparse MQA path as hisparse's (``sparse_mla_force_mqa``), backends stock,
+resident, hisparse (``elastic`` is the GQA path's resident_first).
+
 Decode-heavy workloads (``--workload``): ``paper`` = 32K in / 8K out (the HiSparse paper's),
 ``reasoning`` = 1K in / 16K out; ``--concurrency 1,cap`` runs each at one request and at the
 backend's capacity (``cap``: read from the server's startup log, see ``capacity``).
@@ -40,6 +46,27 @@ from vllm_hisparse.bench.serving_load import profiled_point, run_point, warm_up
 from vllm_hisparse.server_health import stop, wait_healthy
 
 BACKENDS = ("stock", "resident", "hisparse", "elastic")    # elastic: hisparse + resident_first
+GQA_DEFAULT = ('{"top_k": 2048, "device_buffer_size": 4096, "dense_pool_gib": 6, '
+               '"host_pool_gib": 84, "quest_rows": 22}')
+DSA_DEFAULT = '{"indexer": "dsa", "top_k": 2048, "device_buffer_size": 4096, "dense_layers": []}'
+
+
+def is_dsa(model: str) -> bool:
+    """A model folder whose config.json names a DSA indexer (``index_topk``)."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return "index_topk" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def dsa_stock_args(extra: list[str]) -> list[str]:
+    """Stock's sparse-MLA backend for a DSA model, as hisparse runs it: FLASHMLA_SPARSE for an
+    fp8_ds_mla cache (in the extra server args), else FLASH_ATTN_MLA_SPARSE; every prefill token
+    through the sparse MQA path."""
+    fp8 = any(a in ("fp8_ds_mla", "--kv-cache-dtype=fp8_ds_mla") for a in extra)
+    backend = "FLASHMLA_SPARSE" if fp8 else "FLASH_ATTN_MLA_SPARSE"
+    return ["--attention-config", json.dumps({"backend": backend, "sparse_mla_force_mqa": True})]
 WORKLOADS = {"paper": (32768, 8192), "reasoning": (1024, 16384)}     # (input, output) tokens
 
 
@@ -68,9 +95,14 @@ def serve_cmd(args, backend: str, port: int, max_len: int, *, max_seqs: int | No
         cmd += ["--max-num-seqs", str(max_seqs)]
     if args.load_format:
         cmd += ["--load-format", args.load_format]
+    dsa = getattr(args, "dsa", False)
+    if dsa:
+        cmd += ["--tokenizer-mode", "hf"]   # the shapes carry the tiny tokenizer (model_shapes.py)
     cfg = backend_config(backend, args.hisparse)
     if cfg is not None:
         cmd += ["--attention-backend", "hisparse", "--additional-config", json.dumps({"hisparse": cfg})]
+    elif dsa:
+        cmd += dsa_stock_args(args.extra_server_args)
     return cmd + list(extra) + args.extra_server_args
 
 
@@ -105,8 +137,8 @@ def capacity(log: str, backend: str, mml: int, seqs: int) -> int:
         raise RuntimeError(f"{backend}: no 'Maximum concurrency for {mml:,} tokens' line in the "
                            f"server log; give numbers to --concurrency instead of cap")
     n = min(int(float(m[-1])), seqs)
-    if backend != "stock":
-        room = re.findall(r"hisparse: room for (\d+) requests", log)
+    if backend != "stock":       # the GQA connector's line, or the DSA ledger's
+        room = re.findall(r"hisparse(?: dsa)?: (?:room for|admission of) (\d+) requests", log)
         if not room:
             raise RuntimeError(f"{backend}: no 'hisparse: room for N requests' line in the server "
                                f"log; give numbers to --concurrency instead of cap")
@@ -168,9 +200,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="requests per point = concurrency x rounds")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--hisparse", default='{"top_k": 2048, "device_buffer_size": 4096, '
-                   '"dense_pool_gib": 6, "host_pool_gib": 84, "quest_rows": 22}',
-                   help="hisparse config (JSON); the default is sized with `hisparse calc` for the "
+    p.add_argument("--hisparse", default=None,
+                   help="hisparse config (JSON); with a DSA model the default is DSA_DEFAULT; "
+                        "else the default is sized with `hisparse calc` for the "
                         "128 GiB GPU box at 32K and gpu_memory_utilization 0.3: 84 GiB pinned host "
                         "= 22 requests' sparse layers, 22 Quest rows, their two dense layers in a "
                         "6 GiB GPU dense pool (neither reserved when max_model_len < min_context, "
@@ -200,6 +232,12 @@ def main(argv=None) -> int:
     except ValueError:
         p.error(f"--concurrency {args.concurrency}: numbers or 'cap', comma-separated")
     backends = parse_backends(p, args.backends)
+    args.dsa = is_dsa(args.model)
+    if args.dsa and "elastic" in backends:
+        p.error("--backends elastic is the GQA path's resident_first; a DSA model runs stock, "
+                "resident, hisparse")
+    if args.hisparse is None:
+        args.hisparse = DSA_DEFAULT if args.dsa else GQA_DEFAULT
     os.makedirs(args.out, exist_ok=True)
     vocab = model_vocab(args.model)
     rows: list[dict] = []
