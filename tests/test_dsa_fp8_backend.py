@@ -162,3 +162,20 @@ def test_every_token_reads_its_selected_positions(monkeypatch, mixed, control):
         assert wrong == []
     else:                                    # every prefill token that selects anything
         assert wrong == list(range(2, T)) and 0 not in wrong and 1 not in wrong
+
+
+def test_builder_notes_each_prefill_chunks_first_tokens():
+    """The fp8 builder's addition to stock's metadata: per prefill chunk, the first token of each
+    of its requests (decode requests first in vLLM's batch), which forward_mqa maps to regions."""
+    from vllm_hisparse.vllm.mla_fp8_backend import HiSparseFlashMLASparseMetadataBuilder
+
+    b = object.__new__(HiSparseFlashMLASparseMetadataBuilder)
+    b.device = torch.device("cpu")
+    chunks = [SimpleNamespace(req_start_idx=0, block_table=torch.zeros(2, 3)),
+              SimpleNamespace(req_start_idx=2, block_table=torch.zeros(1, 3))]
+    md = SimpleNamespace(num_decodes=3, fp8_extra_metadata=SimpleNamespace(
+        prefill=SimpleNamespace(chunks=chunks)))
+    qsl = [0, 1, 2, 3, 40, 90, 95]              # 3 decodes, then prefills of 37, 50, 5 tokens
+    b.noted(md, qsl)
+    assert chunks[0].hisparse_first.tolist() == [3, 40] and chunks[1].hisparse_first.tolist() == [90]
+    b.noted(SimpleNamespace(num_decodes=2, fp8_extra_metadata=SimpleNamespace(prefill=None)), qsl)

@@ -22,7 +22,7 @@ import json
 import os
 from dataclasses import dataclass, replace
 
-from vllm_hisparse.config import HiSparseConfig
+from vllm_hisparse.config import HiSparseConfig, HiSparseConfigError
 from vllm_hisparse.core.auto_size import Machine
 from vllm_hisparse.core.capacity import DTYPE_BYTES
 from vllm_hisparse.core.deployment import Deployment, EngineLimits, resolve
@@ -111,6 +111,22 @@ def limits_of(vllm_config, machine: Machine | None = None) -> EngineLimits | Non
                         max_num_batched_tokens=getattr(sc, "max_num_batched_tokens", 0) or 0,
                         watermark=getattr(sc, "watermark", 0.0) or 0.0,
                         spec_tokens=getattr(spec, "num_speculative_tokens", 0) or 0, **kw)
+
+
+SPEC_METHODS = ("ngram",)    # no draft model: only the target model's layers run hisparse
+
+
+def ngram_drafts(sc, why: str) -> int:
+    """The draft tokens of vLLM's speculative_config ``sc`` (0 without one), refusing in one line
+    a method other than ngram (``why``: why a draft model cannot run on this path)."""
+    if sc is None:
+        return 0
+    method = getattr(sc, "method", None)
+    if method not in SPEC_METHODS:
+        raise HiSparseConfigError(f"hisparse: speculative_config method={method!r} is not "
+                                  f"supported{why}; use method \"ngram\" or drop "
+                                  f"--speculative-config")
+    return getattr(sc, "num_speculative_tokens", None) or 0
 
 
 def kv_dtype_bytes(vllm_config, model_bytes: int) -> int:

@@ -32,12 +32,9 @@ from vllm.v1.attention.backends.mla.flashattn_mla_sparse import (
 )
 from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
 
-from . import worker
-from .backend import _host_first_blocks, _host_seq_lens
 from .compat import get_current_vllm_config
 from .deployment import config_of
-from .mla_impl import LatentImpl
-from .mla_worker import LatentWorker
+from .mla_impl import LatentBuilder, LatentImpl
 
 
 class HiSparseMLASparseBackend(FlashAttnMLASparseBackend):
@@ -61,23 +58,9 @@ class HiSparseMLASparseBackend(FlashAttnMLASparseBackend):
         return (num_blocks, block_size, head_size)     # head_size: the stub's (mla_spec.py)
 
 
-class HiSparseMLASparseMetadataBuilder(FlashAttnMLASparseMetadataBuilder):
+class HiSparseMLASparseMetadataBuilder(LatentBuilder, FlashAttnMLASparseMetadataBuilder):
     """The stock builder (its metadata, its CUDA-graph support), which also notes the batch's
-    host-side shape for the connector to plan (``LatentWorker.note``)."""
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.worker: LatentWorker = worker.of_layer(vllm_config, layer_names[0])
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        cm = common_attn_metadata
-        B = cm.num_reqs
-        qsl = cm.query_start_loc_cpu[:B + 1].tolist()
-        self.worker.note(qsl, _host_seq_lens(cm, B),
-                         _host_first_blocks(cm.block_table_tensor[:B], qsl,
-                                            self.worker.host_tables))
-        return md
+    host-side shape for the connector to plan (``LatentBuilder``)."""
 
 
 class HiSparseMLASparseImpl(LatentImpl, FlashAttnMLASparseImpl):

@@ -36,10 +36,7 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (
 from vllm_hisparse.core.capacity_mla import MLA_BLOCK
 from vllm_hisparse.ops import fp8_ds_mla
 
-from . import worker
-from .backend import _host_first_blocks, _host_seq_lens
-from .mla_impl import LatentImpl
-from .mla_worker import LatentWorker
+from .mla_impl import LatentBuilder, LatentImpl
 
 
 def workspace_indices(idx: torch.Tensor, base: torch.Tensor, req: torch.Tensor,
@@ -101,31 +98,17 @@ class HiSparseFlashMLASparseBackend(FlashMLASparseBackend):
         return (num_blocks, block_size, head_size)     # the stub's (mla_spec.py)
 
 
-class HiSparseFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
-    """The stock builder, noting the batch for the connector's plan (as the bf16 twin's) and, per
+class HiSparseFlashMLASparseMetadataBuilder(LatentBuilder, FlashMLASparseMetadataBuilder):
+    """The stock builder, noting the batch for the connector's plan (``LatentBuilder``) and, per
     prefill chunk of the fp8 path, its requests' first tokens (``hisparse_first``: their
     regions' rows are found from the plan in forward_mqa)."""
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.worker: LatentWorker = worker.of_layer(vllm_config, layer_names[0])
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        cm = common_attn_metadata
-        B = cm.num_reqs
-        qsl = cm.query_start_loc_cpu[:B + 1].tolist()
-        self.worker.note(qsl, _host_seq_lens(cm, B),
-                         _host_first_blocks(cm.block_table_tensor[:B], qsl,
-                                            self.worker.host_tables))
-        extra = md.fp8_extra_metadata
-        pre = getattr(extra, "prefill", None)
-        if pre is not None:
-            for ch in pre.chunks:
-                n = ch.block_table.shape[0]
-                first = qsl[md.num_decodes + ch.req_start_idx:md.num_decodes + ch.req_start_idx + n]
-                ch.hisparse_first = torch.tensor(first, dtype=torch.int64, device=self.device)
-        return md
+    def noted(self, md, qsl: list[int]) -> None:
+        pre = getattr(md.fp8_extra_metadata, "prefill", None)
+        for ch in (pre.chunks if pre is not None else ()):
+            a = md.num_decodes + ch.req_start_idx
+            first = qsl[a:a + ch.block_table.shape[0]]
+            ch.hisparse_first = torch.tensor(first, dtype=torch.int64, device=self.device)
 
 
 class HiSparseFlashMLASparseImpl(LatentImpl, FlashMLASparseImpl):

@@ -1,4 +1,6 @@
-"""What both hisparse MLA impls share (vllm/mla_backend.py on FLASH_ATTN_MLA_SPARSE, bf16 rows;
+"""What both hisparse MLA backends share: the builders' ``LatentBuilder`` (the stock build, then the
+batch's host-side shape noted for the connector's plan, ``LatentWorker.note``) and the impls'
+``LatentImpl``. What both hisparse MLA impls share (vllm/mla_backend.py on FLASH_ATTN_MLA_SPARSE, bf16 rows;
 vllm/mla_fp8_backend.py on FLASHMLA_SPARSE, fp8_ds_mla rows): the process's worker object, found
 or started by the first layer (``LatentWorker.start``: the runtime's pool is allocated while vLLM
 builds the model, so its memory profiling counts it), the layer's index, and
@@ -9,8 +11,31 @@ from __future__ import annotations
 import torch
 
 from . import worker
+from .backend import _host_first_blocks, _host_seq_lens
 from .compat import extract_layer_index, get_current_vllm_config
 from .mla_worker import LatentWorker
+
+
+class LatentBuilder:
+    """A mixin listed before the stock metadata builder class."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.worker: LatentWorker = worker.of_layer(vllm_config, layer_names[0])
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        cm = common_attn_metadata
+        B = cm.num_reqs
+        qsl = cm.query_start_loc_cpu[:B + 1].tolist()
+        self.worker.note(qsl, _host_seq_lens(cm, B),
+                         _host_first_blocks(cm.block_table_tensor[:B], qsl,
+                                            self.worker.host_tables))
+        self.noted(md, qsl)
+        return md
+
+    def noted(self, md, qsl: list[int]) -> None:
+        """What a backend adds to the stock metadata of a noted batch (nothing by default)."""
 
 
 class LatentImpl:

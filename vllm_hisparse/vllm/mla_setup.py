@@ -9,14 +9,11 @@ from vllm_hisparse.config import HiSparseConfigError as Refused
 from vllm_hisparse.core import indexers, latent_spec
 from vllm_hisparse.core.capacity_mla import MLA_BLOCK
 
-from .deployment import deployment_of
+from .deployment import deployment_of, ngram_drafts
 
 # the one connector of every hisparse run (plugin.CONNECTOR): it picks the MLA halves (connector.py)
 CONNECTOR = ("HiSparseConnector", "vllm_hisparse.vllm.connector")
 LATENT_DTYPES = ("auto", "bfloat16", "float16", "fp8_ds_mla")   # fp8_ds_mla: mla_fp8_backend.py
-
-
-SPEC_METHODS = ("ngram",)    # no draft model: only the target model's MLA layers run hisparse
 
 
 def check_speculative(cfg: HiSparseConfig, sc, topk: int) -> None:
@@ -26,12 +23,8 @@ def check_speculative(cfg: HiSparseConfig, sc, topk: int) -> None:
     with its own indexer and KV cache, which the latent pool does not hold."""
     if sc is None:
         return
-    method, k = getattr(sc, "method", None), getattr(sc, "num_speculative_tokens", None) or 0
-    if method not in SPEC_METHODS:
-        raise Refused(f"hisparse: speculative_config method={method!r} is not supported with "
-                      f"indexer 'dsa' (only {', '.join(SPEC_METHODS)}: an MTP draft layer's "
-                      f"latent is not in the plugin's pool); use method \"ngram\" or drop "
-                      f"--speculative-config")
+    k = ngram_drafts(sc, " with indexer 'dsa' (only ngram: an MTP draft layer's latent is not in "
+                         "the plugin's pool)")
     try:
         latent_spec.check_buffer(cfg.device_buffer_size, topk, k)
     except ValueError as e:

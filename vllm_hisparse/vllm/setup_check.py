@@ -9,7 +9,7 @@ from vllm_hisparse.config import HiSparseConfigError as Refused   # a ValueError
 
 from . import graph_mode
 from .compat import KVTransferConfig, init_logger
-from .deployment import config_of, deployment_of
+from .deployment import config_of, deployment_of, ngram_drafts
 
 logger = init_logger(__name__)
 SUPPORTED = ("hisparse supports decoder-only GQA/MHA models (Llama, Qwen, Mistral style) with "
@@ -145,20 +145,13 @@ def check_kv_cache_dtype(cfg: HiSparseConfig, cc) -> None:
                       f"split_dense_decode unset")
 
 
-SPEC_METHODS = ("ngram",)        # no draft model: the target model's layers alone run hisparse
-
-
 def check_speculative(cfg: HiSparseConfig, sc) -> None:
     """Speculative decoding (vLLM's ``speculative_config``): ngram only (a draft model's attention
     layers would run through hisparse as well; unverified), with its verify rows (1 +
     num_speculative_tokens tokens, core/spec_rows.py) on at most two pages."""
     if sc is None:
         return
-    method, k = getattr(sc, "method", None), getattr(sc, "num_speculative_tokens", None) or 0
-    if method not in SPEC_METHODS:
-        raise Refused(f"hisparse: speculative_config method={method!r} is not supported (only "
-                      f"{', '.join(SPEC_METHODS)}: no draft model); use method \"ngram\" or drop "
-                      f"--speculative-config")
+    k = ngram_drafts(sc, " (only ngram: no draft model)")
     if k + 1 > cfg.page_size:
         raise Refused(f"hisparse: speculative_config num_speculative_tokens={k} must be below "
                       f"page_size={cfg.page_size} (a verify row spans at most two pages); lower it")
