@@ -89,7 +89,8 @@ def test_prometheus_series(m):
                       "1": {"hits": 6, "lookups": 8, "miss_bytes": 200, "sparse_rows": 4,
                             "dense_rows": 2, "host_pages_used": 7}},
             "sched": {"host_pages_reserved": 9, "host_pages": 20, "waiting_host_pool": 2,
-                      "waiting_dense_pool": 0, "waiting_quest_rows": 1}}
+                      "waiting_dense_pool": 0, "waiting_quest_rows": 1,
+                      "prefix_slots_donated": 12, "prefix_slots_dropped": 1}}
     prom.observe(data, 0)
     prom.observe({"ranks": {"0": {"hits": 1, "lookups": 1, "miss_bytes": 0, "sparse_rows": 1,
                                   "dense_rows": 0, "host_pages_used": 3}}}, 0)
@@ -109,6 +110,21 @@ def test_prometheus_series(m):
     assert v("vllm:hisparse_requests_waiting", reason="host_pool") == 2
     assert v("vllm:hisparse_requests_waiting", reason="quest_rows") == 1
     assert v("vllm:hisparse_policy_info", policy="lru") == 1             # the default
+    assert v("vllm:hisparse_prefix_slots_donated") == 12
+    assert v("vllm:hisparse_prefix_slots_dropped") == 1
+
+
+def test_donation_gauges_read_the_ledger_the_manager_counts_in(m):
+    """The KV manager counts its donations in the pool's spill ledger, which the scheduler's
+    connector reports (none without a host tier)."""
+    from vllm_hisparse.vllm.spill_ledger import SpillLedger
+
+    led = SpillLedger()
+    assert m.donation_gauges(None) == {}
+    assert m.donation_gauges(led) == {"prefix_slots_donated": 0, "prefix_slots_dropped": 0}
+    led.donation["donated"] += 3
+    led.donation["dropped"] += 1
+    assert m.donation_gauges(led) == {"prefix_slots_donated": 3, "prefix_slots_dropped": 1}
 
 
 def test_policy_info_names_the_configured_policy(m):

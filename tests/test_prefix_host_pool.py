@@ -91,6 +91,8 @@ def test_hashed_slots_are_donated_in_the_step_they_are_first_overwritten():
     assert m.req_to_blocks["a"][S].is_null and a[S].ref_cnt == 0
     copies = m.take_pending_cow_copies()
     assert [src for src, _ in copies] == a[:S] and m.donation == {"donated": S, "dropped": 0}
+    from vllm_hisparse.vllm.spill_ledger import ledger_of
+    assert ledger_of(pool).donation is m.donation        # what the connector reports (/metrics)
     for i, (src, dst) in enumerate(copies):
         assert src.block_hash is None and dst.block_hash == hashes[i]
         assert pool.get_cached_block(req.block_hashes[i], [0]) == [dst]

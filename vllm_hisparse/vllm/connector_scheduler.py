@@ -385,7 +385,8 @@ class ConnectorScheduler(HostPageAdmission):
         pages = self.capacity if self.cfg.host_tier else 0         # resident mode has no pool
         now = {"host_pages_reserved": self._reserved_total, "host_pages": pages,
                "requests_hostless": len(self._hostless), "requests_moved_to_host": self._moved,
-               **metrics.table_gauges(self.host_pages), **waiting}
+               **metrics.table_gauges(self.host_pages), **waiting,
+               **metrics.donation_gauges(self._shared)}
         if now == self._sched_report:
             return None
         self._sched_report = now

@@ -33,6 +33,7 @@ from .deployment import config_of
 COUNTERS = ("hits", "lookups", "miss_bytes", "sparse_rows", "dense_rows")   # deltas per report
 WAIT_REASONS = ("host_pool", "dense_pool", "quest_rows")
 TABLE_GAUGES = ("host_pages_in_use", "host_pages_cached")     # the scheduler's HostPageTable
+DONATION_GAUGES = ("prefix_slots_donated", "prefix_slots_dropped")    # the KV manager's, cumulative
 
 
 def table_gauges(table) -> dict[str, int]:
@@ -41,6 +42,16 @@ def table_gauges(table) -> dict[str, int]:
     the index holds. Idle, the two are equal; after ``reset_prefix_cache(reset_connector=True)``
     both are 0 (bench.chat's leak check)."""
     return {"host_pages_in_use": table.used, "host_pages_cached": len(table.index)}
+
+
+def donation_gauges(ledger) -> dict[str, int]:
+    """The KV manager's donations of hashed hot-slot blocks since the start (vllm/spec.py: moved to
+    a fresh copy before the worker overwrites the slot, or dropped from the prefix cache when no
+    block was free: a lost hit), from the pool's spill ledger; none without a host tier."""
+    if ledger is None:
+        return {}
+    return {"prefix_slots_donated": ledger.donation["donated"],
+            "prefix_slots_dropped": ledger.donation["dropped"]}
 
 
 class HiSparseStats(KVConnectorStats):
@@ -73,7 +84,7 @@ class HiSparseStats(KVConnectorStats):
         if "miss_bytes" in tot:
             out["miss_MiB"] = round(tot["miss_bytes"] / (1 << 20), 3)
         for k in ("host_pages_used", "host_pages_reserved", "host_pages", "requests_hostless",
-                  "requests_moved_to_host", *TABLE_GAUGES):
+                  "requests_moved_to_host", *TABLE_GAUGES, *DONATION_GAUGES):
             if k in tot:
                 out[k] = tot[k]
         return out
@@ -202,6 +213,14 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
                                       "Host KV pool pages the prefix-cache index holds (published "
                                       "host copies; those no live request holds are evictable; "
                                       "-1: not reported).", **mp),
+            "prefix_slots_donated": make(gauge, "vllm:hisparse_prefix_slots_donated",
+                                         "Hashed hot-slot blocks the KV manager moved to fresh "
+                                         "copies before the worker overwrote them, since start "
+                                         "(prefix caching keeps their hits).", **mp),
+            "prefix_slots_dropped": make(gauge, "vllm:hisparse_prefix_slots_dropped",
+                                         "Hashed hot-slot blocks dropped from the prefix cache "
+                                         "for want of a free block, since start (lost hits).",
+                                         **mp),
             "requests_hostless": make(gauge, "vllm:hisparse_requests_hostless",
                                       "Requests running host-less (admitted when the host pool "
                                       "was full: every page on the GPU, never spilled; sparse, "

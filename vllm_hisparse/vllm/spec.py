@@ -114,10 +114,12 @@ class HiSparseManager(FullAttentionManager):
         self._given_back_now: set[int] = set()  # ids of blocks given back in this step
         self._scheduled: dict[str, tuple[int, int]] = {}   # this step: req -> (start, prompt)
         self._donated: set[str] = set()         # requests whose slots may be overwritten now
-        self.donation = {"donated": 0, "dropped": 0}       # hashed slot blocks moved / dropped
         self._ledger = None                             # resident_first's spills
         # the pool's ledger: its host-less requests (both modes)
         self._shared = ledger_of(self.block_pool) if self.hs_cfg.host_tier else None
+        # hashed slot blocks moved / dropped (the connector reports the ledger's: /metrics)
+        self.donation = (self._shared.donation if self._shared is not None
+                         else {"donated": 0, "dropped": 0})
         if self._shared is not None:
             self._shared.guard = PublishGuard(self.block_pool)
         self._seen: dict[str, tuple[int, int]] = {}     # req -> (processed tokens, prompt)

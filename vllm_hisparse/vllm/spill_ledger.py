@@ -22,6 +22,9 @@ class SpillLedger:
     bound: bool = False               # a HiSparseManager uses it (one per pool: one sparse group;
                                       # a flag and a weak reference: the pool holds the ledger)
     guard: object = None              # the manager's PublishGuard (vllm/publish_guard.py)
+    # prefix caching: the manager's hashed hot-slot blocks moved to fresh copies before the
+    # worker overwrites them / dropped from the cache (no free block); the connector reports them
+    donation: dict[str, int] = field(default_factory=lambda: {"donated": 0, "dropped": 0})
     _manager: "weakref.ref | None" = None
 
     def take(self) -> dict[str, int]:
