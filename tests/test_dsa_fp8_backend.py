@@ -170,12 +170,28 @@ def test_builder_notes_each_prefill_chunks_first_tokens():
     from vllm_hisparse.vllm.mla_fp8_backend import HiSparseFlashMLASparseMetadataBuilder
 
     b = object.__new__(HiSparseFlashMLASparseMetadataBuilder)
-    b.device = torch.device("cpu")
+    b.device, b.use_fp8_kv_cache = torch.device("cpu"), True
+    b.worker = SimpleNamespace(runtime=SimpleNamespace(verify_tokens=None))
     chunks = [SimpleNamespace(req_start_idx=0, block_table=torch.zeros(2, 3)),
               SimpleNamespace(req_start_idx=2, block_table=torch.zeros(1, 3))]
-    md = SimpleNamespace(num_decodes=3, fp8_extra_metadata=SimpleNamespace(
+    md = SimpleNamespace(num_decodes=3, fp8_use_mixed_batch=False, fp8_extra_metadata=SimpleNamespace(
         prefill=SimpleNamespace(chunks=chunks)))
     qsl = [0, 1, 2, 3, 40, 90, 95]              # 3 decodes, then prefills of 37, 50, 5 tokens
-    b.noted(md, qsl)
+    b.noted(md, None, qsl)
     assert chunks[0].hisparse_first.tolist() == [3, 40] and chunks[1].hisparse_first.tolist() == [90]
-    b.noted(SimpleNamespace(num_decodes=2, fp8_extra_metadata=SimpleNamespace(prefill=None)), qsl)
+    b.noted(SimpleNamespace(num_decodes=2, fp8_use_mixed_batch=False,
+                            fp8_extra_metadata=SimpleNamespace(prefill=None)), None, qsl)
+
+
+def test_builder_takes_the_mixed_batch_under_speculation():
+    """ngram's decodes of unequal lengths would be called prefills by vLLM's uniform split: with
+    verify rows every token goes through the fp8 kernel (stock's mixed-batch metadata)."""
+    from vllm_hisparse.vllm.mla_fp8_backend import HiSparseFlashMLASparseMetadataBuilder
+
+    b = object.__new__(HiSparseFlashMLASparseMetadataBuilder)
+    b.use_fp8_kv_cache = True
+    b.worker = SimpleNamespace(runtime=SimpleNamespace(verify_tokens=3))
+    b._build_fp8_mixed_decode_prefill = lambda cm: ("mixed", cm)
+    md = SimpleNamespace(num_decodes=1, fp8_use_mixed_batch=False, fp8_extra_metadata="separate")
+    b.noted(md, "cm", [0, 4, 5, 9])
+    assert md.fp8_use_mixed_batch and md.fp8_extra_metadata == ("mixed", "cm")

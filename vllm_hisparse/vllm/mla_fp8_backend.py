@@ -101,9 +101,22 @@ class HiSparseFlashMLASparseBackend(FlashMLASparseBackend):
 class HiSparseFlashMLASparseMetadataBuilder(LatentBuilder, FlashMLASparseMetadataBuilder):
     """The stock builder, noting the batch for the connector's plan (``LatentBuilder``) and, per
     prefill chunk of the fp8 path, its requests' first tokens (``hisparse_first``: their
-    regions' rows are found from the plan in forward_mqa)."""
+    regions' rows are found from the plan in forward_mqa).
 
-    def noted(self, md, qsl: list[int]) -> None:
+    With speculative decoding every token goes through the fp8 kernel (stock's mixed batch, which
+    stock itself takes below 32 heads a rank): the builder requires decodes of equal length and
+    calls every request after the first one of another length a prefill (vLLM's
+    ``split_decodes_and_prefills``), and ngram proposes 0..k drafts a request, so sparse requests
+    decoding (no region: their rows are in the hot slots) would land on the prefill path, which
+    upconverts a region. Outputs then equal resident mode's (the same path) but not stock's
+    separate prefill kernel's."""
+
+    def noted(self, md, cm, qsl: list[int]) -> None:
+        if (self.use_fp8_kv_cache and not md.fp8_use_mixed_batch
+                and self.worker.runtime.verify_tokens is not None):
+            md.fp8_use_mixed_batch = True
+            md.fp8_extra_metadata = self._build_fp8_mixed_decode_prefill(cm)
+            return
         pre = getattr(md.fp8_extra_metadata, "prefill", None)
         for ch in (pre.chunks if pre is not None else ()):
             a = md.num_decodes + ch.req_start_idx

@@ -31,10 +31,10 @@ class LatentBuilder:
         self.worker.note(qsl, _host_seq_lens(cm, B),
                          _host_first_blocks(cm.block_table_tensor[:B], qsl,
                                             self.worker.host_tables))
-        self.noted(md, qsl)
+        self.noted(md, cm, qsl)
         return md
 
-    def noted(self, md, qsl: list[int]) -> None:
+    def noted(self, md, cm, qsl: list[int]) -> None:
         """What a backend adds to the stock metadata of a noted batch (nothing by default)."""
 
 
