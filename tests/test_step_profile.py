@@ -113,3 +113,36 @@ def test_cpu_engine_run_and_diff(tmp_path):
                           str(out / "stock.json"), str(out / "elastic.json"), "--csv",
                           str(csv_path)], check=True, capture_output=True, text=True, env=env)
     assert "b - a: wall" in res.stdout and csv_path.read_text().startswith("table,")
+
+
+def test_engine_kwargs_of_a_dsa_model(tmp_path):
+    """A DSA model's engines: the hf tokenizer mode, stock on its sparse-MLA backend with every
+    prefill token through the sparse MQA path (FLASHMLA_SPARSE with fp8_ds_mla), hisparse with
+    its config; a GQA model's unchanged. The DSA runtime's host time and steps are read as the
+    GQA runtime's."""
+    from types import SimpleNamespace
+
+    from vllm_hisparse.core.latent_runtime import LatentRuntime
+
+    (tmp_path / "config.json").write_text(json.dumps({"index_topk": 2048, "kv_lora_rank": 512}))
+    a = SimpleNamespace(model=str(tmp_path), input_len=100, warm_steps=2, steps=3, profile_steps=4,
+                        capture_sizes=None, rows=2, load_format="dummy", gpu_memory_utilization=0.5,
+                        dtype="auto", log_stats=False, no_prefix_caching=True,
+                        max_num_batched_tokens=None, kv_cache_dtype="auto")
+    stock = sp.engine_kwargs(a, None, cuda=True)
+    assert stock["tokenizer_mode"] == "hf" and stock["max_model_len"] == 141
+    assert stock["attention_config"] == {"backend": "FLASH_ATTN_MLA_SPARSE",
+                                         "sparse_mla_force_mqa": True}
+    a.kv_cache_dtype = "fp8_ds_mla"
+    f8 = sp.engine_kwargs(a, None, cuda=True)
+    assert f8["attention_config"]["backend"] == "FLASHMLA_SPARSE"
+    assert f8["kv_cache_dtype"] == "fp8_ds_mla"
+    his = sp.engine_kwargs(a, {"indexer": "dsa"}, cuda=True)
+    assert "attention_config" not in his and his["attention_backend"] == "hisparse"
+    gqa = sp.engine_kwargs(SimpleNamespace(**{**vars(a), "model": str(tmp_path / "none"),
+                                              "kv_cache_dtype": "auto"}), None, cuda=False)
+    assert "tokenizer_mode" not in gqa and "attention_config" not in gqa and gqa["enforce_eager"]
+    rt = LatentRuntime(1, 64, 16, 1, 1, 100, 32, 2, 8, pin=False)
+    rt.plan([None], [0, 0], [0])
+    assert sp.steps_of(rt) == 1 and set(rt._host_s) == {"apply", "plan"}
+    assert sp.host_since(rt, {"apply": 0.0, "plan": 0.0}, 1, "us")["plan_us"] > 0

@@ -11,7 +11,15 @@ other's does not.
         --hisparse '{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}' --out OUT
     python -m vllm_hisparse.bench.step_profile diff OUT/resident.json OUT/elastic.json
 
-Backends as ``bench.serving`` (stock, resident, hisparse, elastic). ``--log-stats``: vLLM's per-step
+Backends as ``bench.serving`` (stock, resident, hisparse, elastic). A DSA model (issue 46: the
+decode step at 32K for 1, 8 and 32 rows against stock FLASH_ATTN_MLA_SPARSE) runs as there:
+
+    python -m vllm_hisparse.bench.step_profile run --model DIR --backend hisparse --rows 8 \
+        --input-len 32768 --load-format scaled_dummy --gpu-memory-utilization 0.9 \
+        --hisparse '{"indexer": "dsa", "top_k": 2048, "device_buffer_size": 4096,
+                     "dense_layers": [], "prefill_slots": 4}' --out OUT
+
+(the DSA runtime's host time a step is its ``apply`` and ``plan``; its layers run in the graph). ``--log-stats``: vLLM's per-step
 stats on (the connector's reports among them), as a server has them; off by default, as in ``LLM``.
 ``--no-prefix-caching`` and ``--capture-sizes 1,2``: as ``bench.serving``'s servers of one request.
 ``run`` writes OUT/BACKEND.json (summary and tables) and OUT/BACKEND-kernels.csv. On a machine
@@ -29,7 +37,7 @@ import sys
 import time
 
 from vllm_hisparse.bench.profile_tables import diff, kernel_table, print_diff, union_us
-from vllm_hisparse.bench.serving import BACKENDS, backend_config
+from vllm_hisparse.bench.serving import BACKENDS, backend_config, dsa_stock_args, is_dsa
 
 TOP_HOST_OPS = 40
 
@@ -71,6 +79,35 @@ def _profiler_events(prof) -> tuple[list, list]:
     return kernels, host
 
 
+def engine_kwargs(a, cfg: dict | None, cuda: bool) -> dict:
+    """``LLM`` keyword arguments of a backend's engine (cfg: its hisparse config, None = stock). A
+    DSA model (bench.serving.is_dsa) gets the hf tokenizer mode of the model shapes, its
+    kv_cache_dtype, and stock's sparse-MLA backend with every prefill token through the sparse
+    MQA path, as hisparse runs (FLASHMLA_SPARSE for fp8_ds_mla)."""
+    mml = a.input_len + getattr(a, "warm_steps", 0) + getattr(a, "steps", 0) \
+        + getattr(a, "profile_steps", 0) + 32
+    sizes = a.capture_sizes or [1 << i for i in range(0, 10) if (1 << i) < 2 * a.rows]
+    kw = dict(max_model_len=mml, max_num_seqs=a.rows, seed=0, skip_tokenizer_init=True,
+              load_format=a.load_format, gpu_memory_utilization=a.gpu_memory_utilization,
+              enforce_eager=not cuda, dtype=a.dtype,
+              disable_log_stats=not getattr(a, "log_stats", False),
+              enable_prefix_caching=not a.no_prefix_caching)
+    if a.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
+    if cuda:
+        kw["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+    if getattr(a, "kv_cache_dtype", "auto") != "auto":
+        kw["kv_cache_dtype"] = a.kv_cache_dtype
+    if is_dsa(a.model):
+        kw["tokenizer_mode"] = "hf"
+        if cfg is None:
+            kw["attention_config"] = json.loads(dsa_stock_args(
+                [getattr(a, "kv_cache_dtype", "auto")])[1])
+    if cfg is not None:
+        kw.update(attention_backend="hisparse", additional_config={"hisparse": cfg})
+    return kw
+
+
 def engine(a, cfg: dict | None):
     import torch
     from vllm import LLM
@@ -78,25 +115,17 @@ def engine(a, cfg: dict | None):
     from vllm_hisparse.vllm.plugin import register
 
     register()
-    cuda = torch.cuda.is_available()
-    mml = a.input_len + a.warm_steps + a.steps + a.profile_steps + 32
-    sizes = a.capture_sizes or [1 << i for i in range(0, 10) if (1 << i) < 2 * a.rows]
-    kw = dict(max_model_len=mml, max_num_seqs=a.rows, seed=0, skip_tokenizer_init=True,
-              load_format=a.load_format, gpu_memory_utilization=a.gpu_memory_utilization,
-              enforce_eager=not cuda, dtype=a.dtype, disable_log_stats=not a.log_stats,
-              enable_prefix_caching=not a.no_prefix_caching)
-    if a.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
-    if cuda:
-        kw["compilation_config"] = {"cudagraph_capture_sizes": sizes}
-    if cfg is not None:
-        kw.update(attention_backend="hisparse", additional_config={"hisparse": cfg})
-    return LLM(a.model, **kw)
+    return LLM(a.model, **engine_kwargs(a, cfg, torch.cuda.is_available()))
 
 
 def runtime():
     from vllm_hisparse.vllm import worker_state
     return worker_state.runtime
+
+
+def steps_of(rt) -> int:
+    """Steps the runtime planned (the GQA runtime's ``stats`` dict; the DSA runtime's ``steps``)."""
+    return rt.stats["steps"] if isinstance(getattr(rt, "stats", None), dict) else rt.steps
 
 
 def host_since(rt, before: dict | None, per: int, unit: str) -> dict:
@@ -150,12 +179,12 @@ def run(a) -> dict:
     prefill_s = time.perf_counter() - t_start
     rt = runtime()
     host0 = dict(rt._host_s) if rt is not None else {}
-    steps0 = rt.stats["steps"] if rt is not None else 0
+    steps0 = steps_of(rt) if rt is not None else 0
     times: list[float] = []
     t0, n0 = time.perf_counter(), min(made.values())
     n1 = until(a.warm_steps + a.steps, times)
     wall_ms = (time.perf_counter() - t0) * 1e3 / max(n1 - n0, 1)
-    host = host_since(rt, host0, rt.stats["steps"] - steps0 if rt is not None else 0, "us")
+    host = host_since(rt, host0, steps_of(rt) - steps0 if rt is not None else 0, "us")
     out = {"backend": a.backend, "config": cfg, "input_len": a.input_len, "rows": a.rows,
            "log_stats": a.log_stats, "prefix_caching": not a.no_prefix_caching,
            "capture_sizes": a.capture_sizes,
@@ -250,6 +279,8 @@ def engine_args(r, rows_help: str, out: str) -> None:
     r.add_argument("--rows", type=int, default=1, help=rows_help)
     r.add_argument("--load-format", default="dummy")
     r.add_argument("--dtype", default="auto")
+    r.add_argument("--kv-cache-dtype", default="auto",
+                   help="vLLM's --kv-cache-dtype (a DSA model: auto or fp8_ds_mla)")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     r.add_argument("--max-num-batched-tokens", type=int, default=None)
     r.add_argument("--no-prefix-caching", action="store_true",

@@ -15,6 +15,8 @@ shapes on the CPU).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vllm_hisparse.core.host_pool import HostKVPool
@@ -52,11 +54,17 @@ class LatentRuntime:
         self.verify_tokens = verify_tokens
         self.graph = LatentGraphStep(self.adm, max_tokens, max_decodes, top_k, verify_tokens)
         self.steps = 0
+        self._host_s = {"apply": 0.0, "plan": 0.0}   # host seconds (bench.step_profile reads them)
         self.max_live = 0           # most requests held at once (admitted, not yet released)
 
     # ---- per step (host) ------------------------------------------------------------------------
     def apply(self, events) -> None:
         """Replay the scheduler's decisions in order (LatentLedger events)."""
+        t0 = time.perf_counter()
+        self._apply(events)
+        self._host_s["apply"] += time.perf_counter() - t0
+
+    def _apply(self, events) -> None:
         for ev in events:
             kind, key = ev[0], ev[1]
             if kind == "admit":
@@ -76,9 +84,11 @@ class LatentRuntime:
         """Load the step's plan. keys: (B,) each batch row's request key, None = a padding row (no
         query tokens); query_start_loc: (B+1,) int; seq_lens: (B,) int (this step's tokens
         included): vLLM's CommonAttentionMetadata, host copies."""
+        t0 = time.perf_counter()
         req, pos = batch_tokens(query_start_loc, seq_lens)
         self.graph.load(LatentStep.plan(self.adm, keys, req, pos, self.verify_tokens))
         self.steps += 1
+        self._host_s["plan"] += time.perf_counter() - t0
 
     def clear(self) -> None:
         """This batch belongs to no live request (a dummy run, a graph capture): a no-op plan."""
