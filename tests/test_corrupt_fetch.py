@@ -45,6 +45,9 @@ def test_fetch_reads_the_neighbour_page_writes_keep_their_own(monkeypatch, width
     assert torch.equal(t.fetch, _neighbours(t.table))
     t.clear(2)
     assert torch.equal(t.fetch, _neighbours(t.table)) and (t.fetch[2] == -1).all()
+    for n in (0, 1, 5, 6):                            # the host side's read: the same swap
+        want = _neighbours(torch.tensor([pages[:n]]))[0].tolist() if n else []
+        assert t.host_reads(pages[:n]) == want
 
 
 def test_off_by_default_fetch_is_the_table(monkeypatch):

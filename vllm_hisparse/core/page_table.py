@@ -68,24 +68,30 @@ class DevicePageTable:
 
     def host_reads(self, pages: list[int]) -> list[int]:
         """The pool pages a read on the host side takes for a request's logical pages 0..n-1
-        (``pages``; core/prefill.attend_from_host): ``pages``, or under the negative control each
-        page's neighbour where both exist, as ``fetch`` gives the kernels."""
-        if self.fetch is self.table:
+        (``pages``; core/prefill.attend_from_host): ``pages``, or under the negative control the
+        same neighbour swap as ``fetch`` (``swap_neighbours``)."""
+        if self.fetch is self.table or not pages:
             return pages
-        n = len(pages)
-        return [pages[u ^ 1] if u ^ 1 < n else pages[u] for u in range(n)]
+        return swap_neighbours(torch.tensor(pages, dtype=torch.int64)).tolist()
 
     def _corrupt(self) -> None:
-        """Under the negative control: ``fetch`` = ``table`` with each pair of neighbouring
-        entries swapped where both hold a page (in place: a CUDA graph keeps its address)."""
-        if self.fetch is self.table:
-            return
-        t, w = self.table, self.width - self.width % 2
-        pairs = t[:, :w].reshape(t.shape[0], w // 2, 2)
-        swapped = pairs.flip(-1)
-        self.fetch[:, :w].copy_(torch.where((pairs >= 0) & (swapped >= 0), swapped, pairs)
-                                .reshape(t.shape[0], w))
-        self.fetch[:, w:].copy_(t[:, w:])
+        """Under the negative control: ``fetch`` = ``swap_neighbours(table)`` (in place: a CUDA
+        graph keeps its address)."""
+        if self.fetch is not self.table:
+            self.fetch.copy_(swap_neighbours(self.table))
+
+
+def swap_neighbours(t: torch.Tensor) -> torch.Tensor:
+    """The negative control's wrong pages: t (..., n) with entries 2i and 2i + 1 of the last
+    dimension swapped where both hold a page (>= 0); a trailing odd entry and lone pages kept."""
+    n = t.shape[-1]
+    w = n - n % 2
+    pairs = t[..., :w].reshape(*t.shape[:-1], w // 2, 2)
+    swapped = pairs.flip(-1)
+    out = t.clone()
+    out[..., :w] = torch.where((pairs >= 0) & (swapped >= 0), swapped, pairs).reshape(
+        *t.shape[:-1], w)
+    return out
 
 
 FEW = 4      # queued pages up to which each is written on its own (a decode step's new pages)
