@@ -12,11 +12,12 @@ Llama-3-8B attention/MLP shapes but uses the tiny model's locally trained 512-to
 model hub here); generated tokens stay decodable, and the embedding/LM head shrink by ~1 GB.
 
 DeepSeek-V3.2 (MLA + DSA indexer): ``deepseek-v3.2`` has the real config (61 layers; for
-``hisparse calc``, far too large to load on one GPU); ``deepseek-v3.2-l4`` / ``-l16`` keep every attention and
-indexer dimension (so per-layer KV bytes are real) with 4 / 16 layers and 16 routed experts, small
-enough for one 80 GB GPU with dummy or scaled_dummy weights (``CHANGES`` says what differs from
-V3.2; the 16-layer one is the realistic depth of issue 46). vLLM picks the ``deepseek_v32`` tokenizer mode for this
-architecture: serve these folders with ``--tokenizer-mode hf`` (they carry the tiny tokenizer).
+``hisparse calc``, far too large to load on one GPU); ``deepseek-v3.2-l4`` / ``-l16`` keep every
+attention and indexer dimension (so per-layer KV bytes are real) with 4 / 16 layers and 16 routed
+experts, small enough for one 80 GB GPU with dummy or scaled_dummy weights (``CHANGES`` says what
+differs from V3.2; the 16-layer one is the realistic depth of issue 46). vLLM picks the
+``deepseek_v32`` tokenizer mode for this architecture: serve these folders with
+``--tokenizer-mode hf`` (they carry the tiny tokenizer).
 """
 from __future__ import annotations
 

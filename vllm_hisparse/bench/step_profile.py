@@ -19,8 +19,8 @@ decode step at 32K for 1, 8 and 32 rows against stock FLASH_ATTN_MLA_SPARSE) run
         --hisparse '{"indexer": "dsa", "top_k": 2048, "device_buffer_size": 4096,
                      "dense_layers": [], "prefill_slots": 4}' --out OUT
 
-(the DSA runtime's host time a step is its ``apply`` and ``plan``; its layers run in the graph). ``--log-stats``: vLLM's per-step
-stats on (the connector's reports among them), as a server has them; off by default, as in ``LLM``.
+(the DSA runtime's host time a step is its ``apply`` and ``plan``; its layers run in the graph).
+``--log-stats``: vLLM's per-step stats on (the connector's reports among them), as a server has them; off by default, as in ``LLM``.
 ``--no-prefix-caching`` and ``--capture-sizes 1,2``: as ``bench.serving``'s servers of one request.
 ``run`` writes OUT/BACKEND.json (summary and tables) and OUT/BACKEND-kernels.csv. On a machine
 without CUDA the kernel table is empty and the host table (CPU ops, self time) is what there is.

@@ -18,7 +18,8 @@ entry a no-op (what a dummy run or a graph capture sees). The per-layer work has
 With ``verify_tokens`` n (speculative decoding: num_speculative_tokens + 1) the decode entries are
 verify rows instead: ``max_decodes`` requests of up to n tokens in ``VerifyRows.empty``'s fixed
 buffers, each request's tokens resolved as ONE union of width n x top_k (core/latent_spec.py), and
-``write`` also refreshes a rewritten position's hot slot (tests/test_dsa_graph_verify.py).
+``write`` also refreshes a rewritten position's hot slot (tests/test_dsa_spec.py,
+``test_verify_rows_in_graph_buffers_equal_resident``).
 
 Which process: the worker (the connector's ``start_load_kv`` loads the plan; every sparse layer
 runs write/convert).

@@ -6,9 +6,9 @@ worker object: vllm/mla_worker.py, vllm/worker.py).
 
 ``LatentConnectorScheduler`` (scheduler process, role SCHEDULER):
   * admission (``get_num_new_matched_tokens``): a row set, a prefill region and host rows for
-    prompt + max_tokens (+ ngram drafts), all or nothing, else the request waits (``None``); a request asked again
-    (preempted, or not scheduled after its admission) gives everything back and is admitted again:
-    it recomputes its tokens in a region, its row set starts empty;
+    prompt + max_tokens (+ ngram drafts), all or nothing, else the request waits (``None``); a
+    request asked again (preempted, or not scheduled after its admission) gives everything back
+    and is admitted again: it recomputes its tokens in a region, its row set starts empty;
   * ``build_connector_meta``: the ledger's events since the last step, in order, and each new or
     resumed request's first GPU block (its identity in the batch); then the requests whose prefill
     this step completes give their region back (``prompt_done``, shipped with the next step, after

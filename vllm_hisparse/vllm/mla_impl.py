@@ -1,11 +1,13 @@
-"""What both hisparse MLA backends share: the builders' ``LatentBuilder`` (the stock build, then the
-batch's host-side shape noted for the connector's plan, ``LatentWorker.note``) and the impls'
-``LatentImpl``. What both hisparse MLA impls share (vllm/mla_backend.py on FLASH_ATTN_MLA_SPARSE, bf16 rows;
-vllm/mla_fp8_backend.py on FLASHMLA_SPARSE, fp8_ds_mla rows): the process's worker object, found
-or started by the first layer (``LatentWorker.start``: the runtime's pool is allocated while vLLM
-builds the model, so its memory profiling counts it), the layer's index, and
-``do_kv_cache_update``, which sends the step's new rows where the plan says (the stub cache and
-vLLM's slot_mapping are ignored). A mixin listed before the stock impl class."""
+"""What both hisparse MLA backends share (vllm/mla_backend.py on FLASH_ATTN_MLA_SPARSE, bf16 rows;
+vllm/mla_fp8_backend.py on FLASHMLA_SPARSE, fp8_ds_mla rows), as mixins listed before the stock
+classes:
+
+- ``LatentBuilder``: the stock build, then the batch's host-side shape noted for the connector's
+  plan (``LatentWorker.note``);
+- ``LatentImpl``: the process's worker object, found or started by the first layer
+  (``LatentWorker.start``: the runtime's pool is allocated while vLLM builds the model, so its
+  memory profiling counts it), the layer's index, and ``do_kv_cache_update``, which sends the
+  step's new rows where the plan says (the stub cache and vLLM's slot_mapping are ignored)."""
 from __future__ import annotations
 
 import torch
