@@ -224,6 +224,7 @@ def test_connector_and_impl_path_serve_the_configured_policy():
     assert {s.policy.name for s in rt.pool.states} == {"crf"} and rt.pool.policy == "crf"
     st = rt.stats()
     assert st["misses"] > 0 and st["hits"] > 0 and rt.adm.leaks() == []
+    assert st["policy"] == "crf" and st["host_ms_plan"] > 0      # what bench.serving reads
 
 
 def test_stub_spec_keeps_the_group_and_shrinks_the_page():

@@ -113,7 +113,8 @@ class LatentRuntime:
         path), requests held (now and at most at once), and the bytes of the GPU and host pools."""
         hits, misses = (int(x) for x in self.pool.counts.tolist())
         host = self.host
-        return {"hits": hits, "misses": misses, "steps": self.steps,
+        return {"hits": hits, "misses": misses, "steps": self.steps, "policy": self.pool.policy,
+                "host_ms_plan": (self._host_s["apply"] + self._host_s["plan"]) * 1e3,
                 "live_requests": len(self.adm.grants), "max_live_requests": self.max_live,
                 "gpu_pool_bytes": self.pool.nbytes,
                 "host_pool_bytes": 0 if host is None else host.data.numel()
