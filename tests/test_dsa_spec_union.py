@@ -119,7 +119,8 @@ UNION_CASES = [(3, 5, 2, 8, 40, 3), (2, 3, 4, 5, 30, 3), (4, 6, 1, 12, 50, 2)]
 def run_interpreter_cases():
     """Called in a subprocess with TRITON_INTERPRET=1: unions of random token selections (with
     overlaps and causal masking) through ops/triton_resolve_given.py == resolve_given_reference,
-    step by step over shared state: locs, the hot buffer's bytes, the state, the counts."""
+    step by step over shared state: locs, the hot buffer's bytes, the state, the counts; rows of
+    bf16 values and of fp8_ds_mla's 656 bytes (uint8: the kernel's copy moves opaque elements)."""
     import test_resolve_given as base
 
     from vllm_hisparse.ops import resolve_given as rg
@@ -130,21 +131,26 @@ def run_interpreter_cases():
                      for s in rg.workspace_shapes(sel.shape[0], sel.shape[1], state.slots))
         trg.resolve_given(sel, seq, bt, locs, *work, hot, rows, state, host_pt, host, kv, counts)
 
-    for policy in base.POLICIES:
-        for i, (N, M, n, K, U, steps) in enumerate(UNION_CASES):
-            g = torch.Generator().manual_seed(70 + i)
-            a = base.make(N, M, n * K, U, n * K, g, policy)
-            b = base.copy(a)
-            for s in range(steps):
-                sel = torch.randint(0, U, (N, n, K), generator=g).int()
-                pos = U - n + torch.arange(n).repeat(N, 1) - torch.randint(0, 3, (N, 1), generator=g)
-                union, _ = selection_union(sel, pos)
-                want = base.step(rg.resolve_given_reference, b, union)
-                assert torch.equal(base.step(tri, a, union), want), (policy, i, s)
-                assert torch.equal(a["kv"], b["kv"]) and torch.equal(a["counts"], b["counts"])
-                for x, y in zip(base.state_tensors(a["state"]), base.state_tensors(b["state"])):
-                    assert torch.equal(x, y), (policy, i, s)
-            assert int(b["counts"][1]) > 0 and int(b["counts"][0]) > 0
+    cases = [(p, i, c, fp8) for p in base.POLICIES for i, c in enumerate(UNION_CASES)
+             for fp8 in (False, True)]
+    for policy, i, (N, M, n, K, U, steps), fp8 in cases:
+        g = torch.Generator().manual_seed(70 + i)
+        a = base.make(N, M, n * K, U, n * K, g, policy)
+        if fp8:                                   # 656-byte rows (ops/fp8_ds_mla.py)
+            for k in ("host", "kv"):
+                a[k] = torch.randint(0, 256, (a[k].shape[0], 656), generator=g,
+                                     dtype=torch.uint8)
+        b = base.copy(a)
+        for s in range(steps):
+            sel = torch.randint(0, U, (N, n, K), generator=g).int()
+            pos = U - n + torch.arange(n).repeat(N, 1) - torch.randint(0, 3, (N, 1), generator=g)
+            union, _ = selection_union(sel, pos)
+            want = base.step(rg.resolve_given_reference, b, union)
+            assert torch.equal(base.step(tri, a, union), want), (policy, i, s)
+            assert torch.equal(a["kv"], b["kv"]) and torch.equal(a["counts"], b["counts"])
+            for x, y in zip(base.state_tensors(a["state"]), base.state_tensors(b["state"])):
+                assert torch.equal(x, y), (policy, i, s)
+        assert int(b["counts"][1]) > 0 and int(b["counts"][0]) > 0
     print("interpreter ok")
 
 
