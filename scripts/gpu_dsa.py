@@ -50,6 +50,7 @@ import exact_verdict  # noqa: E402
 
 LOAD = {"scaled": "scaled_dummy", "dummy": "dummy"}[os.environ.get("DSA_WEIGHTS", "scaled")]
 CONTROL_ENV = "HISPARSE_TEST_CORRUPT_FETCH"
+SHADOW_ENV = "HISPARSE_TEST_SHADOW"
 
 PROMPTS = [int(x) for x in os.environ.get("DSA_PROMPTS", "8000,20000,12000,16000").split(",")]
 MAX_TOKENS = int(os.environ.get("DSA_MAX_TOKENS", "48"))
@@ -109,10 +110,14 @@ def run(mode: str, model: str, out: str) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if os.environ.get("DSA_DETERMINISTIC", "0") == "1":      # before torch._inductor reads it
         os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
-    if mode == "control":
+    if mode in ("control", "shadowctl"):
         os.environ[CONTROL_ENV] = "1"
     else:
         os.environ.pop(CONTROL_ENV, None)
+    if mode in ("shadow", "shadowctl"):     # the in-engine check: a resident twin (latent_shadow.py)
+        os.environ[SHADOW_ENV] = "1"
+    else:
+        os.environ.pop(SHADOW_ENV, None)
     from vllm import LLM, SamplingParams
 
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
@@ -129,7 +134,7 @@ def run(mode: str, model: str, out: str) -> int:
         kw.update(speculative_config={"method": "ngram", "num_speculative_tokens": SPEC,
                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2},
                   disable_log_stats=False)
-    cfg = dict(CFG, host_tier=mode in ("hisparse", "crf", "control"),
+    cfg = dict(CFG, host_tier=mode in ("hisparse", "crf", "control", "shadow", "shadowctl"),
                policy="crf" if mode == "crf" else "lru")
     llm = LLM(**kw, **backend(mode, cfg))
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True,
@@ -200,11 +205,37 @@ def show_log(path: str) -> None:
                 print("  ", m[:220])
 
 
+def shadow_verdict(st: dict | None, ctl: dict | None) -> tuple[int, str] | None:
+    """The in-engine check (HISPARSE_TEST_SHADOW: every decode token's rows against a resident
+    twin's, in one engine): EXACT when it compared tokens with misses and found none differing,
+    and its negative control (the same with every host fetch wrong) ran and found some."""
+    if not st or "shadow_tokens" not in st:
+        return None
+    n, bad, miss = st["shadow_tokens"], st["shadow_mismatch"], st.get("misses", 0)
+    line = (f"in-engine check: {n} decode tokens x layers compared with the resident twin, {bad} "
+            f"differ; {miss} misses")
+    if ctl and "shadow_tokens" in ctl:
+        line += (f"; control: {ctl['shadow_mismatch']} of {ctl['shadow_tokens']} differ "
+                 f"({ctl.get('misses', 0)} misses)")
+    if bad:
+        return exact_verdict.MISMATCH, line + "\nin-engine verdict: MISMATCH"
+    if n == 0 or miss == 0 or not ctl or ctl.get("shadow_mismatch", 0) == 0:
+        return exact_verdict.VOID, (line + "\nin-engine verdict: VOID (nothing compared, no misses, "
+                                    "or no control caught)")
+    return exact_verdict.EXACT, line + "\nin-engine verdict: EXACT"
+
+
 def compare(out: str) -> int:
     """hisparse, stock (and crf, when it ran) against resident, the shuffled-context proof and the
     negative control (exact_verdict.py: EXACT 0, MISMATCH 1, VOID 3)."""
     got = {m: json.load(open(os.path.join(out, f"{m}.json")))
-           for m in MODES + ("crf", "control", "resident2") if os.path.exists(os.path.join(out, f"{m}.json"))}
+           for m in MODES + ("crf", "control", "resident2", "shadow", "shadowctl")
+           if os.path.exists(os.path.join(out, f"{m}.json"))}
+    shadow = shadow_verdict(got.get("shadow", {}).get("stats"), got.get("shadowctl", {}).get("stats"))
+    if shadow is not None:
+        print(shadow[1])
+    if "resident" not in got and shadow is not None:
+        return shadow[0]
     if "resident" not in got:
         print("resident.json missing: nothing to compare\nVOID")
         return exact_verdict.VOID

@@ -8,6 +8,8 @@
 #   DSA_INDEXER=dsa_sorted (hisparse/resident sort each selection by position) DSA_SPLITS=0 (FA3 num_splits of hisparse/resident; 1 = batch-invariant) MODES="hisparse stock
 #   resident resident2 control" (add crf: hisparse under policy crf, compared with resident, its misses
 #   beside lru's; control: the negative control, which must mismatch)
+#   MODES="shadow shadowctl": the in-engine check (core/latent_shadow.py: every decode token's rows vs a
+#   resident twin's in one engine; run-to-run noise cannot reach it) and its control
 #   DSA_KV=fp8_ds_mla: 656 B latent rows (hisparse: vllm/mla_fp8_backend.py; stock: FLASHMLA_SPARSE)
 #   DSA_SHAPE=deepseek-v3.2-l16: the 16-layer shape (bench/model_shapes.py CHANGES), default the 4-layer one
 #   DSA_SPEC=1 DSA_B=4096: ngram speculation with 1 draft (verify rows; B >= (k + 1) x 2048), prompts of

@@ -133,6 +133,13 @@ class LatentGraphStep:
             self.dec_seq[:d].copy_(step.dec_seq)
             self.dec_slots[:d].copy_(step.dec_slots)
 
+    def decode_tokens(self) -> torch.Tensor:
+        """(E,) int64 the step's tokens resolved through the row sets (one-token decodes or verify
+        rows), padding entries >= any call's T (fixed buffers: core/latent_shadow.py's check)."""
+        if self.verify is not None:
+            return self.verify.tok.reshape(-1)
+        return self.dec_scatter
+
     # ---- per layer (device, fixed shapes) ---------------------------------------------------------
     def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """The call's T new latent rows (kv_c (T, L), k_pe (T, Rd); T may include vLLM's padding)

@@ -23,6 +23,7 @@ from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.latent_admission import LatentAdmission
 from vllm_hisparse.core.latent_graph import LatentGraphStep, batch_tokens
 from vllm_hisparse.core.latent_pool import LatentPool
+from vllm_hisparse.core.latent_shadow import compare_rows, shadow_on
 from vllm_hisparse.core.latent_step import LatentStep
 
 
@@ -53,9 +54,23 @@ class LatentRuntime:
         self.adm = LatentAdmission(self.pool, self.host)
         self.verify_tokens = verify_tokens
         self.graph = LatentGraphStep(self.adm, max_tokens, max_decodes, top_k, verify_tokens)
+        # the in-engine exactness check (core/latent_shadow.py; test-only): a resident twin
+        self.shadow = None
+        if not self.resident and shadow_on():
+            self.shadow = LatentRuntime(num_layers, max_model_len, buffer, row_sets, row_sets, 0,
+                                        max_tokens, max_decodes, top_k, row, dtype, device, pin,
+                                        policy, verify_tokens)
+            self.shadow_counts = torch.zeros(2, dtype=torch.int64, device=self.pool.device)
         self.steps = 0
         self._host_s = {"apply": 0.0, "plan": 0.0}   # host seconds (bench.step_profile reads them)
         self.max_live = 0           # most requests held at once (admitted, not yet released)
+
+    def use_packer(self, packer) -> None:
+        """fp8_ds_mla: what packs a step's [kv_c, k_pe] into rows (the adapter's, vLLM's kernel),
+        for the pool and its twin alike."""
+        self.pool.packer = packer
+        if self.shadow is not None:
+            self.shadow.pool.packer = packer
 
     # ---- per step (host) ------------------------------------------------------------------------
     def apply(self, events) -> None:
@@ -63,6 +78,8 @@ class LatentRuntime:
         t0 = time.perf_counter()
         self._apply(events)
         self._host_s["apply"] += time.perf_counter() - t0
+        if self.shadow is not None:
+            self.shadow.apply(events)
 
     def _apply(self, events) -> None:
         for ev in events:
@@ -89,10 +106,14 @@ class LatentRuntime:
         self.graph.load(LatentStep.plan(self.adm, keys, req, pos, self.verify_tokens))
         self.steps += 1
         self._host_s["plan"] += time.perf_counter() - t0
+        if self.shadow is not None:
+            self.shadow.plan(keys, query_start_loc, seq_lens)
 
     def clear(self) -> None:
         """This batch belongs to no live request (a dummy run, a graph capture): a no-op plan."""
         self.graph.clear()
+        if self.shadow is not None:
+            self.shadow.clear()
 
     # ---- per layer (device) ---------------------------------------------------------------------
     def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
@@ -101,11 +122,18 @@ class LatentRuntime:
         if k_pe.dim() == 3:
             k_pe = k_pe.squeeze(1)
         self.graph.write(layer, kv_c, k_pe)
+        if self.shadow is not None:
+            self.shadow.write(layer, kv_c, k_pe)
 
     def convert(self, layer: int, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """forward_mqa's index conversion: (rows (T, K) int32 of pool.rows[layer], -1 = none;
         valid (T,) int32) for vLLM's topk_indices_buffer[:T] (T, K) int32."""
-        return self.graph.convert(layer, topk)
+        out, valid = self.graph.convert(layer, topk)
+        if self.shadow is not None:
+            ref, _ = self.shadow.convert(layer, topk)
+            compare_rows(self.shadow_counts, self.graph.decode_tokens(), out,
+                         self.pool.rows[layer], ref, self.shadow.pool.rows[layer])
+        return out, valid
 
     # ---- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -120,4 +148,6 @@ class LatentRuntime:
                 "host_pool_bytes": 0 if host is None else host.data.numel()
                 * host.data.element_size(),
                 "host_pages_used": 0 if host is None else host.used_pages,
-                "resident": self.resident}
+                "resident": self.resident,
+                **({} if self.shadow is None else dict(zip(
+                    ("shadow_tokens", "shadow_mismatch"), self.shadow_counts.tolist())))}

@@ -138,17 +138,21 @@ def check_namespace(ns):
     if not selected(ns):
         return ns
     from vllm_hisparse.core.host_pool import host_memory
+    from vllm_hisparse.core.latent_shadow import SHADOW_ENV, shadow_on
     from vllm_hisparse.core.page_table import CORRUPT_FETCH_ENV, corrupt_fetch
 
     from .setup_check import check_served
 
     try:
-        control = corrupt_fetch()
+        control, shadow = corrupt_fetch(), shadow_on()
     except ValueError as e:
         fail(str(e))
     if control:
         fail(f"{CORRUPT_FETCH_ENV}=1 is the exactness harnesses' negative control (every page "
              f"fetched from the host pool is the wrong one): vllm serve refuses it; unset it")
+    if shadow:
+        fail(f"{SHADOW_ENV}=1 is the DSA exactness check's resident twin (test-only: its own "
+             f"full-length regions): vllm serve refuses it; unset it")
     try:
         cfg = load_config(ns)
         check_served(cfg)

@@ -127,9 +127,9 @@ class HiSparseFlashMLASparseMetadataBuilder(LatentBuilder, FlashMLASparseMetadat
 class HiSparseFlashMLASparseImpl(LatentImpl, FlashMLASparseImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        pool = self._start_hisparse(fp8_ds_mla.ROW_BYTES, torch.uint8).runtime.pool
-        if pool.device.type == "cuda" and not isinstance(pool.packer, VllmPacker):
-            pool.packer = VllmPacker(self.hisparse_worker.runtime.graph.T, pool.device)
+        rt = self._start_hisparse(fp8_ds_mla.ROW_BYTES, torch.uint8).runtime
+        if rt.pool.device.type == "cuda" and not isinstance(rt.pool.packer, VllmPacker):
+            rt.use_packer(VllmPacker(rt.graph.T, rt.pool.device))
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata: FlashMLASparseMetadata, layer):
         from vllm import _custom_ops as ops
