@@ -1,0 +1,65 @@
+"""Host time of the DSA runtime's step plan (LatentRuntime.plan: batch_tokens, LatentStep.plan,
+LatentGraphStep.load) for decode-only batches of 1, 8 and 32 requests, on this machine's device
+(CPU: no H2D copies; CUDA: the copies and launches included), docs/dsa.md "The step's host plan".
+
+    OMP_NUM_THREADS=1 python scripts/dsa_plan_cost.py [cpu|cuda] [--profile]
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from vllm_hisparse.core.latent_ledger import LatentLedger
+from vllm_hisparse.core.latent_runtime import LatentRuntime
+
+
+def runtime(D: int, device: str) -> tuple[LatentRuntime, list[str]]:
+    """D requests of 3,000-token prompts decoding: 4 layers, max_model_len 4096, B 256, top_k 64."""
+    rt = LatentRuntime(4, 4096, 256, D, 1, D * 4200, 8192, D, 64, device=device, pin=False)
+    led = LatentLedger(D, 1, D * 4200, 4096, False)
+    keys = [f"r{i}" for i in range(D)]
+    for k in keys:
+        assert led.admit(k, 3000, 100)
+        rt.apply(led.take_events())
+        rt.plan([k], [0, 1], [1])
+        led.prompt_done(k)
+    rt.apply(led.take_events())
+    return rt, keys
+
+
+def us_per_plan(D: int, device: str, n: int = 200) -> float:
+    rt, keys = runtime(D, device)
+    qsl, seq = list(range(D + 1)), [3001] * D
+    for _ in range(20):
+        rt.plan(keys, qsl, seq)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        rt.plan(keys, qsl, seq)
+    sync()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def main(argv: list[str]) -> int:
+    device = argv[0] if argv and argv[0] in ("cpu", "cuda") else "cpu"
+    for D in (1, 8, 32):
+        print(f"{D} decode requests: {us_per_plan(D, device):.0f} us a plan ({device})")
+    if "--profile" in argv:
+        import cProfile
+        import pstats
+
+        rt, keys = runtime(1, device)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(2000):
+            rt.plan(keys, [0, 1], [3001])
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(12)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
