@@ -124,3 +124,25 @@ def test_gpu_harness_verdict_of_the_in_engine_check():
     assert gpu_dsa.shadow_verdict(dict(ok, misses=0), None)[0] == ev.VOID
     assert gpu_dsa.shadow_verdict(dict(ok, shadow_tokens=0), None)[0] == ev.VOID
     assert gpu_dsa.shadow_verdict(dict(ok, shadow_mismatch=1), None)[0] == ev.MISMATCH
+
+
+def test_gpu_harness_compare_reads_the_shadow_runs(tmp_path, capsys):
+    """``gpu_dsa.py compare`` on a folder of only the shadow runs: their verdict is the exit code."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    import exact_verdict as ev
+    import gpu_dsa
+
+    st = {"shadow_tokens": 480, "shadow_mismatch": 0, "misses": 9000, "hits": 100}
+    for mode, bad in (("shadow", 0), ("shadowctl", 75)):
+        (tmp_path / f"{mode}.json").write_text(json.dumps(
+            {"mode": mode, "requests": [], "stats": dict(st, shadow_mismatch=bad)}))
+    assert gpu_dsa.compare(str(tmp_path)) == ev.EXACT
+    out = capsys.readouterr().out
+    assert "480 decode tokens x layers" in out and "control: 75 of 480" in out
+    (tmp_path / "shadow.json").write_text(json.dumps(
+        {"mode": "shadow", "requests": [], "stats": dict(st, shadow_mismatch=2)}))
+    assert gpu_dsa.compare(str(tmp_path)) == ev.MISMATCH
