@@ -1,6 +1,8 @@
-"""Host time of the DSA runtime's step plan (LatentRuntime.plan: batch_tokens, LatentStep.plan,
-LatentGraphStep.load) for decode-only batches of 1, 8 and 32 requests, on this machine's device
-(CPU: no H2D copies; CUDA: the copies and launches included), docs/dsa.md "The step's host plan".
+"""Host time of the DSA runtime's step plan for decode-only batches of 1, 8 and 32 requests, on
+this machine's device (CPU: no H2D copies; CUDA: the copies and launches included), both ways side
+by side (docs/dsa.md "The step's host plan"): ``one-copy`` = LatentRuntime.plan (plan_arrays on the
+host, LatentGraphStep.load_arrays: one pinned H2D copy), ``tensors`` = the per-tensor load
+(LatentStep.plan's device tensors, LatentGraphStep.load), as the runtime planned before.
 
     OMP_NUM_THREADS=1 python scripts/dsa_plan_cost.py [cpu|cuda] [--profile]
 """
@@ -11,8 +13,10 @@ import time
 
 import torch
 
+from vllm_hisparse.core.latent_graph import batch_tokens
 from vllm_hisparse.core.latent_ledger import LatentLedger
 from vllm_hisparse.core.latent_runtime import LatentRuntime
+from vllm_hisparse.core.latent_step import LatentStep
 
 
 def runtime(D: int, device: str) -> tuple[LatentRuntime, list[str]]:
@@ -29,16 +33,23 @@ def runtime(D: int, device: str) -> tuple[LatentRuntime, list[str]]:
     return rt, keys
 
 
-def us_per_plan(D: int, device: str, n: int = 200) -> float:
+def us_per_plan(D: int, device: str, way: str, n: int = 200) -> float:
     rt, keys = runtime(D, device)
     qsl, seq = list(range(D + 1)), [3001] * D
+
+    def plan():
+        if way == "one-copy":
+            rt.plan(keys, qsl, seq)
+        else:
+            req, pos = batch_tokens(qsl, seq)
+            rt.graph.load(LatentStep.plan(rt.adm, keys, req, pos))
     for _ in range(20):
-        rt.plan(keys, qsl, seq)
+        plan()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     t = time.perf_counter()
     for _ in range(n):
-        rt.plan(keys, qsl, seq)
+        plan()
     sync()
     return (time.perf_counter() - t) / n * 1e6
 
@@ -46,7 +57,9 @@ def us_per_plan(D: int, device: str, n: int = 200) -> float:
 def main(argv: list[str]) -> int:
     device = argv[0] if argv and argv[0] in ("cpu", "cuda") else "cpu"
     for D in (1, 8, 32):
-        print(f"{D} decode requests: {us_per_plan(D, device):.0f} us a plan ({device})")
+        got = {w: us_per_plan(D, device, w) for w in ("one-copy", "tensors")}
+        print(f"{D} decode requests ({device}): " + ", ".join(f"{w} {t:.0f} us a plan"
+                                                          for w, t in got.items()))
     if "--profile" in argv:
         import cProfile
         import pstats

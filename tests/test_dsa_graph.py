@@ -135,3 +135,44 @@ def test_batch_tokens_matches_a_loop(qsl, seq):
     assert req.tolist() == want_r and pos.tolist() == want_p
     with pytest.raises(ValueError, match="at most seq_len"):
         batch_tokens([0, 5], [4])
+
+
+@pytest.mark.parametrize("resident, verify", [(False, None), (True, None), (False, 3),
+                                              (True, 3)])
+def test_one_copy_load_equals_the_tensor_load(resident, verify):
+    """LatentRuntime's load (``plan_arrays`` on the host, ``load_arrays``: one H2D copy, then the
+    host-row gather and slot rows on the device) fills the buffers as ``load(LatentStep.plan)``
+    does: every live entry equal, over the steps above and, with verify rows, requests of 2 and 3
+    tokens; then the same layer results."""
+    from vllm_hisparse.core.latent_step import plan_arrays
+
+    _, _, adm_a = engine(resident, 1)
+    pb, _, adm_b = engine(resident, 1)
+    admit_all(adm_a)
+    admit_all(adm_b)
+    ga = LatentGraphStep(adm_a, max_tokens=16, max_decodes=4, top_k=K, verify_tokens=verify)
+    gb = LatentGraphStep(adm_b, max_tokens=16, max_decodes=4, top_k=K, verify_tokens=verify)
+    steps = STEPS + ([(["a", "b", "c"], [2, 3, 4], [63, 43, 16])] if verify else [])
+    most = 0
+    for keys, counts, first in steps:
+        req, pos = step_inputs(keys, counts, first)
+        ga.load(LatentStep.plan(adm_a, keys, req, pos, verify))
+        gb.load_arrays(plan_arrays(adm_b, keys, req, pos, verify))
+        for name in ("host_row", "pool_row", "region_base", "dec_gather", "dec_scatter",
+                     "dec_seq"):
+            assert torch.equal(getattr(ga, name), getattr(gb, name)), name
+        d = int((ga.dec_seq > 0).sum()) if ga.D else 0
+        assert torch.equal(ga.dec_rows[:d], gb.dec_rows[:d])
+        assert torch.equal(ga.dec_slots[:d], gb.dec_slots[:d])
+        assert (ga.verify is None) == (gb.verify is None) == (resident or verify is None)
+        if ga.verify is not None:
+            va, vb = ga.verify, gb.verify
+            g = int((va.seq > 0).sum())
+            assert g == int((vb.seq > 0).sum()) and torch.equal(va.tok, vb.tok)
+            assert torch.equal(va.pos, vb.pos) and torch.equal(va.seq, vb.seq)
+            assert torch.equal(va.rows[:g], vb.rows[:g]) and torch.equal(va.slots[:g], vb.slots[:g])
+            most = max(most, g, int((va.pos >= 0).sum()) - g)
+    assert most >= (2 if verify and not resident else 0)
+    with pytest.raises(ValueError, match="exceeds the buffers' 16"):
+        gb.load_arrays(plan_arrays(adm_b, ["c"], np.zeros(17, np.int64), np.arange(17)))
+    assert pb is not None

@@ -31,7 +31,8 @@ import torch
 
 from vllm_hisparse.core.latent_admission import LatentAdmission
 from vllm_hisparse.core.latent_spec import VerifyRows
-from vllm_hisparse.core.latent_step import LatentStep
+from vllm_hisparse.core.latent_step import LatentStep, PlanArrays
+from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.ops.latent_write import write_latent_rows
 from vllm_hisparse.ops.resolve_given import resolve_given, workspace_shapes
 
@@ -64,19 +65,23 @@ class LatentGraphStep:
         self.adm, self.T, self.K = adm, max_tokens, top_k
         self.verify_tokens = verify_tokens
         sparse = 0 if adm.resident else max_decodes
-        self.verify = (VerifyRows.empty(pool, sparse, verify_tokens, max_tokens)
-                       if verify_tokens is not None and sparse else None)
-        self.D = 0 if self.verify is not None else sparse       # one-token decode entries
+        V = sparse if verify_tokens is not None else 0          # verify-row requests
+        n = verify_tokens or 0
+        D = self.D = sparse - V                                 # one-token decode entries
+        # every per-step index in one int64 tensor (load_arrays fills it with one H2D copy): the
+        # host-row source (row set x width + position), pool row, region base of each token; the
+        # one-token decodes' topk row, out row, row set, seq; the verify rows' tok, pos, rows, seq
+        sizes = [max_tokens] * 3 + [D] * 4 + [V * n, V * n, V, V]
+        self._meta = torch.empty(sum(sizes), dtype=i64, device=dev)
+        (self.host_src, self.pool_row, self.region_base, self.dec_gather, self.dec_scatter,
+         self.dec_rows, self.dec_seq, v_tok, v_pos, v_rows, v_seq) = self._meta.split(sizes)
+        self.verify = (VerifyRows(v_tok.view(V, n), v_pos.view(V, n), v_rows, v_seq,
+                                  pool.slot_rows(v_rows.zero_()), max_tokens) if V else None)
         self.host_row = torch.full((max_tokens,), -1, dtype=i64, device=dev)
-        self.pool_row = torch.full((max_tokens,), -1, dtype=i64, device=dev)
-        self.region_base = torch.full((max_tokens,), -1, dtype=i64, device=dev)
-        D = self.D
-        self.dec_gather = torch.zeros(D, dtype=i64, device=dev)               # topk row to read
-        self.dec_scatter = torch.full((D,), max_tokens, dtype=i64, device=dev)  # out row to write
-        self.dec_rows = torch.zeros(D, dtype=i64, device=dev)
-        self.dec_seq = torch.zeros(D, dtype=i64, device=dev)                  # 0 = padding
+        self.dec_rows.zero_()
         self.dec_slots = (pool.slot_rows(self.dec_rows) if D else
                           torch.empty(0, pool.B, dtype=torch.int32, device=dev))
+        self._h2d = HostToDevice(dev)
         self.hot = torch.ones(D, dtype=i64, device=dev)
         self.locs = torch.full((D, top_k), -1, dtype=torch.int32, device=dev)
         self.out = torch.full((max_tokens + 1, top_k), -1, dtype=torch.int32, device=dev)
@@ -97,11 +102,14 @@ class LatentGraphStep:
                 if dev.type == "cuda":
                     rows = kernels.device_alias(rows, dev)       # the pinned pool seen over UVA
                 self._host[layer] = (h, rows)
+        self.clear()
+        self._blank = self._meta.cpu().numpy().copy()          # the cleared values, host side
 
     # ---- per step (host) ------------------------------------------------------------------------
     def clear(self) -> None:
         """Every entry a no-op: writes nothing, reads nothing (-1 rows)."""
         self.host_row.fill_(-1)
+        self.host_src.fill_(-1)
         self.pool_row.fill_(-1)
         self.region_base.fill_(-1)
         if self.D:
@@ -110,6 +118,54 @@ class LatentGraphStep:
             self.dec_scatter.fill_(self.T)
         if self.verify is not None:
             self.verify.clear()
+
+    def load_arrays(self, a: PlanArrays) -> None:
+        """Load a step planned on the host (``latent_step.plan_arrays``): its indices into the
+        buffers with ONE host->device copy (pinned, not waiting for the GPU: core/staging.py),
+        then on the device the host-row gather and the row sets' slot rows. The same buffers as
+        ``load(LatentStep.plan(...))`` (tests/test_dsa_graph.py)."""
+        n, d, g = len(a.pos), len(a.dec), len(a.groups)
+        if (g and self.verify is None) or (d and self.verify is not None):
+            raise ValueError(f"a step planned {'with' if g else 'without'} verify rows loaded "
+                             f"into buffers of verify_tokens={self.verify_tokens}")
+        cap = self.D if self.verify is None else self.verify.rows.numel()
+        if n > self.T or max(d, g) > cap:
+            raise ValueError(f"a step of {n} tokens / {max(d, g)} decode tokens exceeds the "
+                             f"buffers' {self.T} / {cap} (max_num_batched_tokens / max_num_seqs)")
+        m = self._blank.copy()
+        T, D = self.T, self.D
+        W = self.adm.pool.host_rows.table.shape[1] if not self.adm.resident else 0
+        live = a.rset >= 0
+        m[:n] = np.where(live, a.rset * W + a.pos, -1) if W else -1
+        m[T:T + n] = np.where(a.rbase >= 0, a.rbase + a.pos, -1)
+        m[2 * T:2 * T + n] = a.rbase
+        o = 3 * T
+        if d:
+            dec = np.asarray(a.dec, dtype=np.int64)
+            m[o:o + d], m[o + D:o + D + d] = dec, dec
+            m[o + 2 * D:o + 2 * D + d] = a.rset[dec]
+            m[o + 3 * D:o + 3 * D + d] = a.pos[dec] + 1
+        if g:
+            V, k = self.verify.tok.shape
+            o += 4 * D
+            tok = m[o:o + V * k].reshape(V, k)
+            pos = m[o + V * k:o + 2 * V * k].reshape(V, k)
+            for r, (row_set, toks, ps) in enumerate(a.groups):
+                if len(toks) > k:
+                    raise ValueError(f"{len(toks)} verify tokens exceed the buffers' {k}")
+                tok[r, :len(toks)], pos[r, :len(ps)] = toks, ps
+                m[o + 2 * V * k + r] = row_set
+                m[o + 2 * V * k + V + r] = max(ps) + 1
+        self._h2d(m, out=self._meta)
+        pool = self.adm.pool
+        if W:
+            src = self.host_src
+            self.host_row.copy_(torch.where(src >= 0, pool.host_rows.table.view(-1)[
+                src.clamp(min=0)].long(), -1))
+        if D:
+            self.dec_slots.copy_(pool.slot_rows(self.dec_rows))
+        if self.verify is not None:
+            self.verify.slots.copy_(pool.slot_rows(self.verify.rows))
 
     def load(self, step: LatentStep) -> None:
         """Copy a planned step into the buffers (the rest cleared)."""

@@ -24,7 +24,7 @@ from vllm_hisparse.core.latent_admission import LatentAdmission
 from vllm_hisparse.core.latent_graph import LatentGraphStep, batch_tokens
 from vllm_hisparse.core.latent_pool import LatentPool
 from vllm_hisparse.core.latent_shadow import compare_rows, shadow_on
-from vllm_hisparse.core.latent_step import LatentStep
+from vllm_hisparse.core.latent_step import plan_arrays
 
 
 def host_pages_for(host_pool_bytes: int, num_layers: int, row_bytes: int) -> int:
@@ -103,7 +103,7 @@ class LatentRuntime:
         included): vLLM's CommonAttentionMetadata, host copies."""
         t0 = time.perf_counter()
         req, pos = batch_tokens(query_start_loc, seq_lens)
-        self.graph.load(LatentStep.plan(self.adm, keys, req, pos, self.verify_tokens))
+        self.graph.load_arrays(plan_arrays(self.adm, keys, req, pos, self.verify_tokens))
         self.steps += 1
         self._host_s["plan"] += time.perf_counter() - t0
         if self.shadow is not None:

@@ -32,6 +32,71 @@ from vllm_hisparse.ops.latent_write import write_latent_rows
 
 
 @dataclass
+class PlanArrays:
+    """A step's plan on the host, before any device tensor (numpy, T tokens): what
+    ``LatentStep.plan`` makes its tensors from and ``LatentGraphStep.load_arrays`` ships in one
+    copy. pos, rset, rbase (T,) int64: each token's position, row set and region base (-1: none);
+    dec: one-token decode tokens' indices; groups: verify rows (row set, tokens, positions)."""
+    pos: np.ndarray
+    rset: np.ndarray
+    rbase: np.ndarray
+    dec: list[int]
+    groups: list[tuple[int, list[int], list[int]]]
+    verify_tokens: int | None
+
+
+def plan_arrays(adm: LatentAdmission, keys: list, req_of_token, positions,
+                verify_tokens: int | None = None) -> PlanArrays:
+    """The host half of ``LatentStep.plan`` (arguments there): the checks and the per-request
+    decisions, no device work."""
+    pool = adm.pool
+    req = np.asarray(req_of_token, dtype=np.int64).reshape(-1)
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if req.shape != pos.shape:
+        raise ValueError(f"req_of_token {req.shape} and positions {pos.shape} must have one "
+                         f"entry per token")
+    if len(req) and (req.max() >= len(keys) or req.min() < -1):
+        raise ValueError(f"req_of_token must index keys (0..{len(keys) - 1}) or be -1")
+    T = len(req)
+    rset = np.full(T, -1, dtype=np.int64)
+    rbase = np.full(T, -1, dtype=np.int64)
+    dec: list[int] = []
+    groups: list[tuple[int, list[int], list[int]]] = []
+    seen: set = set()
+    if verify_tokens is not None and verify_tokens < 1:
+        raise ValueError(f"verify_tokens={verify_tokens} must be None or >= 1 "
+                         f"(num_speculative_tokens + 1)")
+    for i, key in enumerate(keys):
+        if key is None:
+            continue
+        toks = np.nonzero(req == i)[0]
+        if len(toks) == 0:
+            continue
+        g = adm.grant(key)
+        if pos[toks].min() < 0 or pos[toks].max() >= g.tokens:
+            raise ValueError(f"request {key!r}: positions must lie in [0, {g.tokens}) "
+                             f"(prompt + max_tokens admitted); got {pos[toks].min()}.."
+                             f"{pos[toks].max()}")
+        rset[toks] = g.row_set
+        if g.in_region:
+            rbase[toks] = pool.region_base(g.region)
+        elif verify_tokens is not None:
+            if len(toks) > verify_tokens or key in seen:
+                raise ValueError(f"request {key!r} has {len(toks)} decode tokens this step; "
+                                 f"at most verify_tokens={verify_tokens} (num_speculative_"
+                                 f"tokens + 1)")
+            seen.add(key)
+            groups.append((g.row_set, toks.tolist(), pos[toks].tolist()))
+        else:
+            if len(toks) != 1 or key in seen:
+                raise ValueError(f"request {key!r} has {len(toks)} decode tokens this step; "
+                                 f"a sparse request decodes one token a step (no spec decode)")
+            seen.add(key)
+            dec.append(int(toks[0]))
+    return PlanArrays(pos, rset, rbase, dec, groups, verify_tokens)
+
+
+@dataclass
 class LatentStep:
     """Index tensors of one step (on the pool's device), T tokens, D decode tokens:
     host_row, pool_row, region_base (T,) int64 (-1 = none); dec_tok, dec_rows, dec_seq (D,) int64;
@@ -56,49 +121,8 @@ class LatentStep:
         request (today's path); n >= 1 = up to n (num_speculative_tokens + 1), resolved as one
         union per request (core/latent_spec.py)."""
         pool = adm.pool
-        req = np.asarray(req_of_token, dtype=np.int64).reshape(-1)
-        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if req.shape != pos.shape:
-            raise ValueError(f"req_of_token {req.shape} and positions {pos.shape} must have one "
-                             f"entry per token")
-        if len(req) and (req.max() >= len(keys) or req.min() < -1):
-            raise ValueError(f"req_of_token must index keys (0..{len(keys) - 1}) or be -1")
-        T = len(req)
-        rset = np.full(T, -1, dtype=np.int64)
-        rbase = np.full(T, -1, dtype=np.int64)
-        dec: list[int] = []
-        groups: list[tuple[int, list[int], list[int]]] = []
-        seen: set = set()
-        if verify_tokens is not None and verify_tokens < 1:
-            raise ValueError(f"verify_tokens={verify_tokens} must be None or >= 1 "
-                             f"(num_speculative_tokens + 1)")
-        for i, key in enumerate(keys):
-            if key is None:
-                continue
-            toks = np.nonzero(req == i)[0]
-            if len(toks) == 0:
-                continue
-            g = adm.grant(key)
-            if pos[toks].min() < 0 or pos[toks].max() >= g.tokens:
-                raise ValueError(f"request {key!r}: positions must lie in [0, {g.tokens}) "
-                                 f"(prompt + max_tokens admitted); got {pos[toks].min()}.."
-                                 f"{pos[toks].max()}")
-            rset[toks] = g.row_set
-            if g.in_region:
-                rbase[toks] = pool.region_base(g.region)
-            elif verify_tokens is not None:
-                if len(toks) > verify_tokens or key in seen:
-                    raise ValueError(f"request {key!r} has {len(toks)} decode tokens this step; "
-                                     f"at most verify_tokens={verify_tokens} (num_speculative_"
-                                     f"tokens + 1)")
-                seen.add(key)
-                groups.append((g.row_set, toks.tolist(), pos[toks].tolist()))
-            else:
-                if len(toks) != 1 or key in seen:
-                    raise ValueError(f"request {key!r} has {len(toks)} decode tokens this step; "
-                                     f"a sparse request decodes one token a step (no spec decode)")
-                seen.add(key)
-                dec.append(int(toks[0]))
+        a = plan_arrays(adm, keys, req_of_token, positions, verify_tokens)
+        pos, rset, rbase, dec, groups, T = a.pos, a.rset, a.rbase, a.dec, a.groups, len(a.pos)
         dev = pool.device
         pos_t = torch.from_numpy(pos).to(dev)
         rset_t, rbase_t = torch.from_numpy(rset).to(dev), torch.from_numpy(rbase).to(dev)
