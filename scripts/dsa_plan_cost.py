@@ -21,7 +21,7 @@ from vllm_hisparse.core.latent_step import LatentStep
 
 def runtime(D: int, device: str) -> tuple[LatentRuntime, list[str]]:
     """D requests of 3,000-token prompts decoding: 4 layers, max_model_len 4096, B 256, top_k 64."""
-    rt = LatentRuntime(4, 4096, 256, D, 1, D * 4200, 8192, D, 64, device=device, pin=False)
+    rt = LatentRuntime(4, 4096, 256, D, 1, D * 4200, 8192, D, 64, device=device)  # pinned on CUDA
     led = LatentLedger(D, 1, D * 4200, 4096, False)
     keys = [f"r{i}" for i in range(D)]
     for k in keys:
