@@ -81,7 +81,7 @@ class LatentGraphStep:
         self.dec_rows.zero_()
         self.dec_slots = (pool.slot_rows(self.dec_rows) if D else
                           torch.empty(0, pool.B, dtype=torch.int32, device=dev))
-        self._h2d = HostToDevice(dev)
+        self._h2d = HostToDevice(dev, slots=4)     # one copy a step: 4 pinned buffers suffice
         self.hot = torch.ones(D, dtype=i64, device=dev)
         self.locs = torch.full((D, top_k), -1, dtype=torch.int32, device=dev)
         self.out = torch.full((max_tokens + 1, top_k), -1, dtype=torch.int32, device=dev)
