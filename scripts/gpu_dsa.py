@@ -123,7 +123,7 @@ def run(mode: str, model: str, out: str) -> int:
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     rng = random.Random(0)
     ids = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPTS]
-    if SPEC:                                 # a 256-token block repeated: ngram finds matches
+    if SPEC:                  # a 256-token block repeated, one-token lookups: ngram drafts often
         ids = [(p[:256] * (len(p) // 256 + 1))[:len(p)] for p in ids]
     prompts = [{"prompt_token_ids": p} for p in ids]
     kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format=LOAD,
@@ -132,7 +132,7 @@ def run(mode: str, model: str, out: str) -> int:
               compilation_config=compilation(), kv_cache_dtype=KV)
     if SPEC:
         kw.update(speculative_config={"method": "ngram", "num_speculative_tokens": SPEC,
-                                      "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+                                      "prompt_lookup_max": 4, "prompt_lookup_min": 1},
                   disable_log_stats=False)
     cfg = dict(CFG, host_tier=mode in ("hisparse", "crf", "control", "shadow", "shadowctl"),
                policy="crf" if mode == "crf" else "lru")

@@ -13,7 +13,7 @@
 #   DSA_KV=fp8_ds_mla: 656 B latent rows (hisparse: vllm/mla_fp8_backend.py; stock: FLASHMLA_SPARSE)
 #   DSA_SHAPE=deepseek-v3.2-l16: the 16-layer shape (bench/model_shapes.py CHANGES), default the 4-layer one
 #   DSA_SPEC=1 DSA_B=4096: ngram speculation with 1 draft (verify rows; B >= (k + 1) x 2048), prompts of
-#   a repeated 256-token block, acceptance counts printed beside the verdict
+#   a repeated 256-token block, one-token lookups (drafts most steps), acceptance counts beside the verdict
 #   DSA_TESTS=0 (skip the CUDA tests) bash scripts/gpu_dsa.sh OUT; DSA_COMPILE=0: no torch.compile (FULL
 #   decode graphs only), DSA_DETERMINISTIC=1: Inductor's deterministic mode
 #   DSA_UTIL=0.85: the engines' gpu_memory_utilization (engines side by side do not work: on an H100
