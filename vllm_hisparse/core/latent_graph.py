@@ -2,11 +2,14 @@
 ``do_kv_cache_update`` and ``forward_mqa`` read, so that vLLM's FULL decode CUDA graphs, recorded
 once per batch size, replay every later step with that step's plan.
 
-``core/latent_step.LatentStep.plan`` decides a step on the host (which pool and host rows each token
-writes, which tokens are decode tokens of sparse requests); ``LatentGraphStep.load`` copies it into
-buffers allocated once, sized for the largest step (``max_tokens`` = vLLM's max_num_batched_tokens,
-``max_decodes`` = max_num_seqs: at most one decode token per request), and ``clear`` makes every
-entry a no-op (what a dummy run or a graph capture sees). The per-layer work has fixed shapes:
+``core/latent_step.plan_arrays`` decides a step on the host in numpy (which pool and host rows each
+token writes, which tokens are decode tokens of sparse requests); ``LatentGraphStep.load_arrays``
+ships it in ONE pinned, non-blocking H2D copy into ``_meta``, one int64 tensor whose slices are the
+buffers (sized once for the largest step: ``max_tokens`` = vLLM's max_num_batched_tokens,
+``max_decodes`` = max_num_seqs), then gathers the host rows and the row sets' slot rows on the
+device (what LatentRuntime.plan runs); ``load`` copies a ``LatentStep.plan``'s tensors in instead
+(the tests' reference: both fill the same buffers). ``clear`` makes every entry a no-op (what a
+dummy run or a graph capture sees). The per-layer work has fixed shapes:
 
 - ``write``: ``ops/latent_write.write_latent_rows`` of the call's T tokens in the pool's row
   format (``LatentPool.rows_of``; -1 rows write nothing);
@@ -16,8 +19,8 @@ entry a no-op (what a dummy run or a graph capture sees). The per-layer work has
   Same rows, same order as ``LatentStep.convert`` (tests/test_dsa_graph.py checks it bit for bit).
 
 With ``verify_tokens`` n (speculative decoding: num_speculative_tokens + 1) the decode entries are
-verify rows instead: ``max_decodes`` requests of up to n tokens in ``VerifyRows.empty``'s fixed
-buffers, each request's tokens resolved as ONE union of width n x top_k (core/latent_spec.py), and
+verify rows instead: ``max_decodes`` requests of up to n tokens in a ``VerifyRows`` over slices of
+``_meta``, each request's tokens resolved as ONE union of width n x top_k (core/latent_spec.py), and
 ``write`` also refreshes a rewritten position's hot slot (tests/test_dsa_spec.py,
 ``test_verify_rows_in_graph_buffers_equal_resident``).
 

@@ -29,9 +29,9 @@ still hold the rejected row in a slot; ``write_rows`` sends each verify token's 
 the slot holding its position, if any (write-through to resident slots), so a hit never reads a
 stale row. On the k = 1 path a position is written once and is never resident before that.
 
-Which process: the worker (planned in ``LatentStep.plan``, run per layer by ``write`` /
-``convert``; in FULL CUDA graphs the fixed buffers of ``VerifyRows.empty``, loaded per step by
-core/latent_graph.py). vLLM-free. Served with ngram speculation (vllm/mla_setup.py: the buffer
+Which process: the worker (served: planned by ``latent_step.plan_arrays`` into a ``VerifyRows`` over
+slices of ``LatentGraphStep``'s fixed buffers, which FULL CUDA graphs replay; the tests' reference:
+``LatentStep.plan``'s per-step ``VerifyRows.build``; run per layer by ``write_rows`` / ``convert``). vLLM-free. Served with ngram speculation (vllm/mla_setup.py: the buffer
 rule at startup; vllm/mla_connector.py: admission of prompt + max_tokens + k).
 """
 from __future__ import annotations
@@ -75,8 +75,8 @@ class VerifyRows:
     tok (D, n) int64 the token's index in the step, >= T = padding entry (fewer tokens this
     step); pos (D, n) int64 its position, -1 = padding; rows (D,) int64 row sets; seq (D,) int64
     last position + 1, 0 = a padding request (RESOLVE skips it); slots (D, B) int32 pool rows of
-    the row sets' hot slots. Built per step (``build``) or held in fixed buffers that a FULL
-    CUDA graph replays (``empty`` / ``load`` / ``clear``: core/latent_graph.py)."""
+    the row sets' hot slots. Built per step (``build``) or over fixed buffers that a FULL CUDA
+    graph replays (core/latent_graph.py: ``clear``, and ``load`` for the tests' reference path)."""
     tok: torch.Tensor
     pos: torch.Tensor
     rows: torch.Tensor
@@ -100,16 +100,6 @@ class VerifyRows:
         slots = (pool.slot_rows(rows) if len(groups) else
                  torch.empty(0, pool.B, dtype=torch.int32, device=dev))
         return cls(tok.to(dev), pos.to(dev), rows, seq.to(dev), slots)
-
-    @classmethod
-    def empty(cls, pool, D: int, n: int, pad: int) -> "VerifyRows":
-        """Fixed buffers for up to D requests of n tokens (max_num_seqs, k + 1), all padding;
-        pad: the token index of a padding entry (max_num_batched_tokens, past any call's T)."""
-        dev, i64 = pool.device, torch.int64
-        rows = torch.zeros(D, dtype=i64, device=dev)
-        return cls(torch.full((D, n), pad, dtype=i64, device=dev),
-                   torch.full((D, n), -1, dtype=i64, device=dev), rows,
-                   torch.zeros(D, dtype=i64, device=dev), pool.slot_rows(rows), pad)
 
     def clear(self) -> None:
         """Every entry padding (fixed buffers: a dummy run, a capture, a step without verify

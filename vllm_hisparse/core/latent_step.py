@@ -2,10 +2,11 @@
 and host rows each of the step's tokens writes (section 3) and how each query token's top-k
 positions become pool rows (section 4).
 
-``LatentStep.plan`` reads the admission (who holds which region / row set) on the host, once per
-step, and leaves index tensors on the pool's device; ``write`` and ``convert`` are the per-layer
-work the vLLM adapter's ``do_kv_cache_update`` and ``forward_mqa`` forward to, with no host work.
-A token is one of:
+``plan_arrays`` reads the admission (who holds which region / row set) on the host, once per step:
+the served path's host half (core/latent_graph.LatentGraphStep.load_arrays ships it).
+``LatentStep.plan`` turns the same decisions into index tensors on the pool's device, and its
+``write`` / ``convert`` do the per-layer work eagerly: the reference the tests (and
+scripts/dsa_plan_cost.py) compare the fixed-buffer path with. A token is one of:
 
 - a **region** token: its request holds a region (prefill in hisparse mode; every token in
   resident mode): written to ``region_base + pos`` (and to the host in hisparse mode), reads

@@ -10,11 +10,12 @@ fp8_ds_mla cache dtype).
 - ``forward_mqa``: the selection converted to pool rows (``LatentRuntime.convert``: region rows of
   prefill tokens, RESOLVE into the hot slots for decode tokens), then stock's kernels over the pool
   viewed as vLLM's cache, ``(rows / 64, 64, 656)``: decode tokens (and, with fewer than 32 heads a
-  rank, every token: stock's mixed batch) through FlashMLA's fp8 decode kernel, prefill tokens as
-  stock does them with >= 32 heads, the request's region upconverted to bf16 in the workspace
-  (``cp_gather_and_upconvert_fp8_kv_cache`` over the region's blocks) and the bf16 sparse prefill
-  kernel on workspace indices (``workspace_indices``). Same kernels, same bytes, same index order
-  as stock: the outputs equal stock's for the same batches.
+  rank or with speculative decoding, every token: stock's mixed batch) through FlashMLA's fp8
+  decode kernel, prefill tokens as stock does them with >= 32 heads, the request's region
+  upconverted to bf16 in the workspace (``cp_gather_and_upconvert_fp8_kv_cache`` over the region's
+  blocks) and the bf16 sparse prefill kernel on workspace indices (``workspace_indices``). Same
+  kernels, same bytes, same index order as stock: without speculation the outputs equal stock's
+  for the same batches (with it, resident mode's: the builder's docstring says why).
 
 Needs ``max_model_len`` and ``device_buffer_size`` multiples of 64 (regions and row sets start on a
 block; vllm/mla_setup.py refuses others in one line). Importing this module needs vLLM's CUDA
