@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_hisparse.core.capacity import DTYPE_BYTES, cdiv
+from vllm_hisparse.ops import fp8_ds_mla
 
 MLA_BLOCK = 64                     # FLASH_ATTN_MLA_SPARSE's block size (tokens)
 STUB_BYTES = 16                    # design choice (docs/dsa.md): the attention layers' shrunk spec,
@@ -56,7 +57,7 @@ class MLAShape:
     def latent_bytes(self) -> int:
         """One latent row: one token of one layer."""
         if self.fp8_ds_mla:        # fp8 nope + an fp32 scale per 128 + bf16 rope
-            return self.kv_lora_rank + self.kv_lora_rank // 128 * 4 + self.qk_rope_head_dim * 2
+            return fp8_ds_mla.row_bytes(self.kv_lora_rank, self.qk_rope_head_dim)
         return (self.kv_lora_rank + self.qk_rope_head_dim) * self.dtype_bytes
 
     @property

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from vllm_hisparse.core.latent_admission import LatentAdmission
-from vllm_hisparse.core.latent_spec import VerifyRows
+from vllm_hisparse.core.latent_spec import VerifyRows, group_arrays
 from vllm_hisparse.core.latent_step import LatentStep, PlanArrays
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.ops.latent_write import write_latent_rows
@@ -151,14 +151,11 @@ class LatentGraphStep:
         if g:
             V, k = self.verify.tok.shape
             o += 4 * D
-            tok = m[o:o + V * k].reshape(V, k)
-            pos = m[o + V * k:o + 2 * V * k].reshape(V, k)
-            for r, (row_set, toks, ps) in enumerate(a.groups):
-                if len(toks) > k:
-                    raise ValueError(f"{len(toks)} verify tokens exceed the buffers' {k}")
-                tok[r, :len(toks)], pos[r, :len(ps)] = toks, ps
-                m[o + 2 * V * k + r] = row_set
-                m[o + 2 * V * k + V + r] = max(ps) + 1
+            tok, pos, rows, seq = group_arrays(a.groups, k, T)
+            m[o:o + V * k].reshape(V, k)[:g] = tok
+            m[o + V * k:o + 2 * V * k].reshape(V, k)[:g] = pos
+            m[o + 2 * V * k:o + 2 * V * k + g] = rows
+            m[o + 2 * V * k + V:o + 2 * V * k + V + g] = seq
         self._h2d(m, out=self._meta)
         pool = self.adm.pool
         if W:

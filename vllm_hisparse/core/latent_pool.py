@@ -43,8 +43,8 @@ class LatentPool:
         resident mode); regions: full-length regions (prefill_slots, or resident requests at
         once); row: values per latent row (kv_lora_rank + qk_rope_head_dim; fp8_ds_mla: its
         656 bytes); dtype: the latent's (bf16/fp16; uint8 = fp8_ds_mla rows); policy: the row
-        sets' replacement policy (one RESOLVE kernel branch: slots.served()). Rows start zeroed (the attention reference reads row 0 under a -1 index,
-        masked: it must be finite)."""
+        sets' replacement policy (one RESOLVE kernel branch: slots.served()). Rows start zeroed
+        (the attention reference reads row 0 under a -1 index, masked: it must be finite)."""
         _check("num_layers", num_layers, 1, "give the model's sparse MLA layer count")
         _check("max_model_len", max_model_len, 1, "give vLLM's max_model_len")
         _check("buffer", buffer, 1, "give device_buffer_size (>= top_k)")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_hisparse.ops.resolve_given import resolve_given
@@ -68,6 +69,23 @@ def _scatter_rows(base: torch.Tensor, tok: torch.Tensor, vals: torch.Tensor) -> 
     return buf[:-1]
 
 
+def group_arrays(groups: list[tuple[int, list[int], list[int]]], n: int, pad: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tok (G, n), pos (G, n), rows (G,), seq (G,)) int64 of G requests' verify tokens (groups:
+    row set, the tokens' indices in the step, their positions): padding entries tok ``pad``, pos
+    -1; seq = the last position + 1. The host half of ``VerifyRows.build`` and of
+    ``LatentGraphStep.load_arrays``."""
+    tok = np.full((len(groups), n), pad, dtype=np.int64)
+    pos = np.full((len(groups), n), -1, dtype=np.int64)
+    for d, (_, toks, ps) in enumerate(groups):
+        if len(toks) > n:
+            raise ValueError(f"{len(toks)} verify tokens exceed the buffers' {n} (num_speculative_"
+                             f"tokens + 1)")
+        tok[d, :len(toks)], pos[d, :len(ps)] = toks, ps
+    rows = np.array([g[0] for g in groups], dtype=np.int64)
+    return tok, pos, rows, pos.max(1) + 1
+
+
 @dataclass
 class VerifyRows:
     """The step's decode tokens of sparse requests grouped per request: D requests, n = k + 1
@@ -89,17 +107,11 @@ class VerifyRows:
               ) -> "VerifyRows":
         """groups: per request (row set, its tokens' indices in the step, their positions), at
         most n tokens each; T: the step's tokens; pool: the LatentPool."""
-        tok = torch.full((len(groups), n), T, dtype=torch.int64)
-        pos = torch.full((len(groups), n), -1, dtype=torch.int64)
-        for d, (_, toks, ps) in enumerate(groups):
-            tok[d, :len(toks)] = torch.tensor(toks, dtype=torch.int64)
-            pos[d, :len(ps)] = torch.tensor(ps, dtype=torch.int64)
         dev = pool.device
-        rows = torch.tensor([g[0] for g in groups], dtype=torch.int64, device=dev)
-        seq = pos.max(1).values + 1 if len(groups) else torch.empty(0, dtype=torch.int64)
+        tok, pos, rows, seq = (torch.from_numpy(x).to(dev) for x in group_arrays(groups, n, T))
         slots = (pool.slot_rows(rows) if len(groups) else
                  torch.empty(0, pool.B, dtype=torch.int32, device=dev))
-        return cls(tok.to(dev), pos.to(dev), rows, seq.to(dev), slots)
+        return cls(tok, pos, rows, seq, slots)
 
     def clear(self) -> None:
         """Every entry padding (fixed buffers: a dummy run, a capture, a step without verify

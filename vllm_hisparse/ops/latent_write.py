@@ -1,33 +1,18 @@
-"""The DSA write path (docs/dsa.md section 3): a step's new latent rows ``[kv_c, k_pe]`` of one
-layer through to the host pool and, for tokens whose request holds a region (in prefill, or
-resident mode), into the latent pool at ``region_base + position``.
+"""The DSA write path (docs/dsa.md section 3): a step's new latent rows of one layer (in the pool's
+format, ``LatentPool.rows_of``: ``[kv_c, k_pe]``, or fp8_ds_mla's packed bytes) through to the host
+pool and, for tokens whose request holds a region (in prefill, or resident mode), into the latent
+pool at ``region_base + position``.
 
-Both go through ``ops/write_through.py``, a row being one "token" of K and V halves of 288 values
-(the host page's layout; the pool viewed as (M, 2, 1, 1, 288)): on CUDA its kernel, UVA stores into
-the pinned pool and plain stores into the GPU pool, -1 = no-op, no host sync (two launches and one
-concatenation a layer: a fused kernel could take kv_c and k_pe as they come).
+Both go through ``ops/write_through.py``, a row being one "token" of K and V halves (288 values, or
+328 bytes: the host page's layout; the pool viewed as (M, 2, 1, 1, half)): on CUDA its kernel, UVA
+stores into the pinned pool and plain stores into the GPU pool, -1 = no-op, no host sync (two
+launches a layer, after ``rows_of``'s concatenation or packing).
 """
 from __future__ import annotations
 
 import torch
 
 from .write_through import write_through
-
-
-def write_latent(kv_c: torch.Tensor, k_pe: torch.Tensor, host: torch.Tensor | None,
-                 host_row: torch.Tensor, pool: torch.Tensor, pool_row: torch.Tensor) -> None:
-    """In place: row t = [kv_c[t], k_pe[t]] -> host[host_row[t]] where host_row[t] >= 0 and ->
-    pool[pool_row[t]] where pool_row[t] >= 0 (``write_latent_rows`` of the concatenated rows).
-
-    kv_c: (T, L) and k_pe: (T, Rd), the latent rows' dtype (vLLM's do_kv_cache_update inputs; the
-    token stride may be wider); the rest as ``write_latent_rows``."""
-    if k_pe.shape[0] != kv_c.shape[0]:
-        raise ValueError(f"kv_c {tuple(kv_c.shape)} and k_pe {tuple(k_pe.shape)} must make rows "
-                         f"of the pool's {tuple(pool.shape[1:])} values, one per token")
-    if kv_c.dtype != pool.dtype or k_pe.dtype != pool.dtype:
-        raise ValueError(f"kv_c/k_pe dtype {kv_c.dtype}/{k_pe.dtype} must be the pool's "
-                         f"{pool.dtype}; cast them first")
-    write_latent_rows(torch.cat([kv_c, k_pe], 1), host, host_row, pool, pool_row)
 
 
 def write_latent_rows(rows: torch.Tensor, host: torch.Tensor | None, host_row: torch.Tensor,
