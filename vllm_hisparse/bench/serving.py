@@ -60,13 +60,18 @@ def is_dsa(model: str) -> bool:
         return False
 
 
+def dsa_stock_attention(kv_cache_dtype: str) -> dict:
+    """Stock's attention config for a DSA model, as hisparse runs it: FLASHMLA_SPARSE for an
+    fp8_ds_mla cache, else FLASH_ATTN_MLA_SPARSE; every prefill token through the sparse MQA path."""
+    backend = "FLASHMLA_SPARSE" if kv_cache_dtype == "fp8_ds_mla" else "FLASH_ATTN_MLA_SPARSE"
+    return {"backend": backend, "sparse_mla_force_mqa": True}
+
+
 def dsa_stock_args(extra: list[str]) -> list[str]:
-    """Stock's sparse-MLA backend for a DSA model, as hisparse runs it: FLASHMLA_SPARSE for an
-    fp8_ds_mla cache (in the extra server args), else FLASH_ATTN_MLA_SPARSE; every prefill token
-    through the sparse MQA path."""
+    """``dsa_stock_attention`` as `vllm serve` arguments, the cache dtype read from the extra
+    server args."""
     fp8 = any(a in ("fp8_ds_mla", "--kv-cache-dtype=fp8_ds_mla") for a in extra)
-    backend = "FLASHMLA_SPARSE" if fp8 else "FLASH_ATTN_MLA_SPARSE"
-    return ["--attention-config", json.dumps({"backend": backend, "sparse_mla_force_mqa": True})]
+    return ["--attention-config", json.dumps(dsa_stock_attention("fp8_ds_mla" if fp8 else "auto"))]
 WORKLOADS = {"paper": (32768, 8192), "reasoning": (1024, 16384)}     # (input, output) tokens
 
 

@@ -20,7 +20,8 @@ decode step at 32K for 1, 8 and 32 rows against stock FLASH_ATTN_MLA_SPARSE) run
                      "dense_layers": [], "prefill_slots": 4}' --out OUT
 
 (the DSA runtime's host time a step is its ``apply`` and ``plan``; its layers run in the graph).
-``--log-stats``: vLLM's per-step stats on (the connector's reports among them), as a server has them; off by default, as in ``LLM``.
+``--log-stats``: vLLM's per-step stats on (the connector's reports among them), as a server has
+them; off by default, as in ``LLM``.
 ``--no-prefix-caching`` and ``--capture-sizes 1,2``: as ``bench.serving``'s servers of one request.
 ``run`` writes OUT/BACKEND.json (summary and tables) and OUT/BACKEND-kernels.csv. On a machine
 without CUDA the kernel table is empty and the host table (CPU ops, self time) is what there is.
@@ -37,7 +38,7 @@ import sys
 import time
 
 from vllm_hisparse.bench.profile_tables import diff, kernel_table, print_diff, union_us
-from vllm_hisparse.bench.serving import BACKENDS, backend_config, dsa_stock_args, is_dsa
+from vllm_hisparse.bench.serving import BACKENDS, backend_config, dsa_stock_attention, is_dsa
 
 TOP_HOST_OPS = 40
 
@@ -101,8 +102,7 @@ def engine_kwargs(a, cfg: dict | None, cuda: bool) -> dict:
     if is_dsa(a.model):
         kw["tokenizer_mode"] = "hf"
         if cfg is None:
-            kw["attention_config"] = json.loads(dsa_stock_args(
-                [getattr(a, "kv_cache_dtype", "auto")])[1])
+            kw["attention_config"] = dsa_stock_attention(getattr(a, "kv_cache_dtype", "auto"))
     if cfg is not None:
         kw.update(attention_backend="hisparse", additional_config={"hisparse": cfg})
     return kw
