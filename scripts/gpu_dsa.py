@@ -58,7 +58,10 @@ MAX_LEN = int(os.environ.get("DSA_MAX_LEN", "24576"))
 UTIL = float(os.environ.get("DSA_UTIL", "0.85"))
 CFG = {"indexer": os.environ.get("DSA_INDEXER", "dsa"), "top_k": 2048, "device_buffer_size": int(os.environ.get("DSA_B", "2560")),
        "dense_layers": [], "host_pool_gib": 8, "quest_rows": len(PROMPTS),
-       "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0"))}
+       "prefill_slots": len(PROMPTS), "mla_num_splits": int(os.environ.get("DSA_SPLITS", "0")),
+       # a region a prompt: resident_first would lend each its region for life (no RESOLVE, no
+       # misses); off, every decode token goes through its row set. DSA_ELASTIC=1: lent
+       "resident_first": os.environ.get("DSA_ELASTIC", "0") == "1"}
 KV = os.environ.get("DSA_KV", "auto")            # fp8_ds_mla: FLASHMLA_SPARSE's 656 B rows
 SPEC = int(os.environ.get("DSA_SPEC", "0"))     # ngram drafts a step (0 = none); B >= (k+1) x 2048
 MODES = ("stock", "hisparse", "resident")      # each compared with resident (and crf when it ran)

@@ -201,13 +201,22 @@ def run_engine(extra: dict):
     return rt, outs, max_prefill, max_live
 
 
-def test_connector_and_impl_path_hisparse_and_resident_equal_the_ground_truth():
-    hs, hs_out, hs_prefill, hs_live = run_engine({})
+@pytest.mark.parametrize("resident_first", [False, True])
+def test_connector_and_impl_path_hisparse_and_resident_equal_the_ground_truth(resident_first):
+    """resident_first off: every complete prompt decodes through its row set; on (the default): a
+    complete prompt keeps its region, decoding from it, until an admission takes it (demote), then
+    through its row set: fewer misses over the same schedule, the same outputs."""
+    hs, hs_out, hs_prefill, hs_live = run_engine({"resident_first": resident_first})
     st = hs.stats()
     assert st["misses"] > 0 and st["hits"] > 0 and not st["resident"]
     assert {s.policy.name for s in hs.pool.states} == {"lru"}      # the default
     assert hs_prefill == 1 and hs_live <= DSA["quest_rows"]       # prefill_slots, row sets bind
-    assert hs.adm.leaks() == []
+    assert hs.adm.leaks() == [] and st["regions_lent"] == 0
+    if resident_first:
+        fixed = run_engine({"resident_first": False})[0].stats()
+        assert st["demotions"] >= 3 and st["misses"] < fixed["misses"], (st, fixed)
+    else:
+        assert st["demotions"] == 0
     rs, rs_out, _, _ = run_engine({"host_tier": False})
     assert rs.stats()["misses"] == 0 and rs.adm.leaks() == []
     assert hs_out.keys() == rs_out.keys()
@@ -281,7 +290,7 @@ def test_impl_writes_and_converts_for_its_own_layer_and_calls_fa3_over_the_pool(
     assert mb.HiSparseMLASparseBackend.get_name() == "CUSTOM"
     assert mb.HiSparseMLASparseBackend.get_kv_cache_shape(10, 64, 1, 8) == (10, 64, 8)
 
-    w = LatentWorker.start(vconfig({}), LATENT_ROW, K, BF)
+    w = LatentWorker.start(vconfig({"resident_first": False}), LATENT_ROW, K, BF)   # RESOLVE
     rt = w.runtime
     monkeypatch.setattr(mb.FlashAttnMLASparseMetadataBuilder, "build",
                         lambda self, cpl, cm, fast_build=False: "stock metadata")

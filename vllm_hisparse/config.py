@@ -74,7 +74,9 @@ class HiSparseConfig:
         missing ones, oldest pages first, down to its hot buffer, one way (docs/vllm-
         integration.md, "Residency states"); admission still counts the hot-buffer floor; the
         KV manager (vllm/spec.py) spills when the free blocks fall below its reserve or below
-        what an arriving request needs.
+        what an arriving request needs. Indexer "dsa": a complete prompt keeps its prefill
+        region, decoding from it (no RESOLVE, no misses), until an arriving prompt finds no free
+        region and takes the one lent longest ago (core/latent_ledger.py); same outputs.
     host_tier: False = every token resident on the GPU with the same selection and kernels (the
         exactness reference).
     hostless: a request the host (or dense) pool cannot take: "sparse" (default) runs host-less

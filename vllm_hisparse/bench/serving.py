@@ -21,8 +21,9 @@ docs/vllm-integration.md, "Residency states"), so one run compares the two.
 A DSA model (config.json with ``index_topk``: DeepSeek-V3.2 shapes, bench/model_shapes.py) runs
 the DSA path: hisparse's default config is ``DSA_DEFAULT`` (indexer dsa), stock is
 FLASH_ATTN_MLA_SPARSE (FLASHMLA_SPARSE with ``-- --kv-cache-dtype fp8_ds_mla``) with every prefill
-token through the sparse MQA path as hisparse's (``sparse_mla_force_mqa``), backends stock,
-resident, hisparse (``elastic`` is the GQA path's resident_first).
+token through the sparse MQA path as hisparse's (``sparse_mla_force_mqa``); ``hisparse`` decodes
+every complete prompt through its row set, ``elastic`` (resident_first) lends a complete prompt
+its prefill region until another prompt needs it (core/latent_ledger.py).
 
 Decode-heavy workloads (``--workload``): ``paper`` = 32K in / 8K out (the HiSparse paper's),
 ``reasoning`` = 1K in / 16K out; ``--concurrency 1,cap`` runs each at one request and at the
@@ -238,9 +239,6 @@ def main(argv=None) -> int:
         p.error(f"--concurrency {args.concurrency}: numbers or 'cap', comma-separated")
     backends = parse_backends(p, args.backends)
     args.dsa = is_dsa(args.model)
-    if args.dsa and "elastic" in backends:
-        p.error("--backends elastic is the GQA path's resident_first; a DSA model runs stock, "
-                "resident, hisparse")
     if args.hisparse is None:
         args.hisparse = DSA_DEFAULT if args.dsa else GQA_DEFAULT
     os.makedirs(args.out, exist_ok=True)

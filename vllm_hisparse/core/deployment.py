@@ -89,12 +89,15 @@ class LatentSizes:
     """The DSA path's latent pool (docs/dsa.md): what the scheduler's ledger and the worker's pool
     agree on. row_sets: requests with hot rows at once (quest_rows, else max_num_seqs); regions:
     full-length prefill regions (prefill_slots; every request's in resident mode); host_rows:
-    latent rows (one token of every layer) the host pool holds (0 in resident mode)."""
+    latent rows (one token of every layer) the host pool holds (0 in resident mode); lend: a
+    complete prompt keeps its region, decoding from it, until an admission needs it
+    (resident_first; core/latent_ledger.py)."""
     row_bytes: int
     row_sets: int
     regions: int
     host_rows: int
     resident: bool
+    lend: bool = False
 
 
 @dataclass(frozen=True)
@@ -313,4 +316,4 @@ def _latent(cfg: HiSparseConfig, limits: EngineLimits) -> LatentSizes:
     host = cfg.host_pool_bytes // (row_bytes * limits.num_layers) if cfg.host_tier else 0
     return LatentSizes(row_bytes=row_bytes, row_sets=n,
                        regions=cfg.prefill_slots if cfg.host_tier else n, host_rows=host,
-                       resident=not cfg.host_tier)
+                       resident=not cfg.host_tier, lend=cfg.host_tier and cfg.resident_first)

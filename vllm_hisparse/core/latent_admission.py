@@ -5,8 +5,10 @@ preempted.
 hisparse mode (a host pool given): a request is admitted when it gets a free row set, a free
 prefill region and host pages for prompt + max_tokens, all or nothing; ``prompt_done`` gives the
 region back once its prompt is complete (the next step's writes to it belong to another request;
-this one reads its hot slots and the host from then on). A request recomputed after a preemption
-is released and admitted again (it takes a region again).
+this one reads its hot slots and the host from then on). With ``lend`` the region is kept past
+``prompt_done`` (its decode tokens stay region tokens: core/latent_step.py) until ``demote`` gives
+it back, on the scheduler's ``demote`` event just before the admission that takes it. A request
+recomputed after a preemption is released and admitted again (it takes a region again).
 
 resident mode (no host pool, docs/dsa.md section 7): a request holds a full-length region for its
 whole life; no row sets, no host pages.
@@ -38,9 +40,10 @@ class Grant:
 
 
 class LatentAdmission:
-    def __init__(self, pool: LatentPool, host: HostKVPool | None):
+    def __init__(self, pool: LatentPool, host: HostKVPool | None, lend: bool = False):
         """host: the host pool (one token per page, rows of pool.row values) in hisparse mode;
-        None = resident mode."""
+        None = resident mode; lend: keep a complete prompt's region until ``demote``
+        (LatentLedger's ``lend``)."""
         if host is not None:
             if host.page_size != 1:
                 raise ValueError(f"host pool page_size={host.page_size} must be 1 (one latent row "
@@ -58,7 +61,7 @@ class LatentAdmission:
         self.grants: dict[object, Grant] = {}
         pages = 0 if host is None else host.num_pages
         self.ledger = LatentLedger(pool.row_sets, pool.regions, pages, pool.max_model_len,
-                                   self.resident, log=False)
+                                   self.resident, log=False, lend=lend)
 
     # ---- admission ------------------------------------------------------------------------------
     def refusal(self, key, prompt_len: int, max_tokens: int) -> str | None:
@@ -68,6 +71,11 @@ class LatentAdmission:
 
     def admit(self, key, prompt_len: int, max_tokens: int) -> Grant | None:
         """Hand ``key`` what it needs (all or nothing); None when ``refusal`` says why not."""
+        if self.ledger.free_regions == 0 and self.ledger.refusal(key, prompt_len,
+                                                                 max_tokens) is None:
+            raise RuntimeError(f"hisparse: admitting {key!r} would take a lent region that no "
+                               f"'demote' event gave back first (the scheduler logs it before "
+                               f"the admission)")
         if not self.ledger.admit(key, prompt_len, max_tokens):
             return None
         total = prompt_len + max_tokens
@@ -84,12 +92,22 @@ class LatentAdmission:
 
     def prompt_done(self, key) -> None:
         """The prompt of ``key`` is complete: its prefill region goes back (hisparse mode; a no-op
-        in resident mode, where the region is the request's latent)."""
+        in resident mode, where the region is the request's latent; kept with ``lend``)."""
         g = self.grant(key)
         self.ledger.prompt_done(key)
-        if not self.resident and g.region >= 0:
+        if not self.resident and not self.ledger.lend and g.region >= 0:
             self._free_regions.append(g.region)
             g.region = -1
+
+    def demote(self, key) -> None:
+        """The region lent to ``key`` goes back (a no-op in resident mode: a resident twin
+        replays a hisparse scheduler's events, core/latent_shadow.py)."""
+        if self.resident:
+            return
+        g = self.grant(key)
+        self.ledger.demote(key)
+        self._free_regions.append(g.region)
+        g.region = -1
 
     def release(self, key) -> None:
         """``key`` finished or was preempted: everything it holds goes back."""

@@ -37,7 +37,8 @@ class LatentRuntime:
     def __init__(self, num_layers: int, max_model_len: int, buffer: int, row_sets: int,
                  regions: int, host_pages: int, max_tokens: int, max_decodes: int, top_k: int,
                  row: int = 576, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                 pin: bool | None = None, policy: str = "lru", verify_tokens: int | None = None):
+                 pin: bool | None = None, policy: str = "lru", verify_tokens: int | None = None,
+                 lend: bool = False):
         """num_layers: sparse MLA layers; buffer: B hot slots a row set; row_sets: N sparse
         requests at once; regions: prefill_slots (hisparse) or N (resident); host_pages: latent
         rows of the host pool (0 = resident mode); max_tokens / max_decodes: a step's most tokens
@@ -45,13 +46,14 @@ class LatentRuntime:
         kv_lora_rank + qk_rope_head_dim; pin: pin the host pool (None: when CUDA is up); policy:
         the hot slots' replacement policy (config ``policy``: lru or crf); verify_tokens:
         speculative decoding's num_speculative_tokens + 1 (None: one decode token a request;
-        core/latent_spec.py)."""
+        core/latent_spec.py); lend: a complete prompt keeps its region until an admission needs
+        it (the config's resident_first; core/latent_ledger.py)."""
         self.resident = host_pages == 0
         self.pool = LatentPool(num_layers, max_model_len, buffer, 0 if self.resident else row_sets,
                                regions, row, dtype, device, policy)
         self.host = None if self.resident else HostKVPool(num_layers, host_pages, 1, 1, row // 2,
                                                           dtype, pin=pin)
-        self.adm = LatentAdmission(self.pool, self.host)
+        self.adm = LatentAdmission(self.pool, self.host, lend)
         self.verify_tokens = verify_tokens
         self.graph = LatentGraphStep(self.adm, max_tokens, max_decodes, top_k, verify_tokens)
         # the in-engine exactness check (core/latent_shadow.py; test-only): a resident twin
@@ -91,6 +93,8 @@ class LatentRuntime:
                                        f"{self.adm.refusal(key, ev[2], ev[3])}")
             elif kind == "prompt_done":
                 self.adm.prompt_done(key)
+            elif kind == "demote":
+                self.adm.demote(key)
             elif kind == "release":
                 self.adm.release(key)
             else:
@@ -144,6 +148,8 @@ class LatentRuntime:
         return {"hits": hits, "misses": misses, "steps": self.steps, "policy": self.pool.policy,
                 "host_ms_plan": (self._host_s["apply"] + self._host_s["plan"]) * 1e3,
                 "live_requests": len(self.adm.grants), "max_live_requests": self.max_live,
+                "regions_lent": len(self.adm.ledger.lent),
+                "demotions": self.adm.ledger.demotions,
                 "gpu_pool_bytes": self.pool.nbytes,
                 "host_pool_bytes": 0 if host is None else host.data.numel()
                 * host.data.element_size(),

@@ -12,7 +12,8 @@ worker object: vllm/mla_worker.py, vllm/worker.py).
   * ``build_connector_meta``: the ledger's events since the last step, in order, and each new or
     resumed request's first GPU block (its identity in the batch); then the requests whose prefill
     this step completes give their region back (``prompt_done``, shipped with the next step, after
-    this one is planned);
+    this one is planned), or with ``resident_first`` keep it lent, decoding from it, until an
+    admission needs it (the ledger's ``demote`` event, shipped before that admission's);
   * finish: everything back at once (``request_finished`` -> False: vLLM's blocks hold only the
     stub and the indexer K, which the worker never touches after the request's last step).
 ``LatentConnectorWorker`` (worker process, role WORKER): applies the events, binds first blocks,
@@ -60,13 +61,15 @@ class LatentConnectorScheduler:
         self.spec_tokens = dep.limits.spec_tokens
         s = dep.latent               # the latent pool's sizes, as the worker's (mla_worker)
         self.ledger = LatentLedger(s.row_sets, s.regions, s.host_rows, self.max_model_len,
-                                   s.resident)
+                                   s.resident, lend=s.lend)
         self._prefill: dict[str, int] = {}     # req -> tokens its (re)computed prefill covers
         self._waiting: dict[str, str] = {}     # req -> why it waits (logged once)
         logger.info("hisparse dsa: admission of %d requests at once (%s)",
                     s.regions if s.resident else s.row_sets,
                     "resident: a full-length region each" if s.resident else
-                    f"{s.regions} prefill regions, {s.host_rows} host rows")
+                    f"{s.regions} prefill regions, {s.host_rows} host rows"
+                    + (", a complete prompt decoding in its region until a prompt needs it "
+                       "(resident_first)" if s.lend else ""))
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
         return None                   # no startup check: a prompt's latent is in the plugin's pool
@@ -103,7 +106,7 @@ class LatentConnectorScheduler:
             computed[rid] = cached.num_computed_tokens[i]
         for rid, done in computed.items():        # after this step: regions of complete prompts
             n = so.num_scheduled_tokens.get(rid, 0)
-            if self.ledger.in_region(rid) and done + n >= self._prefill.get(rid, 1 << 62):
+            if self.ledger.in_prefill(rid) and done + n >= self._prefill.get(rid, 1 << 62):
                 self.ledger.prompt_done(rid)      # an event of the next step's metadata
         return md
 

@@ -83,14 +83,15 @@ class LatentWorker:
             rt = LatentRuntime(layers, mc.max_model_len, cfg.device_buffer_size, s.row_sets,
                                s.regions, s.host_rows, max_tokens, sc.max_num_seqs, top_k, row,
                                dtype, dev, policy=cfg.policy,
-                               verify_tokens=k + 1 if k else None)
+                               verify_tokens=k + 1 if k else None, lend=s.lend)
         logger.info("hisparse dsa: latent pool %.2f GiB on %s (%d regions x %d rows, %d row sets "
-                    "x B=%d, %d layers, policy %s), host pool %.2f GiB (%d rows)%s%s",
+                    "x B=%d, %d layers, policy %s), host pool %.2f GiB (%d rows)%s%s%s",
                     rt.pool.nbytes / (1 << 30), dev, s.regions, mc.max_model_len,
                     0 if s.resident else s.row_sets, cfg.device_buffer_size, layers,
                     cfg.policy, rt.stats()["host_pool_bytes"] / (1 << 30), s.host_rows,
                     " (resident mode)" if s.resident else "",
-                    f", verify rows of {k + 1} tokens a request" if k else "")
+                    f", verify rows of {k + 1} tokens a request" if k else "",
+                    ", regions lent to decoding (resident_first)" if s.lend else "")
         return cls(rt, ix)
 
     def get_runtime(self) -> LatentRuntime:
