@@ -15,7 +15,8 @@ from vllm_hisparse.slots.crf import HIT
 
 ROW = 576                        # an MLA latent row (opaque to RESOLVE)
 # (N rows, runtime rows M, slots S, units U, K selected, steps)
-CASES = [(1, 2, 8, 20, 8, 3), (3, 5, 16, 50, 12, 4), (4, 6, 33, 97, 32, 3), (2, 3, 5, 5, 5, 2)]
+CASES = [(1, 2, 8, 20, 8, 3), (3, 5, 16, 50, 12, 4), (4, 6, 33, 97, 32, 3), (2, 3, 5, 5, 5, 2),
+         (3, 4, 48, 120, 37, 3)]   # K = 37: the miss-copy's last block of 16 partial
 POLICIES = ["lru", "crf"]        # the policies the kernel has a branch for (slots.served())
 
 

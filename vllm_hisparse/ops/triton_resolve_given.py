@@ -3,10 +3,10 @@ top-k, for indexers that hand over their own selection (DSA: vLLM's ``topk_indic
 docs/dsa.md section 4). Per live hot row r: ``_resolve_row`` on ``sel[r]`` as it is (any order,
 -1 anywhere = nothing; a row of only -1 is left alone, as slots.engine.resolve leaves it), in the
 branch of the state's policy (``POLICY`` 0 = lru, 1 = crf, with the policy's kernel constants),
-then ``_miss_io_kernel`` copies the misses' rows from the host pool; the contract is
-``resolve_given.resolve_given_reference``. It reuses triton_select's jit functions
-(_resolve_prelude, _resolve_row, _miss_io_kernel: their signatures are this file's only coupling
-to that kernel).
+then ``_miss_rows_kernel`` copies the misses' rows from the host pool, J selection entries a
+program; the contract is ``resolve_given.resolve_given_reference``. It reuses triton_select's jit
+functions (_resolve_prelude, _resolve_row: their signatures are this file's only coupling to that
+kernel).
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_select import (_miss_io_kernel, _resolve_prelude, _resolve_row, policy_constants,
-                            row_chunk, select_widths)
+from .triton_select import _resolve_prelude, _resolve_row, policy_constants, select_widths
+
+MISS_ROWS = 16        # selection entries a miss-copy program covers (J)
 
 
 @triton.jit
@@ -38,6 +39,33 @@ def _resolve_given_kernel(SEL, SEQ, HOT, ROWS, BT, SU, US, POL, SCR, VIC, COUNTS
             tl.store(LOCS + r.to(tl.int64) * K + jk, none, mask=jk < K)
 
 
+@triton.jit
+def _miss_rows_kernel(LOCS, SEL, SEQ, HOT, ROWS, HPT, HOST, KV, K, s_hpt, ROW: tl.constexpr,
+                      ROWP: tl.constexpr, J: tl.constexpr):
+    """Program (r, b): selection entries [b J, b J + J) of row r (a row the resolve kernel
+    resolved: live and hot); each marked miss (loc <= -2) has its row (ROW elements, a token's
+    latent) copied from the host pool (UVA loads) into slot -2 - loc, which then goes into locs.
+    One [J, ROWP] tile a program: every miss's row in flight at once (a program a miss, as
+    triton_select._miss_io_kernel does for Quest's pages, launched N x K programs of one 1 KiB row
+    each: 111 µs a layer on the H100 at one live row, mostly programs of padding rows)."""
+    r = tl.program_id(0)
+    if (tl.load(SEQ + r) > 0) & (tl.load(HOT + r) != 0):
+        j = tl.program_id(1) * J + tl.arange(0, J)
+        at = LOCS + r.to(tl.int64) * K + j
+        loc = tl.load(at, mask=j < K, other=0)
+        miss = (j < K) & (loc <= -2)
+        if tl.max(miss.to(tl.int32), 0) > 0:
+            slot = -2 - loc
+            row = tl.load(ROWS + r).to(tl.int64)
+            u = tl.load(SEL + r.to(tl.int64) * K + j, mask=miss, other=0)
+            hp = tl.load(HPT + row * s_hpt + u, mask=miss, other=0).to(tl.int64)
+            oc = tl.arange(0, ROWP)
+            m = miss[:, None] & (oc[None, :] < ROW)
+            x = tl.load(HOST + hp[:, None] * ROW + oc[None, :], mask=m)
+            tl.store(KV + slot.to(tl.int64)[:, None] * ROW + oc[None, :], x, mask=m)
+            tl.store(at, slot, mask=miss)
+
+
 def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tensor,
                   locs: torch.Tensor, scratch: torch.Tensor, victims: torch.Tensor,
                   hot: torch.Tensor, rows: torch.Tensor, state, host_pt: torch.Tensor,
@@ -57,5 +85,6 @@ def resolve_given(sel: torch.Tensor, seq: torch.Tensor, block_table: torch.Tenso
         block_table.stride(0), su.stride(0), us.stride(0), pol.stride(0), KB=KB, SB=SB,
         num_warps=4, **consts)
     row = kv[0].numel()
-    _miss_io_kernel[(N, K)](locs, sel, seq, seq, hot, rows, host_pt, host, kv, K,
-                            host_pt.stride(0), ROW=row, CH=row_chunk(row), num_warps=4)
+    _miss_rows_kernel[(N, triton.cdiv(K, MISS_ROWS))](
+        locs, sel, seq, hot, rows, host_pt, host, kv, K, host_pt.stride(0), ROW=row,
+        ROWP=triton.next_power_of_2(row), J=MISS_ROWS, num_warps=4)
