@@ -147,4 +147,18 @@ def test_resolve_given_compiles(policy):
 
     with compile_only() as seen:
         step(tri, t, selection(N, U, K, gen))
-    assert seen == {"_resolve_given_kernel", "_miss_io_kernel"}
+    assert seen == {"_resolve_given_kernel", "_miss_rows_kernel"}
+
+
+def test_latent_index_glue_compiles():
+    """ops/triton_latent_index.py at DSA's K = 2048 (a 4-token call, 3 decode entries)."""
+    from vllm_hisparse.ops import triton_latent_index as tli
+    T, K = 4, 2048
+    topk = torch.randint(-1, 5000, (T, K), dtype=torch.int32)
+    out, valid = torch.empty(T, K, dtype=torch.int32), torch.empty(T, dtype=torch.int32)
+    sel, locs = torch.empty(3, K, dtype=torch.int32), torch.empty(3, K, dtype=torch.int32)
+    with compile_only() as seen:
+        tli.region_rows(topk, torch.tensor([-1, 0, 4096, -1]), 4096, out)
+        tli.decode_selections(topk, torch.tensor([0, 3, 4]), 4096, sel, locs)
+        tli.valid_counts(out, valid)
+    assert seen == {"_region_rows_kernel", "_decode_selections_kernel", "_valid_counts_kernel"}

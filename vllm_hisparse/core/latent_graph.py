@@ -13,9 +13,11 @@ dummy run or a graph capture sees). The per-layer work has fixed shapes:
 
 - ``write``: ``ops/latent_write.write_latent_rows`` of the call's T tokens in the pool's row
   format (``LatentPool.rows_of``; -1 rows write nothing);
-- ``convert``: region rows ``region_base + pos`` for all T tokens, then RESOLVE of all
-  ``max_decodes`` decode entries (padding entries have ``dec_seq`` 0: RESOLVE skips them) and one
-  ``index_copy_`` of their rows into the output, padding entries into a spare last row ``T_max``.
+- ``convert``: region rows ``region_base + pos`` for all T tokens, then RESOLVE of the first
+  ``min(max_decodes, T)`` decode entries (the plan puts them first; padding entries have
+  ``dec_seq`` 0: RESOLVE skips them) and one ``index_copy_`` of their rows into the output,
+  padding entries into a spare last row ``T_max``, then the valid counts (the glue is
+  ops/latent_index.py's three pieces: one Triton launch each on CUDA).
   Same rows, same order as ``LatentStep.convert`` (tests/test_dsa_graph.py checks it bit for bit).
 
 With ``verify_tokens`` n (speculative decoding: num_speculative_tokens + 1) the decode entries are
@@ -36,6 +38,7 @@ from vllm_hisparse.core.latent_admission import LatentAdmission
 from vllm_hisparse.core.latent_spec import VerifyRows, group_arrays
 from vllm_hisparse.core.latent_step import LatentStep, PlanArrays
 from vllm_hisparse.core.staging import HostToDevice
+from vllm_hisparse.ops.latent_index import decode_selections, region_rows, valid_counts
 from vllm_hisparse.ops.latent_write import write_latent_rows
 from vllm_hisparse.ops.resolve_given import resolve_given, workspace_shapes
 
@@ -87,6 +90,7 @@ class LatentGraphStep:
         self._h2d = HostToDevice(dev, slots=4)     # one copy a step: 4 pinned buffers suffice
         self.hot = torch.ones(D, dtype=i64, device=dev)
         self.locs = torch.full((D, top_k), -1, dtype=torch.int32, device=dev)
+        self.sel = torch.full((D, top_k), -1, dtype=torch.int32, device=dev)
         self.out = torch.full((max_tokens + 1, top_k), -1, dtype=torch.int32, device=dev)
         self.valid = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
         self.work = None
@@ -222,21 +226,21 @@ class LatentGraphStep:
         out, valid = self.out[:T], self.valid[:T]
         if T == 0:
             return out, valid
-        pos = topk.long()
-        base = self.region_base[:T, None]
-        ok = (base >= 0) & (pos >= 0) & (pos < pool.max_model_len)
-        out.copy_(torch.where(ok, base + pos, -1))
+        region_rows(topk, self.region_base[:T], pool.max_model_len, out)
         if self.D:
-            sel = topk.index_select(0, self.dec_gather.clamp(max=T - 1))
-            sel = torch.where(sel < pool.max_model_len, sel, -1)
-            self.locs.fill_(-1)
-            resolve_given(sel, self.dec_seq, self.dec_slots, self.locs, self.hot, self.dec_rows,
-                          pool.states[layer], pool.host_rows.fetch,
-                          self._host[layer][1], pool.rows[layer], pool.counts, self.work)
-            self.out.index_copy_(0, self.dec_scatter, self.locs)
+            # decode entries sit first and are tokens of this call: at most T of them, so the
+            # launches cover min(D, T) entries (a graph of batch size T: T rows, not max_num_seqs)
+            n = min(self.D, T)
+            sel, locs = self.sel[:n], self.locs[:n]
+            decode_selections(topk, self.dec_gather[:n], pool.max_model_len, sel, locs)
+            resolve_given(sel, self.dec_seq[:n], self.dec_slots[:n], locs, self.hot[:n],
+                          self.dec_rows[:n], pool.states[layer], pool.host_rows.fetch,
+                          self._host[layer][1], pool.rows[layer], pool.counts,
+                          None if self.work is None else tuple(w[:n] for w in self.work))
+            self.out.index_copy_(0, self.dec_scatter[:n], locs)
         if self.verify is not None:
             self.verify.convert(topk, pool.max_model_len, pool.states[layer],
                                 pool.host_rows.fetch, self._host[layer][1], pool.rows[layer],
                                 pool.counts, out, self.work)
-        valid.copy_((out >= 0).sum(1))
+        valid_counts(out, valid)
         return out, valid

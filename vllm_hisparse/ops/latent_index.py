@@ -11,7 +11,10 @@ positions become latent-pool rows, in the selection's order (FA3 sums in that or
 - padding tokens (no region, not decoding): all -1.
 
 Plain torch around resolve_given (which has its Triton kernel on CUDA); the index arrays come
-planned once per step (core/latent_step.py), so nothing here reads the host.
+planned once per step (core/latent_step.py), so nothing here reads the host. The fixed-buffer path
+(core/latent_graph.py) runs the same glue as three pieces, ``region_rows``, ``decode_selections``
+and ``valid_counts``: plain torch here (the references; ``pool_indices`` always runs them in
+torch), one Triton launch each on CUDA (ops/triton_latent_index.py).
 """
 from __future__ import annotations
 
@@ -20,6 +23,49 @@ import torch
 from vllm_hisparse.slots import HotBufferState
 
 from .resolve_given import resolve_given
+
+
+def region_rows(topk: torch.Tensor, base: torch.Tensor, region_len: int, out: torch.Tensor) -> None:
+    """out (T, K) int32 = base[t] + topk[t, j] where base[t] >= 0 (a region token) and
+    0 <= topk[t, j] < region_len, else -1. topk (T, K) int32, base (T,) int64."""
+    if topk.is_cuda:
+        from . import triton_latent_index as tli
+        tli.region_rows(topk, base, region_len, out)
+        return
+    _region_rows(topk, base, region_len, out)
+
+
+def _region_rows(topk, base, region_len, out) -> None:
+    pos = topk.long()
+    b = base.long()[:, None]
+    ok = (b >= 0) & (pos >= 0) & (pos < region_len)
+    out.copy_(torch.where(ok, b + pos, -1).to(out.dtype))
+
+
+def decode_selections(topk: torch.Tensor, gather: torch.Tensor, region_len: int,
+                      sel: torch.Tensor, locs: torch.Tensor) -> None:
+    """sel (n, K) int32 = the selections of tokens ``gather`` (n,) int64 (clipped to T - 1: a
+    padding entry's), entries >= region_len made -1 (stock's range rule); locs (n, K) = -1."""
+    if topk.is_cuda:
+        from . import triton_latent_index as tli
+        tli.decode_selections(topk, gather, region_len, sel, locs)
+        return
+    s = topk.index_select(0, gather.clamp(max=topk.shape[0] - 1))
+    sel.copy_(torch.where(s < region_len, s, -1))
+    locs.fill_(-1)
+
+
+def valid_counts(out: torch.Tensor, valid: torch.Tensor) -> None:
+    """valid (T,) int32 = entries of out (T, K) that are >= 0 (FA3's seqused_k)."""
+    if out.is_cuda:
+        from . import triton_latent_index as tli
+        tli.valid_counts(out, valid)
+        return
+    _valid_counts(out, valid)
+
+
+def _valid_counts(out, valid) -> None:
+    valid.copy_((out >= 0).sum(1).to(valid.dtype))
 
 
 def pool_indices(topk: torch.Tensor, region_base: torch.Tensor, region_len: int,
@@ -49,10 +95,7 @@ def pool_indices(topk: torch.Tensor, region_base: torch.Tensor, region_len: int,
         raise ValueError(f"dec_rows {tuple(dec_rows.shape)}, dec_seq {tuple(dec_seq.shape)} and "
                          f"dec_slots {tuple(dec_slots.shape)} must have one row per decode token "
                          f"({D})")
-    pos = topk.long()
-    base = region_base.long()[:, None]
-    ok = (base >= 0) & (pos >= 0) & (pos < region_len)
-    out.copy_(torch.where(ok, base + pos, -1).to(out.dtype))
+    _region_rows(topk, region_base, region_len, out)
     if D:
         sel = topk[dec_tok]
         sel = torch.where(sel < region_len, sel, -1)      # out of range -> -1, as stock
@@ -60,4 +103,4 @@ def pool_indices(topk: torch.Tensor, region_base: torch.Tensor, region_len: int,
         resolve_given(sel, dec_seq, dec_slots, locs, torch.ones_like(dec_seq), dec_rows, state,
                       host_rows, host, kv, counts)
         out[dec_tok] = locs.to(out.dtype)
-    valid.copy_((out >= 0).sum(1).to(valid.dtype))
+    _valid_counts(out, valid)
