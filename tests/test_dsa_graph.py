@@ -13,7 +13,7 @@ from vllm_hisparse.core.host_pool import HostKVPool
 from vllm_hisparse.core.latent_admission import LatentAdmission
 from vllm_hisparse.core.latent_graph import LatentGraphStep, batch_tokens
 from vllm_hisparse.core.latent_pool import LatentPool
-from vllm_hisparse.core.latent_step import LatentStep
+from vllm_hisparse.core.latent_step import LatentStep, plan_arrays
 from vllm_hisparse.ops.sparse_mla import KV_LORA_RANK, LATENT_ROW
 
 BF = torch.bfloat16
@@ -120,6 +120,10 @@ def test_graph_step_refuses_what_its_buffers_cannot_hold():
                     torch.zeros(5, LATENT_ROW - KV_LORA_RANK, dtype=BF))
     with pytest.raises(ValueError, match="int32"):
         graph.convert(0, torch.zeros(2, K + 1, dtype=torch.int32))
+    wide = LatentGraphStep(adm, max_tokens=4, max_decodes=4, top_k=K)
+    wide.load_arrays(plan_arrays(adm, ["a", "b"], [0, 1], [60, 40]))        # 2 decode tokens
+    with pytest.raises(ValueError, match="a call of 1 tokens for a plan of 2 decode tokens"):
+        wide.convert(0, torch.zeros(1, K, dtype=torch.int32))   # RESOLVE covers min(D, T) = 1
 
 
 @pytest.mark.parametrize("qsl, seq", [([0, 1, 6, 6, 9], [10, 5, 7, 3]), ([0], []),

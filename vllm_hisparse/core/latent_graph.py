@@ -115,6 +115,7 @@ class LatentGraphStep:
     # ---- per step (host) ------------------------------------------------------------------------
     def clear(self) -> None:
         """Every entry a no-op: writes nothing, reads nothing (-1 rows)."""
+        self.planned = 0                 # decode entries of the loaded plan (host int)
         self.host_row.fill_(-1)
         self.host_src.fill_(-1)
         self.pool_row.fill_(-1)
@@ -161,6 +162,7 @@ class LatentGraphStep:
             m[o + 2 * V * k:o + 2 * V * k + g] = rows
             m[o + 2 * V * k + V:o + 2 * V * k + V + g] = seq
         self._h2d(m, out=self._meta)
+        self.planned = d
         pool = self.adm.pool
         if W:
             src = self.host_src
@@ -181,6 +183,7 @@ class LatentGraphStep:
             raise ValueError(f"a step of {n} tokens / {d} decode tokens exceeds the buffers' "
                              f"{self.T} / {self.D} (max_num_batched_tokens / max_num_seqs)")
         self.clear()
+        self.planned = d
         if self.verify is not None:
             self.verify.load(step.verify)
         self.host_row[:n].copy_(step.host_row)
@@ -231,6 +234,9 @@ class LatentGraphStep:
             # decode entries sit first and are tokens of this call: at most T of them, so the
             # launches cover min(D, T) entries (a graph of batch size T: T rows, not max_num_seqs)
             n = min(self.D, T)
+            if self.planned > n:     # eager and piecewise calls only (a replay runs no Python)
+                raise ValueError(f"a call of {T} tokens for a plan of {self.planned} decode "
+                                 f"tokens: each decode token is one of the call's tokens")
             sel, locs = self.sel[:n], self.locs[:n]
             decode_selections(topk, self.dec_gather[:n], pool.max_model_len, sel, locs)
             resolve_given(sel, self.dec_seq[:n], self.dec_slots[:n], locs, self.hot[:n],

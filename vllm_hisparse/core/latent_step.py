@@ -8,10 +8,10 @@ the served path's host half (core/latent_graph.LatentGraphStep.load_arrays ships
 ``write`` / ``convert`` do the per-layer work eagerly: the reference the tests (and
 scripts/dsa_plan_cost.py) compare the fixed-buffer path with. A token is one of:
 
-- a **region** token: its request holds a region (prefill in hisparse mode; every token in
-  resident mode): written to ``region_base + pos`` (and to the host in hisparse mode), reads
-  ``region_base + topk``;
-- a **decode** token of a sparse request (hisparse, prompt complete): written to the host only,
+- a **region** token: its request holds a region (prefill in hisparse mode, and decoding while
+  its region is lent: core/latent_ledger.py; every token in resident mode): written to
+  ``region_base + pos`` (and to the host in hisparse mode), reads ``region_base + topk``;
+- a **decode** token of a sparse request (hisparse, prompt complete, no region): written to the host only,
   reads its row set's hot slots through RESOLVE (one such token per request per step; with
   ``verify_tokens`` n, up to n of them, speculative decoding's verify rows, read through ONE
   RESOLVE of the union of their selections: core/latent_spec.py);

@@ -1,6 +1,6 @@
 """The DSA write path (docs/dsa.md section 3): a step's new latent rows of one layer (in the pool's
 format, ``LatentPool.rows_of``: ``[kv_c, k_pe]``, or fp8_ds_mla's packed bytes) through to the host
-pool and, for tokens whose request holds a region (in prefill, or resident mode), into the latent
+pool and, for tokens whose request holds a region (in prefill, lent, or resident mode), into the latent
 pool at ``region_base + position``.
 
 Both go through ``ops/write_through.py``, a row being one "token" of K and V halves (288 values, or

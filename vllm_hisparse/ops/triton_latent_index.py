@@ -46,16 +46,26 @@ def _valid_counts_kernel(OUT, VALID, K, KB: tl.constexpr):
     tl.store(VALID + t, tl.sum((v >= 0).to(tl.int32), 0))
 
 
-def _rows(*ts: torch.Tensor) -> None:
-    for t in ts:
-        if t.stride(-1) != 1 or (t.dim() == 2 and t.stride(0) != t.shape[1]):
-            raise ValueError(f"a contiguous tensor expected, got strides {t.stride()}")
+def _rows(*ts: torch.Tensor, i64: tuple = ()) -> None:
+    """Contiguous (topk alone may have a wider row stride); int32, those in i64 int64."""
+    for t in ts + i64:
+        want = torch.int64 if any(t is x for x in i64) else torch.int32
+        if t.dtype != want or t.stride(-1) != 1 or (t.dim() == 2 and t.stride(0) != t.shape[1]):
+            raise ValueError(f"a contiguous {want} tensor expected, got {t.dtype} with strides "
+                             f"{t.stride()}")
+
+
+def _selections(topk: torch.Tensor) -> None:
+    if topk.dtype != torch.int32 or topk.stride(-1) != 1:
+        raise ValueError(f"topk must be int32 with unit column stride; got {topk.dtype} "
+                         f"{topk.stride()}")
 
 
 def region_rows(topk: torch.Tensor, base: torch.Tensor, region_len: int, out: torch.Tensor) -> None:
     """Shapes: ops/latent_index.region_rows (topk's rows may be strided)."""
     T, K = topk.shape
-    _rows(base, out)
+    _rows(out, i64=(base,))
+    _selections(topk)
     if T:
         _region_rows_kernel[(T,)](topk, base, out, K, topk.stride(0), region_len,
                                   KB=triton.next_power_of_2(K), num_warps=4)
@@ -66,7 +76,8 @@ def decode_selections(topk: torch.Tensor, gather: torch.Tensor, region_len: int,
     """Shapes: ops/latent_index.decode_selections."""
     T, K = topk.shape
     n = gather.shape[0]
-    _rows(gather, sel, locs)
+    _rows(sel, locs, i64=(gather,))
+    _selections(topk)
     if n and T:
         _decode_selections_kernel[(n,)](topk, gather, sel, locs, T, K, topk.stride(0), region_len,
                                         KB=triton.next_power_of_2(K), num_warps=4)

@@ -8,7 +8,7 @@ fp8_ds_mla cache dtype).
   (the pool's ``packer``, ``VllmPacker``: stock's bytes, into a fixed scratch block), then through
   to the host pool and the regions (``LatentRuntime.write``).
 - ``forward_mqa``: the selection converted to pool rows (``LatentRuntime.convert``: region rows of
-  prefill tokens, RESOLVE into the hot slots for decode tokens), then stock's kernels over the pool
+  tokens whose request holds a region, RESOLVE into the hot slots for the others), then stock's kernels over the pool
   viewed as vLLM's cache, ``(rows / 64, 64, 656)``: decode tokens (and, with fewer than 32 heads a
   rank or with speculative decoding, every token: stock's mixed batch) through FlashMLA's fp8
   decode kernel, prefill tokens as stock does them with >= 32 heads, the request's region
