@@ -50,8 +50,12 @@ def decode_selections(topk: torch.Tensor, gather: torch.Tensor, region_len: int,
         from . import triton_latent_index as tli
         tli.decode_selections(topk, gather, region_len, sel, locs)
         return
+    _decode_selections(topk, gather, region_len, sel, locs)
+
+
+def _decode_selections(topk, gather, region_len, sel, locs) -> None:
     s = topk.index_select(0, gather.clamp(max=topk.shape[0] - 1))
-    sel.copy_(torch.where(s < region_len, s, -1))
+    sel.copy_(torch.where(s < region_len, s, -1))      # out of range -> -1, as stock
     locs.fill_(-1)
 
 
@@ -97,9 +101,8 @@ def pool_indices(topk: torch.Tensor, region_base: torch.Tensor, region_len: int,
                          f"({D})")
     _region_rows(topk, region_base, region_len, out)
     if D:
-        sel = topk[dec_tok]
-        sel = torch.where(sel < region_len, sel, -1)      # out of range -> -1, as stock
-        locs = torch.full_like(sel, -1)
+        sel, locs = (torch.empty(D, K, dtype=topk.dtype, device=topk.device) for _ in range(2))
+        _decode_selections(topk, dec_tok, region_len, sel, locs)
         resolve_given(sel, dec_seq, dec_slots, locs, torch.ones_like(dec_seq), dec_rows, state,
                       host_rows, host, kv, counts)
         out[dec_tok] = locs.to(out.dtype)

@@ -22,8 +22,6 @@ Importing this module needs vLLM's CUDA flash-attention build.
 """
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from vllm.v1.attention.backends.mla.flashattn_mla_sparse import (
     FlashAttnMLASparseBackend,
@@ -34,16 +32,10 @@ from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func
 
 from .compat import get_current_vllm_config
 from .deployment import config_of
-from .mla_impl import LatentBuilder, LatentImpl
+from .mla_impl import LatentBackend, LatentBuilder, LatentImpl
 
 
-class HiSparseMLASparseBackend(FlashAttnMLASparseBackend):
-    is_hisparse: ClassVar[bool] = True
-
-    @staticmethod
-    def get_name() -> str:
-        return "CUSTOM"            # must be an AttentionBackendEnum member (attention.py:434)
-
+class HiSparseMLASparseBackend(LatentBackend, FlashAttnMLASparseBackend):
     @staticmethod
     def get_impl_cls():
         return HiSparseMLASparseImpl
@@ -51,11 +43,6 @@ class HiSparseMLASparseBackend(FlashAttnMLASparseBackend):
     @staticmethod
     def get_builder_cls():
         return HiSparseMLASparseMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        return (num_blocks, block_size, head_size)     # head_size: the stub's (mla_spec.py)
 
 
 class HiSparseMLASparseMetadataBuilder(LatentBuilder, FlashAttnMLASparseMetadataBuilder):

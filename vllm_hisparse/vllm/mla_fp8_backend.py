@@ -24,8 +24,6 @@ build only when it runs (the FlashMLA ops); the index helpers are plain torch
 """
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from vllm.v1.attention.backends.mla.flashmla_sparse import (
     FlashMLASparseBackend,
@@ -37,7 +35,7 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (
 from vllm_hisparse.core.capacity_mla import MLA_BLOCK
 from vllm_hisparse.ops import fp8_ds_mla
 
-from .mla_impl import LatentBuilder, LatentImpl
+from .mla_impl import LatentBackend, LatentBuilder, LatentImpl
 
 
 def workspace_indices(idx: torch.Tensor, base: torch.Tensor, req: torch.Tensor,
@@ -78,13 +76,7 @@ class VllmPacker:
         return self.cache.view(-1, fp8_ds_mla.ROW_BYTES)[:T]
 
 
-class HiSparseFlashMLASparseBackend(FlashMLASparseBackend):
-    is_hisparse: ClassVar[bool] = True
-
-    @staticmethod
-    def get_name() -> str:
-        return "CUSTOM"
-
+class HiSparseFlashMLASparseBackend(LatentBackend, FlashMLASparseBackend):
     @staticmethod
     def get_impl_cls():
         return HiSparseFlashMLASparseImpl
@@ -92,11 +84,6 @@ class HiSparseFlashMLASparseBackend(FlashMLASparseBackend):
     @staticmethod
     def get_builder_cls():
         return HiSparseFlashMLASparseMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        return (num_blocks, block_size, head_size)     # the stub's (mla_spec.py)
 
 
 class HiSparseFlashMLASparseMetadataBuilder(LatentBuilder, FlashMLASparseMetadataBuilder):

@@ -2,6 +2,7 @@
 vllm/mla_fp8_backend.py on FLASHMLA_SPARSE, fp8_ds_mla rows), as mixins listed before the stock
 classes:
 
+- ``LatentBackend``: the backend class's name (CUSTOM) and its KV-cache shape (the stub's);
 - ``LatentBuilder``: the stock build, then the batch's host-side shape noted for the connector's
   plan (``LatentWorker.note``);
 - ``LatentImpl``: the process's worker object, found or started by the first layer
@@ -10,12 +11,28 @@ classes:
   step's new rows where the plan says (the stub cache and vLLM's slot_mapping are ignored)."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from . import worker
 from .backend import _host_first_blocks, _host_seq_lens
 from .compat import extract_layer_index, get_current_vllm_config
 from .mla_worker import LatentWorker
+
+
+class LatentBackend:
+    """A mixin listed before the stock backend class (each backend adds its impl and builder)."""
+    is_hisparse: ClassVar[bool] = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"            # must be an AttentionBackendEnum member (attention.py:434)
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (num_blocks, block_size, head_size)     # head_size: the stub's (mla_spec.py)
 
 
 class LatentBuilder:
