@@ -154,3 +154,19 @@ def test_stock_bound_ignores_the_prompt(model_dir):
     a = calc_json(model_dir, *EXAMPLE)["baseline"]
     b = calc_json(model_dir, *EXAMPLE, "--prompt", 1024)["baseline"]
     assert a["max_requests"] == b["max_requests"] == (a["num_blocks"] - 1) // cdiv(40960, 16)
+
+
+def test_the_128k_server_run_at_util_09(model_dir):
+    """docs/gpu-results.md, tenth box (H100, util 0.9, 128K in / 1K out, `{"top_k": 2048}`, every
+    pool auto): stock logged 56.9 GiB of KV (466,128 tokens: 3 requests of 132,112) and the
+    hisparse server saw 124.43 GiB of RAM and printed room for 8 = 6 host-backed + 2 host-less.
+    calc with those inputs must print the server's counts, and its stock count by hand."""
+    mml = 131072 + 1024 + 16
+    out = calc_json(model_dir, "--context", mml, "--max-model-len", mml, "--gpu-kv-gib", 56.9,
+                    "--host-ram-gib", 124.43, "--max-num-seqs", 16)
+    b, h = out["baseline"], out["hisparse"]
+    assert b["max_requests"] == (int(56.9 * GIB) // (16 * TOK * L) - 1) // cdiv(mml, 16) == 3
+    assert (h["max_requests"], h["hostless_requests"], h["quest_rows"]) == (6, 2, 8)
+    assert h["startup_line"].startswith(
+        "hisparse: room for 8 requests of max_model_len=132112 tokens at once "
+        "(6 host-backed + 2 host-less (hostless=sparse); quest_rows=8 auto; host pool 90.71 GiB auto")
