@@ -1,7 +1,8 @@
 """The DSA adapter's CPU-runnable parts against vLLM 0.26's interfaces, without an engine (the CPU
 platform has no MLA backend): the connector (vllm/connector.py, with vllm/mla_connector.py's MLA
 halves) in both roles driven by a scripted vLLM scheduler (chunked prefill under a token budget,
-FULL-graph padding rows and tokens, a preemption, requests waiting for a region), the worker
+FULL-graph padding rows and tokens, a preemption, requests waiting for a region, admissions whose
+block allocation fails), the worker
 object the MLA impl makes (vllm/mla_worker.py: ``LatentWorker.start``, ``note``, the write and
 conversion the impl forwards to), attention by ops/sparse_mla.py where the impl calls FA3.
 
@@ -99,6 +100,7 @@ def run_engine(extra: dict):
     waiting, running, outs, blocks = list(reqs), [], {}, iter(range(1, 10 ** 6))
     max_prefill = max_live = 0
     preempted = False
+    checks = 0
     for step in range(400):
         budget, sched_n = BUDGET, {}
         for r in running:
@@ -109,6 +111,10 @@ def run_engine(extra: dict):
             got, _ = sched.get_num_new_matched_tokens(r, r.computed)
             if got is None:
                 break
+            checks += 1
+            if checks % 3 == 2:            # vLLM's allocate_slots found no blocks: not scheduled
+                break
+            sched.update_state_after_alloc(r, None, 0)
             waiting.pop(0)
             running.append(r)
             r.resumed, r.block = r.seen, next(blocks)
@@ -337,3 +343,34 @@ def test_impl_writes_and_converts_for_its_own_layer_and_calls_fa3_over_the_pool(
     assert all(c == (rows.data_ptr() + KV_LORA_RANK * 2, rows.data_ptr(), 0) for c in calls)
     assert len(calls) == len(steps) and torch.equal(rt.pool.rows[0], layer0)
     assert rt.stats()["misses"] > 0 and impl._layer == 1
+
+
+def test_a_lent_region_is_demoted_only_for_a_request_vllm_schedules():
+    """resident_first, one prefill region: r0's complete prompt keeps it, lent. r1 passes the
+    check (get_num_new_matched_tokens -> 0) but vLLM finds no blocks for it: nothing is taken,
+    r0 keeps its region. Asked again and allocated, r1 takes it: r0's demotion comes before r1's
+    admission in the worker's events. Taking the admission in get_num_new_matched_tokens (as
+    before) fails the first assertion."""
+    from vllm_hisparse.vllm.compat import KVConnectorRole
+    from vllm_hisparse.vllm.connector import HiSparseConnector as HiSparseMLAConnector
+
+    sched = HiSparseMLAConnector(vconfig({"resident_first": True}), KVConnectorRole.SCHEDULER)
+    r0 = Req(request_id="r0", num_prompt_tokens=20, max_tokens=4, num_tokens=20)
+    r1 = Req(request_id="r1", num_prompt_tokens=30, max_tokens=4, num_tokens=30)
+    assert sched.get_num_new_matched_tokens(r0, 0) == (0, False)
+    sched.update_state_after_alloc(r0, None, 0)
+    so = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="r0", block_ids=([1],), num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={"r0": 20})
+    sched.build_connector_meta(so)                       # r0's prompt completes: lent
+    ledger = sched.connector_scheduler.ledger
+    assert list(ledger.lent) == ["r0"] and ledger.free_regions == 0
+    ledger.take_events()
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)   # admissible: r0's is lent
+    assert ledger.demotions == 0 and list(ledger.lent) == ["r0"] and "r1" not in ledger.held
+    assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)   # asked again next step
+    sched.update_state_after_alloc(r1, None, 0)                     # and scheduled
+    assert ledger.demotions == 1 and not ledger.lent
+    assert [e[:2] for e in ledger.take_events()] == [("demote", "r0"), ("admit", "r1")]

@@ -5,10 +5,12 @@ Admission is ``core.latent_ledger.LatentLedger``'s (scheduler), the pool
 worker object: vllm/mla_worker.py, vllm/worker.py).
 
 ``LatentConnectorScheduler`` (scheduler process, role SCHEDULER):
-  * admission (``get_num_new_matched_tokens``): a row set, a prefill region and host rows for
-    prompt + max_tokens (+ ngram drafts), all or nothing, else the request waits (``None``); a
-    request asked again (preempted, or not scheduled after its admission) gives everything back
-    and is admitted again: it recomputes its tokens in a region, its row set starts empty;
+  * admission: ``get_num_new_matched_tokens`` checks that a row set, a prefill region (a free
+    one, or the one lent longest ago) and host rows for prompt + max_tokens (+ ngram drafts) are
+    there, else the request waits (``None``); ``update_state_after_alloc`` (vLLM allocated its
+    blocks and schedules it) takes them, demoting a lent region only then; a request asked again
+    (preempted) gives everything back and is admitted again: it recomputes its tokens in a
+    region, its row set starts empty;
   * ``build_connector_meta``: the ledger's events since the last step, in order, and each new or
     resumed request's first GPU block (its identity in the batch); then the requests whose prefill
     this step completes give their region back (``prompt_done``, shipped with the next step, after
@@ -85,11 +87,19 @@ class LatentConnectorScheduler:
             self._waiting[rid] = why
             return None, False
         self._waiting.pop(rid, None)
-        self.ledger.admit(rid, prompt, max_tokens)
-        self._prefill[rid] = request.num_tokens   # prompt (+ outputs to recompute after preemption)
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        """vLLM allocated the request's blocks and schedules it this step: the admission that
+        get_num_new_matched_tokens checked is taken now (a lent region demoted only for a
+        request that runs; vLLM asks the connector about no other request in between)."""
+        rid = request.request_id
+        prompt, max_tokens = admission_of(request, self.max_model_len, self.spec_tokens)
+        if not self.ledger.admit(rid, prompt, max_tokens):
+            raise RuntimeError(f"hisparse dsa: request {rid} was admissible when vLLM asked, "
+                               f"not after it allocated: "
+                               f"{self.ledger.refusal(rid, prompt, max_tokens)}")
+        self._prefill[rid] = request.num_tokens   # prompt (+ outputs to recompute after preemption)
         return None
 
     def build_connector_meta(self, scheduler_output) -> HiSparseMLAConnectorMetadata:
