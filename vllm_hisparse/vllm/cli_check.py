@@ -12,17 +12,24 @@ bad arguments), checked before the engine starts where it can be. plugin.py's wr
   ValidationError) prints its own line instead of a 60-line traceback.
 
 Errors raised in the engine's own processes (pinning the host pool, the GPU reservations) still
-come with vLLM's tracebacks: the front-end only learns that the engine failed.
+come with vLLM's tracebacks: the front-end only learns that the engine failed. An engine-side check
+that ``report``s its message before raising (kv_room.py: the DSA latent pool leaving vLLM no KV
+cache) reaches the user as one line and exit 2 all the same: ``check_namespace`` names a file in
+``$HISPARSE_ENGINE_ERROR_FILE``, which the engine's processes inherit, and ``guard`` prints what
+was reported there when the engine's start fails.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 
 from vllm_hisparse.config import GIB, HiSparseConfig, HiSparseConfigError
 
 EXIT_CODE = 2
 _ADDITIONAL = ("--additional-config", "--additional_config")
+ENGINE_ERROR_ENV = "HISPARSE_ENGINE_ERROR_FILE"
 
 
 def fail(message: str):
@@ -118,13 +125,48 @@ def hisparse_error(exc: BaseException) -> str | None:
     return None
 
 
+def report(message: str) -> None:
+    """In an engine process, before raising a hisparse error: leave its line for the front end's
+    ``guard`` (nothing when no front end asked, e.g. an ``LLM`` in a script)."""
+    path = os.environ.get(ENGINE_ERROR_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(message.replace("\n", " "))
+    except OSError:                     # the error is raised all the same, with its traceback
+        pass
+
+
+def engine_error() -> str | None:
+    """The line an engine process ``report``ed (read once: the file is removed)."""
+    path = os.environ.get(ENGINE_ERROR_ENV)
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            msg = f.read().strip()
+        os.remove(path)
+    except OSError:
+        return None
+    return msg or None
+
+
+def expect_engine_errors() -> None:
+    """Name this front end's file for ``report`` (engine processes inherit the environment)."""
+    path = os.path.join(tempfile.gettempdir(), f"hisparse-engine-error-{os.getpid()}.txt")
+    if os.path.exists(path):            # a previous process of the same pid
+        os.remove(path)
+    os.environ[ENGINE_ERROR_ENV] = path
+
+
 def guard(fn):
     """``fn`` with hisparse configuration errors turned into one line and exit 2."""
     def guarded(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception as e:
-            msg = hisparse_error(e)
+            msg = hisparse_error(e) or engine_error()
             if msg is None:
                 raise
             fail(msg)
@@ -161,5 +203,6 @@ def check_namespace(ns):
     check_host_ram(cfg, host_memory())
     fn = getattr(ns, "dispatch_function", None)
     if fn is not None and not getattr(fn, "_hisparse", False):
+        expect_engine_errors()
         ns.dispatch_function = guard(fn)
     return ns
