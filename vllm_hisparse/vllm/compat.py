@@ -56,7 +56,7 @@ __all__ = [
     "AttentionType", "CommonAttentionMetadata", "MultipleOf", "AttentionBackendEnum",
     "register_backend", "FullAttentionManager", "FullAttentionSpec", "KVCacheSpecRegistry",
     "InputProcessor",
-    "current_platform_cls", "StatLoggerBase",
+    "current_platform_cls", "gpu_worker_cls", "StatLoggerBase",
 ]
 
 
@@ -70,3 +70,11 @@ def current_platform_cls():
     from vllm.platforms import current_platform
 
     return type(current_platform)
+
+
+def gpu_worker_cls():
+    """vLLM's GPU ``Worker`` (imported on demand: only a DSA worker process on CUDA wraps it,
+    kv_room.py)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker

@@ -7,15 +7,16 @@ classes:
   plan (``LatentWorker.note``);
 - ``LatentImpl``: the process's worker object, found or started by the first layer
   (``LatentWorker.start``: the runtime's pool is allocated while vLLM builds the model, so its
-  memory profiling counts it), the layer's index, and ``do_kv_cache_update``, which sends the
-  step's new rows where the plan says (the stub cache and vLLM's slot_mapping are ignored)."""
+  memory profiling counts it; kv_room.py then checks what it leaves vLLM's KV cache), the layer's
+  index, and ``do_kv_cache_update``, which sends the step's new rows where the plan says (the stub
+  cache and vLLM's slot_mapping are ignored)."""
 from __future__ import annotations
 
 from typing import ClassVar
 
 import torch
 
-from . import worker
+from . import kv_room, worker
 from .backend import _host_first_blocks, _host_seq_lens
 from .compat import extract_layer_index, get_current_vllm_config
 from .mla_worker import LatentWorker
@@ -67,6 +68,8 @@ class LatentImpl:
         assert self.topk_indices_buffer is not None
         self.hisparse_worker = worker.find(vc) or LatentWorker.start(
             vc, row, self.topk_indices_buffer.shape[1], dtype)
+        if torch.cuda.is_available():   # the pool is on the GPU: check what it leaves vLLM
+            kv_room.install()
         return self.hisparse_worker
 
     def _layer_index(self) -> int:
