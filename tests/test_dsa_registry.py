@@ -74,8 +74,8 @@ def test_the_startup_check_asks_the_registry(probe):
     vc = vconfig()
     check_mla(config_of(vc), vc)                     # a registered MLA indexer is accepted
     vc = vconfig(indexer="quest")
-    with pytest.raises(ValueError,
-                       match='indexer=\'quest\' cannot select.*"dsa" or "dsa_sorted" or "probe"'):
+    with pytest.raises(ValueError, match='indexer=\'quest\' cannot select.*"dsa" or "dsa_sorted" '
+                                         'or "dsa_stable" or "probe"'):
         check_mla(config_of(vc), vc)
 
 
@@ -135,3 +135,24 @@ def test_forward_mqa_attends_the_registered_indexers_selection(probe, monkeypatc
     first = seen["rows"][:, 0]
     assert (first >= 0).all() and (first == first[0]).all()  # every token: position 0's row
     assert torch.equal(rt.pool.rows[1][first[0]], lat[0])
+
+
+def test_the_worker_of_dsa_stable_installs_the_stable_topk():
+    """``dsa_stable``: the worker's start puts ops/stable_topk.py in place of vLLM's top-k kernels
+    (vllm/topk_swap.py, tests/test_stable_topk.py); ``dsa`` leaves them."""
+    from vllm import _custom_ops as ops
+
+    from vllm_hisparse.ops import stable_topk
+    from vllm_hisparse.vllm import topk_swap
+    from vllm_hisparse.vllm.mla_worker import LatentWorker
+
+    was = ops.top_k_per_row_prefill
+    try:
+        LatentWorker.start(vconfig(indexer="dsa"), LATENT_ROW, K, BF)
+        assert ops.top_k_per_row_prefill is was
+        LatentWorker.start(vconfig(indexer="dsa_stable"), LATENT_ROW, K, BF)
+        assert ops.top_k_per_row_prefill is stable_topk.top_k_per_row_prefill
+        assert torch.ops._C.persistent_topk is stable_topk.persistent_topk
+    finally:
+        topk_swap.uninstall()
+    assert ops.top_k_per_row_prefill is was

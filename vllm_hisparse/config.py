@@ -18,7 +18,8 @@ GIB = 1 << 30
 # The indexers a config may name, each with its selection unit: "page" (page_size tokens) or
 # "token" (one). core/indexers maps each name to its class; ``indexers.register`` adds a name to
 # both (this table sits below core/ in the layers, so the config can check a name without it).
-INDEXERS = {"quest": "page", "dsa": "token", "dsa_sorted": "token"}
+INDEXERS = {"quest": "page", "dsa": "token", "dsa_sorted": "token",
+            "dsa_stable": "token"}
 UNITS = ("page", "token")
 HOSTLESS = ("sparse", "wait", "dense")   # a request the host tier cannot take (HiSparseConfig.hostless)
 AUTO_FIELDS = ("host_pool_gib", "quest_rows", "dense_pool_gib")   # absent/"auto": core/auto_size
@@ -39,7 +40,9 @@ class HiSparseConfig:
     indexer: "quest" (page-level, any Llama/Qwen-style model) or "dsa" (token-level); the class
         comes from the registry in core/indexers (``indexers.register`` adds one; vLLM serves a
         GQA model with a page indexer such as "quest", and "dsa" on MLA models, docs/dsa.md;
-        "dsa_sorted": DSA's selection sorted by position, core/indexers/dsa/sorted.py).
+        "dsa_sorted": DSA's selection sorted by position, core/indexers/dsa/sorted.py;
+        "dsa_stable": that, with ties at the k-th score broken by position,
+        core/indexers/dsa/stable.py).
     host_pool_gib: pinned host memory for the authoritative KV of every request, the engine's
         total (each tensor-parallel rank pins 1/TP). Absent or "auto" (None): from this host's
         available RAM, at most what the indexer rows' requests fill (core/auto_size.py).

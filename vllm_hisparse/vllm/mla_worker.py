@@ -19,6 +19,7 @@ from vllm_hisparse.core import capacity, capacity_mla, indexers
 from vllm_hisparse.core.deployment import LatentSizes
 from vllm_hisparse.core.latent_runtime import LatentRuntime
 
+from . import topk_swap
 from .compat import init_logger
 from .deployment import deployment_of
 from .request_rows import RequestRows
@@ -57,6 +58,7 @@ class LatentWorker:
         if ix.serves != "mla":      # mla_setup refused it at startup; a worker built without it
             raise ValueError(f"hisparse: indexer={cfg.indexer!r} does not serve MLA models; use "
                              f"one of {', '.join(indexers.serving('mla'))}")
+        topk_swap.install_for(ix)   # dsa_stable: vLLM's top-k kernels -> ops/stable_topk.py
         mc, sc = vllm_config.model_config, vllm_config.scheduler_config
         assert s.row_bytes == row * dtype.itemsize, "the deployment's latent row is the impl's"
         need = pool_bytes(s, layers, mc.max_model_len, cfg.device_buffer_size)

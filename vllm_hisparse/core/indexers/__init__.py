@@ -20,6 +20,7 @@ _PATHS = {
     "quest": "vllm_hisparse.core.indexers.quest.indexer:QuestIndexer",
     "dsa": "vllm_hisparse.core.indexers.dsa.indexer:DSAIndexer",
     "dsa_sorted": "vllm_hisparse.core.indexers.dsa.sorted:DSASortedIndexer",
+    "dsa_stable": "vllm_hisparse.core.indexers.dsa.stable:DSAStableIndexer",
 }
 NAMES = tuple(_PATHS)
 
