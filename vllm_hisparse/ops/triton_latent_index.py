@@ -1,8 +1,8 @@
 """The DSA read path's index glue in three Triton launches a layer (CUDA), for what
 ``ops/latent_index.py`` writes in plain torch (its ``region_rows``, ``decode_selections`` and
-``valid_counts``, the references these kernels must equal): on the ninth GPU box's profile
-(H100, 2026-12-07, 32K / 1 row) the torch version was about 20 small launches a layer, 576 µs of
-a 12 ms step over 16 layers.
+``valid_counts``, the references these kernels must equal): three launches a layer where the
+torch version made about twenty (the decode step's profile: docs/dsa.md, "The decode step on the
+GPU").
 
 - ``_region_rows_kernel`` (T programs): out[t, j] = base[t] + topk[t, j] when base[t] >= 0 and
   0 <= topk[t, j] < region_len, else -1;

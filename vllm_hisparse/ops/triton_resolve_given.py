@@ -45,9 +45,10 @@ def _miss_rows_kernel(LOCS, SEL, SEQ, HOT, ROWS, HPT, HOST, KV, K, s_hpt, ROW: t
     """Program (r, b): selection entries [b J, b J + J) of row r (a row the resolve kernel
     resolved: live and hot); each marked miss (loc <= -2) has its row (ROW elements, a token's
     latent) copied from the host pool (UVA loads) into slot -2 - loc, which then goes into locs.
-    One [J, ROWP] tile a program: every miss's row in flight at once (a program a miss, as
-    triton_select._miss_io_kernel does for Quest's pages, launched N x K programs of one 1 KiB row
-    each: 111 µs a layer on the H100 at one live row, mostly programs of padding rows)."""
+    One [J, ROWP] tile a program: every miss's row in flight at once, K / J programs a row
+    (a program a miss, as triton_select._miss_io_kernel does for Quest's pages, made N x K
+    programs of one 1 KiB row each, nearly all of them padding rows at one live row; the profile:
+    docs/dsa.md, "The decode step on the GPU")."""
     r = tl.program_id(0)
     if (tl.load(SEQ + r) > 0) & (tl.load(HOT + r) != 0):
         j = tl.program_id(1) * J + tl.arange(0, J)
