@@ -27,6 +27,8 @@ requests its pool held at once (``max_live_requests``).
     DSA_PROMPTS=8000,20000,12000,16000 DSA_MAX_TOKENS=48 DSA_B=2560 DSA_SPLITS=0 ...
     DSA_INDEXER=dsa_sorted ...   # hisparse / resident with each token's selection sorted by position
                                  # (core/indexers/dsa/sorted.py): is the reference reproducible then?
+    DSA_INDEXER=dsa_stable ...   # that, and ties at the k-th score broken by position (vLLM's top-k
+                                 # kernels replaced, ops/stable_topk.py; stock keeps vLLM's)
 
 Every engine uses ``sparse_mla_force_mqa`` (hisparse sets it itself: its prefill attends through
 the pool), so stock's prefill chunks take the same MQA path. hisparse gets one prefill region and

@@ -5,7 +5,10 @@
 # logs and JSON are tarred into OUT/dsa.tgz at the end: 2-5 files in OUT.
 #   bash scripts/gpu_dsa.sh OUT
 #   DSA_LIMIT=150 (s per engine) DSA_PROMPTS=8000,20000,12000,16000 DSA_MAX_TOKENS=48 DSA_B=2560
-#   DSA_INDEXER=dsa_sorted (hisparse/resident sort each selection by position) DSA_SPLITS=0 (FA3 num_splits of hisparse/resident; 1 = batch-invariant) MODES="hisparse stock
+#   DSA_INDEXER=dsa_sorted (hisparse/resident sort each selection by position; dsa_stable: and break
+#   ties at the k-th score by position, vLLM's top-k kernels replaced; the next box:
+#   DSA_INDEXER=dsa_stable DSA_COMPILE=0 DSA_TESTS=0 MODES="resident resident2 hisparse control stock" bash scripts/gpu_dsa.sh OUT)
+#   DSA_SPLITS=0 (FA3 num_splits of hisparse/resident; 1 = batch-invariant) MODES="hisparse stock
 #   resident resident2 control" (add crf: hisparse under policy crf, compared with resident, its misses
 #   beside lru's; control: the negative control, which must mismatch)
 #   MODES="shadow shadowctl": the in-engine check (core/latent_shadow.py: every decode token's rows vs a
