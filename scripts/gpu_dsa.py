@@ -28,7 +28,9 @@ requests its pool held at once (``max_live_requests``).
     DSA_INDEXER=dsa_sorted ...   # hisparse / resident with each token's selection sorted by position
                                  # (core/indexers/dsa/sorted.py): is the reference reproducible then?
     DSA_INDEXER=dsa_stable ...   # that, and ties at the k-th score broken by position (vLLM's top-k
-                                 # kernels replaced, ops/stable_topk.py; stock keeps vLLM's)
+                                 # kernels replaced, ops/stable_topk.py, which writes each set in
+                                 # position order; the stock engine of this script gets them too:
+                                 # it runs in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0)
 
 Every engine uses ``sparse_mla_force_mqa`` (hisparse sets it itself: its prefill attends through
 the pool), so stock's prefill chunks take the same MQA path. hisparse gets one prefill region and
@@ -75,6 +77,11 @@ def backend(mode: str, cfg: dict) -> dict:
     """LLM kwargs of a mode: stock FLASH_ATTN_MLA_SPARSE (MQA prefill, as hisparse's), else the
     plugin with the hisparse config ``cfg``."""
     if mode == "stock":
+        if cfg["indexer"] == "dsa_stable":   # stock's engine in this process: the same stand-ins
+            from vllm_hisparse.core import indexers
+            from vllm_hisparse.vllm import topk_swap
+
+            topk_swap.install_for(indexers.get("dsa_stable"))
         return {"attention_config": {"backend": "FLASHMLA_SPARSE" if KV == "fp8_ds_mla" else
                                      "FLASH_ATTN_MLA_SPARSE", "sparse_mla_force_mqa": True}}
     from vllm_hisparse.vllm.plugin import register

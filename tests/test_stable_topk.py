@@ -1,6 +1,6 @@
 """ops/stable_topk.py (indexer "dsa_stable"): the top-k of the DSA indexer's logits by (score
-descending, column ascending), against a per-row sort in Python, with ties planted at the k-th
-score; and vllm/topk_swap.py, which installs it in place of vLLM's top-k kernels."""
+descending, column ascending; written in column order), against a per-row sort in Python, with
+ties planted at the k-th score; and vllm/topk_swap.py, which installs it in place of vLLM's top-k kernels."""
 from __future__ import annotations
 
 import math
@@ -20,11 +20,11 @@ SHAPES = [(7, 50, 8), (9, 64, 32), (5, 33, 31), (6, 97, 33), (4, 40, 40), (3, 20
 
 def _rule(row: list[float], lo: int, hi: int, k: int, relative: bool) -> list[int]:
     """The reference: columns [lo, hi) ordered by score descending (+0.0 above -0.0, as the
-    fp32 bits rank them), then column ascending; the first k, -1 after them."""
+    fp32 bits rank them), then column ascending; the first k, in column order, -1 after them."""
     def key(c):
         v = row[c]
         return (-v, 0 if math.copysign(1.0, v) > 0 else 1, c)
-    cols = sorted(range(max(lo, 0), min(hi, len(row))), key=key)[:k]
+    cols = sorted(sorted(range(max(lo, 0), min(hi, len(row))), key=key)[:k])
     cols = [c - lo if relative else c for c in cols]
     return cols + [-1] * (k - len(cols))
 
@@ -121,7 +121,7 @@ def test_without_ties_the_set_is_torch_topk(seed):
     got = st.stable_topk(x, torch.zeros(R, dtype=torch.int32), torch.full((R,), W), k)
     ref = x.topk(k, dim=1).indices
     assert all(set(a) == set(b) for a, b in zip(got.tolist(), ref.tolist()))
-    assert torch.equal(got.long(), ref)                # slot order = score order too
+    assert torch.equal(got.long(), ref.sort(dim=1).values)     # in column order
 
 
 def test_the_tie_rule_is_not_what_a_kernel_may_do():
@@ -132,7 +132,7 @@ def test_the_tie_rule_is_not_what_a_kernel_may_do():
     assert got.tolist() == [[1, 2]]
     assert set(got[0].tolist()) != {2, 3}
     zeros = torch.tensor([[-0.0, 0.0, -0.0, 0.0, -1.0]])         # +0.0 ranks above -0.0
-    assert st.stable_topk(zeros, torch.tensor([0]), torch.tensor([5]), 3).tolist() == [[1, 3, 0]]
+    assert st.stable_topk(zeros, torch.tensor([0]), torch.tensor([5]), 3).tolist() == [[0, 1, 3]]
     neg = torch.tensor([[-3.0, -1.0, -2.0, -1.0]])
     assert st.stable_topk(neg, torch.tensor([1]), torch.tensor([4]), 2).tolist() == [[1, 3]]
 

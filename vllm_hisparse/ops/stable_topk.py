@@ -16,8 +16,10 @@ the row's range gets INT64_MIN; ``key.topk(min(K, W))``; a slot whose key is INT
 valid key equals INT64_MIN (that would need a NaN's all-ones bits at column 2**32 - 1).
 
 The entry points have the signatures of the kernels they stand in for (vllm/topk_swap.py installs
-them); each writes int32 indices into its output in place, slot order = score order (vLLM's
-kernels leave theirs unordered; ``dsa_stable`` sorts the rows by position anyway). Work is done in
+them); each writes int32 indices into its output in place, in column order with -1 last (vLLM's
+kernels leave theirs unordered): the order ``dsa_sorted`` gives a row, so a stock engine given
+these stand-ins (scripts/gpu_dsa.py, mode stock with ``DSA_INDEXER=dsa_stable``) attends the same
+rows in the same order as hisparse and resident mode. Work is done in
 row chunks of at most ``CHUNK_ELEMS`` logits (a guess: a few int64 temporaries of 128 MB each),
 decided by shapes alone: no host sync, fixed shapes, capturable in a CUDA graph. This file is its
 own reference (tests/test_stable_topk.py checks it against a per-row sort in Python).
@@ -57,9 +59,12 @@ def _rows(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, k: int
         key = _ordered(logits[a:b].float()) * (1 << 32) + tie   # |ordered| <= 2**31: no overflow
         key = torch.where((col >= s) & (col < e), key, torch.full_like(key, _INT64_MIN))
         top, idx = key.topk(n, dim=1)
+        # the set in column order, -1 last (as dsa_sorted orders a row): a stock engine with
+        # these stand-ins then sums its sparse attention in the order hisparse and resident do
+        idx = torch.where(top == _INT64_MIN, torch.full_like(idx, W), idx).sort(dim=1).values
         if relative:
             idx = idx - s
-        idx = torch.where(top == _INT64_MIN, torch.full_like(idx, -1), idx)
+        idx = torch.where(idx >= W - (s if relative else 0), torch.full_like(idx, -1), idx)
         out[a:b, :n].copy_(idx)
         if n < k:
             out[a:b, n:].fill_(-1)

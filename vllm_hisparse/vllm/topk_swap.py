@@ -11,7 +11,8 @@ process reaches every layer's prefill and decode, and the decode graphs capture 
 
 Installed once per worker process by ``LatentWorker.start`` (vllm/mla_worker.py: the first MLA
 layer's impl, hisparse and resident mode alike, before vLLM's profile and graph capture). Stock
-FLASH_ATTN_MLA_SPARSE runs without our backend, so a stock engine keeps vLLM's kernels.
+FLASH_ATTN_MLA_SPARSE runs without our backend, so a served stock engine keeps vLLM's kernels;
+scripts/gpu_dsa.py calls ``install_for`` for its in-process stock engine (the exactness harness).
 Listed in patches/README.md.
 """
 from __future__ import annotations

@@ -9,8 +9,9 @@ of the DeepSeek-V3.2-shaped reference differed from its first token (H100, 2026-
 With this indexer the MLA worker (vllm/mla_worker.py -> vllm/topk_swap.py) replaces those kernels,
 in its own process, by ``ops/stable_topk.py``: per row the top k by (score descending, column
 ascending), so ties always keep the lowest positions; then each row is sorted by position as in
-``dsa_sorted``. Both hisparse and resident mode get it (both run our backend); stock
-FLASH_ATTN_MLA_SPARSE never loads it, so against stock only the tokens compare. Cost: plain torch
+``dsa_sorted`` (the stand-ins already write each set in position order). Both hisparse and
+resident mode get it (both run our backend); a stock FLASH_ATTN_MLA_SPARSE engine gets it only
+where its process installs it (scripts/gpu_dsa.py's stock mode does). Cost: plain torch
 in place of vLLM's radix kernels (int64 keys, ``torch.topk`` per row chunk) in every layer's
 prefill and decode, plus the sort; not yet measured on a GPU.
 """
