@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The DSA path on the H200 in one call (docs/dsa.md; ~8 minutes with the bundle staged: setup and
-# the extension ~1-2 min, the CUDA tests ~1 min, three engines ~1.5-2 min each). Every result line
-# goes to OUT/summary.txt as it comes (a call stopped at its limit still returns what finished);
+# the extension ~1-2 min, the CUDA tests ~1-1.5 min (a pytest process a file, 120 s at most each),
+# three engines ~1.5-2 min each). Every result line goes to OUT/summary.txt as it comes (a call
+# stopped at its limit still returns what finished);
 # logs and JSON are tarred into OUT/dsa.tgz at the end: 2-5 files in OUT.
 #   bash scripts/gpu_dsa.sh OUT
 #   DSA_LIMIT=150 (s per engine) DSA_PROMPTS=8000,20000,12000,16000 DSA_MAX_TOKENS=48 DSA_B=2560
@@ -32,15 +33,13 @@ exec > >(tee -a "$top/summary.txt") 2>&1
 trap 'tar czf "$top/dsa.tgz" -C /tmp/gs dsa' EXIT
 t0=$(date +%s)
 since() { echo "$1 at $(( $(date +%s) - t0 )) s"; }
-source scripts/gpu_setup.sh "$out" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
+source scripts/gpu_lib.sh
+box_setup "$out"
 set +e
 since "setup done"
 if [ "${DSA_TESTS:-1}" = 1 ]; then
-  timeout 150 python3 -X faulthandler -m pytest -q -m cuda -p no:cacheprovider \
-    tests/test_dsa_resolve.py tests/test_dsa_reference.py tests/test_resolve_given.py tests/test_fp8_ds_mla.py \
-    > "$out/pytest-dsa.txt" 2>&1
-  echo "== CUDA tests rc=$?: $(tail -1 $out/pytest-dsa.txt)"
-  grep -hE "FAILED|Error" "$out/pytest-dsa.txt" | head -10
+  cuda_tests "$out" 120 tests/test_dsa_resolve.py tests/test_dsa_reference.py \
+    tests/test_resolve_given.py tests/test_fp8_ds_mla.py
   since "tests done"
 fi
 model=$out/${DSA_SHAPE:-deepseek-v3.2-l4}

@@ -30,7 +30,8 @@ case "$cmd" in
     trap 'tar czf "$top/real.tgz" --exclude="*.json" --exclude=models -C /tmp real' EXIT
     bash .gpu-bundle/install-vllm-bundle.sh stage > /dev/null      # the pieces this call carries
     ls .whl/*.part* > /dev/null 2>&1 && bash scripts/wheel_pieces.sh stage .whl > /dev/null
-    source scripts/gpu_setup.sh "$out" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
+    source scripts/gpu_lib.sh
+    box_setup "$out"
     set +e
     python3 scripts/make_smollm2.py "$out/models/smollm2-135m" > "$out/model.log" 2>&1 \
       || { tail -20 "$out/model.log"; exit 1; }

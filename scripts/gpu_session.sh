@@ -50,6 +50,7 @@ mon=
 trap '[ -n "$mon" ] && kill $mon; tar czf "$top/$part.tgz" -C /tmp/gs "$part"' EXIT   # setup.log too
 # (a bare `wait` would also wait for the tee above: wait on the pids started here)
 source scripts/gpu_setup.sh "$out" > "$out/setup.log" 2>&1
+source scripts/gpu_lib.sh
 set +e
 python3 -c "from vllm_hisparse.ops import kernels as k; assert k.available(), k.import_error()" \
   || { tail -20 "$out/setup.log"; exit 1; }
@@ -68,13 +69,8 @@ cfg32k='{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}'
 case "$part" in
   kernels)
     # KTESTS / KBENCH: other test files / bench cases (a shorter call)
-    for f in ${KTESTS:-tests/test_write_score.py tests/test_decode_attention.py \
-             tests/test_decode_ops.py tests/test_decode_body_gpu.py tests/test_dense_decode.py}; do
-      timeout 200 python3 -X faulthandler -m pytest -q -m cuda -p no:cacheprovider "$f" \
-        > "$out/pytest-$(basename $f .py).txt" 2>&1
-      echo "== $f rc=$?: $(tail -1 $out/pytest-$(basename $f .py).txt)"
-    done
-    grep -hE "FAILED|Error|assert " "$out"/pytest-*.txt | head -20
+    cuda_tests "$out" 200 ${KTESTS:-tests/test_write_score.py tests/test_decode_attention.py \
+      tests/test_decode_ops.py tests/test_decode_body_gpu.py tests/test_dense_decode.py}
     # 32K at 0% misses (the goal's 30 us), RESOLVE's share (the select with hot slots vs without:
     # the resident run), ~6% misses; 4K dense rows (the split-KV decode's combine in the launch)
     # the misses copied in select_resolve's own launch (HISPARSE_FETCH_IN_ATTENTION=0: "-io")

@@ -13,20 +13,16 @@
 set -uo pipefail
 out=$1; part=$2
 mkdir -p "$out"
-source scripts/gpu_setup.sh "$out" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
+source scripts/gpu_lib.sh
+box_setup "$out"
 cp vllm_hisparse/_C*.so "$out/" 2>/dev/null
 set +e
 case "$part" in
   kernels)
-    for f in tests/test_decode_ops.py tests/test_decode_body_gpu.py tests/test_topk_index.py \
-             tests/test_kernels_attention.py tests/test_dense_decode.py tests/test_quest_rows.py \
-             tests/test_decode_attention.py tests/test_resolve_given.py tests/test_dsa_resolve.py \
-             tests/test_dsa_reference.py; do
-      timeout 120 python3 -X faulthandler -m pytest -q -x -m cuda -p no:cacheprovider "$f" \
-        > "/tmp/pytest-$(basename $f .py).log" 2>&1
-      echo "== $f rc=$?: $(tail -1 /tmp/pytest-$(basename $f .py).log)" | tee -a "$out/pytest.log"
-    done
-    cat /tmp/pytest-*.log | grep -E "Error|error|FAILED|assert" | head -60 >> "$out/pytest.log"
+    cuda_tests /tmp 120 -x tests/test_decode_ops.py tests/test_decode_body_gpu.py \
+      tests/test_topk_index.py tests/test_kernels_attention.py tests/test_dense_decode.py \
+      tests/test_quest_rows.py tests/test_decode_attention.py tests/test_resolve_given.py \
+      tests/test_dsa_resolve.py tests/test_dsa_reference.py | tee -a "$out/pytest.log"
     timeout 150 python3 -m vllm_hisparse.bench.decode_step --context 32768 --rows 1,8 --layers 4 \
       --steps 20 --q-noise 0 --out /tmp/validate/ds-0 2>&1 | grep -E "^\{|Error|error" \
       | tee -a "$out/bench.txt"
@@ -35,12 +31,8 @@ case "$part" in
       | grep -E "^\{|Error|error" | tee -a "$out/bench.txt"
     tar czf "$out/validate-kernels.tgz" -C /tmp validate $(cd /tmp && ls pytest-*.log) ;;
   tune)
-    for f in tests/test_decode_ops.py tests/test_topk_index.py tests/test_decode_body_gpu.py; do
-      timeout 150 python3 -X faulthandler -m pytest -q -x -m cuda -p no:cacheprovider "$f" \
-        > "/tmp/pytest-$(basename $f .py).log" 2>&1
-      echo "== $f rc=$?: $(tail -1 /tmp/pytest-$(basename $f .py).log)" | tee -a "$out/pytest.log"
-    done
-    cat /tmp/pytest-*.log | grep -E "Error|error|FAILED|assert" | head -60 >> "$out/pytest.log"
+    cuda_tests /tmp 150 -x tests/test_decode_ops.py tests/test_topk_index.py \
+      tests/test_decode_body_gpu.py | tee -a "$out/pytest.log"
     for b in 8 11; do for w in 4 8 16; do
       timeout 60 python3 -m vllm_hisparse.bench.decode_step --context 32768 --rows 1,8 --layers 4 \
         --steps 20 --q-noise 0 --radix-bits $b --select-warps $w --out /tmp/validate/tune-$b-$w \
