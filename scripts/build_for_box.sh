@@ -7,7 +7,7 @@
 # nvidia/ headers, CUDA 13 builds, are linked into the 3.12 venv).
 #   bash scripts/build_for_box.sh            # then carry vllm_hisparse/_C.cpython-312-x86_64-linux-gnu.so
 # BOX_REF=<commit>: build that commit's tracked files instead; BOX_OUT=<dir>: put the .so there
-# (scripts/ab_tree.sh uses both for a second tree).
+# (scripts/lab/ab_tree.sh uses both for a second tree).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${BOX_VENV:-/tmp/py312-box}

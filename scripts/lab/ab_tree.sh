@@ -3,11 +3,11 @@
 # into build/ab/NAME (git-ignored), with its extension built here for the box's Python 3.12
 # (scripts/build_for_box.sh with BOX_REF), and AB_REF naming the commit. Carry build/ab/NAME
 # (~8 MB of tree + ~10 MB of extension) and run a part of the session in it, e.g.
-#   bash scripts/ab_tree.sh missflag miss-flag          # here, ~3 min
+#   bash scripts/lab/ab_tree.sh missflag miss-flag          # here, ~3 min
 #   (cd build/ab/missflag && NO_VLLM=1 KBENCH=... bash scripts/gpu_session.sh $OUT/missflag kernels)
 set -euo pipefail
 name=$1; ref=$2
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 dst=$root/build/ab/$name
 sha=$(git -C "$root" rev-parse --verify "$ref^{commit}")
 rm -rf "$dst"; mkdir -p "$dst"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute on the select (select_resolve_kernel) of the decode-step bench, hot slots against
 # resident, at 0% misses: where a hot row's RESOLVE time goes (issue 14). Needs no vLLM.
-#   NO_VLLM=1 bash scripts/gpu_ncu.sh OUT            # ROWS="1 8" by default
+#   NO_VLLM=1 bash scripts/lab/gpu_ncu.sh OUT            # ROWS="1 8" by default
 # Writes OUT/ncu.tgz (the .ncu-rep reports, each one's details page and its per-instruction source
 # page as CSV) and OUT/ncu-summary.txt (durations and warp stall reasons, side by side).
 set -uo pipefail
@@ -10,7 +10,8 @@ out=/tmp/ncu
 mkdir -p "$top" "$out"
 exec > >(tee -a "$top/ncu-summary.txt") 2>&1
 trap 'tar czf "$top/ncu.tgz" -C /tmp ncu' EXIT
-source scripts/gpu_setup.sh "$out" > "$out/setup.log" 2>&1 || { tail -20 "$out/setup.log"; exit 1; }
+source scripts/gpu_lib.sh
+box_setup "$out"
 set +e
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "no ncu on this box"; exit 1; }

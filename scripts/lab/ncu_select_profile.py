@@ -1,4 +1,4 @@
-"""Where the CUDA select's time goes, from scripts/gpu_ncu.sh's per-instruction source pages.
+"""Where the CUDA select's time goes, from scripts/lab/gpu_ncu.sh's per-instruction source pages.
 
 Reads the `sel-ROWS-{hot,resident}-sass.csv` files that gpu_ncu.sh writes (Nsight Compute's source
 page as CSV, one table per profiled launch) and prints, for each, the instructions executed (first
@@ -10,7 +10,7 @@ stall samples (all launches) of three phases with their top stall reasons:
                   the last barrier);
   resolve/tail    RESOLVE and the stores of sel / locs (resident: the block-table reads).
 
-    python3 scripts/ncu_select_profile.py DIR [ROWS]
+    python3 scripts/lab/ncu_select_profile.py DIR [ROWS]
 """
 import collections
 import csv

@@ -2,7 +2,7 @@
 # Bisect a GPU exactness MISMATCH (issue 43: fixed-buffer hisparse vs resident on scaled_dummy weights,
 # H100 2026-12-06): the A config as resident, hisparse, hisparse with HISPARSE_FETCH_IN_ATTENTION=0,
 # hisparse again and resident again (run-to-run determinism), then the DSA resident engine twice.
-# Once the vLLM bundle is staged (four calls):  bash scripts/gpu_bisect_exact.sh OUT   (~6 min)
+# Once the vLLM bundle is staged (four calls):  bash scripts/lab/gpu_bisect_exact.sh OUT   (~6 min)
 set -uo pipefail
 top=$1
 exec > >(tee -a "$top/bisect.txt") 2>&1
