@@ -172,15 +172,17 @@ def test_the_swap_replaces_exactly_the_four_kernels_and_only_for_dsa_stable():
     try:
         assert topk_swap.install_for(indexers.get("dsa_stable"), t)
         assert topk_swap.install_for(indexers.get("dsa_stable"), t)      # idempotent
-        changed = {k for k in vars(mod) if vars(mod)[k] is not before_mod[k]}
-        changed |= {k for k in vars(ns) if vars(ns)[k] is not before_ns[k]}
+        changed = {k for k in vars(mod) if k in before_mod and vars(mod)[k] is not before_mod[k]}
+        changed |= {k for k in vars(ns) if k in before_ns and vars(ns)[k] is not before_ns[k]}
         assert changed == {n for _, n in topk_swap.SWAPS}
+        added = (set(vars(mod)) - set(before_mod)) | (set(vars(ns)) - set(before_ns))
+        assert added == {topk_swap.ORIG + n for _, n in topk_swap.SWAPS}   # the originals kept
         assert mod.top_k_per_row_prefill is st.top_k_per_row_prefill
         assert mod.top_k_per_row_decode is st.top_k_per_row_decode
         assert ns.cooperative_topk is st.cooperative_topk
         assert ns.persistent_topk is st.persistent_topk
     finally:
-        topk_swap.uninstall()
+        topk_swap.uninstall(t)
     assert vars(mod) == before_mod and vars(ns) == before_ns
 
 

@@ -26,7 +26,7 @@ logger = init_logger(__name__)
 # (where, attribute): where is "custom_ops" (vllm._custom_ops) or "C" (torch.ops._C)
 SWAPS = (("custom_ops", "top_k_per_row_prefill"), ("custom_ops", "top_k_per_row_decode"),
          ("C", "cooperative_topk"), ("C", "persistent_topk"))
-_installed: dict = {}          # (id(target), name) -> the original, for ``uninstall``
+ORIG = "_hisparse_orig_"       # where a replaced kernel is kept: on its own module / namespace
 
 
 def _targets() -> dict:
@@ -39,7 +39,8 @@ def _targets() -> dict:
 def install_for(indexer, targets: dict | None = None) -> bool:
     """Swap the kernels when ``indexer`` (a registered class) has ``stable_topk``; idempotent.
     ``targets`` (tests): {"custom_ops": module, "C": namespace} in place of vLLM's. True when the
-    stand-ins are in place after the call."""
+    stand-ins are in place after the call. Each original is kept on its own object (``ORIG`` +
+    name), not in this module (no module state: tests/test_worker_object.py)."""
     if not getattr(indexer, "stable_topk", False):
         return False
     t = targets if targets is not None else _targets()
@@ -50,7 +51,7 @@ def install_for(indexer, targets: dict | None = None) -> bool:
             continue
         # an op namespace builds its attribute on first access: getattr makes the original
         # (absent on a build without the kernel: None, restored by deleting)
-        _installed[(id(obj), name)] = (obj, getattr(obj, name, None))
+        setattr(obj, ORIG + name, getattr(obj, name, None))
         setattr(obj, name, new)
         done.append(name)
     if done:
@@ -59,11 +60,16 @@ def install_for(indexer, targets: dict | None = None) -> bool:
     return True
 
 
-def uninstall() -> None:
-    """Put back what ``install_for`` replaced (tests)."""
-    for (_, name), (obj, old) in list(_installed.items()):
+def uninstall(targets: dict | None = None) -> None:
+    """Put back what ``install_for`` replaced on ``targets`` (tests; default vLLM's objects)."""
+    t = targets if targets is not None else _targets()
+    for where, name in SWAPS:
+        obj = t[where]
+        if not hasattr(obj, ORIG + name):
+            continue
+        old = getattr(obj, ORIG + name)
+        delattr(obj, ORIG + name)
         if old is None:
             delattr(obj, name)
         else:
             setattr(obj, name, old)
-    _installed.clear()
