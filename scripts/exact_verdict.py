@@ -1,7 +1,7 @@
 """The verdict of a GPU exactness run (scripts/gpu_exactness.py, scripts/gpu_dsa.py): EXACT only when
 the run could have failed and did not.
 
-Five things are checked, each printed:
+Six things are checked, each printed:
 
 0. the reference is reproducible: a second reference engine (``again``) gives the same tokens and
    logprobs. Two engines of one config that differ (seen on the GPU, 2026-12-06; cause not yet
@@ -20,7 +20,13 @@ Five things are checked, each printed:
    the logprobs of at least CONTROL_STEPS steps (a wrong fetch moves many; one step's 1e-6 is
    what other numerics give, and a test's control once "mismatched" by that alone, 2026-12-07).
    Its schedule, where recorded, must be the reference's (other batches: its difference is not
-   the fetch's). A control that matches, or fetched nothing (0 misses): VOID.
+   the fetch's). A control that matches, or fetched nothing (0 misses): VOID;
+5. (speculative runs: ``spec``, vLLM's acceptance counters per engine) every engine's drafts,
+   draft tokens and accepted tokens equal the reference's (a difference counts as an output
+   difference: MISMATCH under the same batches), and the reference accepted some draft (one that
+   speculated nothing proves nothing for speculation: VOID). Drafts follow each engine's own
+   outputs, so under speculation schedules are compared only before the first decode step
+   (``before_decode``): up to there a step's batch cannot depend on any output.
 
 A request is a dict with "tokens" (ids) and "logprobs" (any JSON; compared whole).
 
@@ -140,20 +146,72 @@ def schedule_difference(ref: list | None, got: list | None) -> int | None | str:
     return first_difference(ref, got)
 
 
+def before_decode(schedule: list | None, prompt_lens: list) -> list | None:
+    """A recorded schedule ([[request, tokens], ...] per step) up to the first step that schedules
+    some request past its prompt (its first decode step); the whole schedule if a prompt length
+    is unknown (None)."""
+    if schedule is None or any(not isinstance(n, int) for n in prompt_lens):
+        return schedule
+    done: dict[int, int] = {}
+    for i, step in enumerate(schedule):
+        for r, t in step:
+            done[r] = done.get(r, 0) + t
+            if r < len(prompt_lens) and done[r] > prompt_lens[r]:
+                return schedule[:i]
+    return schedule
+
+
+def _counts(c: dict) -> str:
+    d, t, a = (c.get(f"vllm:spec_decode_num_{k}", 0) for k in ("drafts", "draft_tokens",
+                                                                "accepted_tokens"))
+    return f"{d} drafts, {a} of {t} draft tokens accepted"
+
+
+def acceptance(spec: dict, names) -> tuple[list[str], list[str], bool, list[str]]:
+    """Check 5: (engines whose counters differ from the reference's, engines that recorded none,
+    did the reference accept a draft, the lines)."""
+    ref = spec.get("reference")
+    if ref is None:
+        return [], ["reference"], False, ["reference acceptance: NOT RECORDED"]
+    lines = [f"reference acceptance: {_counts(ref)}"]
+    differ, missing = [], []
+    for name in names:
+        got = spec.get(name)
+        if got is None:
+            missing.append(name)
+            lines.append(f"{name} acceptance: NOT RECORDED")
+        elif got != ref:
+            differ.append(name)
+            lines.append(f"{name} acceptance: {_counts(got)}: DIFFERS from the reference's")
+        else:
+            lines.append(f"{name} acceptance: identical to the reference's")
+    return differ, missing, ref.get("vllm:spec_decode_num_accepted_tokens", 0) > 0, lines
+
+
 def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict] | None,
             shuffled: list[dict] | None, control_misses: int | None = None,
             again: list[dict] | None = None,
-            schedules: dict[str, list] | None = None) -> tuple[int, list[str]]:
+            schedules: dict[str, list] | None = None,
+            spec: dict[str, dict | None] | None = None) -> tuple[int, list[str]]:
     """(EXACT / MISMATCH / VOID, the lines to print). control_misses: the control's miss count
     when known (0: it fetched nothing, so it could not mismatch). again: a second reference run
     (see reproducible); a reference that is not reproducible voids every comparison. schedules:
     each engine's recorded batches by name, the reference's as "reference", the negative
-    control's as "control" (see checks 3 and 4)."""
+    control's as "control" (see checks 3 and 4). spec: a speculative run's acceptance counters
+    by name (SPEC_COUNTERS of scripts/hisparse_generate.py), the reference's as "reference"
+    (check 5); None: not a speculative run."""
     stable, lines = reproducible(ref, again)
     exact, unattributable = True, []
     schedules = schedules or {}
+    differ, missing, speculated = [], [], True
+    if spec is not None:
+        differ, missing, speculated, ls = acceptance(spec, engines)
+        lines += ls
+        lens = [r.get("prompt_len") for r in ref]
+        schedules = {k: before_decode(v, lens) for k, v in schedules.items()}
     for name, got in engines.items():
         ok, ls = same(ref, got)
+        ok &= name not in differ
         lines += [f"{name} {x}" for x in ls]
         d = schedule_difference(schedules.get("reference"), schedules.get(name))
         if d != "unknown":
@@ -178,9 +236,9 @@ def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict]
         code = VOID
     elif not exact:
         code = MISMATCH
-    elif unattributable:
+    elif unattributable or missing:
         code = VOID
-    elif not (matters and caught):
+    elif not (matters and caught and speculated):
         code = VOID
     else:
         code = EXACT
@@ -189,12 +247,17 @@ def verdict(ref: list[dict], engines: dict[str, list[dict]], control: list[dict]
     elif code == VOID and unattributable:
         lines.append(f"VOID ({', '.join(unattributable)}: outputs differ but so do the batches "
                      f"vLLM ran: not attributable)")
+    elif code == VOID and missing:
+        lines.append(f"VOID ({', '.join(missing)}: acceptance counters not recorded)")
     else:
         lines.append(f"{WORDS[code]}" + ("" if code != VOID else
                      " (identical outputs here prove nothing: " +
                      ", ".join(w for w, bad in (("attention did not matter", not matters),
                                                 ("the negative control did not mismatch clearly",
-                                                 not caught)) if bad) + ")"))
+                                                 not caught),
+                                                ("no draft was accepted in the reference: a "
+                                                 "speculative run that speculated nothing",
+                                                 not speculated)) if bad) + ")"))
     return code, lines
 
 

@@ -41,6 +41,16 @@ the others).
                                                              # less KV than its prompts: spills)
     HISPARSE_TP=2 [HISPARSE_EXECUTOR=ray] python scripts/gpu_exactness.py ...
                                                              # tensor parallel (scripts/gpu_tp.sh)
+    EXACT_SPEC=3 ...                                         # every mode with ngram speculation,
+                                                             # 3 drafts a step (SPEC_CONFIG); each
+                                                             # prompt a 256-token block repeated
+                                                             # (REPEAT_BLOCK: the prompt gives the
+                                                             # ngram matches) unless
+                                                             # EXACT_PROMPTS_FILE; the verdict also
+                                                             # needs equal acceptance counters and
+                                                             # some accepted draft (issue 47;
+                                                             # EXACT_SPEC_MIN=1: one-token
+                                                             # matches, prompt_lookup_min 1)
 
 Each run writes OUT_DIR/MODE.json (tokens, logprobs, runtime stats) and OUT_DIR/MODE.log, and
 prints vLLM's KV-capacity lines (KV memory, KV tokens, maximum concurrency at max_model_len). The
@@ -77,6 +87,9 @@ MODES = {"resident": {"host_tier": False}, "resident2": {"host_tier": False}, "h
          "elastic_crf": {"host_tier": True, "resident_first": True, "policy": "crf"},
          "control": {"host_tier": True, "resident_first": False}}
 CONTROL_ENV = "HISPARSE_TEST_CORRUPT_FETCH"
+SPEC = int(os.environ.get("EXACT_SPEC") or 0)              # ngram drafts a step (0: none)
+REPEAT_BLOCK = 256        # EXACT_SPEC's prompts: a random block repeated (random weights copy no
+                          # text: the prompt itself must hold the ngram matches)
 CAPACITY = re.compile(r"(Available KV cache memory.*|GPU KV cache size.*|Maximum concurrency.*|"
                       r"cudagraph_mode.*?[,}]|Capturing CUDA graphs.*)")
 
@@ -97,6 +110,19 @@ def model_dir() -> str:
     return d
 
 
+def spec_config(k: int) -> dict:
+    """vLLM's speculative_config of an EXACT_SPEC=k run: ngram, k drafts, 2- to 4-token matches
+    (EXACT_SPEC_MIN=1: one-token matches, more drafts where random weights copy little: gpu_dsa's
+    DSA_SPEC run accepted 2 of 83 drafts with them, 2026-12-07)."""
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+            "prompt_lookup_min": int(os.environ.get("EXACT_SPEC_MIN") or 2)}
+
+
+def repeat_block(prompt: list[int], n: int) -> list[int]:
+    """``prompt``'s first ``n`` tokens repeated to its length."""
+    return (prompt[:n] * (len(prompt) // n + 1))[:len(prompt)]
+
+
 def run(mode: str, out: str) -> int:
     os.makedirs(out, exist_ok=True)
     if mode not in MODES:
@@ -108,6 +134,8 @@ def run(mode: str, out: str) -> int:
     else:
         rng = random.Random(0)
         ids = [[rng.randrange(1000, 120000) for _ in range(n)] for n in PROMPT_LENS]
+        if SPEC:
+            ids = [repeat_block(p, REPEAT_BLOCK) for p in ids]
     with open(prompts, "w") as f:
         json.dump(ids, f)
     batches = ["--prompts", prompts]
@@ -134,6 +162,8 @@ def run(mode: str, out: str) -> int:
         cmd += ["--compile-mode", os.environ["EXACT_COMPILE"]]
     if os.environ.get("EXACT_KV_GIB"):
         cmd += ["--kv-cache-gib", os.environ["EXACT_KV_GIB"]]
+    if SPEC:
+        cmd += ["--speculative-config", json.dumps(spec_config(SPEC))]
     if os.environ.get("EXACT_KV_DTYPE"):     # fp8: every mode's KV in fp8 e4m3 (ops/fp8.py)
         cmd += ["--kv-cache-dtype", os.environ["EXACT_KV_DTYPE"]]
     if os.environ.get("HISPARSE_EXECUTOR"):
@@ -165,6 +195,12 @@ def _schedule(res: dict):
     return info[0].get("schedule")
 
 
+def _spec(res: dict):
+    """The first batch's acceptance counters (a --speculative-config run), or None."""
+    info = res.get("batch_info") or [{}]
+    return info[0].get("spec")
+
+
 def compare(out: str, modes=("hisparse",)) -> int:
     """Each mode against resident (tokens + logprobs), the reference run twice (OUT/resident2.json,
     required), the batches each engine ran, the shuffled-context proof and the negative control
@@ -176,12 +212,15 @@ def compare(out: str, modes=("hisparse",)) -> int:
     got = {m: json.load(open(os.path.join(out, f"{m}.json"))) for m in modes}
     ctl = os.path.join(out, "control.json")
     ctl = json.load(open(ctl)) if os.path.exists(ctl) else None
+    # a speculative reference (EXACT_SPEC): every mode's acceptance counters too
+    spec = None if _spec(a) is None and not SPEC else {
+        "reference": _spec(a), **{m: _spec(b) for m, b in got.items()}}
     code, lines = exact_verdict.verdict(
         a["batches"][0], {m: b["batches"][0] for m, b in got.items()},
         None if ctl is None else ctl["batches"][0], a["batches"][1] if len(a["batches"]) > 1 else None,
         None if ctl is None else ctl["stats"].get("misses"), again,
         {"reference": _schedule(a), **{m: _schedule(b) for m, b in got.items()},
-         **({} if ctl is None else {"control": _schedule(ctl)})})
+         **({} if ctl is None else {"control": _schedule(ctl)})}, spec)
     for mode, b in got.items():
         st = b["stats"]
         print(f"{mode} miss rate {st.get('miss_rate', float('nan')):.4f} ({st.get('misses')} misses "
@@ -193,6 +232,8 @@ def compare(out: str, modes=("hisparse",)) -> int:
         for rank, s in enumerate(b.get("rank_stats", [])[1:], 1):
             print(f"{mode} rank {rank} stats:", json.dumps(s))
         print(f"elapsed s: resident {a['elapsed_s']:.1f} {mode} {b['elapsed_s']:.1f}")
+    if spec is not None and ctl is not None:
+        print(f"control acceptance: {json.dumps(_spec(ctl))}")
     print(f"weights: {os.environ.get('EXACT_MODEL') or WEIGHTS}")
     print("\n".join(lines))
     return code

@@ -17,7 +17,7 @@ work=/tmp/serving
 mkdir -p "$work"
 set +e
 timeout -s INT -k 30 "${SERVING_LIMIT:-1000000}" \
-  python3 -m vllm_hisparse.bench.serving --model models/$shape-bench --out "$work" "$@" 2>&1 | tee "$work/stdout.txt" "$out/serving-stdout.txt" | grep --line-buffered -E '^\{|warm-up'
+  python3 -m vllm_hisparse.bench.serving --model models/$shape-bench --out "$work" "$@" 2>&1 | tee "$work/stdout.txt" "$out/serving-stdout.txt" | grep --line-buffered -E '^\{|warm-up|speedup'
 rc=${PIPESTATUS[0]}
 set -e
 cp "$work"/serving.csv "$work"/serving.png "$out"/ 2>/dev/null || true

@@ -41,6 +41,22 @@
 #   bash scripts/gpu_session.sh OUT prefill  # a 32K prompt's time to first token: its kernels, GPU
 #       busy time and host time per backend (BACKENDS=stock,resident,elastic), each diffed against
 #       the first (bench.prefill_profile; ~1.5 min a backend)
+#   bash scripts/gpu_session.sh OUT ngram    # issue 47 item 3, NOT YET RUN ON A GPU: ngram
+#       speculation with hisparse. (a) exactness on the 8B shape (scaled_dummy weights, or
+#       EXACT_MODEL=DIR EXACT_PROMPTS_FILE=F): EXACT_SPEC=${SPEC_K:-3} drafts, modes resident /
+#       hisparse / resident2 / control, prompts a 256-token block repeated (random weights copy
+#       nothing: the prompt holds the ngram matches); the verdict also needs equal acceptance
+#       counters and an accepted draft (~8 min; NGRAM_EXACT=0 skips it; VOID for "no draft was
+#       accepted": random weights seldom continue the block, so rerun with EXACT_SPEC_MIN=1
+#       EXACT_MAX_TOKENS=256 or a real model). (b) with SPEC_MODEL=DIR (a real model:
+#       scripts/make_qwen.py, make_smollm2.py) and SPEC_TEXT=FILE (its token ids of real text):
+#       bench.serving at 1 request, SPEC_IN in (32768; SmolLM2's 8K: SPEC_IN=7900) / 256 out, each
+#       prompt a SPEC_BLOCK-token (256) window of the text repeated, BACKENDS (stock,hisparse)
+#       each without and with ngram: "speedup B: TPOT x / y = s", "hisparse speedup / stock
+#       speedup = r (issue 47: >= 0.9)". Two calls (each fits 10 min):
+#         bash scripts/gpu_session.sh OUT ngram
+#         NGRAM_EXACT=0 SPEC_MODEL=/tmp/models/qwen2.5-coder-1.5b \
+#           SPEC_TEXT=.lab/qwen-quality-ids.json bash scripts/gpu_session.sh OUT ngram
 set -uo pipefail
 top=$1; part=$2
 out=/tmp/gs/$part                                      # logs, CSVs: tarred into top at the end
@@ -63,6 +79,28 @@ engine() {
   env EXACT_UTIL=0.12 "$@" timeout -k 30 ${EXACT_LIMIT:-420} python3 scripts/gpu_exactness.py run \
     $mode $ex/$pair > $ex/$pair/$mode.out 2>&1
   echo "== $pair $mode exit $? (124: stopped at EXACT_LIMIT)"
+}
+# the exactness engines' serving config (parts exact and ngram; EXACT_A='{...}' replaces it)
+A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0}'
+# monitor: each minute the exactness engines' last log lines ($ex/*/*.log) to the summary
+monitor() {
+  ( while sleep 60 > /dev/null 2>&1; do for f in $ex/*/*.log; do
+      echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
+  mon=$!
+}
+# each 8B engine takes ~17-23 GB (16 of weights): five at once fit an H200's 141 GB, two an
+# H100's 80 (the eleventh session's OOM with six): EXACT_PAR engines at a time, queued in order
+engines_at_once() {
+  par=${EXACT_PAR:-$([ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | \
+        head -1)" -gt 120000 ] && echo 5 || echo 2)}
+  pids=()
+}
+queue() {   # queue RUNNER MODE KV_GIB: start it once fewer than $par engines run
+  while :; do
+    live=0; for p in "${pids[@]}"; do kill -0 $p 2> /dev/null && live=$((live + 1)); done
+    [ $live -lt $par ] && break; sleep 2
+  done
+  $1 $2 $3 & pids+=($!); sleep 4
 }
 # the 32K / 1 runs' hisparse config (HISPARSE='{...}' replaces it in 32k1 and profile)
 cfg32k='{"host_pool_gib": 8, "quest_rows": 2, "dense_pool_gib": 1}'
@@ -106,7 +144,6 @@ case "$part" in
     # no quest_rows: gpu_exactness.py gives one row per prompt, so admission never waits on rows
     # and schedules stay the reference's (quest_rows 0 = 32 rows of 32K: 7.7 GiB, which the
     # startup check refused on an H100 beside a second engine, 2026-12-07)
-    A='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0}'
     runA() { engine A $1 HISPARSE_EXTRA="${EXACT_A:-$A}" EXACT_PROMPTS=${EXACT_PROMPTS:-6000,20000,12000,9000} \
                EXACT_KV_GIB=$2; }
     runB() { engine B $1 HISPARSE_EXTRA='{"dense_pool_gib": 1}' EXACT_PROMPTS=1200,5000 \
@@ -119,21 +156,7 @@ case "$part" in
                HISPARSE_EXTRA="${EXACT_A:-$QA}" EXACT_UTIL=${QWEN_UTIL:-0.15} EXACT_KV_GIB=$2; }
     # (four engines at once: 8 GiB of pinned host pool each, 4.3 GiB of prompts)
     QA='{"dense_pool_gib": 1, "top_k": 2048, "device_buffer_size": 4096, "min_context": 0, "host_pool_gib": 8}'
-    ( while sleep 60 > /dev/null 2>&1; do for f in $ex/*/*.log; do
-        echo "-- $(date +%T) $f: $(tail -c 160 $f | tr '\n\r' '  ')"; done; done ) &
-    mon=$!
-    # each 8B engine takes ~17-23 GB (16 of weights): five at once fit an H200's 141 GB, two an
-    # H100's 80 (the eleventh session's OOM with six): EXACT_PAR engines at a time, in this order
-    par=${EXACT_PAR:-$([ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | \
-          head -1)" -gt 120000 ] && echo 5 || echo 2)}
-    pids=()
-    queue() {   # queue RUNNER MODE KV_GIB: start it once fewer than $par engines run
-      while :; do
-        live=0; for p in "${pids[@]}"; do kill -0 $p 2> /dev/null && live=$((live + 1)); done
-        [ $live -lt $par ] && break; sleep 2
-      done
-      $1 $2 $3 & pids+=($!); sleep 4
-    }
+    monitor; engines_at_once
     for pair in ${EXACT_PAIRS:-A}; do
       if [ $pair = A ]; then
         # EXACT_MODES="mode:KV_GIB ...": another set (e.g. fp8 with less KV: spills at fp8 width)
@@ -295,6 +318,41 @@ c = json.load(open(p)); c['intermediate_size'] = int(sys.argv[1]); json.dump(c, 
       --gpu-memory-utilization ${UTIL:-0.9} --load-format scaled_dummy \
       ${HISPARSE:+--hisparse "$HISPARSE"} --out "$out" > "$out/chat.log" 2>&1
     echo "== chat rc=$?"; grep -E '^\{|^chat|leak' "$out/chat.log" | tail -20 ;;
-  *) echo "part: kernels, exact, qwen, quality, exact2, cap, paper, reasoning, 4k, 32k1, profile, prefill or chat" >&2
+  ngram)
+    # issue 47 item 3 (the header says how to call it). (a) exactness under ngram speculation: the
+    # exact part's pair A (EXACT_A, EXACT_PROMPTS, EXACT_MODEL / EXACT_PROMPTS_FILE apply), every
+    # engine with EXACT_SPEC drafts a step (scripts/gpu_exactness.py); the verdict's check 5:
+    # acceptance counters equal the reference's, some draft accepted
+    ex=$out/exact; mkdir -p $ex/N
+    spec='{"method": "ngram", "num_speculative_tokens": '${SPEC_K:-3}', "prompt_lookup_max": 4, '
+    spec+='"prompt_lookup_min": 2}'
+    if [ "${NGRAM_EXACT:-1}" != 0 ]; then
+      runN() { engine N $1 EXACT_SPEC=${SPEC_K:-3} HISPARSE_EXTRA="${EXACT_A:-$A}" \
+                 EXACT_PROMPTS=${EXACT_PROMPTS:-6000,20000,12000,9000} EXACT_KV_GIB=$2; }
+      monitor; engines_at_once
+      for m in resident:${EXACT_KV_RES:-7} hisparse:5 resident2:${EXACT_KV_RES:-7} control:5; do
+        queue runN ${m%:*} ${m#*:}; done
+      wait "${pids[@]}"; since "engines done"
+      grep -h "== \|rc=\|cudagraph_mode" $ex/N/*.out | cut -c1-200; grep -h "Error" $ex/N/*.log | tail -3
+      EXACT_SPEC=${SPEC_K:-3} python3 scripts/gpu_exactness.py compare $ex/N hisparse
+      echo "== verdict ngram rc=$? (0 EXACT, 1 MISMATCH, 3 VOID)"
+      rm -f $ex/*/prompts.json $ex/*/shuffled.json
+      kill $mon; mon=
+    fi
+    # (b) the speedup at 1 request: only on a real model (random weights copy no text, so their
+    # drafts are rejected and a speedup means nothing)
+    if [ -n "${SPEC_MODEL:-}" ] && [ -n "${SPEC_TEXT:-}" ]; then
+      SERVING_LIMIT=${LIMIT:-540} bash scripts/gpu_serving.sh "$out/spec" --model "$SPEC_MODEL" \
+        --load-format auto --text-ids "$SPEC_TEXT" --repeat-block ${SPEC_BLOCK:-256} \
+        --input-len ${SPEC_IN:-32768} --output-len 256 --rounds ${ROUNDS:-2} --concurrency 1 \
+        --gpu-memory-utilization 0.3 --backends ${BACKENDS:-stock,hisparse} --speculative "$spec" \
+        --hisparse "${HISPARSE:-$cfg32k}" ${SERVING_FLAGS:-}
+      echo "== ngram speedup rc=$?"
+    else
+      echo "ngram speedup: skipped (SPEC_MODEL=DIR and SPEC_TEXT=FILE: a real model and its text)"
+    fi
+    since "ngram done" ;;
+  *) echo "part: kernels, exact, qwen, quality, exact2, cap, paper, reasoning, 4k, 32k1, profile," \
+       "prefill, chat or ngram" >&2
      exit 2 ;;
 esac

@@ -16,6 +16,9 @@ The output: {"batches": [[{"tokens": [...], "logprobs": [[[id, lp], ...], ...]},
 {...}, "peak_decode_blocks": int, "batch_info": [{"stats": {...}, "peak_decode_blocks": int,
 "peak_sparse_blocks": int, "schedule": [[[request, tokens], ...], ...]}, ...] (per batch: the
 runtime's statistics after it, peaks during it, the tokens each step scheduled per request)}.
+With ``--speculative-config JSON`` (vLLM's speculative_config, e.g. ngram) each batch's info also
+holds "spec": vLLM's acceptance counters over that batch (SPEC_COUNTERS: drafts, draft tokens,
+accepted tokens, from ``LLM.get_metrics()``), and the output "spec" their totals.
 """
 from __future__ import annotations
 
@@ -24,6 +27,26 @@ import json
 import os
 import sys
 import time
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
+def speculative(text: str | None) -> dict:
+    """LLM kwargs for ``--speculative-config``: none without it; with it the config and vLLM's
+    stats on (``LLM.get_metrics()`` reports the acceptance counters only with them)."""
+    if not text:
+        return {}
+    return {"speculative_config": json.loads(text), "disable_log_stats": False}
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's acceptance counters so far (SPEC_COUNTERS; 0 where not reported yet)."""
+    got = dict.fromkeys(SPEC_COUNTERS, 0)
+    for m in llm.get_metrics():               # one sample per engine: summed
+        if m.name in got:
+            got[m.name] += int(m.value)
+    return got
 
 
 def compilation(cuda_graphs: bool, mode: int | None) -> dict:
@@ -64,6 +87,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile-mode", type=int, default=None,
                    help="vLLM's compilation mode (0: no torch.compile, FULL decode graphs only; "
                         "the exactness bisection of per-config compiled graphs)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative_config (e.g. {\"method\": \"ngram\", ...}); each "
+                        "batch's acceptance counters are recorded (batch_info[i].spec)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--distributed-executor-backend", default=None, help="mp or ray (TP > 1)")
     p.add_argument("--heartbeat", type=float, default=0,
@@ -139,7 +165,7 @@ def main(argv=None) -> int:
               tensor_parallel_size=a.tensor_parallel_size,
               **({"kv_cache_memory_bytes": int(a.kv_cache_gib * 2**30)} if a.kv_cache_gib else {}),
               distributed_executor_backend=a.distributed_executor_backend,
-              **compilation(a.cuda_graphs, a.compile_mode))
+              **compilation(a.cuda_graphs, a.compile_mode), **speculative(a.speculative_config))
     if a.tensor_parallel_size == 1:
         rank_stats = lambda: [_runtime_stats(worker_state.get_runtime())]  # noqa: E731
     else:                                     # the runtimes live in the worker processes
@@ -154,6 +180,7 @@ def main(argv=None) -> int:
         return stats
 
     batches, info = [], []
+    spec_seen = spec_counters(llm) if a.speculative_config else None
     t0 = time.time()
     if a.heartbeat > 0 and a.tensor_parallel_size == 1:
         _start_heartbeat(a.heartbeat, t0, preempt, worker_state)
@@ -176,9 +203,15 @@ def main(argv=None) -> int:
         stats = drained()
         info.append({"stats": stats[0], "peak_decode_blocks": peak["batch_blocks"],
                      "peak_sparse_blocks": peak["sparse_blocks"], "schedule": batch_schedule})
+        if spec_seen is not None:             # this batch's drafts and accepted tokens
+            now = spec_counters(llm)
+            info[-1]["spec"] = {k: now[k] - spec_seen[k] for k in SPEC_COUNTERS}
+            spec_seen = now
     res = {"batches": batches, "stats": stats[0], "rank_stats": stats, "batch_info": info,
            "peak_decode_blocks": peak["blocks"], "config": cfg.to_dict(),
            "elapsed_s": time.time() - t0, "preemptions": preempt["n"]}
+    if spec_seen is not None:
+        res["spec"] = spec_seen
     with open(a.out, "w") as f:
         json.dump(res, f)
     print(json.dumps(res["stats"]))

@@ -1,5 +1,7 @@
 """Prompts of real text for the serving benchmarks (bench.serving, bench.chat): token ids of the
-model's tokenizer read from a file, cut into windows at distinct offsets."""
+model's tokenizer read from a file, cut into windows at distinct offsets, and (``repeated``) a
+window repeated to a prompt's length (bench.serving --repeat-block: a model that continues the
+repetition gets ngram drafts accepted)."""
 from __future__ import annotations
 
 import json
@@ -27,3 +29,11 @@ def text_prompts(tokens: list[int], n: int, count: int, rng: random.Random) -> l
     offsets = rng.sample(range(room), count) if count <= room else \
         [rng.randrange(room) for _ in range(count)]
     return [tokens[o:o + n] for o in offsets]
+
+
+def repeated(block: list[int], n: int) -> list[int]:
+    """``block`` repeated to ``n`` tokens (its last copy cut short); ``n`` <= len(block): its first
+    ``n`` tokens."""
+    if not block:
+        raise ValueError("repeated: an empty block")
+    return (block * (n // len(block) + 1))[:n]

@@ -25,6 +25,11 @@ token through the sparse MQA path as hisparse's (``sparse_mla_force_mqa``); ``hi
 every complete prompt through its row set, ``elastic`` (resident_first) lends a complete prompt
 its prefill region until another prompt needs it (core/latent_ledger.py).
 
+``--speculative JSON`` (vLLM's speculative_config, e.g. ngram) serves each backend twice, without
+and with it: rows BACKEND and BACKEND+spec with their acceptance, then the TPOT speedups
+(bench/serving_spec.py); ``--repeat-block N`` makes each prompt a block of N tokens repeated (a
+model that continues the repetition gets its ngram drafts accepted).
+
 Decode-heavy workloads (``--workload``): ``paper`` = 32K in / 8K out (the HiSparse paper's),
 ``reasoning`` = 1K in / 16K out; ``--concurrency 1,cap`` runs each at one request and at the
 backend's capacity (``cap``: read from the server's startup log, see ``capacity``).
@@ -42,6 +47,7 @@ import subprocess
 import sys
 
 from vllm_hisparse.bench import served_profile
+from vllm_hisparse.bench import serving_spec as spec
 from vllm_hisparse.bench import steps as st
 from vllm_hisparse.bench.serving_load import profiled_point, run_point, warm_up
 from vllm_hisparse.server_health import stop, wait_healthy
@@ -112,11 +118,13 @@ def serve_cmd(args, backend: str, port: int, max_len: int, *, max_seqs: int | No
     return cmd + list(extra) + args.extra_server_args
 
 
-def server_cmd(args, backend: str, port: int, trace_dir: str | None = None) -> list[str]:
+def server_cmd(args, backend: str, port: int, trace_dir: str | None = None,
+               extra: list[str] = ()) -> list[str]:
     # --profile-decode: the worker's torch profiler (served_profile)
     prof = ([] if trace_dir is None else
             served_profile.profiler_args(trace_dir, args.profile_delay, args.profile_decode))
-    return serve_cmd(args, backend, port, max_model_len(args), max_seqs=max_num_seqs(args), extra=prof)
+    return serve_cmd(args, backend, port, max_model_len(args), max_seqs=max_num_seqs(args),
+                     extra=prof + list(extra))
 
 
 def backend_config(backend: str, hisparse: str) -> dict | None:
@@ -219,6 +227,12 @@ def main(argv=None) -> int:
                         "lists, or {name: ids} as `bench.quality forced --save-ids` writes), each "
                         "request at its own offset; default: random tokens (with a real model "
                         "use --load-format auto and real text, so the selection is real)")
+    p.add_argument("--repeat-block", type=int, default=0, metavar="N",
+                   help="each prompt a block of N tokens (real text with --text-ids, each request "
+                        "its own window) repeated to --input-len (0: off)")
+    p.add_argument("--speculative", default=None, metavar="JSON",
+                   help="vLLM's speculative_config: each backend served again with it (rows "
+                        "BACKEND+spec, their acceptance, the TPOT speedups; bench/serving_spec.py)")
     p.add_argument("--port", type=int, default=18000)
     p.add_argument("--ready-timeout", type=float, default=900)
     p.add_argument("--profile-decode", type=int, default=0, metavar="N",
@@ -244,22 +258,24 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     vocab = model_vocab(args.model)
     rows: list[dict] = []
-    for i, b in enumerate(backends):
-        log = open(os.path.join(args.out, f"server-{b}.log"), "w")
-        k = backends[:i].count(b)                     # a backend's second server: BACKEND-2
-        tag = b if k == 0 else f"{b}-{k + 1}"
+    servers = spec.runs(backends, args.speculative)   # (backend, row name, extra serve args)
+    for i, (b, name, extra) in enumerate(servers):
+        ftag = spec.file_tag(name)
+        log = open(os.path.join(args.out, f"server-{ftag}.log"), "w")
+        k = [n for _, n, _ in servers[:i]].count(name)   # a backend's second server: BACKEND-2
+        tag = ftag if k == 0 else f"{ftag}-{k + 1}"
         trace = os.path.abspath(os.path.join(args.out, f"trace-{tag}"))
         shutil.rmtree(trace, ignore_errors=True)
         trace = trace if args.profile_decode else None
         # the worker's counters (hit rate, host pages, host time) and the server's step records
         # land beside the CSV
-        stats = os.path.abspath(os.path.join(args.out, f"stats-{b}.json"))
-        step_log = os.path.abspath(os.path.join(args.out, f"steps-{b}.jsonl"))
+        stats = os.path.abspath(os.path.join(args.out, f"stats-{ftag}.json"))
+        step_log = os.path.abspath(os.path.join(args.out, f"steps-{ftag}.jsonl"))
         for f in (stats, step_log):
             if os.path.exists(f):
                 os.remove(f)
         env = dict(os.environ, HISPARSE_STATS_FILE=stats, HISPARSE_STEP_LOG=step_log)
-        proc = subprocess.Popen(server_cmd(args, b, args.port, trace), stdout=log,
+        proc = subprocess.Popen(server_cmd(args, b, args.port, trace, extra), stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
         try:
             wait_healthy(proc, args.port, args.ready_timeout)
@@ -277,9 +293,12 @@ def main(argv=None) -> int:
                         c = capacity(f.read(), b, max_model_len(args), max_num_seqs(args))
                     print(f"{b}: capacity {c} requests", flush=True)
                 first = c if first is None else first
-                pt = asyncio.run(run_point(args, b, c, args.port, args.model, vocab, step_log,
+                before = spec.scrape(args.port) if args.speculative else None
+                pt = asyncio.run(run_point(args, name, c, args.port, args.model, vocab, step_log,
                                            None if b == "stock" else stats))
                 rows.append(pt.row())
+                if before is not None:             # the point's drafts and acceptance
+                    rows[-1].update(spec.acceptance(before, spec.scrape(args.port)))
                 print(json.dumps(rows[-1]), flush=True)
             if trace:
                 profiled_point(args, b, tag, first, vocab, step_log, trace)
@@ -290,6 +309,8 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    for line in spec.speedup_lines(rows) if args.speculative else ():
+        print(line, flush=True)
     plot(rows, os.path.join(args.out, "serving.png"),
          f"input {args.input_len} / output {args.output_len}, gpu_mem_util {args.gpu_memory_utilization}")
     return 0

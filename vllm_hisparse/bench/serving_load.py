@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from vllm_hisparse.bench import served_profile
 from vllm_hisparse.bench import steps as st
-from vllm_hisparse.bench.prompts import load_text_ids, text_prompts
+from vllm_hisparse.bench.prompts import load_text_ids, repeated, text_prompts
 from vllm_hisparse.bench.worker_stats import cache_per_point, host_per_step, read_stats
 
 
@@ -115,11 +115,12 @@ async def run_point(args, backend: str, c: int, port: int, model: str, vocab: in
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=3600)
     rng = random.Random(1000 + c)
     n_req = max(c * args.rounds, c)
+    n = getattr(args, "repeat_block", 0) or args.input_len    # --repeat-block: a block repeated
     if args.text_ids:
-        prompts = text_prompts(load_text_ids(args.text_ids), args.input_len, n_req, rng)
+        prompts = text_prompts(load_text_ids(args.text_ids), n, n_req, rng)
     else:
-        prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)]
-                   for _ in range(n_req)]
+        prompts = [[rng.randrange(100, vocab - 100) for _ in range(n)] for _ in range(n_req)]
+    prompts = [repeated(p, args.input_len) for p in prompts]
     sem = asyncio.Semaphore(c)
     pt = Point(backend, c)
 
