@@ -2,8 +2,8 @@
 scripts/gpu_exactness.py): the verdict's acceptance rule (scripts/exact_verdict.py, check 5) on
 doctored results (equal counters: EXACT; any counter differing: MISMATCH; no accepted draft in the
 reference, or counters not recorded: VOID), schedules compared only before the first decode step,
-the harness's prompts and engine arguments, and scripts/hisparse_generate.py's
---speculative-config reaching vLLM's LLM."""
+the harness's prompts and engine arguments, scripts/hisparse_generate.py's --speculative-config
+reaching vLLM's LLM, and (vllm marker, ~20 s) its per-batch counters on the CPU engine."""
 from __future__ import annotations
 
 import copy
@@ -194,3 +194,28 @@ def test_generate_passes_the_speculative_config_to_llm(tmp_path):
     assert present == "True"
     assert outs[1].endswith(" False")            # no stats argument: LLM's own default, as before
     assert json.loads(outs[1][3:].rsplit(" ", 1)[0])["speculative_config"] is None
+
+
+@pytest.mark.vllm
+def test_generate_records_each_batchs_acceptance_on_the_cpu_engine(tmp_path):
+    """The tiny model on vLLM's CPU engine, ngram through hisparse (test_spec_decode's config),
+    the same prompts as two batches: each batch's counters are its own (equal here, prefix caching
+    off), the totals their sum, drafts proposed and accepted through the verify rows."""
+    from engine_generate import finish, generate_job
+    from engine_jobs import tiny_model
+
+    cfg = {"top_k": 48, "device_buffer_size": 64, "page_size": 16, "dense_layers": [0],
+           "host_pool_gib": 0.05, "resident_first": False, "min_context": 0}
+    prompts = [[5, 17, 33, 81, 99, 120, 7, 64] * 20, [200, 11, 300, 42, 9] * 30]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2}
+    argv, env = generate_job(tmp_path, tiny_model(), cfg, [prompts, prompts], "ngram",
+                             ["--skip-tokenizer", "--speculative-config", json.dumps(spec)], 24)
+    env["NUMBA_DISABLE_JIT"] = "1"        # the ngram proposer in plain Python (no 30 s compile)
+    res = finish(tmp_path, "ngram", subprocess.run(argv, capture_output=True, text=True, env=env,
+                                                   timeout=300))
+    first, second = (b["spec"] for b in res["batch_info"])
+    assert first == second and first[ACCEPTED] > 0 and first[DRAFTS] > 0, res["batch_info"]
+    assert res["spec"] == {k: 2 * v for k, v in first.items()}
+    assert res["stats"]["spec_rows"] > 0
+    assert res["batches"][0] == res["batches"][1]
