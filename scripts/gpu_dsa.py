@@ -136,7 +136,9 @@ def run(mode: str, model: str, out: str) -> int:
     rng = random.Random(0)
     ids = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPTS]
     if SPEC:                  # a 256-token block repeated, one-token lookups: ngram drafts often
-        ids = [(p[:256] * (len(p) // 256 + 1))[:len(p)] for p in ids]
+        from vllm_hisparse.bench.prompts import repeated
+
+        ids = [repeated(p[:256], len(p)) for p in ids]
     prompts = [{"prompt_token_ids": p} for p in ids]
     kw = dict(model=model, tokenizer_mode="hf", skip_tokenizer_init=True, load_format=LOAD,
               dtype="bfloat16", seed=0, max_model_len=MAX_LEN, max_num_seqs=8,

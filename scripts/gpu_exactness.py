@@ -118,11 +118,6 @@ def spec_config(k: int) -> dict:
             "prompt_lookup_min": int(os.environ.get("EXACT_SPEC_MIN") or 2)}
 
 
-def repeat_block(prompt: list[int], n: int) -> list[int]:
-    """``prompt``'s first ``n`` tokens repeated to its length."""
-    return (prompt[:n] * (len(prompt) // n + 1))[:len(prompt)]
-
-
 def run(mode: str, out: str) -> int:
     os.makedirs(out, exist_ok=True)
     if mode not in MODES:
@@ -135,7 +130,9 @@ def run(mode: str, out: str) -> int:
         rng = random.Random(0)
         ids = [[rng.randrange(1000, 120000) for _ in range(n)] for n in PROMPT_LENS]
         if SPEC:
-            ids = [repeat_block(p, REPEAT_BLOCK) for p in ids]
+            from vllm_hisparse.bench.prompts import repeated
+
+            ids = [repeated(p[:REPEAT_BLOCK], len(p)) for p in ids]
     with open(prompts, "w") as f:
         json.dump(ids, f)
     batches = ["--prompts", prompts]
