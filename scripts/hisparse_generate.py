@@ -28,8 +28,9 @@ import os
 import sys
 import time
 
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens")
+from vllm_hisparse.bench.serving_spec import SPEC_METRICS
+
+SPEC_COUNTERS = tuple(SPEC_METRICS.values())
 
 
 def speculative(text: str | None) -> dict:

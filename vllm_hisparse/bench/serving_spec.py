@@ -11,9 +11,12 @@ from vllm_hisparse.bench import prom
 
 SUFFIX = "+spec"
 BAR = 0.9           # issue 47: hisparse's speedup >= 0.9 x stock's
-COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
-            "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
-            "accepted": "vllm:spec_decode_num_accepted_tokens_total"}
+# vLLM's spec-decode counters as LLM.get_metrics() names them (scripts/hisparse_generate.py reads
+# those), and as /metrics' Prometheus samples (the same names + "_total")
+SPEC_METRICS = {"drafts": "vllm:spec_decode_num_drafts",
+                "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+                "accepted": "vllm:spec_decode_num_accepted_tokens"}
+COUNTERS = {k: v + "_total" for k, v in SPEC_METRICS.items()}
 
 
 def runs(backends: list[str], spec: str | None) -> list[tuple[str, str, list[str]]]:
