@@ -213,3 +213,22 @@ def test_stock_decode_replays_equal_eager_and_match_the_split_kernel():
         assert torch.equal(a, b), f"step/layer {i}: replay differs from eager"
         torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-2,
                                    msg=f"step/layer {i}")
+
+
+def test_stock_decode_planned_once_a_step_changes_no_bit():
+    """FA3's scheduler metadata computed once a step (decode_fn.plan, decode_body.stock_layer) and
+    handed to every layer gives the bits of FlashAttention planning inside each call, replayed
+    from the FULL graphs and eager: a plan built from other arguments than the call's would not."""
+    flash_dense = pytest.importorskip("vllm_hisparse.vllm.flash_dense")
+    fn = flash_dense.make_decode_fn(torch.bfloat16, 64)
+    if getattr(fn, "plan", None) is None:
+        pytest.skip("FlashAttention 2: no scheduler metadata")
+
+    def bare(*a):                     # no plan: FlashAttention's prepare kernel in each call
+        fn(*a)
+
+    for cls in (GraphDriver, lambda *a, **k: Driver(*a, full=True, **k)):
+        planned, inside = run_stock(cls, fn), run_stock(cls, bare)
+        assert len(planned) == len(inside) > 0
+        for i, (a, b) in enumerate(zip(planned, inside)):
+            assert torch.equal(a, b), f"step/layer {i}: the per-step plan changed the output"

@@ -58,6 +58,36 @@ def test_stock_decode_equals_the_decode_body(full):
     assert s.rt._body(0) is decode_body.stock_layer and b.rt._body(1) is decode_body.sparse_layer
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_decode_fn_plan_once_a_step_to_every_layer(full):
+    """A decode_fn with a ``plan`` (FA3's scheduler metadata on the GPU): planned at each step's
+    first layer from that step's keys and shapes, the result handed to every layer of that step
+    and to no other step (a stale plan would point FlashAttention at last step's lengths)."""
+    d = Driver(_cfg(W * P + 1), rows=4, full=full)
+    plans, got = [], []
+
+    def fn(*a, plan):
+        got.append(plan)
+        paged_dense_reference(*a)
+
+    def plan(q, k_cache, cu_q, seq_k, max_q, max_k):
+        plans.append((seq_k.clone(), q.shape[0], max_k))
+        return len(plans)                                 # this step's token
+
+    fn.plan = plan
+    d.rt.use_decode_fn(fn)
+    for rid, n in {"a": 70, "b": 33}.items():
+        d.add(rid, n)
+    d.step({"a": 40, "b": 33})
+    d.step({"a": 30, "b": 1})                             # mixed: b's decode row, a's chunk
+    for _ in range(5):
+        d.step({"a": 1, "b": 1})
+    assert len(plans) == 6 and got == [t for t in range(1, 7) for _ in range(d.L)]
+    seq = [p[0][:p[1]].tolist() for p in plans]           # each plan saw its own step's lengths
+    assert seq[0][0] == 34 and [s[0] for s in seq[1:]] == [71 + i for i in range(5)]
+    assert {p[2] for p in plans} == {W * P}
+
+
 def test_decode_fn_refused_where_requests_can_be_sparse():
     d = Driver(_cfg(W * P), rows=2)                        # max_model_len reaches min_context
     assert d.rt.sparse_possible

@@ -54,6 +54,8 @@ class DecodeBatch:
         # FlashAttention's seqused_k and cu_seqlens_q, int32
         self.seq32 = torch.zeros(N, dtype=torch.int32, device=device)
         self.cu = torch.arange(N + 1, dtype=torch.int32, device=device)
+        # (the layer that plans, decode_fn.plan's result) of decode_body.stock_layer
+        self.fn_plan: tuple = (None, None)
         self._f = {name: self.meta[i * N:(i + 1) * N] for i, name in enumerate(FIELDS)}
         self.flags = dict.fromkeys(KINDS, False)
         self.steps: list = []                         # core.step_plan.ReqStep of rows 0..n-1

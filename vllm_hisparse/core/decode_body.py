@@ -115,9 +115,16 @@ def stock_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.T
     """Any layer of a decode batch in an engine where no request can be sparse (every row dense,
     resident): the new token into its block, then ``rt.decode_fn`` over every row (padding rows
     have no keys). Its keys bound is the block table's width, eager or recorded, so a step gets the
-    same split-KV choice either way. Arguments as sparse_layer."""
+    same split-KV choice either way. A ``decode_fn.plan`` (the fn's per-step work, e.g. FA3's
+    scheduler metadata) runs at the step's first layer (the layer that planned first: layers run in
+    order) and its result goes to every layer's call. Arguments as sparse_layer."""
     decode_ops.decode_write(kv, k, v, bt, db.field("seq"), db.newest)
-    rt.decode_fn(q, kv[:, 0], kv[:, 1], bt, db.cu, db.seq32, 1, bt.shape[1] * rt.P, scale, out)
+    max_k = bt.shape[1] * rt.P
+    plan = getattr(rt.decode_fn, "plan", None)   # the fn's per-step work (FA3 scheduler metadata)
+    if plan is not None and db.fn_plan[0] in (None, layer):   # the step's first layer: once a step
+        db.fn_plan = (layer, plan(q, kv[:, 0], db.cu, db.seq32, 1, max_k))
+    kw = {} if plan is None else {"plan": db.fn_plan[1]}
+    rt.decode_fn(q, kv[:, 0], kv[:, 1], bt, db.cu, db.seq32, 1, max_k, scale, out, **kw)
 
 
 def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
