@@ -290,3 +290,22 @@ def test_install_wraps_vllms_gpu_worker(monkeypatch):
     seen = []
     monkeypatch.setattr(kv_room, "check", lambda w, avail: seen.append(avail))
     assert wrapped(SimpleNamespace()) == 7 and seen == [7]
+
+
+def test_pool_over_its_budget_at_start_is_one_line_for_the_front_end(front_end):
+    """LatentWorker.start's earlier check (the pool against half of what vLLM may still use,
+    before the profile): the same road as kv_room's, one line left for the front end and raised
+    as a config error; a pool within its budget passes."""
+    from vllm_hisparse.vllm.mla_worker import pool_bytes, refuse_over_budget
+
+    s = LatentSizes(row_bytes=1152, row_sets=44, regions=2, host_rows=0, resident=False)
+    need = pool_bytes(s, LAYERS, MML, B)
+    refuse_over_budget(need, need, s, B, MML, LAYERS)              # at the budget: no error
+    assert front_end.engine_error() is None
+    with pytest.raises(HiSparseConfigError) as raised:
+        refuse_over_budget(need, need - 1, s, B, MML, LAYERS)
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith("hisparse: the latent pool needs ")
+    assert f"regions=2 x max_model_len={MML}, row sets=44 x device_buffer_size={B}" in line
+    assert "lower prefill_slots, quest_rows or --max-model-len" in line
+    assert front_end.engine_error() == line

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from vllm_hisparse.config import HiSparseConfigError
 from vllm_hisparse.core import capacity, capacity_mla, indexers
 from vllm_hisparse.core.deployment import LatentSizes
 from vllm_hisparse.core.latent_runtime import LatentRuntime
 
 from . import topk_swap
+from .cli_check import report
 from .compat import init_logger
 from .deployment import deployment_of
 from .request_rows import RequestRows
@@ -36,6 +38,21 @@ def pool_bytes(s: LatentSizes, layers: int, max_model_len: int, buffer: int) -> 
     sets = 0 if s.resident else s.row_sets
     return (s.regions * capacity_mla.prefill_region_bytes(m, max_model_len)
             + sets * capacity_mla.latent_row_set_bytes(m, buffer, 0, max_model_len))
+
+
+def refuse_over_budget(need: int, budget: int, s: LatentSizes, buffer: int, max_model_len: int,
+                       layers: int) -> None:
+    """The latent pool (``need`` bytes) against the GPU memory it may take (``budget``): over it,
+    one line naming the settings that size it, left for ``vllm serve``'s front end (cli_check:
+    printed, exit 2) and raised (HiSparseConfigError), like kv_room's check after the profile."""
+    if need <= budget:
+        return
+    msg = (f"hisparse: the latent pool needs {need / (1 << 30):.2f} GiB (regions={s.regions} x "
+           f"max_model_len={max_model_len}, row sets={s.row_sets} x device_buffer_size={buffer}, "
+           f"{layers} layers), more than the {budget / (1 << 30):.2f} GiB allowed; lower "
+           f"prefill_slots, quest_rows or --max-model-len")
+    report(msg)
+    raise HiSparseConfigError(msg)
 
 
 class LatentWorker:
@@ -69,13 +86,7 @@ class LatentWorker:
             budget = capacity.reservation_budget_bytes(
                 free, total, vllm_config.cache_config.gpu_memory_utilization,
                 torch.cuda.memory_reserved(dev))
-            if need > budget:
-                raise ValueError(
-                    f"hisparse: the latent pool needs {need / (1 << 30):.2f} GiB (regions="
-                    f"{s.regions} x max_model_len={mc.max_model_len}, row sets={s.row_sets} x "
-                    f"device_buffer_size={cfg.device_buffer_size}, {layers} layers), more than "
-                    f"the {budget / (1 << 30):.2f} GiB allowed; lower prefill_slots, quest_rows or "
-                    f"--max-model-len")
+            refuse_over_budget(need, budget, s, cfg.device_buffer_size, mc.max_model_len, layers)
         max_tokens = max(sc.max_num_batched_tokens,
                          getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0)
                          or 0)
