@@ -3,9 +3,10 @@ vLLM's real AsyncScheduler (async scheduling, two batches in flight) and the con
 roles: the worker side is the real one (its ``bind_connector_metadata`` and ``get_finished``
 feed vLLM's ``finished_sending``); only the model is faked (one sampled token per decoding row).
 
-* A request that never can be sparse (prompt + max_tokens below min_context, or every request of
-  an engine whose max_model_len is) frees its blocks in the step it finishes, as in stock vLLM:
-  an engine of such requests runs step for step as stock vLLM does, free blocks included.
+* A request that never can be sparse (prompt + max_tokens below min_context) frees its blocks in
+  the step it finishes, as in stock vLLM; an engine whose max_model_len is below min_context is
+  stock vLLM (vLLM's backend, no connector: setup_check.serve_as_stock) and runs step for step as
+  stock does, free blocks included.
 * A request that may be sparse (host pages, indexer row) keeps its blocks and its reservation
   until the worker has dropped it and reported it in ``finished_sending``; one admitted host-less
   (the indexer rows were full: no host page, no row) frees them at once, as one never sparse,
@@ -68,7 +69,7 @@ def scheduler(model: str, backend: str, mml: int, blocks: int, seqs: int = SEQS)
     vc.cache_config.num_gpu_blocks = blocks
     vc.scheduler_config.async_scheduling = True      # the GPU's default; the CPU platform's off
     spec = FullAttentionSpec(block_size=PAGE, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    if backend == "hisparse":
+    if vc.kv_transfer_config is not None:     # hisparse serves (not an engine stock vLLM serves)
         from vllm_hisparse.vllm.deployment import deployment_of
         from vllm_hisparse.vllm.spec import HiSparseSpec
 
@@ -96,7 +97,7 @@ def probe(model: str, backend: str, engine: str, out: str) -> None:
 
     mml, blocks, reqs, aborts = ENGINES[engine]
     vc, s = scheduler(model, backend, mml, blocks)
-    work = worker_connector(vc) if backend == "hisparse" else None
+    work = worker_connector(vc) if vc.kv_transfer_config is not None else None
     conn = s.connector
     for i, (rid, (prompt, max_tokens)) in enumerate(reqs.items()):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -164,7 +165,9 @@ def probe(model: str, backend: str, engine: str, out: str) -> None:
         json.dump({"finished": finished, "gone": gone, "released": released,
                    "reported": dict(reported), "held": held, "steps": steps, "leaked": leaked,
                    "hostless": sorted(hostless),
-                   "sparse_possible": conn is not None and conn.capacity > 0}, f)
+                   "sparse_possible": conn is not None and conn.capacity > 0,
+                   "stock": [vc.attention_config.backend is None, vc.kv_transfer_config is None]},
+                  f)
 
 
 def run_probes(d, script: str, cases: list[tuple]) -> dict:
@@ -198,12 +201,11 @@ def runs(tmp_path_factory):
 def test_never_sparse_engine_frees_blocks_as_stock_vllm(runs):
     stock, hs = runs["never", "stock"], runs["never", "hisparse"]
     reqs = ENGINES["never"][2]
-    assert not hs["sparse_possible"]
-    assert all(h == [0, False] for h in hs["held"].values())   # no host page, no indexer row
+    # no request can be sparse: vLLM's own backend, no connector (setup_check.serve_as_stock)
+    assert hs["stock"] == [True, True] and not hs["sparse_possible"] and hs["held"] == {}
     assert sorted(stock["finished"]) == sorted(hs["finished"]) == sorted(reqs)
     assert hs["gone"] == hs["finished"] == stock["gone"] == stock["finished"]
-    assert hs["reported"] == {}
-    assert hs["leaked"] == [[]] * 6 and hs["hostless"] == []
+    assert hs["reported"] == {} and hs["leaked"] is None and hs["hostless"] == []
     waited = [w for _, w, _, _ in stock["steps"]]
     assert max(waited) > 0, "requests must wait for finished requests' blocks"
     # (running, waiting, free blocks, finished) after every schedule and every update

@@ -59,6 +59,39 @@ def test_prepare_config_sets_block_size_connector_and_keeps_prefix_caching():
     assert cfg.kv_transfer_config.kv_role == "kv_producer"   # no deferred frees
 
 
+def test_an_engine_that_cannot_be_sparse_is_stock_vllm(monkeypatch):
+    """max_model_len below min_context (2 x device_buffer_size = 128 here): no request can ever be
+    sparse, so vLLM's own attention backend serves (backend back to auto, no connector, vLLM's
+    block size), said in one line; at max_model_len = min_context hisparse serves; a wrong setting
+    is refused either way."""
+    from vllm_hisparse.config import HiSparseConfigError
+    from vllm_hisparse.vllm import setup_check
+
+    logs = []
+    monkeypatch.setattr(setup_check.logger, "warning", lambda msg, *a: logs.append(msg % a))
+    cfg = fake_config(model_config__max_model_len=127, cfg__attention_config=SimpleNamespace(
+        backend="CUSTOM"))
+    setup_check.prepare_config(cfg)
+    assert cfg.attention_config.backend is None
+    assert cfg.kv_transfer_config is None and cfg.cache_config.block_size is None
+    assert logs == ["hisparse: max_model_len=127 is below min_context=128 (unset: 2 x "
+                    "device_buffer_size): no request can ever be sparse, so vLLM's own attention "
+                    "backend serves every layer (stock vLLM: no hisparse pool, connector or "
+                    "runtime); set min_context below max_model_len (0 = every request sparse) to "
+                    "serve with hisparse"]
+    cfg = fake_config(model_config__max_model_len=128, cfg__attention_config=SimpleNamespace(
+        backend="CUSTOM"))
+    setup_check.prepare_config(cfg)
+    assert cfg.attention_config.backend == "CUSTOM"
+    assert not any("below min_context" in line for line in logs[1:])
+    assert cfg.kv_transfer_config.kv_connector == "HiSparseConnector"
+    cfg = fake_config(model_config__max_model_len=127, cfg__attention_config=SimpleNamespace(
+        backend="CUSTOM"))
+    cfg.additional_config = {"hisparse": dict(HS["hisparse"], dense_layers=[0, 9])}
+    with pytest.raises(HiSparseConfigError, match=r"dense_layers=\[0, 9\] is invalid"):
+        setup_check.prepare_config(cfg)
+
+
 @pytest.mark.parametrize("over, words", [
     ({"model_config__is_encoder_decoder": True}, "encoder-decoder"),
     ({"parallel_config__pipeline_parallel_size": 2}, "pipeline"),

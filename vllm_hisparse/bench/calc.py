@@ -208,7 +208,10 @@ def _compute(args, hf: dict) -> dict:
 
     # Quest rows: quest_rows, else max_num_seqs, else the most that fit (+ one scratch row)
     auto = quest_rows is None and seqs is None and possible
-    if not possible:       # no request can turn sparse: the scratch row only
+    # no request can turn sparse: vLLM's own backend serves (setup_check.serve_as_stock), so not
+    # even the scratch row is reserved: stock's KV
+    scratch = int(possible)
+    if not possible:
         n_seqs = 0
     elif quest_rows is not None:
         n_seqs = quest_rows
@@ -225,7 +228,7 @@ def _compute(args, hf: dict) -> dict:
     def at_rows(rows: int) -> tuple[int, dict]:
         """KV bytes and the limits other than the Quest rows with ``rows`` rows reserved."""
         d_bytes, _, n_d = dense_pool(rows)                      # what `rows` rows can fill
-        kv_ = gpu if args.explicit_kv else gpu - d_bytes - (rows + 1) * row
+        kv_ = gpu if args.explicit_kv else gpu - d_bytes - (rows + scratch) * row
         return kv_, {"gpu": fit_gpu(kv_, vllm_seqs), "host": n_host, "dense_pool": n_d,
                      "max_num_seqs": seqs}
 
@@ -265,7 +268,8 @@ def _compute(args, hf: dict) -> dict:
                 "max_requests": n_h, "bound_by": by_h,
                 "quest_meta_bytes_per_request": row, "quest_rows": n_seqs,
                 "max_num_seqs": seqs if seqs is not None or not possible else vllm_seqs,
-                "quest_meta_bytes": (n_seqs + 1) * row, "kv_cache_bytes": kv, "num_blocks": h_blocks,
+                "quest_meta_bytes": (n_seqs + scratch) * row, "kv_cache_bytes": kv,
+                "num_blocks": h_blocks,
                 "prefill_fits": cap.hisparse_prefill_fits(h_blocks, mml, P),
                 "gpu_bound": {**gpu_terms(h_blocks, vllm_seqs), "requests": limits["gpu"],
                               "max_num_batched_tokens": args.max_num_batched_tokens,

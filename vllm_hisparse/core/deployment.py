@@ -181,7 +181,8 @@ class Deployment:
         if not self.sparse_possible:
             return self.limits.max_num_seqs, (
                 f"no request can turn sparse: max_model_len < min_context={self.min_context}, so "
-                f"no indexer row or dense pool is reserved; vLLM's KV blocks bound them")
+                f"vLLM's own attention backend serves every layer (stock vLLM); its KV blocks "
+                f"bound them")
         tiers = self.tier_requests()
         backed = min(n for n in tiers.values() if n is not None)
         room = backed + (self.hostless_requests or 0)

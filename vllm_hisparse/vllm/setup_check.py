@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vllm_hisparse.config import HiSparseConfig
-from vllm_hisparse.core import indexers
+from vllm_hisparse.core import gpu_pools, indexers
 from vllm_hisparse.config import HiSparseConfigError as Refused   # a ValueError; the CLI prints its
                                                                   # line alone (cli_check.py)
 
@@ -58,7 +58,9 @@ def prepare_config(vllm_config) -> None:
         if getattr(mc, "is_encoder_decoder", False):
             raise Refused(f"hisparse: encoder-decoder models are not supported; {SUPPORTED}")
         cfg.check_layers(mc.get_num_layers(pc))
-        warn_never_sparse(cfg, mc.max_model_len)
+        if not gpu_pools.sparse_possible(cfg, mc.max_model_len):
+            serve_as_stock(vllm_config, cfg, mc.max_model_len)
+            return
         cfg = deployment_of(vllm_config).cfg        # auto sizes filled in
     dc = getattr(vllm_config, "device_config", None)
     if getattr(dc, "device_type", None) == "cuda" and getattr(vllm_config, "use_v2_model_runner",
@@ -159,20 +161,20 @@ def check_speculative(cfg: HiSparseConfig, sc) -> None:
                 "attend one selection per request (core/spec_rows.py)", k)
 
 
-def warn_never_sparse(cfg: HiSparseConfig, max_model_len: int) -> None:
+def serve_as_stock(vllm_config, cfg: HiSparseConfig, max_model_len: int) -> None:
     """A request runs sparse once its context reaches min_context (core/residency.py): with a
-    max_model_len below it no request ever does (core/gpu_pools.py then reserves no GPU pool, the
-    connector pins no host pool, and every layer decodes through FlashAttention, like stock)."""
-    if max_model_len >= cfg.min_context_tokens:
-        return
+    max_model_len below it no request ever does, so hisparse has nothing to add (no sparse step, no
+    host tier) and the engine is stock vLLM: the attention backend goes back to vLLM's own choice
+    and no hisparse connector, KV spec or runtime is installed (every hisparse hook asks
+    ``plugin.selected``, now False). One line says so. The hisparse settings are validated all the
+    same (config_of: a wrong field is refused whatever max_model_len)."""
     unset = "" if cfg.min_context is not None else " (unset: 2 x device_buffer_size)"
-    logger.warning("hisparse: max_model_len=%d is below min_context=%d%s: every request stays "
-                   "dense and fully resident, no decode step is sparse (no Quest row or dense "
-                   "pool is reserved on the GPU, no host pool is pinned: the engine runs as "
-                   "stock vLLM); set min_context below "
-                   "max_model_len (0 = every request sparse), or serve without "
-                   "--attention-backend hisparse",
-                   max_model_len, cfg.min_context_tokens, unset)
+    logger.warning("hisparse: max_model_len=%d is below min_context=%d%s: no request can ever be "
+                   "sparse, so vLLM's own attention backend serves every layer (stock vLLM: no "
+                   "hisparse pool, connector or runtime); set min_context below max_model_len "
+                   "(0 = every request sparse) to serve with hisparse", max_model_len,
+                   cfg.min_context_tokens, unset)
+    vllm_config.attention_config.backend = None
 
 
 HOST_CHECKED = "hisparse_host_room_checked"     # additional_config key: check_host_memory ran
