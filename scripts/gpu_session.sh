@@ -20,8 +20,6 @@
 #   bash scripts/gpu_session.sh OUT qwen     # Qwen2.5-Coder-1.5B from its staged pieces (make_qwen.py)
 #   bash scripts/gpu_session.sh OUT quality  # Quest quality at 16K / 32K on it: teacher-forced and
 #       needle, top_k 1024-8192 (QWEN_IDS, QWEN_NEEDLE: token ids built where the texts are, .lab/)
-#   bash scripts/gpu_session.sh OUT exact2   # a never-sparse engine (the stock decode path) vs
-#       resident; the stock-decode GPU test; 4K decode-step bench (~5 min)
 #   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at 1 request and at each backend's
 #       capacity: stock, elastic (BACKENDS=... for others; ~2.5 min stock, ~5 min per hisparse backend)
 #   bash scripts/gpu_session.sh OUT paper    # the paper's workload, 32K in / 8K out, at each backend's
@@ -184,25 +182,6 @@ case "$part" in
     done
     rm -f $ex/*/prompts.json $ex/*/shuffled.json
     since "exact done" ;;
-  exact2)
-    # C: an engine where no request can be sparse (min_context past max_model_len 32768), default
-    # dense layers without a dense pool: the stock decode path, FULL graphs in both modes; the
-    # stock-decode GPU test; the 4K decode step
-    ex=$out/exact; mkdir -p $ex/C
-    runC() { engine C $1 HISPARSE_EXTRA='{"min_context": 65536}' EXACT_KV_GIB=3 EXACT_MAX_LEN=8192; }
-    runC resident & c1=$!; sleep 4; runC hisparse & c2=$!
-    sleep 15
-    timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_decode_body_gpu.py -k stock \
-      > "$out/pytest-stock.txt" 2>&1; echo "stock-decode test rc=$?: $(tail -1 $out/pytest-stock.txt)"
-    wait $c1 $c2; since "engines C done"
-    grep -h "== \|rc=\|cudagraph_mode" $ex/C/*.out | cut -c1-200; grep -h "Error" $ex/C/*.log | tail -3
-    EXACT_MAX_LEN=8192 python3 scripts/gpu_exactness.py compare $ex/C hisparse
-    rm -f $ex/*/prompts.json
-    for m in "" "--stock-decode"; do
-      timeout 80 python3 -m vllm_hisparse.bench.decode_step --context 4096 --rows 1,8,32,64 --layers 2 \
-        --steps 10 --q-noise 0 $m --out "$out/ds-4k$m" 2>&1 | grep -E "^\{|Error" | cut -c1-300
-    done
-    since "exact2 done" ;;
   qwen)
     # the real Qwen2.5-Coder-1.5B folder at $QWEN from its staged pieces (scripts/make_qwen.py:
     # every piece staged by earlier calls; this call carries gguf's wheel)
@@ -352,7 +331,7 @@ c = json.load(open(p)); c['intermediate_size'] = int(sys.argv[1]); json.dump(c, 
       echo "ngram speedup: skipped (SPEC_MODEL=DIR and SPEC_TEXT=FILE: a real model and its text)"
     fi
     since "ngram done" ;;
-  *) echo "part: kernels, exact, qwen, quality, exact2, cap, paper, reasoning, 4k, 32k1, profile," \
+  *) echo "part: kernels, exact, qwen, quality, cap, paper, reasoning, 4k, 32k1, profile," \
        "prefill, chat or ngram" >&2
      exit 2 ;;
 esac

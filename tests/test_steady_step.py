@@ -10,7 +10,6 @@ import torch
 from test_sparse_runtime_exact import P, Driver
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import steady_step
-from vllm_hisparse.core.sparse_layer import paged_dense_reference
 
 SPILLS = {4: [("a", 6)], 11: [("b", 0)], 23: [("a", 0)], 33: [("grow", 1)]}
 
@@ -83,38 +82,6 @@ def test_one_row_is_steady_but_at_its_page_boundaries():
     # and the first FULL step has no previous one
     boundaries = sum((s - 1) % P == 0 for s in range(101, 165))
     assert d.rt.stats["steady_steps"] == 64 - 1 - boundaries
-
-
-def test_stock_decode_rows_get_the_full_plans_lengths():
-    """An engine where no request can be sparse decodes through decode_fn, which reads the
-    batch's int32 lengths (``seq32``): the steady plan sends those too."""
-    def run_stock(steady):
-        cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=(0,),
-                             min_context=1000, host_pool_gib=0.01)
-        d = Driver(cfg, rows=4, full=True)
-        d.rt.use_decode_fn(paged_dense_reference)
-        d.rt.steady.enabled = steady
-        seq32 = []
-        plan_full = d.rt.plan_full
-
-        def recorded(ids, seq, N, bt=None):
-            plan_full(ids, seq, N, bt)
-            seq32.append(d.rt._batch(N).seq32.clone())
-        d.rt.plan_full = recorded
-        for rid, n in {"a": 100, "b": 37, "c": 60}.items():
-            d.add(rid, n)
-        d.step({"a": 100, "b": 37, "c": 60})
-        for i in range(30):
-            d.step({rid: 1 for rid in ("a", "b", "c") if not (rid == "c" and i >= 20)})
-        return d.outs, seq32, d.rt.stats["steady_steps"]
-
-    on, s_on, n_on = run_stock(True)
-    off, s_off, n_off = run_stock(False)
-    assert n_on >= 10 and n_off == 0
-    for i, (a, b) in enumerate(zip(s_on, s_off, strict=True)):
-        assert torch.equal(a, b), f"FULL step {i}: seq32 differs"
-    for i, (a, b) in enumerate(zip(on, off, strict=True)):
-        assert torch.equal(a, b), f"step/layer {i} differs"
 
 
 def test_knob_takes_0_or_1(monkeypatch):

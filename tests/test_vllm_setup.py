@@ -266,15 +266,12 @@ def test_max_num_seqs_becomes_a_capture_size(sizes, max_size, n, want):
 
 
 @pytest.mark.parametrize("max_model_len, dtype, blocked", [
-    (100, "bfloat16", False),   # no request can be sparse, FlashAttention runs: stock decode
     (1024, "bfloat16", True),   # sparse requests: dense layers would read the host pool
-    (100, "float32", True),     # no FlashAttention for fp32: the decode body's rules hold
+    (1024, "float32", True),
 ])
-def test_an_engine_that_cannot_be_sparse_keeps_full_graphs(max_model_len, dtype, blocked):
+def test_dense_layers_without_a_dense_pool_block_full_graphs(max_model_len, dtype, blocked):
     """Default dense layers without a dense pool (dense_pool_gib 0: auto would size one) block
-    FULL graphs only where a request can be sparse; an engine where none can (max_model_len <
-    min_context 128) decodes every layer through FlashAttention (decode_body.stock_layer) and
-    replays FULL graphs in hisparse mode as in resident mode."""
+    FULL graphs (an engine where no request can be sparse is stock vLLM's: serve_as_stock)."""
     import torch
 
     from vllm_hisparse.vllm import graph_mode

@@ -124,7 +124,7 @@ def test_a_decode_batch_refuses_two_sparse_rows_on_one_indexer_row():
     from vllm_hisparse.core.step_plan import ReqStep
 
     ix = SimpleNamespace(scratch=9, decode_unit=lambda irow, seq: irow * 100 + (seq - 1) // 16)
-    rt = SimpleNamespace(P=16, scratch_row=7, ix=ix, decode_fn=None,
+    rt = SimpleNamespace(P=16, scratch_row=7, ix=ix,
                          h2d=lambda a, out: out.copy_(torch.from_numpy(a)))
     db = decode_batch.DecodeBatch(4, "cpu")
 

@@ -39,8 +39,6 @@ class Setup:
         dev = torch.device("cuda")
         self.rows, self.ctx, self.L = rows, ctx, args.layers
         max_len = ctx + args.steps * 3 + 64
-        # --stock-decode: an engine where no request can be sparse (min_context past max_len),
-        # every layer through FlashAttention with its own split-KV (decode_body.stock_layer)
         # --dense-layers N: layers 0..N-1 attend every page, as a model's dense_layers (with the
         # host tier, from a GPU dense pool sized for these rows, as serving runs them)
         nd = args.dense_layers
@@ -49,15 +47,11 @@ class Setup:
         cfg = HiSparseConfig(top_k=args.top_k, device_buffer_size=args.buffer, page_size=P,
                              dense_layers=tuple(range(nd)), dense_pool_gib=pool_gib,
                              host_pool_gib=1, host_tier=not args.resident,
-                             min_context=max_len + 1 if args.stock_decode else None,
                              resident_first=args.resident_first)
         self.S = cfg.num_slots
         self.U = -(-max_len // P)
         self.rt = SparseRuntime(cfg, self.L, HKV, D, torch.bfloat16, dev, rows, max_len,
                                 host_pages=rows * self.U if not args.resident else None)
-        if args.stock_decode:
-            from vllm_hisparse.vllm.flash_dense import make_decode_fn
-            self.rt.use_decode_fn(make_decode_fn(torch.bfloat16, D))
         g = torch.Generator(device=dev).manual_seed(0)
         if self.rt.pool is not None:
             tile = torch.randn(4096, HKV, D, device=dev, generator=g).to(torch.bfloat16).cpu()
@@ -263,9 +257,6 @@ def main(argv=None) -> int:
     ap.add_argument("--fetch-in-attention", type=int, choices=(0, 1), default=None,
                     help="A/B: override ops/decode_ops.FETCH_IN_ATTENTION (1: the attention's "
                          "split launch copies the misses in; 0: a miss-copy launch before it)")
-    ap.add_argument("--stock-decode", action="store_true",
-                    help="no request can be sparse: every layer through FlashAttention, like stock "
-                         "(needs vLLM; decode_body.stock_layer)")
     ap.add_argument("--out", default="out/decode_step")
     args = ap.parse_args(argv)
     from vllm_hisparse.ops import decode_ops, triton_quest, triton_select
@@ -295,7 +286,6 @@ def main(argv=None) -> int:
                    "select_impl": decode_ops.SELECT_IMPL,
                    "select_threads": decode_ops.SELECT_THREADS,
                    "fetch_in_attention": decode_ops.FETCH_IN_ATTENTION,
-                   "stock_decode": args.stock_decode,
                    "select_warps": args.select_warps, "radix_bits": args.radix_bits,
                    "quest_tile_elems": args.quest_tile_elems,
                    "sparse_rows": sum(s.rt.reqs[i].sparse for i in s.ids), **measure(s, args.steps)}

@@ -50,12 +50,6 @@ class DecodeBatch:
         F = len(FIELDS)
         self.meta = torch.zeros(F * N, dtype=torch.int64, device=device)
         self.newest = torch.full((N,), -1, dtype=torch.int32, device=device)
-        # the stock decode (SparseRuntime.decode_fn, an engine where no request can be sparse):
-        # FlashAttention's seqused_k and cu_seqlens_q, int32
-        self.seq32 = torch.zeros(N, dtype=torch.int32, device=device)
-        self.cu = torch.arange(N + 1, dtype=torch.int32, device=device)
-        # (the layer that plans, decode_fn.plan's result) of decode_body.stock_layer
-        self.fn_plan: tuple = (None, None)
         self._f = {name: self.meta[i * N:(i + 1) * N] for i, name in enumerate(FIELDS)}
         self.flags = dict.fromkeys(KINDS, False)
         self.steps: list = []                         # core.step_plan.ReqStep of rows 0..n-1
@@ -123,8 +117,6 @@ def fill(rt, db: DecodeBatch, steps: list, host_pages: dict) -> None:
     on = [bool(F[_KIND_OF[c]].any()) for c in KINDS]
     rt.h2d(m.reshape(-1), out=db.meta)
     db.host_meta = m
-    if rt.decode_fn is not None:
-        rt.h2d(F["seq"], out=db.seq32)
     # the host's flags of an all-padding batch (vLLM's warm-up and capture runs) are all set: its
     # rows are inert, but an eager run then compiles every kernel before a capture records it
     db.flags = {c: n == 0 or f for c, f in zip(KINDS, on)}

@@ -20,12 +20,6 @@ the rows whose keys are on the GPU over the cache, of sparse rows over the dense
 one combine launch for both (``kernels.dense_decode_two``); sparse rows whose pages left the GPU
 without a dense pool read them back from the host (eager only).
 
-An engine where no request can ever be sparse (``max_model_len < min_context``) with the runtime's
-``decode_fn`` set (vLLM's FlashAttention with its own split-KV choice, the GPU adapter) runs
-``stock_layer`` for every layer instead: the new token into its block, then that one call, like
-stock vLLM's graph. There is nothing to keep batch-invariant there: hisparse and resident mode
-hold every row in the same cache and batch, so both make the same call.
-
 Each kernel's result for a row depends only on that row, so a row gets the same bits whatever the
 batch, eager or replayed — and hisparse == resident, which differ only in where pages sit.
 """
@@ -108,23 +102,6 @@ def sparse_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.
     dense = _dense(rt, q, kv, bt, f("dn_seq"), scale, out, _max_k(db, q, bt, P), ())
     db.run_kinds(("has_sparse", "has_dense"), [lambda: kernels.sparse_decode_attention_newest(
         q, kv, locs, sel, f("sp_seq"), db.newest, scale, out), dense])
-
-
-def stock_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv: torch.Tensor, bt: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """Any layer of a decode batch in an engine where no request can be sparse (every row dense,
-    resident): the new token into its block, then ``rt.decode_fn`` over every row (padding rows
-    have no keys). Its keys bound is the block table's width, eager or recorded, so a step gets the
-    same split-KV choice either way. A ``decode_fn.plan`` (the fn's per-step work, e.g. FA3's
-    scheduler metadata) runs at the step's first layer (the layer that planned first: layers run in
-    order) and its result goes to every layer's call. Arguments as sparse_layer."""
-    decode_ops.decode_write(kv, k, v, bt, db.field("seq"), db.newest)
-    max_k = bt.shape[1] * rt.P
-    plan = getattr(rt.decode_fn, "plan", None)   # the fn's per-step work (FA3 scheduler metadata)
-    if plan is not None and db.fn_plan[0] in (None, layer):   # the step's first layer: once a step
-        db.fn_plan = (layer, plan(q, kv[:, 0], db.cu, db.seq32, 1, max_k))
-    kw = {} if plan is None else {"plan": db.fn_plan[1]}
-    rt.decode_fn(q, kv[:, 0], kv[:, 1], bt, db.cu, db.seq32, 1, max_k, scale, out, **kw)
 
 
 def dense_layer(rt, layer: int, db, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

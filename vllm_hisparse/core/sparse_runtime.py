@@ -87,9 +87,8 @@ class SparseRuntime:
         self.ix = indexers.get(cfg.indexer)(cfg, num_layers, dep.indexer_rows, max_model_len,
                                             num_kv_heads, head_dim, dtype, self.device,
                                             state=indexer_state)
-        # no request can ever be sparse (core/gpu_pools.py): no hot slots, as in resident mode;
-        # decode_fn may then take every layer (use_decode_fn; the GPU adapter plugs in FlashAttention)
-        self.sparse_possible, self.decode_fn = dep.sparse_possible, None
+        # no request can ever be sparse (core/gpu_pools.py): no hot slots, as in resident mode
+        self.sparse_possible = dep.sparse_possible
         self.spec_tokens = dep.limits.spec_tokens   # vLLM's num_speculative_tokens (spec_rows.py)
         self.hot = HotRows(num_layers, [i for i in range(num_layers) if i not in self.dense_layers]
                            if cfg.host_tier and self.sparse_possible else [],
@@ -294,17 +293,7 @@ class SparseRuntime:
         self._host_s["full_layers"] += time.perf_counter() - t0
 
     def _body(self, layer: int):                  # the decode body of a layer
-        if self.decode_fn is not None:
-            return decode_body.stock_layer
         return decode_body.dense_layer if layer in self.dense_layers else decode_body.sparse_layer
-
-    def use_decode_fn(self, fn) -> None:
-        """Decode every row of every layer through ``fn`` (paged_dense_reference's signature;
-        decode_body.stock_layer). Only for an engine where no request can be sparse."""
-        if fn is not None and self.sparse_possible:
-            raise ValueError("hisparse runtime: decode_fn is for engines where no request can be "
-                             f"sparse (max_model_len < min_context={self.cfg.min_context_tokens})")
-        self.decode_fn = fn
 
     def _fill_batch(self, dec: list[ReqStep], pages: dict, N: int) -> DecodeBatch:
         """Decode batch N holding the one-token rows ``dec`` (the rest padding); trace, stats."""

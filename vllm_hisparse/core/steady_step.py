@@ -30,7 +30,6 @@ from vllm_hisparse.core.hostless import runs_dense
 from vllm_hisparse.core.residency import is_sparse_at
 
 LENGTHS = [FIELDS.index(f) for f in ("seq", "sp_seq", "dn_seq", "dl_seq", "pool_seq")]
-SEQ = FIELDS.index("seq")
 
 
 def _enabled() -> bool:
@@ -93,8 +92,6 @@ class SteadyStep:
         flat = last.flat
         flat[last.grow] += 1
         rt.h2d(flat, out=db.meta)
-        if rt.decode_fn is not None:
-            rt.h2d(flat[SEQ * db.N:(SEQ + 1) * db.N], out=db.seq32)
         for rid, s in zip(req_ids, seq_lens):
             rt.reqs[rid].start = s - 1
         last.seq_lens[:] = seq_lens

@@ -22,7 +22,7 @@ from vllm_hisparse.core.sparse_runtime import SparseRuntime
 from vllm_hisparse.sim.recorder_hook import TraceWriter
 
 from .compat import init_logger
-from .flash_dense import make_decode_fn, make_dense_fn, stock_decode
+from .flash_dense import make_dense_fn
 from .request_rows import RequestRows
 
 logger = init_logger(__name__)
@@ -120,13 +120,6 @@ class HiSparseWorker:
         fa = make_dense_fn(mc.dtype, mc.get_head_size(), self.kv_dtype)
         if fa is not None:
             rt.dense_fn = fa
-        dec = (make_decode_fn(mc.dtype, mc.get_head_size(), self.kv_dtype)
-               if stock_decode(cfg, mc) else None)
-        if dec is not None:
-            rt.use_decode_fn(dec)
-            logger.info("hisparse: no request can be sparse (max_model_len=%d < min_context=%d): "
-                        "decode through FlashAttention with its own split-KV, like stock vLLM",
-                        mc.max_model_len, cfg.min_context_tokens)
         self.runtime = rt
         return rt
 

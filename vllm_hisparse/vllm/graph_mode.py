@@ -7,7 +7,6 @@ import torch
 
 from vllm_hisparse.ops.kernels import DENSE_DECODE_HEAD_SIZES
 
-from . import flash_dense
 from .deployment import config_of
 
 
@@ -16,13 +15,10 @@ def blocker(vllm_config) -> str | None:
     no CUDA graphs, which is no reason to refuse: the body then runs eagerly, as CI tests it)."""
     cfg = config_of(vllm_config)
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    # no request can be sparse: every layer decodes through FlashAttention (decode_body.stock_layer,
-    # where it can run), so nothing of the sparse body (host reads, the split-KV kernel) matters
-    stock = mc is not None and flash_dense.stock_decode(cfg, mc)
-    why = None if stock else cfg.full_graphs_blocker()
+    why = cfg.full_graphs_blocker()
     if why:
         return why
-    if (mc is not None and not stock and torch.cuda.is_available()
+    if (mc is not None and torch.cuda.is_available()
             and mc.get_head_size() not in DENSE_DECODE_HEAD_SIZES):
         return (f"the graphs attend dense rows with the split-KV decode kernel, which has head "
                 f"sizes {DENSE_DECODE_HEAD_SIZES}, not {mc.get_head_size()}; set "
