@@ -1,6 +1,8 @@
 """vLLM's real AsyncScheduler (async scheduling, two batches in flight, as on the GPU) with the
-hisparse KV spec and connector, and no request able to turn sparse (max_model_len < min_context):
-under block pressure it preempts exactly as stock vLLM does, one request per missing block.
+hisparse KV spec and connector, and no request that turns sparse (each request's prompt + max_tokens
+below min_context, in an engine whose max_model_len reaches it, so hisparse serves: below it,
+vLLM's own backend would, setup_check.serve_as_stock): under block pressure it preempts exactly as
+stock vLLM does, one request per missing block.
 
 With a *consumer* KV connector vLLM defers the free of a preempted request's blocks until its
 in-flight step is processed (Scheduler.defer_block_free), so the preemption loop freed nothing
@@ -20,7 +22,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 # the hisparse config, page size and batch budget: tests/test_finish_free.py's (min_context 128)
-MML, SEQS, BLOCKS = 96, 16, 50       # 16 x (40 + 50 tokens) need ~96 blocks
+MML, SEQS, BLOCKS = 128, 16, 50      # 16 x (40 + 50 tokens) need ~96 blocks
 N_REQ, PROMPT, OUT = 16, 40, 50
 
 
@@ -78,6 +80,7 @@ def probe(model: str, backend: str, out: str) -> None:
             first_finish = len(steps)                    # the steps scheduled before it
     with open(out, "w") as f:
         json.dump({"defer_block_free": s.defer_block_free, "finished": finished,
+                   "connector": type(s.connector).__name__ if s.connector else None,
                    "first_finish": first_finish, "steps": steps}, f)
 
 
@@ -97,6 +100,7 @@ def test_preemptions_as_in_stock_vllm(runs):
     assert sum(pre(stock)) > 0, "the schedule must run out of blocks"
     assert max(pre(stock)) <= 2                                         # one per missing block
     assert (sum(pre(hs)), max(pre(hs))) == (sum(pre(stock)), max(pre(stock)))
+    assert hs["connector"] == "HiSparseConnector" and stock["connector"] is None
     assert hs["defer_block_free"] is False
     # the same running requests step by step, also after the first finish: a request that can
     # never be sparse frees its blocks when it finishes, as in stock vLLM

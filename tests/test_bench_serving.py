@@ -218,3 +218,24 @@ def test_dsa_models_run_the_dsa_path(tmp_path):
     log = ("INFO ... Maximum concurrency for 33,000 tokens per request: 40.10x\n"
            "INFO ... hisparse dsa: admission of 24 requests at once (2 prefill regions, ...)\n")
     assert capacity(log, "hisparse", 33000, 256) == capacity(log, "elastic", 33000, 256) == 24
+
+
+def test_capacity_of_a_server_that_is_stock_vllm(monkeypatch):
+    """A hisparse server where no request can be sparse says it is stock vLLM (the startup warning
+    of setup_check.serve_as_stock, taken from the function itself) and has no room line: its
+    capacity is vLLM's KV line alone; without that warning the missing room line is an error."""
+    from types import SimpleNamespace
+
+    from vllm_hisparse.bench.serving import capacity
+    from vllm_hisparse.config import HiSparseConfig
+    from vllm_hisparse.vllm import setup_check
+
+    said = []
+    monkeypatch.setattr(setup_check.logger, "warning", lambda msg, *a: said.append(msg % a))
+    setup_check.serve_as_stock(SimpleNamespace(attention_config=SimpleNamespace(backend="x")),
+                               HiSparseConfig(), 4624)
+    log = ("INFO ... Maximum concurrency for 4,624 tokens per request: 57.30x\n"
+           f"WARNING ... {said[0]}\n")
+    assert capacity(log, "elastic", 4624, 256) == 57
+    with pytest.raises(RuntimeError, match="room for N requests"):
+        capacity(log.splitlines()[0], "elastic", 4624, 256)

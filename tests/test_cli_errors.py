@@ -78,8 +78,9 @@ CASES = [
     ("pool larger than RAM", hs(host_pool_gib=_ram_gib()),
      f"host_pool_gib={_ram_gib()} is invalid: more than "),
     # model-dependent: raised while vLLM builds its config (through pydantic), before the engine
-    # (min_context 0: a request of this 1024-token server can be sparse; where none can, no host
-    # pool is pinned and its size does not matter; no dense pool: the host holds all 4 layers)
+    # (min_context 0: a request of this 1024-token server can be sparse; where none can, vLLM's own
+    # backend serves and pins nothing, so the size does not matter; no dense pool: the host holds
+    # all 4 layers)
     ("tiny pool", hs(host_pool_gib=0.0001, min_context=0, dense_pool_gib=0),
      "host_pool_gib=0.0001 is invalid: one request of max_model_len=1024 needs 2.0 MiB; set "
      "host_pool_gib to at least 0.00196"),

@@ -74,16 +74,21 @@ def test_an_engine_that_cannot_be_sparse_is_stock_vllm(monkeypatch):
     setup_check.prepare_config(cfg)
     assert cfg.attention_config.backend is None
     assert cfg.kv_transfer_config is None and cfg.cache_config.block_size is None
+    assert cfg.additional_config[setup_check.AS_STOCK] is True       # plugin.asked
     assert logs == ["hisparse: max_model_len=127 is below min_context=128 (unset: 2 x "
                     "device_buffer_size): no request can ever be sparse, so vLLM's own attention "
                     "backend serves every layer (stock vLLM: no hisparse pool, connector or "
                     "runtime); set min_context below max_model_len (0 = every request sparse) to "
                     "serve with hisparse"]
+    cfg = fake_config(model_config__max_model_len=127, cfg__attention_config=SimpleNamespace(
+        backend="CUSTOM"), model_config__is_encoder_decoder=True)   # stock serves those
+    setup_check.prepare_config(cfg)
+    assert cfg.attention_config.backend is None
     cfg = fake_config(model_config__max_model_len=128, cfg__attention_config=SimpleNamespace(
         backend="CUSTOM"))
     setup_check.prepare_config(cfg)
     assert cfg.attention_config.backend == "CUSTOM"
-    assert not any("below min_context" in line for line in logs[1:])
+    assert not any("below min_context" in line for line in logs[2:])
     assert cfg.kv_transfer_config.kv_connector == "HiSparseConnector"
     cfg = fake_config(model_config__max_model_len=127, cfg__attention_config=SimpleNamespace(
         backend="CUSTOM"))
@@ -265,26 +270,22 @@ def test_max_num_seqs_becomes_a_capture_size(sizes, max_size, n, want):
     assert vc.compilation_config.cudagraph_capture_sizes == want
 
 
-@pytest.mark.parametrize("max_model_len, dtype, blocked", [
-    (1024, "bfloat16", True),   # sparse requests: dense layers would read the host pool
-    (1024, "float32", True),
-])
-def test_dense_layers_without_a_dense_pool_block_full_graphs(max_model_len, dtype, blocked):
+@pytest.mark.parametrize("dense_pool_gib, blocked", [(0, True), (0.5, False)])
+def test_dense_layers_without_a_dense_pool_block_full_graphs(dense_pool_gib, blocked):
     """Default dense layers without a dense pool (dense_pool_gib 0: auto would size one) block
     FULL graphs (an engine where no request can be sparse is stock vLLM's: serve_as_stock)."""
     import torch
 
     from vllm_hisparse.vllm import graph_mode
 
-    cfg = fake_config(model_config__max_model_len=max_model_len,
-                      model_config__dtype=getattr(torch, dtype),
+    cfg = fake_config(model_config__max_model_len=1024, model_config__dtype=torch.bfloat16,
                       model_config__get_head_size=lambda: 128,
                       parallel_config__data_parallel_size=1, parallel_config__use_ubatching=False)
     cfg.additional_config = {"hisparse": dict(HS["hisparse"], dense_layers=[0, 1],
-                                              dense_pool_gib=0)}
+                                              dense_pool_gib=dense_pool_gib)}
     why = graph_mode.blocker(cfg)
     assert (why is not None) is blocked
-    if blocked and dtype == "bfloat16":
+    if blocked:
         assert "dense_pool_gib" in why
 
 
@@ -302,10 +303,13 @@ def test_prompt_id_error(ids, upper, bad):
 
 @pytest.mark.parametrize("backend, multimodal, refused", [
     ("hisparse", False, [512, -1]), ("hisparse", True, [-1]), ("auto", False, []),
+    ("as stock", False, [512, -1]),
 ])
 def test_prompt_ids_checked_only_where_hisparse_runs(backend, multimodal, refused):
     """vLLM's own check lets the id vocab_size through (an HF tokenizer's max_token_id is its
-    vocab_size); the wrapped one refuses it, and negative ids, in a hisparse run only."""
+    vocab_size); the wrapped one refuses it, and negative ids, in a run that asked for hisparse
+    only, also where no request can be sparse and vLLM's own backend serves ("as stock":
+    setup_check.serve_as_stock's mark)."""
     from vllm.config.attention import AttentionConfig
     from vllm.v1.engine.input_processor import InputProcessor
 
@@ -313,9 +317,13 @@ def test_prompt_ids_checked_only_where_hisparse_runs(backend, multimodal, refuse
 
     register()
     mc = SimpleNamespace(get_vocab_size=lambda: 512, is_multimodal_model=multimodal)
+    from vllm_hisparse.vllm.setup_check import AS_STOCK
+
+    stock = backend == "as stock"
     proc = SimpleNamespace(
         vllm_config=SimpleNamespace(attention_config=SimpleNamespace(
-            backend=AttentionConfig.validate_backend_before(backend))),
+            backend=AttentionConfig.validate_backend_before("auto" if stock else backend)),
+            additional_config={AS_STOCK: True} if stock else {}),
         model_config=mc, tokenizer=SimpleNamespace(max_token_id=512),
         _validate_prompt_len=lambda n, kind: None)
     for t in (511, 512, -1):

@@ -17,8 +17,8 @@ reservation. Without --max-num-seqs, calc picks the largest N such that N reques
 rows are reserved: pass that N to vLLM (its own default, 256, or 1024 on >=70 GiB GPUs, can
 reserve more than the KV cache at long max_model_len). With an explicit N, N also caps both
 backends' max requests (vLLM never runs more than max_num_seqs at once). A --max-model-len below
-min_context reserves no Quest row but the scratch row and no dense pool (no request can turn
-sparse: core/gpu_pools.py), and the dense pool is at most the Quest rows' requests of
+min_context is stock vLLM (no request can turn sparse: vLLM's own attention backend serves it,
+setup_check.serve_as_stock), and the dense pool is at most the Quest rows' requests of
 max_model_len tokens.
 
 max requests counts decoding requests of --context tokens: whole blocks, vLLM's null block left out;

@@ -28,25 +28,30 @@ def report(args, r: dict) -> None:
     for name, v in (("baseline", b), ("hisparse", h)):
         print(f"{name:10s} {gib_str(v['gpu_bytes_per_request']):>14s} {gib_str(v['host_bytes_per_request']):>14s}"
               f" {v['max_requests']:13d}  {v['bound_by']}")
-    how = ("none: no request can turn sparse, max_model_len < min_context"
-           if r["min_context"] > mml else
-           "auto, as the server sizes it: core/auto_size.py" if "quest_rows" in h["auto"] else
-           "--quest-rows" if args.quest_rows else
-           "--max-num-seqs" if args.max_num_seqs is not None else
-           "the most that fit: pass it as the hisparse quest_rows")
-    print(f"hisparse Quest bounds: {gib_str(h['quest_meta_bytes_per_request'])} per row x "
-          f"({h['quest_rows']} + 1 scratch) rows ({how}) = {gib_str(h['quest_meta_bytes'])} out of the "
-          f"KV budget "
-          f"-> KV cache {gib_str(h['kv_cache_bytes'])}, {h['num_blocks']} blocks")
-    dense = (f"the {args.dense_layers} dense layers also keep every page in a "
-             f"{gib_str(h['dense_pool_bytes'])} GPU dense pool ({h['dense_pool_pages']} pages, "
-             f"{gib_str(h['dense_pool_bytes_per_request'])} per request)" if h["dense_pool_bytes"] else
-             "dense layers read given-back pages from the host (no --dense-pool-gib)")
-    print(f"hisparse keeps S+1 = {args.buffer // args.page_size + 1} blocks per request in all layers; "
-          f"{dense}; " + (f"the host pool holds "
-          f"{'the sparse layers' if h['dense_pool_bytes'] else 'every layer'} "
-          f"({h['host_pool_pages']} pages)" if r["min_context"] <= mml else
-          "no host pool is pinned (no request can turn sparse)"))
+    never = r["min_context"] > mml
+    if never:
+        print(f"hisparse: max_model_len {mml} < min_context {r['min_context']}: no request can "
+              f"turn sparse, so vLLM's own attention backend serves this server (stock vLLM: no "
+              f"Quest row, pool or host tier) -> KV cache {gib_str(h['kv_cache_bytes'])}, "
+              f"{h['num_blocks']} blocks")
+    else:
+        how = ("auto, as the server sizes it: core/auto_size.py" if "quest_rows" in h["auto"] else
+               "--quest-rows" if args.quest_rows else
+               "--max-num-seqs" if args.max_num_seqs is not None else
+               "the most that fit: pass it as the hisparse quest_rows")
+        print(f"hisparse Quest bounds: {gib_str(h['quest_meta_bytes_per_request'])} per row x "
+              f"({h['quest_rows']} + 1 scratch) rows ({how}) = {gib_str(h['quest_meta_bytes'])} out "
+              f"of the KV budget -> KV cache {gib_str(h['kv_cache_bytes'])}, {h['num_blocks']} "
+              f"blocks")
+        dense = (f"the {args.dense_layers} dense layers also keep every page in a "
+                 f"{gib_str(h['dense_pool_bytes'])} GPU dense pool ({h['dense_pool_pages']} pages, "
+                 f"{gib_str(h['dense_pool_bytes_per_request'])} per request)"
+                 if h["dense_pool_bytes"] else
+                 "dense layers read given-back pages from the host (no --dense-pool-gib)")
+        print(f"hisparse keeps S+1 = {args.buffer // args.page_size + 1} blocks per request in all "
+              f"layers; {dense}; the host pool holds "
+              f"{'the sparse layers' if h['dense_pool_bytes'] else 'every layer'} "
+              f"({h['host_pool_pages']} pages)")
     g = h["gpu_bound"]
     print(f"GPU bound: {g['requests']} = 1 + (blocks {g['num_blocks']} - 1 null - "
           f"{g['admit_blocks']} for the last one admitted (peak {g['peak_blocks']} + watermark "

@@ -141,17 +141,24 @@ def backend_config(backend: str, hisparse: str) -> dict | None:
     return cfg
 
 
+STOCK_LINE = "so vLLM's own attention backend serves every layer"   # setup_check.serve_as_stock
+
+
 def capacity(log: str, backend: str, mml: int, seqs: int) -> int:
     """Requests of max_model_len tokens a server runs at once, from its startup log: vLLM's
     "Maximum concurrency for N tokens per request: X" (its KV blocks; for hisparse, S + 1 blocks a
     request) and, for the hisparse backends, the connector's "hisparse: room for N requests" (host /
-    dense pool and Quest rows); at most max_num_seqs, at least 1."""
+    dense pool and Quest rows; none where the server said it is stock vLLM); at most max_num_seqs,
+    at least 1."""
     m = re.findall(rf"Maximum concurrency for {mml:,} tokens per request: ([\d.]+)x", log)
     if not m:
         raise RuntimeError(f"{backend}: no 'Maximum concurrency for {mml:,} tokens' line in the "
                            f"server log; give numbers to --concurrency instead of cap")
     n = min(int(float(m[-1])), seqs)
-    if backend != "stock":       # the GQA connector's line, or the DSA ledger's
+    # a hisparse server where no request can be sparse is stock vLLM (setup_check.serve_as_stock):
+    # no connector, no room line, vLLM's blocks alone
+    stock = backend == "stock" or STOCK_LINE in log
+    if not stock:                # the GQA connector's line, or the DSA ledger's
         room = re.findall(r"hisparse(?: dsa)?: (?:room for|admission of) (\d+) requests", log)
         if not room:
             raise RuntimeError(f"{backend}: no 'hisparse: room for N requests' line in the server "

@@ -50,7 +50,7 @@ class HiSparseWorker:
         """Allocate the indexer's state (core/indexers, ``Indexer.allocate_state``; Quest: every
         sparse layer's page bounds, 2 x rows x cdiv(max_model_len, page) x Hkv x D elements per
         layer), once, so vLLM's memory profiling counts it before it sizes the KV cache; rows =
-        ``dep.indexer_rows`` (none but the scratch row when no request can turn sparse). On CUDA,
+        ``dep.indexer_rows`` (+ the scratch row). On CUDA,
         first fail with the flags to change when it would take more than half of the GPU memory
         vLLM may still use (``capacity.check_indexer_reservation``)."""
         if self.indexer_state is not None:

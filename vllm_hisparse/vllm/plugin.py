@@ -87,6 +87,16 @@ def selected(vllm_config) -> bool:
     return be == c.AttentionBackendEnum.CUSTOM and c.AttentionBackendEnum.CUSTOM.get_path() == BACKEND_PATH
 
 
+def asked(vllm_config) -> bool:
+    """This run asked for hisparse: it runs the hisparse backend, or it is stock vLLM because no
+    request can be sparse (setup_check.serve_as_stock marked it); what only guards vLLM keys on
+    this (the prompt-id check), what runs hisparse on ``selected``."""
+    from .setup_check import AS_STOCK
+
+    extra = getattr(vllm_config, "additional_config", None)
+    return selected(vllm_config) or (isinstance(extra, dict) and bool(extra.get(AS_STOCK)))
+
+
 def route(use_mla: bool, use_sparse: bool, kv_cache_dtype: str = "auto") -> str:
     """The hisparse backend class path for a layer that selected CUSTOM: an MLA layer with a sparse
     indexer goes to the MLA backend (docs/dsa.md: FLASH_ATTN_MLA_SPARSE's subclass, or with the
@@ -238,7 +248,7 @@ def _wrap_prompt_check(c) -> None:
 
     def _validate_model_input(self, prompt_input, prompt_type):
         orig(self, prompt_input, prompt_type)
-        if prompt_input["type"] == "embeds" or not selected(self.vllm_config):
+        if prompt_input["type"] == "embeds" or not asked(self.vllm_config):
             return
         mc = self.model_config
         why = prompt_id_error(prompt_input["prompt_token_ids"], mc.get_vocab_size(),

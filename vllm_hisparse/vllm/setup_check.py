@@ -53,14 +53,15 @@ def prepare_config(vllm_config) -> None:
         raise Refused(f"hisparse: indexer={cfg.indexer!r} needs an MLA model with a DSA indexer "
                       f"(DeepSeek-V3.2 style, docs/dsa.md); this model is not MLA: use "
                       f"\"quest\"")
+    if mc is not None and not gpu_pools.sparse_possible(cfg, mc.max_model_len):
+        cfg.check_layers(mc.get_num_layers(pc))     # a wrong setting is refused all the same
+        serve_as_stock(vllm_config, cfg, mc.max_model_len)  # whatever stock serves (dtypes...)
+        return
     check_kv_cache_dtype(cfg, cc)
     if mc is not None:
         if getattr(mc, "is_encoder_decoder", False):
             raise Refused(f"hisparse: encoder-decoder models are not supported; {SUPPORTED}")
         cfg.check_layers(mc.get_num_layers(pc))
-        if not gpu_pools.sparse_possible(cfg, mc.max_model_len):
-            serve_as_stock(vllm_config, cfg, mc.max_model_len)
-            return
         cfg = deployment_of(vllm_config).cfg        # auto sizes filled in
     dc = getattr(vllm_config, "device_config", None)
     if getattr(dc, "device_type", None) == "cuda" and getattr(vllm_config, "use_v2_model_runner",
@@ -175,9 +176,13 @@ def serve_as_stock(vllm_config, cfg: HiSparseConfig, max_model_len: int) -> None
                    "(0 = every request sparse) to serve with hisparse", max_model_len,
                    cfg.min_context_tokens, unset)
     vllm_config.attention_config.backend = None
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict):          # plugin.asked: the prompt-id guard stays on
+        extra[AS_STOCK] = True
 
 
 HOST_CHECKED = "hisparse_host_room_checked"     # additional_config key: check_host_memory ran
+AS_STOCK = "hisparse_served_as_stock"           # additional_config key: serve_as_stock ran
 
 
 def check_host_memory(cfg, vllm_config) -> None:
