@@ -138,6 +138,13 @@ def report(message: str) -> None:
         pass
 
 
+def refuse(message: str):
+    """An engine-side hisparse check that fails: ``report`` its line, then raise it
+    (HiSparseConfigError) — one line and exit 2 under ``vllm serve``, the error in a script."""
+    report(message)
+    raise HiSparseConfigError(message)
+
+
 def engine_error() -> str | None:
     """The line an engine process ``report``ed (read once: the file is removed)."""
     path = os.environ.get(ENGINE_ERROR_ENV)

@@ -7,7 +7,7 @@ less than one request, vLLM 0.26 stops with "No available memory for the cache b
 increasing `gpu_memory_utilization`" (or its one-request error), which never names hisparse. The
 wrap of ``Worker.determine_available_memory`` that ``install`` makes (patches/README.md) raises
 instead, before vLLM's own check (``get_kv_cache_configs`` in the engine core), one line naming
-the hisparse fields to lower and values that fit (core/latent_fit.py); cli_check.report carries it
+the hisparse fields to lower and values that fit (core/latent_fit.py); cli_check.refuse carries it
 to ``vllm serve``'s front end, which prints it and exits 2.
 
 No plugin point sees vLLM's available KV memory: vLLM's connector is built after the KV-cache
@@ -19,10 +19,9 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from vllm_hisparse.config import HiSparseConfigError
 from vllm_hisparse.core.latent_fit import LatentFit, message
 
-from .cli_check import report
+from .cli_check import refuse
 from .deployment import deployment_of
 
 
@@ -63,9 +62,7 @@ def check(worker, available: int) -> None:
     fit, pool = fit_of(worker, available)
     if not fit.short():
         return
-    msg = message(fit, pool, dep.limits.num_layers, vc.model_config.max_model_len)
-    report(msg)
-    raise HiSparseConfigError(msg)
+    refuse(message(fit, pool, dep.limits.num_layers, vc.model_config.max_model_len))
 
 
 def install(worker_cls=None) -> None:

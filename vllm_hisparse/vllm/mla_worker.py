@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm_hisparse.config import HiSparseConfigError
 from vllm_hisparse.core import capacity, capacity_mla, indexers
 from vllm_hisparse.core.deployment import LatentSizes
 from vllm_hisparse.core.latent_runtime import LatentRuntime
 
 from . import topk_swap
-from .cli_check import report
+from .cli_check import refuse
 from .compat import init_logger
 from .deployment import deployment_of
 from .request_rows import RequestRows
@@ -45,14 +44,11 @@ def refuse_over_budget(need: int, budget: int, s: LatentSizes, buffer: int, max_
     """The latent pool (``need`` bytes) against the GPU memory it may take (``budget``): over it,
     one line naming the settings that size it, left for ``vllm serve``'s front end (cli_check:
     printed, exit 2) and raised (HiSparseConfigError), like kv_room's check after the profile."""
-    if need <= budget:
-        return
-    msg = (f"hisparse: the latent pool needs {need / (1 << 30):.2f} GiB (regions={s.regions} x "
-           f"max_model_len={max_model_len}, row sets={s.row_sets} x device_buffer_size={buffer}, "
-           f"{layers} layers), more than the {budget / (1 << 30):.2f} GiB allowed; lower "
-           f"prefill_slots, quest_rows or --max-model-len")
-    report(msg)
-    raise HiSparseConfigError(msg)
+    if need > budget:
+        refuse(f"hisparse: the latent pool needs {need / (1 << 30):.2f} GiB (regions={s.regions} "
+               f"x max_model_len={max_model_len}, row sets={s.row_sets} x device_buffer_size="
+               f"{buffer}, {layers} layers), more than the {budget / (1 << 30):.2f} GiB allowed; "
+               f"lower prefill_slots, quest_rows or --max-model-len")
 
 
 class LatentWorker:
