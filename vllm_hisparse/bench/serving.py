@@ -50,6 +50,7 @@ from vllm_hisparse.bench import served_profile
 from vllm_hisparse.bench import serving_spec as spec
 from vllm_hisparse.bench import steps as st
 from vllm_hisparse.bench.serving_load import profiled_point, run_point, warm_up
+from vllm_hisparse.core.deployment import STOCK_SERVES
 from vllm_hisparse.server_health import stop, wait_healthy
 
 BACKENDS = ("stock", "resident", "hisparse", "elastic")    # elastic: hisparse + resident_first
@@ -141,9 +142,6 @@ def backend_config(backend: str, hisparse: str) -> dict | None:
     return cfg
 
 
-STOCK_LINE = "so vLLM's own attention backend serves every layer"   # setup_check.serve_as_stock
-
-
 def capacity(log: str, backend: str, mml: int, seqs: int) -> int:
     """Requests of max_model_len tokens a server runs at once, from its startup log: vLLM's
     "Maximum concurrency for N tokens per request: X" (its KV blocks; for hisparse, S + 1 blocks a
@@ -157,7 +155,7 @@ def capacity(log: str, backend: str, mml: int, seqs: int) -> int:
     n = min(int(float(m[-1])), seqs)
     # a hisparse server where no request can be sparse is stock vLLM (setup_check.serve_as_stock):
     # no connector, no room line, vLLM's blocks alone
-    stock = backend == "stock" or STOCK_LINE in log
+    stock = backend == "stock" or STOCK_SERVES in log
     if not stock:                # the GQA connector's line, or the DSA ledger's
         room = re.findall(r"hisparse(?: dsa)?: (?:room for|admission of) (\d+) requests", log)
         if not room:

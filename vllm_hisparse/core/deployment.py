@@ -26,6 +26,10 @@ from vllm_hisparse.config import HiSparseConfig, _size
 from vllm_hisparse.core import auto_size, capacity, gpu_pools, indexers
 from vllm_hisparse.core.auto_size import Machine
 
+# what an engine where no request can turn sparse is (vllm/setup_check.serve_as_stock): said by
+# its startup warning and by room(); bench.serving's capacity looks for it in a server's log
+STOCK_SERVES = "vLLM's own attention backend serves every layer"
+
 
 @dataclass(frozen=True)
 class EngineLimits:
@@ -181,8 +185,7 @@ class Deployment:
         if not self.sparse_possible:
             return self.limits.max_num_seqs, (
                 f"no request can turn sparse: max_model_len < min_context={self.min_context}, so "
-                f"vLLM's own attention backend serves every layer (stock vLLM); its KV blocks "
-                f"bound them")
+                f"{STOCK_SERVES} (stock vLLM); its KV blocks bound them")
         tiers = self.tier_requests()
         backed = min(n for n in tiers.values() if n is not None)
         room = backed + (self.hostless_requests or 0)

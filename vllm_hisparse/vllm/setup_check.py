@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vllm_hisparse.config import HiSparseConfig
 from vllm_hisparse.core import gpu_pools, indexers
+from vllm_hisparse.core.deployment import STOCK_SERVES
 from vllm_hisparse.config import HiSparseConfigError as Refused   # a ValueError; the CLI prints its
                                                                   # line alone (cli_check.py)
 
@@ -171,10 +172,9 @@ def serve_as_stock(vllm_config, cfg: HiSparseConfig, max_model_len: int) -> None
     same (config_of: a wrong field is refused whatever max_model_len)."""
     unset = "" if cfg.min_context is not None else " (unset: 2 x device_buffer_size)"
     logger.warning("hisparse: max_model_len=%d is below min_context=%d%s: no request can ever be "
-                   "sparse, so vLLM's own attention backend serves every layer (stock vLLM: no "
-                   "hisparse pool, connector or runtime); set min_context below max_model_len "
-                   "(0 = every request sparse) to serve with hisparse", max_model_len,
-                   cfg.min_context_tokens, unset)
+                   "sparse, so %s (stock vLLM: no hisparse pool, connector or runtime); set "
+                   "min_context below max_model_len (0 = every request sparse) to serve with "
+                   "hisparse", max_model_len, cfg.min_context_tokens, unset, STOCK_SERVES)
     vllm_config.attention_config.backend = None
     extra = getattr(vllm_config, "additional_config", None)
     if isinstance(extra, dict):          # plugin.asked: the prompt-id guard stays on
