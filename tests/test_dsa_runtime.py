@@ -137,7 +137,7 @@ def test_lent_regions_decode_until_an_admission_takes_them():
     rt.apply([("demote", "a"), ("admit", "c", 10, 5)])
     assert not rt.adm.grant("a").in_region and rt.adm.grant("c").in_region
     a = plan_arrays(rt.adm, ["a", "b", "c"], [0, 1, 2], [41, 31, 0])
-    assert a.dec == [0] and a.rbase[0] == -1 and (a.rbase[1:] >= 0).all()
+    assert a.dec == [0] and a.rbase[0] == -2 and (a.rbase[1:] >= 0).all()
     led.release("b")                            # lent: its region back at once
     assert not led.lent and led.free_regions == 1 and led.admit("d", 10, 5)
     assert led.refusal("e", 10, 5) == "no free prefill region (all 2 in use)"   # c, d in prefill

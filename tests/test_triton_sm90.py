@@ -150,15 +150,40 @@ def test_resolve_given_compiles(policy):
     assert seen == {"_resolve_given_kernel", "_miss_rows_kernel"}
 
 
-def test_latent_index_glue_compiles():
-    """ops/triton_latent_index.py at DSA's K = 2048 (a 4-token call, 3 decode entries)."""
-    from vllm_hisparse.ops import triton_latent_index as tli
-    T, K = 4, 2048
-    topk = torch.randint(-1, 5000, (T, K), dtype=torch.int32)
-    out, valid = torch.empty(T, K, dtype=torch.int32), torch.empty(T, dtype=torch.int32)
-    sel, locs = torch.empty(3, K, dtype=torch.int32), torch.empty(3, K, dtype=torch.int32)
+@pytest.mark.parametrize("policy", ["lru", "crf"])
+def test_latent_index_kernels_compile(policy):
+    """ops/triton_latent_index.py at DSA's K = 2048 (an 8-token call, 3 decode entries, 2560
+    slots): the convert launch pair, region_rows and valid_counts."""
+    from test_resolve_given import make
+    from vllm_hisparse.ops import latent_index as li, triton_latent_index as tli
+    T, n, M, S, U, K = 8, 3, 6, 2560, 4096, 2048
+    t = make(n, M, S, U, K, torch.Generator().manual_seed(8), policy)
+    topk = torch.randint(-1, U, (T, K), dtype=torch.int32)
+    out, valid = torch.empty(T + 1, K, dtype=torch.int32), torch.empty(T, dtype=torch.int32)
+    sel, locs = torch.empty(n, K, dtype=torch.int32), torch.empty(n, K, dtype=torch.int32)
+    base = torch.tensor([-2, 0, 4096, -1, -2, -2, 0, 0])
+    i64 = dict(dtype=torch.int64)
+    work = tuple(torch.empty(s, dtype=torch.int32) for s in li.workspace_shapes(n, K, S))
     with compile_only() as seen:
-        tli.region_rows(topk, torch.tensor([-1, 0, 4096, -1]), 4096, out)
-        tli.decode_selections(topk, torch.tensor([0, 3, 4]), 4096, sel, locs)
-        tli.valid_counts(out, valid)
-    assert seen == {"_region_rows_kernel", "_decode_selections_kernel", "_valid_counts_kernel"}
+        tli.convert_rows(topk, base, U, torch.tensor([0, 4, 5], **i64),
+                         torch.tensor([0, 4, 5], **i64), torch.full((n,), U, **i64), t["bt"],
+                         torch.ones(n, **i64), t["rows"], t["state"], t["host_pt"], t["host"],
+                         t["kv"], t["counts"], sel, locs, out, valid, *work)
+        tli.region_rows(topk, base, U, out[:T], valid)
+        tli.valid_counts(out[:T], valid)
+    assert seen == {"_convert_kernel", "_miss_rows_kernel", "_valid_counts_kernel"}
+
+
+def test_latent_write_compiles():
+    """ops/triton_latent_write.py: bf16 [kv_c, k_pe] from two strided parts with a host pool, and
+    fp8_ds_mla's 656 packed bytes as one part without one (resident mode)."""
+    from vllm_hisparse.ops import triton_latent_write as tlw
+    T = 4
+    row = torch.tensor([0, -1, 3, 1])
+    src = torch.zeros(T, 600, dtype=BF)
+    packed = torch.zeros(T, 656, dtype=torch.uint8)
+    with compile_only() as seen:
+        tlw.write_rows(src[:, :512], src[:, 520:584], torch.zeros(5, 576, dtype=BF), row,
+                       torch.zeros(5, 576, dtype=BF), row)
+        tlw.write_rows(packed, None, None, row, torch.zeros(5, 656, dtype=torch.uint8), row)
+    assert seen == {"_write_rows_kernel"}

@@ -12,12 +12,12 @@ device (what LatentRuntime.plan runs); ``load`` copies a ``LatentStep.plan``'s t
 dummy run or a graph capture sees). The per-layer work has fixed shapes:
 
 - ``write``: ``ops/latent_write.write_latent_rows`` of the call's T tokens in the pool's row
-  format (``LatentPool.rows_of``; -1 rows write nothing);
-- ``convert``: region rows ``region_base + pos`` for all T tokens, then RESOLVE of the first
-  ``min(max_decodes, T)`` decode entries (the plan puts them first; padding entries have
-  ``dec_seq`` 0: RESOLVE skips them) and one ``index_copy_`` of their rows into the output,
-  padding entries into a spare last row ``T_max``, then the valid counts (the glue is
-  ops/latent_index.py's three pieces: one Triton launch each on CUDA).
+  format (``LatentPool.row_parts``; -1 rows write nothing): one launch on CUDA, as stock's;
+- ``convert``: ``ops/latent_index.convert_rows``: region rows ``region_base + pos`` for the T
+  tokens and RESOLVE of the first ``min(max_decodes, T)`` decode entries (the plan puts them
+  first; padding entries have ``dec_seq`` 0: RESOLVE skips them, their rows go to a spare last
+  row ``T_max``), then the valid counts: two launches on CUDA (stock: one); a step with no decode
+  entries (resident mode) is ``region_rows``, one launch.
   Same rows, same order as ``LatentStep.convert`` (tests/test_dsa_graph.py checks it bit for bit).
 
 With ``verify_tokens`` n (speculative decoding: num_speculative_tokens + 1) the decode entries are
@@ -38,7 +38,7 @@ from vllm_hisparse.core.latent_admission import LatentAdmission
 from vllm_hisparse.core.latent_spec import VerifyRows, group_arrays
 from vllm_hisparse.core.latent_step import LatentStep, PlanArrays
 from vllm_hisparse.core.staging import HostToDevice
-from vllm_hisparse.ops.latent_index import decode_selections, region_rows, valid_counts
+from vllm_hisparse.ops.latent_index import convert_rows, region_rows, valid_counts
 from vllm_hisparse.ops.latent_write import write_latent_rows
 from vllm_hisparse.ops.resolve_given import resolve_given, workspace_shapes
 
@@ -94,7 +94,7 @@ class LatentGraphStep:
         self.out = torch.full((max_tokens + 1, top_k), -1, dtype=torch.int32, device=dev)
         self.valid = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
         self.work = None
-        self._host = [None] * pool.num_layers       # per layer: (pages, 2, 1, 1, half), (pages, W)
+        self._host = [None] * pool.num_layers       # per layer: the host pool as rows (pages, W)
         if not adm.resident:
             if dev.type == "cuda":
                 from vllm_hisparse.ops import kernels
@@ -108,7 +108,7 @@ class LatentGraphStep:
                 rows = h.view(h.shape[0], -1)
                 if dev.type == "cuda":
                     rows = kernels.device_alias(rows, dev)       # the pinned pool seen over UVA
-                self._host[layer] = (h, rows)
+                self._host[layer] = rows
         self.clear()
         self._blank = self._meta.cpu().numpy().copy()          # the cleared values, host side
 
@@ -206,16 +206,16 @@ class LatentGraphStep:
     # ---- per layer (device, fixed shapes) ---------------------------------------------------------
     def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """The call's T new latent rows (kv_c (T, L), k_pe (T, Rd); T may include vLLM's padding)
-        into the host pool and the regions, as planned."""
+        into the host pool and the regions, as planned (one launch on CUDA)."""
         T = kv_c.shape[0]
         if T > self.T:
             raise ValueError(f"{T} tokens exceed the plan's {self.T} (max_num_batched_tokens)")
-        host = self._host[layer][0] if self._host[layer] is not None else None
+        host = self._host[layer]
         pool_row = self.pool_row[:T]
         if self.verify is not None:    # a rewritten (rejected draft's) position: its hot slot too
             pool_row = self.verify.write_rows(self.adm.pool.states[layer], pool_row)
         pool = self.adm.pool
-        write_latent_rows(pool.rows_of(kv_c, k_pe), host, self.host_row[:T], pool.rows[layer],
+        write_latent_rows(*pool.row_parts(kv_c, k_pe), host, self.host_row[:T], pool.rows[layer],
                           pool_row)
 
     def convert(self, layer: int, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +229,6 @@ class LatentGraphStep:
         out, valid = self.out[:T], self.valid[:T]
         if T == 0:
             return out, valid
-        region_rows(topk, self.region_base[:T], pool.max_model_len, out)
         if self.D:
             # decode entries sit first and are tokens of this call: at most T of them, so the
             # launches cover min(D, T) entries (a graph of batch size T: T rows, not max_num_seqs)
@@ -237,16 +236,17 @@ class LatentGraphStep:
             if self.planned > n:     # eager and piecewise calls only (a replay runs no Python)
                 raise ValueError(f"a call of {T} tokens for a plan of {self.planned} decode "
                                  f"tokens: each decode token is one of the call's tokens")
-            sel, locs = self.sel[:n], self.locs[:n]
-            decode_selections(topk, self.dec_gather[:n], pool.max_model_len, sel, locs)
-            resolve_given(sel, self.dec_seq[:n], self.dec_slots[:n], locs, self.hot[:n],
-                          self.dec_rows[:n], pool.states[layer], pool.host_rows.fetch,
-                          self._host[layer][1], pool.rows[layer], pool.counts,
-                          None if self.work is None else tuple(w[:n] for w in self.work))
-            self.out.index_copy_(0, self.dec_scatter[:n], locs)
+            convert_rows(topk, self.region_base[:T], pool.max_model_len, self.dec_gather[:n],
+                         self.dec_scatter[:n], self.dec_seq[:n], self.dec_slots[:n],
+                         self.hot[:n], self.dec_rows[:n], pool.states[layer],
+                         pool.host_rows.fetch, self._host[layer], pool.rows[layer],
+                         pool.counts, self.sel[:n], self.locs[:n], self.out, valid,
+                         None if self.work is None else tuple(w[:n] for w in self.work))
+            return out, valid
+        region_rows(topk, self.region_base[:T], pool.max_model_len, out, valid)
         if self.verify is not None:
             self.verify.convert(topk, pool.max_model_len, pool.states[layer],
-                                pool.host_rows.fetch, self._host[layer][1], pool.rows[layer],
+                                pool.host_rows.fetch, self._host[layer], pool.rows[layer],
                                 pool.counts, out, self.work)
-        valid_counts(out, valid)
+            valid_counts(out, valid)
         return out, valid

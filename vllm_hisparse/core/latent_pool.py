@@ -82,15 +82,17 @@ class LatentPool:
         self.counts = torch.zeros(2, dtype=torch.int64, device=self.device)   # [hits, misses]
 
     # ---- layout ---------------------------------------------------------------------------------
-    def rows_of(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-        """(T, row) the step's new latent rows in the pool's format: ``[kv_c, k_pe]`` (kv_c (T, L),
-        k_pe (T, Rd), the pool's dtype), or packed fp8_ds_mla bytes (``packer``)."""
+    def row_parts(self, kv_c: torch.Tensor, k_pe: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's new latent rows in the pool's format, as parts (``write_latent_rows``
+        joins them as it stores): ``(kv_c, k_pe)`` (kv_c (T, L), k_pe (T, Rd), the pool's dtype),
+        or ``(packed fp8_ds_mla bytes, None)`` (``packer``)."""
         if self.packer is not None:
-            return self.packer(kv_c, k_pe)
+            return self.packer(kv_c, k_pe), None
         if kv_c.dtype != self.dtype or k_pe.dtype != self.dtype:
             raise ValueError(f"kv_c/k_pe dtype {kv_c.dtype}/{k_pe.dtype} must be the pool's "
                              f"{self.dtype}; cast them first")
-        return torch.cat([kv_c, k_pe], 1)
+        return kv_c, k_pe
 
     def region_base(self, region: int) -> int:
         """First pool row of region ``region`` (its position p is row region_base + p)."""

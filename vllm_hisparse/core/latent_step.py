@@ -36,7 +36,8 @@ from vllm_hisparse.ops.latent_write import write_latent_rows
 class PlanArrays:
     """A step's plan on the host, before any device tensor (numpy, T tokens): what
     ``LatentStep.plan`` makes its tensors from and ``LatentGraphStep.load_arrays`` ships in one
-    copy. pos, rset, rbase (T,) int64: each token's position, row set and region base (-1: none);
+    copy. pos, rset, rbase (T,) int64: each token's position, row set and region base (-1: none;
+    -2: a one-token decode of a sparse request, resolved by its decode entry);
     dec: one-token decode tokens' indices; groups: verify rows (row set, tokens, positions)."""
     pos: np.ndarray
     rset: np.ndarray
@@ -94,13 +95,14 @@ def plan_arrays(adm: LatentAdmission, keys: list, req_of_token, positions,
                                  f"a sparse request decodes one token a step (no spec decode)")
             seen.add(key)
             dec.append(int(toks[0]))
+            rbase[toks[0]] = -2              # resolved by its decode entry (ops/latent_index)
     return PlanArrays(pos, rset, rbase, dec, groups, verify_tokens)
 
 
 @dataclass
 class LatentStep:
     """Index tensors of one step (on the pool's device), T tokens, D decode tokens:
-    host_row, pool_row, region_base (T,) int64 (-1 = none); dec_tok, dec_rows, dec_seq (D,) int64;
+    host_row, pool_row, region_base (T,) int64 (-1 = none; region_base -2: a decode token); dec_tok, dec_rows, dec_seq (D,) int64;
     dec_slots (D, B) int32; verify: the verify rows (with ``verify_tokens`` and a sparse request
     decoding; None otherwise; then D = 0)."""
     adm: LatentAdmission
@@ -147,14 +149,16 @@ class LatentStep:
 
     def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """The step's new latent rows of ``layer`` (kv_c (T, L), k_pe (T, Rd), token order of
-        the plan), in the pool's row format (``LatentPool.rows_of``): host pool and regions
+        the plan), in the pool's row format (``LatentPool.row_parts``): host pool and regions
         (ops/latent_write.write_latent_rows); verify tokens also
         to the hot slot holding their position (VerifyRows.write_rows)."""
         pool_row = self.pool_row
         if self.verify is not None:
             pool_row = self.verify.write_rows(self.adm.pool.states[layer], pool_row)
         pool = self.adm.pool
-        write_latent_rows(pool.rows_of(kv_c, k_pe), self._host(layer), self.host_row,
+        host = self._host(layer)
+        write_latent_rows(*pool.row_parts(kv_c, k_pe),
+                          None if host is None else host.view(host.shape[0], -1), self.host_row,
                           pool.rows[layer], pool_row)
 
     def convert(self, layer: int, topk: torch.Tensor, out: torch.Tensor | None = None,

@@ -12,9 +12,12 @@ positions become latent-pool rows, in the selection's order (FA3 sums in that or
 
 Plain torch around resolve_given (which has its Triton kernel on CUDA); the index arrays come
 planned once per step (core/latent_step.py), so nothing here reads the host. The fixed-buffer path
-(core/latent_graph.py) runs the same glue as three pieces, ``region_rows``, ``decode_selections``
-and ``valid_counts``: plain torch here (the references; ``pool_indices`` always runs them in
-torch), one Triton launch each on CUDA (ops/triton_latent_index.py).
+(core/latent_graph.py) runs ``convert_rows``: plain torch here (region rows, RESOLVE, the decode
+rows copied in, the counts: the reference; ``pool_indices``, the eager step's, always runs these
+pieces in torch), two launches on CUDA (ops/triton_latent_index.py: one for the region rows,
+RESOLVE and the counts, one for the misses' rows), where stock runs one; ``region_rows`` (one
+launch) serves a step with no decode entries (resident mode) and speculative decoding's verify
+rows, whose counts ``valid_counts`` makes after they are converted.
 """
 from __future__ import annotations
 
@@ -22,17 +25,20 @@ import torch
 
 from vllm_hisparse.slots import HotBufferState
 
-from .resolve_given import resolve_given
+from .resolve_given import resolve_given, workspace_shapes
 
 
-def region_rows(topk: torch.Tensor, base: torch.Tensor, region_len: int, out: torch.Tensor) -> None:
+def region_rows(topk: torch.Tensor, base: torch.Tensor, region_len: int, out: torch.Tensor,
+                valid: torch.Tensor) -> None:
     """out (T, K) int32 = base[t] + topk[t, j] where base[t] >= 0 (a region token) and
-    0 <= topk[t, j] < region_len, else -1. topk (T, K) int32, base (T,) int64."""
+    0 <= topk[t, j] < region_len, else -1; valid (T,) int32 = each row's entries >= 0.
+    topk (T, K) int32, base (T,) int64."""
     if topk.is_cuda:
         from . import triton_latent_index as tli
-        tli.region_rows(topk, base, region_len, out)
+        tli.region_rows(topk, base, region_len, out, valid)
         return
     _region_rows(topk, base, region_len, out)
+    _valid_counts(out, valid)
 
 
 def _region_rows(topk, base, region_len, out) -> None:
@@ -42,18 +48,9 @@ def _region_rows(topk, base, region_len, out) -> None:
     out.copy_(torch.where(ok, b + pos, -1).to(out.dtype))
 
 
-def decode_selections(topk: torch.Tensor, gather: torch.Tensor, region_len: int,
-                      sel: torch.Tensor, locs: torch.Tensor) -> None:
+def _decode_selections(topk, gather, region_len, sel, locs) -> None:
     """sel (n, K) int32 = the selections of tokens ``gather`` (n,) int64 (clipped to T - 1: a
     padding entry's), entries >= region_len made -1 (stock's range rule); locs (n, K) = -1."""
-    if topk.is_cuda:
-        from . import triton_latent_index as tli
-        tli.decode_selections(topk, gather, region_len, sel, locs)
-        return
-    _decode_selections(topk, gather, region_len, sel, locs)
-
-
-def _decode_selections(topk, gather, region_len, sel, locs) -> None:
     s = topk.index_select(0, gather.clamp(max=topk.shape[0] - 1))
     sel.copy_(torch.where(s < region_len, s, -1))      # out of range -> -1, as stock
     locs.fill_(-1)
@@ -70,6 +67,48 @@ def valid_counts(out: torch.Tensor, valid: torch.Tensor) -> None:
 
 def _valid_counts(out, valid) -> None:
     valid.copy_((out >= 0).sum(1).to(valid.dtype))
+
+
+def convert_rows(topk: torch.Tensor, base: torch.Tensor, region_len: int, gather: torch.Tensor,
+                 scatter: torch.Tensor, seq: torch.Tensor, slots: torch.Tensor, hot: torch.Tensor,
+                 rows: torch.Tensor, state: HotBufferState, host_pt: torch.Tensor,
+                 host: torch.Tensor, kv: torch.Tensor, counts: torch.Tensor, sel: torch.Tensor,
+                 locs: torch.Tensor, out: torch.Tensor, valid: torch.Tensor,
+                 work: tuple | None = None) -> None:
+    """One layer's conversion in fixed buffers (core/latent_graph.py): ``out[:T]`` (T, K) int32
+    the pool rows of each token's selection and ``valid`` (T,) int32 their counts, for the T
+    tokens of topk (T, K) int32 logical positions.
+
+    base (T,) int64: a token's region base (>= 0), -1 (none: padding) or -2 (a decode token of a
+    sparse request, resolved by its decode entry); region_len: max_model_len. n decode entries
+    (n <= T): gather / scatter (n,) int64 the token each reads / whose out row it fills (a
+    padding entry, seq 0: gathers any token, scatters to a spare row of out, >= T), seq (n,)
+    int64 context length, slots (n, B) int32 its row set's hot-slot rows, hot (n,) int64 (!= 0),
+    rows (n,) int64 its row set; state, host_pt, host, kv, counts: as ops/resolve_given's (the
+    layer's slot state, host row of each position, host pool rows, latent pool, [hits, misses]);
+    sel, locs (n, K) int32 scratch; work: RESOLVE's workspaces (CUDA). The reference is the
+    three pieces in order: region rows, RESOLVE of the decode entries' selections, their rows
+    copied in (``index_copy_``), the counts. CUDA: two launches (ops/triton_latent_index.py)."""
+    T, K = topk.shape
+    n = gather.shape[0]
+    if n > T or valid.shape != (T,) or out.shape[1] != K or out.shape[0] < T:
+        raise ValueError(f"topk ({T}, {K}) with {n} decode entries (at most T), out "
+                         f"{tuple(out.shape)} (>= T rows of K), valid {tuple(valid.shape)} (T,)")
+    if topk.is_cuda:
+        from . import kernels, triton_latent_index as tli
+        host = kernels.device_alias(host, topk.device)
+        if work is None:
+            work = tuple(torch.empty(s, dtype=torch.int32, device=topk.device)
+                         for s in workspace_shapes(n, K, state.slots)) if n else (None, None)
+        tli.convert_rows(topk, base, region_len, gather, scatter, seq, slots, hot, rows, state,
+                         host_pt, host, kv, counts, sel, locs, out, valid, *work)
+        return
+    _region_rows(topk, base, region_len, out[:T])
+    if n:
+        _decode_selections(topk, gather, region_len, sel, locs)
+        resolve_given(sel, seq, slots, locs, hot, rows, state, host_pt, host, kv, counts)
+        out.index_copy_(0, scatter, locs)
+    _valid_counts(out[:T], valid)
 
 
 def pool_indices(topk: torch.Tensor, region_base: torch.Tensor, region_len: int,
