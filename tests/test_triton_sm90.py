@@ -187,3 +187,16 @@ def test_latent_write_compiles():
                        torch.zeros(5, 576, dtype=BF), row)
         tlw.write_rows(packed, None, None, row, torch.zeros(5, 656, dtype=torch.uint8), row)
     assert seen == {"_write_rows_kernel"}
+
+
+def test_latent_plan_compiles():
+    """ops/triton_latent_plan.py: the plan's buffers from the base plan, with a host page table
+    and without one (resident mode)."""
+    from vllm_hisparse.ops import triton_latent_plan as tlp
+    T, D = 8192, 64
+    base = torch.zeros(3 * T + 4 * D, dtype=torch.int64)
+    meta, host_row = torch.empty_like(base), torch.empty(T, dtype=torch.int64)
+    with compile_only() as seen:
+        tlp.materialize(base, meta, host_row, torch.zeros(4, 40976, dtype=torch.int32), 3, T, D)
+        tlp.materialize(base, meta, host_row, None, 1, T, D)
+    assert seen == {"_materialize_kernel"}

@@ -39,6 +39,7 @@ from vllm_hisparse.core.latent_spec import VerifyRows, group_arrays
 from vllm_hisparse.core.latent_step import LatentStep, PlanArrays
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.ops.latent_index import convert_rows, region_rows, valid_counts
+from vllm_hisparse.ops.latent_plan import materialize
 from vllm_hisparse.ops.latent_write import write_latent_rows
 from vllm_hisparse.ops.resolve_given import resolve_given, workspace_shapes
 
@@ -109,14 +110,24 @@ class LatentGraphStep:
                 if dev.type == "cuda":
                     rows = kernels.device_alias(rows, dev)       # the pinned pool seen over UVA
                 self._host[layer] = rows
+        self._blank_dev = None
         self.clear()
-        self._blank = self._meta.cpu().numpy().copy()          # the cleared values, host side
+        self._blank_dev = self._meta.clone()                   # the cleared values
+        self._blank = self._meta.cpu().numpy().copy()          # ... and host side
+        # the plan last shipped from the host (load_arrays), which advance() moves on
+        self._base = self._meta.clone()
+        self._base_planned = 0
+        self.delta = 0                   # decode steps since the base plan
 
     # ---- per step (host) ------------------------------------------------------------------------
     def clear(self) -> None:
-        """Every entry a no-op: writes nothing, reads nothing (-1 rows)."""
+        """Every entry a no-op: writes nothing, reads nothing (-1 rows). Two launches (the blank
+        buffer copied in); the base plan stays for ``advance``."""
         self.planned = 0                 # decode entries of the loaded plan (host int)
         self.host_row.fill_(-1)
+        if self._blank_dev is not None:
+            self._meta.copy_(self._blank_dev)
+            return
         self.host_src.fill_(-1)
         self.pool_row.fill_(-1)
         self.region_base.fill_(-1)
@@ -127,10 +138,22 @@ class LatentGraphStep:
         if self.verify is not None:
             self.verify.clear()
 
+    def advance(self) -> None:
+        """The base plan one decode step further on (every live position + 1; the runtime
+        checks that the step is steady: core/latent_runtime.py): one launch, no host copy."""
+        self.delta += 1
+        self._materialize()
+        self.planned = self._base_planned
+
+    def _materialize(self) -> None:
+        table = None if self.adm.resident else self.adm.pool.host_rows.table
+        materialize(self._base, self._meta, self.host_row, table, self.delta, self.T, self.D)
+
     def load_arrays(self, a: PlanArrays) -> None:
         """Load a step planned on the host (``latent_step.plan_arrays``): its indices into the
-        buffers with ONE host->device copy (pinned, not waiting for the GPU: core/staging.py),
-        then on the device the host-row gather and the row sets' slot rows. The same buffers as
+        base plan with ONE host->device copy (pinned, not waiting for the GPU: core/staging.py),
+        then on the device the buffers and host rows from it (``ops/latent_plan.materialize``)
+        and the row sets' slot rows. The same buffers as
         ``load(LatentStep.plan(...))`` (tests/test_dsa_graph.py)."""
         n, d, g = len(a.pos), len(a.dec), len(a.groups)
         if (g and self.verify is None) or (d and self.verify is not None):
@@ -161,13 +184,11 @@ class LatentGraphStep:
             m[o + V * k:o + 2 * V * k].reshape(V, k)[:g] = pos
             m[o + 2 * V * k:o + 2 * V * k + g] = rows
             m[o + 2 * V * k + V:o + 2 * V * k + V + g] = seq
-        self._h2d(m, out=self._meta)
-        self.planned = d
+        self._h2d(m, out=self._base)
+        self.delta = 0
+        self._materialize()              # the buffers and the host rows, one launch
+        self.planned = self._base_planned = d
         pool = self.adm.pool
-        if W:
-            src = self.host_src
-            self.host_row.copy_(torch.where(src >= 0, pool.host_rows.table.view(-1)[
-                src.clamp(min=0)].long(), -1))
         if D:
             self.dec_slots.copy_(pool.slot_rows(self.dec_rows))
         if self.verify is not None:
@@ -195,6 +216,8 @@ class LatentGraphStep:
             self.dec_rows[:d].copy_(step.dec_rows)
             self.dec_seq[:d].copy_(step.dec_seq)
             self.dec_slots[:d].copy_(step.dec_slots)
+        self._base.copy_(self._meta)
+        self._base_planned, self.delta = d, 0
 
     def decode_tokens(self) -> torch.Tensor:
         """(E,) int64 the step's tokens resolved through the row sets (one-token decodes or verify

@@ -64,6 +64,8 @@ class LatentRuntime:
                                         policy, verify_tokens)
             self.shadow_counts = torch.zeros(2, dtype=torch.int64, device=self.pool.device)
         self.steps = 0
+        self.steady_plans = 0       # steps planned by advancing the last plan (no host plan)
+        self._last = None           # what a steady next step must match (_steady_state)
         self._host_s = {"apply": 0.0, "plan": 0.0}   # host seconds (bench.step_profile reads them)
         self.max_live = 0           # most requests held at once (admitted, not yet released)
 
@@ -84,6 +86,8 @@ class LatentRuntime:
             self.shadow.apply(events)
 
     def _apply(self, events) -> None:
+        if events:
+            self._last = None            # admissions change the plan: the next one is full
         for ev in events:
             kind, key = ev[0], ev[1]
             if kind == "admit":
@@ -106,12 +110,51 @@ class LatentRuntime:
         query tokens); query_start_loc: (B+1,) int; seq_lens: (B,) int (this step's tokens
         included): vLLM's CommonAttentionMetadata, host copies."""
         t0 = time.perf_counter()
-        req, pos = batch_tokens(query_start_loc, seq_lens)
-        self.graph.load_arrays(plan_arrays(self.adm, keys, req, pos, self.verify_tokens))
+        if self._steady(keys, query_start_loc, seq_lens):
+            self.graph.advance()
+            self.steady_plans += 1
+        else:
+            req, pos = batch_tokens(query_start_loc, seq_lens)
+            self.graph.load_arrays(plan_arrays(self.adm, keys, req, pos, self.verify_tokens))
+            self._last = self._steady_state(keys, query_start_loc, seq_lens)
         self.steps += 1
         self._host_s["plan"] += time.perf_counter() - t0
         if self.shadow is not None:
             self.shadow.plan(keys, query_start_loc, seq_lens)
+
+    def _steady_state(self, keys: list, query_start_loc, seq_lens):
+        """What the next step must match to be this one a token further on (``_steady``): the
+        keys, the query layout, the sequence lengths and each row's last admitted length; None
+        when a step like this cannot advance (a row of several tokens, verify rows)."""
+        qsl, seq = list(query_start_loc), list(seq_lens)
+        if self.verify_tokens is not None or any(b - a > 1 for a, b in zip(qsl, qsl[1:])):
+            return None
+        tokens = [self.adm.grant(k).tokens if k is not None and qsl[i + 1] > qsl[i] else None
+                  for i, k in enumerate(keys)]
+        return [list(keys), qsl, seq, tokens]
+
+    def _steady(self, keys: list, query_start_loc, seq_lens) -> bool:
+        """A decode step of the same requests in the same rows as the last plan, each one token
+        further on, with no event since (``apply`` forgets the last plan), whose positions stay
+        within their admitted lengths: the last plan advanced (LatentGraphStep.advance) is this
+        step's plan, as plan_arrays would make it (tests/test_dsa_graph.py)."""
+        last = self._last
+        if last is None or self.graph.delta + 1 >= self.pool.max_model_len:
+            return False
+        k0, qsl0, seq0, tokens = last
+        if list(keys) != k0 or list(query_start_loc) != qsl0:
+            return False
+        seq = list(seq_lens)
+        if len(seq) != len(seq0):
+            return False
+        for i, (s, s0, lim) in enumerate(zip(seq, seq0, tokens)):
+            if lim is None:
+                if s != s0:
+                    return False
+            elif s != s0 + 1 or s > lim:
+                return False
+        last[2] = seq
+        return True
 
     def clear(self) -> None:
         """This batch belongs to no live request (a dummy run, a graph capture): a no-op plan."""
@@ -145,7 +188,8 @@ class LatentRuntime:
         path), requests held (now and at most at once), and the bytes of the GPU and host pools."""
         hits, misses = (int(x) for x in self.pool.counts.tolist())
         host = self.host
-        return {"hits": hits, "misses": misses, "steps": self.steps, "policy": self.pool.policy,
+        return {"hits": hits, "misses": misses, "steps": self.steps,
+                "steady_plans": self.steady_plans, "policy": self.pool.policy,
                 "host_ms_plan": (self._host_s["apply"] + self._host_s["plan"]) * 1e3,
                 "live_requests": len(self.adm.grants), "max_live_requests": self.max_live,
                 "regions_lent": len(self.adm.ledger.lent),
