@@ -192,3 +192,24 @@ def test_materialize_reference_against_a_loop():
 def test_materialize_kernel_on_the_gpu():
     from vllm_hisparse.ops import triton_latent_plan as tlp
     materialize_cases(tlp.materialize, "cuda")
+
+
+def test_only_a_shipped_plan_advances():
+    """load() (the tests' per-tensor reference) fills the buffers but no base plan with host
+    sources: advancing it is refused; a plan whose -2 marks are not its decode tokens too."""
+    from vllm_hisparse.core.latent_graph import batch_tokens
+    from vllm_hisparse.core.latent_step import LatentStep, plan_arrays
+    (rt, _), led = runtimes(False, False)
+    led.admit("a", 4, 8)
+    led.prompt_done("a")
+    rt.apply(led.take_events())
+    req, pos = batch_tokens([0, 1], [5])
+    rt.graph.load(LatentStep.plan(rt.adm, ["a"], req, pos))
+    with pytest.raises(RuntimeError, match="load_arrays"):
+        rt.graph.advance()
+    a = plan_arrays(rt.adm, ["a"], req, pos)
+    rt.graph.load_arrays(a)
+    rt.graph.advance()
+    a.rbase[0] = -1                                  # the decode token unmarked
+    with pytest.raises(ValueError, match="region_base -2"):
+        rt.graph.load_arrays(a)

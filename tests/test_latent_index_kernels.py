@@ -6,7 +6,8 @@ inputs, bit for bit, under Triton's interpreter on the CPU (for real with -m cud
   counts, the misses' copy) over several steps of shared slot state, under each policy with a
   kernel branch: out, valid, the latent pool's bytes, the state, the hit/miss counts; region
   tokens, padding tokens, decode tokens (base -2), padding decode entries (seq 0, scattered to
-  the spare row), a selection buffer with a row stride wider than K, entries out of range;
+  the spare row), an entry RESOLVE skips (hot 0: its row empty), a selection buffer with a row
+  stride wider than K, entries out of range;
 - ``region_rows`` (no decode entries: a -2 token is -1 there) and ``valid_counts``;
 - ``write_latent_rows``: bf16 rows from two strided parts, fp8_ds_mla's packed bytes as one
   part, into the host rows and the pool rows (-1 = none): the bytes of both."""
@@ -57,10 +58,9 @@ def convert(fn, t, topk, base, gather, scatter, seq, U, dev):
     out = torch.full((T + 1, K), 7, dtype=torch.int32, device=dev)
     valid = torch.full((T,), 7, dtype=torch.int32, device=dev)
     sel, locs = (torch.zeros(n, K, dtype=torch.int32, device=dev) for _ in range(2))
-    ones = torch.ones(n, dtype=torch.int64, device=dev)
     d = {k: v.to(dev) for k, v in dict(base=base, gather=gather, scatter=scatter,
                                        seq=seq).items()}
-    fn(topk.to(dev), d["base"], U, d["gather"], d["scatter"], d["seq"], t["bt"], ones,
+    fn(topk.to(dev), d["base"], U, d["gather"], d["scatter"], d["seq"], t["bt"], t["hot"],
        t["rows"], t["state"], t["host_pt"], t["host"], t["kv"], t["counts"], sel, locs, out,
        valid)
     return out[:T].cpu(), valid.cpu()

@@ -4,19 +4,23 @@ once per batch size, replay every later step with that step's plan.
 
 ``core/latent_step.plan_arrays`` decides a step on the host in numpy (which pool and host rows each
 token writes, which tokens are decode tokens of sparse requests); ``LatentGraphStep.load_arrays``
-ships it in ONE pinned, non-blocking H2D copy into ``_meta``, one int64 tensor whose slices are the
-buffers (sized once for the largest step: ``max_tokens`` = vLLM's max_num_batched_tokens,
-``max_decodes`` = max_num_seqs), then gathers the host rows and the row sets' slot rows on the
-device (what LatentRuntime.plan runs); ``load`` copies a ``LatentStep.plan``'s tensors in instead
-(the tests' reference: both fill the same buffers). ``clear`` makes every entry a no-op (what a
-dummy run or a graph capture sees). The per-layer work has fixed shapes:
+ships it in ONE pinned, non-blocking H2D copy into the base plan ``_base``, laid out as ``_meta``,
+the one int64 tensor whose slices are the buffers (sized once for the largest step:
+``max_tokens`` = vLLM's max_num_batched_tokens, ``max_decodes`` = max_num_seqs), then
+``ops/latent_plan.materialize`` writes the buffers and the host rows from it in one launch, and the
+row sets' slot rows follow on the device (what LatentRuntime.plan runs). A steady decode step
+(core/latent_runtime.py ``_steady``) is ``advance``: the base plan materialized one more step on,
+no host plan. ``load`` copies a ``LatentStep.plan``'s tensors in instead (the tests' reference:
+both fill the same buffers; not advanceable). ``clear`` makes every entry a no-op (what a dummy run
+or a graph capture sees) and keeps the base plan. The per-layer work has fixed shapes:
 
 - ``write``: ``ops/latent_write.write_latent_rows`` of the call's T tokens in the pool's row
   format (``LatentPool.row_parts``; -1 rows write nothing): one launch on CUDA, as stock's;
 - ``convert``: ``ops/latent_index.convert_rows``: region rows ``region_base + pos`` for the T
   tokens and RESOLVE of the first ``min(max_decodes, T)`` decode entries (the plan puts them
-  first; padding entries have ``dec_seq`` 0: RESOLVE skips them, their rows go to a spare last
-  row ``T_max``), then the valid counts: two launches on CUDA (stock: one); a step with no decode
+  first; padding entries have ``dec_seq`` 0 and scatter to the spare last row ``T_max``: RESOLVE
+  skips them), each token's valid count beside its rows: two launches on CUDA (the first for
+  the rows and counts, the second for the misses' copy; stock: one); a step with no decode
   entries (resident mode) is ``region_rows``, one launch.
   Same rows, same order as ``LatentStep.convert`` (tests/test_dsa_graph.py checks it bit for bit).
 
@@ -117,6 +121,7 @@ class LatentGraphStep:
         # the plan last shipped from the host (load_arrays), which advance() moves on
         self._base = self._meta.clone()
         self._base_planned = 0
+        self._advanceable = False        # the base plan came from load_arrays
         self.delta = 0                   # decode steps since the base plan
 
     # ---- per step (host) ------------------------------------------------------------------------
@@ -141,6 +146,9 @@ class LatentGraphStep:
     def advance(self) -> None:
         """The base plan one decode step further on (every live position + 1; the runtime
         checks that the step is steady: core/latent_runtime.py): one launch, no host copy."""
+        if not self._advanceable:
+            raise RuntimeError("advance() needs a base plan shipped by load_arrays (load() "
+                               "fills the buffers only)")
         self.delta += 1
         self._materialize()
         self.planned = self._base_planned
@@ -163,6 +171,10 @@ class LatentGraphStep:
         if n > self.T or max(d, g) > cap:
             raise ValueError(f"a step of {n} tokens / {max(d, g)} decode tokens exceeds the "
                              f"buffers' {self.T} / {cap} (max_num_batched_tokens / max_num_seqs)")
+        marked = a.rbase == -2
+        if int(marked.sum()) != d or (d and not marked[np.asarray(a.dec)].all()):
+            raise ValueError("a plan's decode tokens must be exactly its region_base -2 tokens "
+                             "(convert_rows leaves those rows to their decode entries)")
         m = self._blank.copy()
         T, D = self.T, self.D
         W = self.adm.pool.host_rows.table.shape[1] if not self.adm.resident else 0
@@ -185,7 +197,7 @@ class LatentGraphStep:
             m[o + 2 * V * k:o + 2 * V * k + g] = rows
             m[o + 2 * V * k + V:o + 2 * V * k + V + g] = seq
         self._h2d(m, out=self._base)
-        self.delta = 0
+        self.delta, self._advanceable = 0, True
         self._materialize()              # the buffers and the host rows, one launch
         self.planned = self._base_planned = d
         pool = self.adm.pool
@@ -218,6 +230,7 @@ class LatentGraphStep:
             self.dec_slots[:d].copy_(step.dec_slots)
         self._base.copy_(self._meta)
         self._base_planned, self.delta = d, 0
+        self._advanceable = False        # no host sources in a LatentStep: not advanceable
 
     def decode_tokens(self) -> torch.Tensor:
         """(E,) int64 the step's tokens resolved through the row sets (one-token decodes or verify

@@ -137,7 +137,7 @@ class LatentRuntime:
         """A decode step of the same requests in the same rows as the last plan, each one token
         further on, with no event since (``apply`` forgets the last plan), whose positions stay
         within their admitted lengths: the last plan advanced (LatentGraphStep.advance) is this
-        step's plan, as plan_arrays would make it (tests/test_dsa_graph.py)."""
+        step's plan, as plan_arrays would make it (tests/test_dsa_steady_plan.py)."""
         last = self._last
         if last is None or self.graph.delta + 1 >= self.pool.max_model_len:
             return False

@@ -102,8 +102,8 @@ def plan_arrays(adm: LatentAdmission, keys: list, req_of_token, positions,
 @dataclass
 class LatentStep:
     """Index tensors of one step (on the pool's device), T tokens, D decode tokens:
-    host_row, pool_row, region_base (T,) int64 (-1 = none; region_base -2: a decode token); dec_tok, dec_rows, dec_seq (D,) int64;
-    dec_slots (D, B) int32; verify: the verify rows (with ``verify_tokens`` and a sparse request
+    host_row, pool_row, region_base (T,) int64 (-1 = none; region_base -2: a decode token);
+    dec_tok, dec_rows, dec_seq (D,) int64; dec_slots (D, B) int32; verify: the verify rows (with ``verify_tokens`` and a sparse request
     decoding; None otherwise; then D = 0)."""
     adm: LatentAdmission
     host_row: torch.Tensor

@@ -86,9 +86,10 @@ def convert_rows(topk: torch.Tensor, base: torch.Tensor, region_len: int, gather
     int64 context length, slots (n, B) int32 its row set's hot-slot rows, hot (n,) int64 (!= 0),
     rows (n,) int64 its row set; state, host_pt, host, kv, counts: as ops/resolve_given's (the
     layer's slot state, host row of each position, host pool rows, latent pool, [hits, misses]);
-    sel, locs (n, K) int32 scratch; work: RESOLVE's workspaces (CUDA). The reference is the
-    three pieces in order: region rows, RESOLVE of the decode entries' selections, their rows
-    copied in (``index_copy_``), the counts. CUDA: two launches (ops/triton_latent_index.py)."""
+    sel, locs (n, K) int32 scratch; work: RESOLVE's workspaces (CUDA). The reference is four
+    pieces in order: region rows, RESOLVE of the decode entries' selections, their rows copied in
+    (``index_copy_``), the counts. CUDA: two launches (ops/triton_latent_index.py). Each -2 token
+    must be the scatter row of exactly one decode entry (core/latent_graph.py checks the plan)."""
     T, K = topk.shape
     n = gather.shape[0]
     if n > T or valid.shape != (T,) or out.shape[1] != K or out.shape[0] < T:
@@ -120,8 +121,8 @@ def pool_indices(topk: torch.Tensor, region_base: torch.Tensor, region_len: int,
     token's out entries are >= 0 (stock's valid counts, FA3's seqused_k).
 
     topk: (T, K) int32 logical positions, valid first, -1 after (vLLM's topk_indices_buffer);
-    region_base: (T,) int64 first pool row of the token's region, -1 = none (decode and padding
-    tokens); region_len: rows of a region (max_model_len); dec_tok: (D,) int64 the decode tokens
+    region_base: (T,) int64 first pool row of the token's region, < 0 = none (-1 padding, -2 a
+    decode token); region_len: rows of a region (max_model_len); dec_tok: (D,) int64 the decode tokens
     of sparse requests (at most one per request), with dec_rows (D,) int64 their row sets,
     dec_slots (D, B) int32 the pool rows of those row sets' hot slots and dec_seq (D,) int64 their
     context lengths (position + 1); state: one layer's RESOLVE state (slots.HotBufferState of N

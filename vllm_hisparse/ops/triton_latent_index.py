@@ -50,7 +50,14 @@ def _convert_kernel(TOPK, BASE, OUT, VALID, GATHER, SCATTER, SEQ, HOT, ROWS, BT,
     if DEC:
         if p < N:                                       # decode entry r of a sparse request
             r = p
-            if (tl.load(SEQ + r) > 0) & (tl.load(HOT + r) != 0):
+            seq = tl.load(SEQ + r)
+            hot = tl.load(HOT + r)
+            if (seq <= 0) | (hot == 0):                 # its row (if one of this call's) is empty
+                dst0 = tl.load(SCATTER + r)
+                if dst0 < T:
+                    tl.store(OUT + dst0 * K + jk, tl.full([KB], -1, tl.int32), mask=jk < K)
+                    tl.store(VALID + dst0, 0)
+            if (seq > 0) & (hot != 0):
                 t = tl.minimum(tl.load(GATHER + r), T - 1)
                 u = tl.load(TOPK + t.to(tl.int64) * s_topk + jk, mask=jk < K, other=-1)
                 u = tl.where(u < REGION_LEN, u, -1)
