@@ -45,7 +45,7 @@ from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.ops.latent_index import convert_rows, region_rows, valid_counts
 from vllm_hisparse.ops.latent_plan import materialize
 from vllm_hisparse.ops.latent_write import write_latent_rows
-from vllm_hisparse.ops.resolve_given import resolve_given, workspace_shapes
+from vllm_hisparse.ops.resolve_given import workspace_shapes
 
 
 def batch_tokens(query_start_loc, seq_lens) -> tuple[np.ndarray, np.ndarray]:
@@ -114,8 +114,8 @@ class LatentGraphStep:
                 if dev.type == "cuda":
                     rows = kernels.device_alias(rows, dev)       # the pinned pool seen over UVA
                 self._host[layer] = rows
-        self._blank_dev = None
-        self.clear()
+        self._blank_fields()
+        self.planned = 0                 # decode entries of the loaded plan (host int)
         self._blank_dev = self._meta.clone()                   # the cleared values
         self._blank = self._meta.cpu().numpy().copy()          # ... and host side
         # the plan last shipped from the host (load_arrays), which advance() moves on
@@ -128,11 +128,12 @@ class LatentGraphStep:
     def clear(self) -> None:
         """Every entry a no-op: writes nothing, reads nothing (-1 rows). Two launches (the blank
         buffer copied in); the base plan stays for ``advance``."""
-        self.planned = 0                 # decode entries of the loaded plan (host int)
+        self.planned = 0
         self.host_row.fill_(-1)
-        if self._blank_dev is not None:
-            self._meta.copy_(self._blank_dev)
-            return
+        self._meta.copy_(self._blank_dev)
+
+    def _blank_fields(self) -> None:
+        """The cleared values, field by field (once: ``clear`` copies them in)."""
         self.host_src.fill_(-1)
         self.pool_row.fill_(-1)
         self.region_base.fill_(-1)

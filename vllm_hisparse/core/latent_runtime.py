@@ -147,7 +147,7 @@ class LatentRuntime:
         seq = list(seq_lens)
         if len(seq) != len(seq0):
             return False
-        for i, (s, s0, lim) in enumerate(zip(seq, seq0, tokens)):
+        for s, s0, lim in zip(seq, seq0, tokens):
             if lim is None:
                 if s != s0:
                     return False

@@ -145,7 +145,11 @@ class LatentStep:
 
     # ---- per layer ------------------------------------------------------------------------------
     def _host(self, layer: int) -> torch.Tensor | None:
-        return None if self.adm.resident else self.adm.host.data[layer]
+        """The layer's host pool as rows (pages, W); None in resident mode."""
+        if self.adm.resident:
+            return None
+        h = self.adm.host.data[layer]
+        return h.view(h.shape[0], -1)
 
     def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """The step's new latent rows of ``layer`` (kv_c (T, L), k_pe (T, Rd), token order of
@@ -156,9 +160,7 @@ class LatentStep:
         if self.verify is not None:
             pool_row = self.verify.write_rows(self.adm.pool.states[layer], pool_row)
         pool = self.adm.pool
-        host = self._host(layer)
-        write_latent_rows(*pool.row_parts(kv_c, k_pe),
-                          None if host is None else host.view(host.shape[0], -1), self.host_row,
+        write_latent_rows(*pool.row_parts(kv_c, k_pe), self._host(layer), self.host_row,
                           pool.rows[layer], pool_row)
 
     def convert(self, layer: int, topk: torch.Tensor, out: torch.Tensor | None = None,
@@ -174,12 +176,11 @@ class LatentStep:
         pool_indices(topk, self.region_base, pool.max_model_len, self.dec_tok, self.dec_rows,
                      self.dec_slots, self.dec_seq,
                      pool.states[layer] if pool.states else None,
-                     None if host is None else pool.host_rows.fetch,
-                     None if host is None else host.view(host.shape[0], -1),
+                     None if host is None else pool.host_rows.fetch, host,
                      pool.rows[layer], pool.counts, out, valid)
         if self.verify is not None:
             self.verify.convert(topk, pool.max_model_len, pool.states[layer],
-                                pool.host_rows.fetch, host.view(host.shape[0], -1),
+                                pool.host_rows.fetch, host,
                                 pool.rows[layer], pool.counts, out)
             valid.copy_((out >= 0).sum(1).to(valid.dtype))
         return out, valid
