@@ -213,3 +213,15 @@ def test_only_a_shipped_plan_advances():
     a.rbase[0] = -1                                  # the decode token unmarked
     with pytest.raises(ValueError, match="region_base -2"):
         rt.graph.load_arrays(a)
+
+
+def test_the_steady_plan_knob_turns_advance_off(monkeypatch):
+    """HISPARSE_STEADY_PLAN=0 (the GQA steady plan's A/B knob) plans every DSA step in full."""
+    monkeypatch.setenv("HISPARSE_STEADY_PLAN", "0")
+    (rt, _), led = runtimes(False, False)
+    led.admit("a", 4, 8)
+    led.prompt_done("a")
+    rt.apply(led.take_events())
+    for s in (5, 6, 7):
+        rt.plan(["a"], [0, 1], [s])
+    assert not rt.advance_on and rt.steady_plans == 0

@@ -25,6 +25,7 @@ from vllm_hisparse.core.latent_graph import LatentGraphStep, batch_tokens
 from vllm_hisparse.core.latent_pool import LatentPool
 from vllm_hisparse.core.latent_shadow import compare_rows, shadow_on
 from vllm_hisparse.core.latent_step import plan_arrays
+from vllm_hisparse.core.steady_step import steady_plan_on
 
 
 def host_pages_for(host_pool_bytes: int, num_layers: int, row_bytes: int) -> int:
@@ -65,6 +66,7 @@ class LatentRuntime:
             self.shadow_counts = torch.zeros(2, dtype=torch.int64, device=self.pool.device)
         self.steps = 0
         self.steady_plans = 0       # steps planned by advancing the last plan (no host plan)
+        self.advance_on = steady_plan_on()      # HISPARSE_STEADY_PLAN=0: every step in full
         self._last = None           # what a steady next step must match (_steady_state)
         self._host_s = {"apply": 0.0, "plan": 0.0}   # host seconds (bench.step_profile reads them)
         self.max_live = 0           # most requests held at once (admitted, not yet released)
@@ -116,7 +118,8 @@ class LatentRuntime:
         else:
             req, pos = batch_tokens(query_start_loc, seq_lens)
             self.graph.load_arrays(plan_arrays(self.adm, keys, req, pos, self.verify_tokens))
-            self._last = self._steady_state(keys, query_start_loc, seq_lens)
+            self._last = (self._steady_state(keys, query_start_loc, seq_lens)
+                          if self.advance_on else None)
         self.steps += 1
         self._host_s["plan"] += time.perf_counter() - t0
         if self.shadow is not None:

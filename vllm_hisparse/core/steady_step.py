@@ -32,7 +32,9 @@ from vllm_hisparse.core.residency import is_sparse_at
 LENGTHS = [FIELDS.index(f) for f in ("seq", "sp_seq", "dn_seq", "dl_seq", "pool_seq")]
 
 
-def _enabled() -> bool:
+def steady_plan_on() -> bool:
+    """The A/B knob of both runtimes' steady plans (this one's, GQA; core/latent_runtime.py's,
+    DSA)."""
     return env_flag("HISPARSE_STEADY_PLAN", True,
                     "plan a steady decode step as the previous one plus a token", "always in full")
 
@@ -57,7 +59,7 @@ class _Last:
 
 class SteadyStep:
     def __init__(self, enabled: bool | None = None):
-        self.enabled = _enabled() if enabled is None else enabled
+        self.enabled = steady_plan_on() if enabled is None else enabled
         self._last: _Last | None = None
 
     def forget(self) -> None:
