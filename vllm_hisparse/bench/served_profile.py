@@ -11,7 +11,9 @@ every worker step (``execute_context_C(T)_generation_G(T)``, a ``user_annotation
 step's ``execute_model`` host work), CUPTI records the kernels (those a CUDA graph replays
 included). Per decode step (context 0): the interval between steps' starts, the host time of
 ``execute_model``, the GPU busy time (union of kernel intervals), the GPU's idle time in the
-window, kernels by name. ``diff`` lines two summaries up kernel by kernel.
+window, kernels by name, and where the idle time comes from (``bench.idle_gaps``: the host call
+that ended each idle gap, the host work during the gaps). ``diff`` lines two summaries up kernel by
+kernel, then their idle gaps.
 
     python -m vllm_hisparse.bench.served_profile summarize TRACE_DIR --out OUT.json
     python -m vllm_hisparse.bench.served_profile diff A.json B.json
@@ -29,6 +31,7 @@ import sys
 import time
 import urllib.request
 
+from vllm_hisparse.bench.idle_gaps import attribute
 from vllm_hisparse.bench.profile_tables import diff, kernel_table, print_diff, union_us
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -60,12 +63,17 @@ def find_trace(trace_dir: str) -> str | None:
     return max(found, key=os.path.getmtime) if found else None
 
 
-def summarize(events: list[dict]) -> dict:
+def _step_annotation(e: dict) -> bool:
+    return e.get("cat") == "user_annotation" and STEP.match(e.get("name", "")) is not None
+
+
+def summarize(events: list[dict], idle_min_us: float = 20.0) -> dict:
     """Decode steps (worker steps with no context request and at least one generated token) of
     a trace's events: their count; per step the interval between consecutive steps' starts,
     ``execute_model``'s host time (the annotation's length), GPU busy and idle time within the
     window from the first decode step's start to the last one's next start (or its last kernel's
-    end), kernels a step and the kernel table (µs and calls a step)."""
+    end), kernels a step and the kernel table (µs and calls a step); ``idle``: the window's idle
+    gaps of at least idle_min_us attributed (bench.idle_gaps)."""
     every = sorted((e["ts"], e["dur"], m[1] == "0" and int(m[2]) > 0) for e in events
                    if e.get("cat") == "user_annotation" and (m := STEP.match(e.get("name", ""))))
     steps = [(ts, dur) for ts, dur, decode in every if decode]
@@ -91,7 +99,8 @@ def summarize(events: list[dict]) -> dict:
                                  "mean": statistics.fmean(gaps) if gaps else None},
             "execute_host_us": {"median": statistics.median(host), "mean": statistics.fmean(host)},
             "gpu_busy_us_per_step": busy / n, "gpu_idle_us_per_step": (hi - lo - busy) / n,
-            "kernels_per_step": len(inside) / n, "kernels": kernel_table(inside, n)}
+            "kernels_per_step": len(inside) / n, "kernels": kernel_table(inside, n),
+            "idle": attribute(events, gpu, lo, hi, n, _step_annotation, idle_min_us)}
 
 
 def post(port: int, path: str, timeout: float = 600.0) -> None:
@@ -134,7 +143,9 @@ def summary_line(name: str, r: dict) -> str:
     return (f"{name}: {r['decode_steps']} decode steps; interval median "
             f"{iv['median'] or 0:.1f} us (mean {iv['mean'] or 0:.1f}); execute_model host "
             f"{h['median']:.1f} us; GPU busy {r['gpu_busy_us_per_step']:.1f} us, idle "
-            f"{r['gpu_idle_us_per_step']:.1f} us, {r['kernels_per_step']:.1f} kernels a step")
+            f"{r['gpu_idle_us_per_step']:.1f} us, {r['kernels_per_step']:.1f} kernels a step"
+            + (f"; {r['idle']['gaps_per_step']:.1f} idle gaps of >= {r['idle']['min_us']:g} us a "
+               f"step ({r['idle']['us_per_step']:.1f} us)" if r.get("idle") else ""))
 
 
 def show_diff(pa: str, pb: str, top: int = 20) -> list[dict]:
@@ -142,6 +153,15 @@ def show_diff(pa: str, pb: str, top: int = 20) -> list[dict]:
     print(f"a = {summary_line(pa, ra)}\nb = {summary_line(pb, rb)}")
     rows = diff(ra.get("kernels", []), rb.get("kernels", []))
     print_diff("kernels", rows, top)
+    ia, ib = ra.get("idle"), rb.get("idle")
+    if ia and ib:
+        print(f"-- idle gaps of >= {ia['min_us']:g} us: {ia['gaps_per_step']:.1f} a step, "
+              f"{ia['us_per_step']:.1f} us -> {ib['gaps_per_step']:.1f} a step, "
+              f"{ib['us_per_step']:.1f} us")
+        print_diff("idle gaps by what ended them (host op / launch / first GPU event)",
+                   diff(ia["ended_by"], ib["ended_by"]), top)
+        print_diff("host events during the idle gaps (inclusive overlap)",
+                   diff(ia["host_during"], ib["host_during"]), top)
     return rows
 
 

@@ -21,11 +21,14 @@ here: tests/test_connector_seam.py calls every method with stand-in halves.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
+from torch.autograd import _profiler_enabled
+from torch.profiler import record_function
 
 from vllm_hisparse.core.deployment import Deployment
 
@@ -67,6 +70,12 @@ HALVES = MappingProxyType({          # read-only: the adapter keeps no mutable m
 def kind_of(dep: Deployment) -> str:
     """The key of ``HALVES`` serving this deployment: "mla" on a model with latent rows."""
     return "mla" if dep.limits.mla else "gqa"
+
+
+def _named(name: str):
+    """The step's hisparse host work as a named span in a torch profile (bench.idle_gaps reads
+    them), nothing when no profiler runs (record_function alone costs microseconds a call)."""
+    return record_function(name) if _profiler_enabled() else contextlib.nullcontext()
 
 
 def _optional(half, name: str, *args, **kwargs):
@@ -134,10 +143,12 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)     # vLLM's own record of it
-        return self.connector_worker.bind_connector_metadata(connector_metadata)
+        with _named("hisparse.bind"):
+            return self.connector_worker.bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        return self.connector_worker.start_load_kv()
+        with _named("hisparse.plan"):
+            return self.connector_worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return _optional(self.connector_worker, "wait_for_layer_load", layer_name)
