@@ -21,8 +21,9 @@ def usable(dtype: torch.dtype, head_size: int) -> bool:
     return dtype in (torch.float16, torch.bfloat16) and head_size % 8 == 0 and head_size <= 256
 
 
-def _flash(num_splits: int):
-    """vLLM's paged FlashAttention as paged_dense_reference's signature, with num_splits fixed."""
+def _flash():
+    """vLLM's paged FlashAttention as paged_dense_reference's signature, split-KV off
+    (num_splits=1: the module docstring says why)."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
     version = get_flash_attn_version()
@@ -31,7 +32,7 @@ def _flash(num_splits: int):
         flash_attn_varlen_func(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q,
                                max_seqlen_q=max_q, seqused_k=seq_k, max_seqlen_k=max_k,
                                softmax_scale=scale, causal=True, block_table=block_table,
-                               fa_version=version, num_splits=num_splits)
+                               fa_version=version, num_splits=1)
 
     fn.version = version
     return fn
@@ -53,6 +54,6 @@ def make_dense_fn(dtype: torch.dtype, head_size: int, kv_dtype: torch.dtype | No
                        "%d: FlashAttention needs fp16/bf16 and head size <= 256, multiple of 8); "
                        "expect slow prefill", dtype, head_size)
         return None
-    fn = _flash(1)
+    fn = _flash()
     logger.info("hisparse: dense/prefill attention through FlashAttention %s", fn.version)
     return fn
