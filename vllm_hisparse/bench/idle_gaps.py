@@ -5,8 +5,10 @@ window, each attributed two ways.
 - **What ended it**: the first GPU event at the gap's end, the host call that launched it (the
   CUDA runtime event of the same ``correlation``: ``cudaGraphLaunch``, ``cudaLaunchKernel``,
   ``cudaMemcpyAsync`` ...) and the innermost host op around that call on its thread (a
-  ``cpu_op`` or ``user_annotation``). A launch issued inside the gap means the GPU waited for the
-  host; one issued before it, for something else (a stream wait, a copy from pageable memory).
+  ``cpu_op`` or ``user_annotation``). A launch call still running when the gap began (or issued
+  in it) means the GPU waited for the host ("in the gap"); one that had returned before it, for
+  something else ("before it": a stream wait, a copy from pageable memory, a graph's own
+  dependencies). A gap that runs to the window's end is labelled so, whatever starts later.
 - **What the host did meanwhile**: every host event (``cpu_op``, ``user_annotation``,
   ``cuda_runtime``, ``cuda_driver``, ``python_function``) overlapping a gap, its overlap summed
   by category and name (inclusive: nested ops each count their own overlap), so a synchronizing
@@ -31,6 +33,8 @@ def gaps_of(busy: list[tuple[float, float]], lo: float, hi: float,
     least min_us, in order."""
     out, cur = [], lo
     for s, e in sorted(busy):
+        if e <= s:                   # a zero-length event keeps the GPU busy for no time
+            continue
         if s > cur:
             out.append((cur, min(s, hi)))
         cur = max(cur, e)
@@ -45,17 +49,21 @@ def _corr(e: dict):
     return (e.get("args") or {}).get("correlation")
 
 
-def _around(host_by_tid: dict, launch: dict, skip) -> str:
-    """The innermost AROUND_CATS event on the launch's thread containing its start, or '-'."""
-    evs, starts = host_by_tid.get((launch.get("pid"), launch.get("tid")), ([], []))
+def _around(ops_by_tid: dict, launch: dict) -> str:
+    """The innermost op (AROUND_CATS) on the launch's thread containing its start: of those that
+    start at or before it and end at or after it, the one that started last (host ops nest on a
+    thread), the shortest of a tie; '-' if none among the 4,000 ops started just before it."""
+    evs, starts = ops_by_tid.get((launch.get("pid"), launch.get("tid")), ([], []))
     t = float(launch["ts"])
     best, top = None, bisect.bisect_right(starts, t)
-    for i in range(top - 1, max(-1, top - 4000), -1):     # the ops started before it, nearest first
+    for i in range(top - 1, max(-1, top - 4000), -1):     # latest start first
         e = evs[i]
-        if e["cat"] in AROUND_CATS and not skip(e) and float(e["ts"]) + float(e.get("dur", 0)) >= t:
-            if best is None or e.get("dur", 0) < best.get("dur", 0):
-                best = e
-    return best["name"] if best is not None else "-"
+        if best is not None and starts[i] < starts[best]:
+            break
+        if starts[i] + float(e.get("dur", 0)) >= t and (
+                best is None or float(e.get("dur", 0)) < float(evs[best].get("dur", 0))):
+            best = i
+    return evs[best]["name"] if best is not None else "-"
 
 
 def attribute(events: list[dict], gpu: list[tuple[str, float, float]], lo: float, hi: float,
@@ -73,15 +81,16 @@ def attribute(events: list[dict], gpu: list[tuple[str, float, float]], lo: float
                 and _corr(e) is not None}
     host = sorted((e for e in events if e.get("cat") in HOST_CATS and not skip(e)),
                   key=lambda e: float(e["ts"]))
-    by_tid: dict = {}
+    ops_by_tid: dict = {}
     for e in host:
-        evs, starts = by_tid.setdefault((e.get("pid"), e.get("tid")), ([], []))
-        evs.append(e)
-        starts.append(float(e["ts"]))
+        if e["cat"] in AROUND_CATS:
+            evs, starts = ops_by_tid.setdefault((e.get("pid"), e.get("tid")), ([], []))
+            evs.append(e)
+            starts.append(float(e["ts"]))
     ended: dict[str, list] = {}
     for g0, g1 in gaps:
         i = bisect.bisect_left(gpu_starts, g1)
-        if i == len(gpu_ev):
+        if g1 >= hi or i == len(gpu_ev):
             key = "(the window's end)"
         else:
             k = gpu_ev[i]
@@ -91,7 +100,7 @@ def attribute(events: list[dict], gpu: list[tuple[str, float, float]], lo: float
             else:
                 when = "in the gap" if float(launch["ts"]) + float(launch.get("dur", 0)) > g0 \
                     else "before it"
-                key = f"{_around(by_tid, launch, skip)} / {launch['name']} ({when}) / {k['name']}"
+                key = f"{_around(ops_by_tid, launch)} / {launch['name']} ({when}) / {k['name']}"
         a = ended.setdefault(key, [0, 0.0])
         a[0] += 1
         a[1] += g1 - g0
