@@ -9,6 +9,7 @@ import http.server
 import json
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -179,11 +180,14 @@ def test_served_cpu_engine_profiled(tmp_path):
     cfg = json.dumps({"top_k": 8, "device_buffer_size": 16, "page_size": 16,
                       "host_pool_gib": 0.05, "min_context": 64, "dense_layers": []})
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    with socket.socket() as s:           # a free port: another run may serve on a fixed one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     subprocess.run([sys.executable, "-m", "vllm_hisparse.bench.serving", "--model", model,
                     "--backends", "elastic", "--concurrency", "1", "--rounds", "1",
                     "--input-len", "300", "--output-len", "40", "--load-format", "auto",
                     "--profile-decode", "10", "--profile-delay", "6", "--hisparse", cfg,
-                    "--port", "18731", "--out", str(out)], check=True, env=env, timeout=900)
+                    "--port", str(port), "--out", str(out)], check=True, env=env, timeout=900)
     with open(out / "serving.csv") as f:
         assert len(f.read().strip().splitlines()) == 2          # header + the measured point
     r = json.load(open(out / "profile-elastic.json"))
