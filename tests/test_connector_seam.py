@@ -312,3 +312,25 @@ def test_publish_guard_seam_keeps_its_vllm_names():
     assert m.get_one_block(key) is a and m.contain(key, 2) and not m.contain(key, 3), (
         "vLLM's BlockHashToBlockMap.get_one_block / contain changed (vllm/publish_guard.py)")
     assert get_block_hash(key) == b"h" * 32, "vLLM's get_block_hash changed (publish_guard)"
+
+
+def test_the_worker_hooks_are_named_spans_only_under_a_profiler(seam):
+    """bind_connector_metadata / start_load_kv show in a torch profile as hisparse.bind /
+    hisparse.plan (bench.idle_gaps names the host work the GPU waits for by them), each around its
+    half's call; without a profiler no span is opened (profile_span.span is a no-op)."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm_hisparse.vllm.profile_span import span
+
+    assert isinstance(span("x"), contextlib.nullcontext)
+    c = make(seam, "mla", "worker")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        c.bind_connector_metadata(object())
+        c.start_load_kv(None)
+    assert type(span("x")).__name__ == "nullcontext"          # off again after the profile
+    names = [e.name for e in prof.events()]
+    assert names.count("hisparse.bind") == 1 and names.count("hisparse.plan") == 1
+    assert [n for n, *_ in c.connector_worker.calls] == ["bind_connector_metadata",
+                                                         "start_load_kv"]

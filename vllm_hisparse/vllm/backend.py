@@ -32,6 +32,7 @@ from .compat import (
     get_current_vllm_config,
 )
 from .deployment import deployment_of
+from .profile_span import span
 
 
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")     # e4m3 with vLLM's per-layer k/v scales (ops/fp8.py)
@@ -161,6 +162,10 @@ class HiSparseMetadataBuilder(AttentionMetadataBuilder[HiSparseMetadata]):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> HiSparseMetadata:
+        with span("hisparse.note"):         # the step's host work, named in a profile
+            return self._build(common_attn_metadata)
+
+    def _build(self, common_attn_metadata: CommonAttentionMetadata) -> HiSparseMetadata:
         cm = common_attn_metadata
         B = cm.num_reqs
         bt = cm.block_table_tensor[:B]

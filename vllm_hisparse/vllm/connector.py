@@ -21,14 +21,11 @@ here: tests/test_connector_seam.py calls every method with stand-in halves.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
-from torch.autograd import _profiler_enabled
-from torch.profiler import record_function
 
 from vllm_hisparse.core.deployment import Deployment
 
@@ -44,6 +41,7 @@ from .connector_scheduler import ConnectorScheduler
 from .connector_worker import STATS_ENV, ConnectorWorker
 from .deployment import deployment_of
 from .mla_connector import LatentConnectorScheduler, LatentConnectorWorker
+from .profile_span import span
 
 __all__ = ["HALVES", "HiSparseConnector", "HiSparseConnectorMetadata", "STATS_ENV", "kind_of"]
 
@@ -70,12 +68,6 @@ HALVES = MappingProxyType({          # read-only: the adapter keeps no mutable m
 def kind_of(dep: Deployment) -> str:
     """The key of ``HALVES`` serving this deployment: "mla" on a model with latent rows."""
     return "mla" if dep.limits.mla else "gqa"
-
-
-def _named(name: str):
-    """The step's hisparse host work as a named span in a torch profile (bench.idle_gaps reads
-    them), nothing when no profiler runs (record_function alone costs microseconds a call)."""
-    return record_function(name) if _profiler_enabled() else contextlib.nullcontext()
 
 
 def _optional(half, name: str, *args, **kwargs):
@@ -143,11 +135,11 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)     # vLLM's own record of it
-        with _named("hisparse.bind"):
+        with span("hisparse.bind"):
             return self.connector_worker.bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        with _named("hisparse.plan"):
+        with span("hisparse.plan"):
             return self.connector_worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:

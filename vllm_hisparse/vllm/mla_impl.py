@@ -20,6 +20,7 @@ from . import kv_room, worker
 from .backend import _host_first_blocks, _host_seq_lens
 from .compat import extract_layer_index, get_current_vllm_config
 from .mla_worker import LatentWorker
+from .profile_span import span
 
 
 class LatentBackend:
@@ -45,13 +46,14 @@ class LatentBuilder:
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        cm = common_attn_metadata
-        B = cm.num_reqs
-        qsl = cm.query_start_loc_cpu[:B + 1].tolist()
-        self.worker.note(qsl, _host_seq_lens(cm, B),
-                         _host_first_blocks(cm.block_table_tensor[:B], qsl,
-                                            self.worker.host_tables))
-        self.noted(md, cm, qsl)
+        with span("hisparse.note"):
+            cm = common_attn_metadata
+            B = cm.num_reqs
+            qsl = cm.query_start_loc_cpu[:B + 1].tolist()
+            self.worker.note(qsl, _host_seq_lens(cm, B),
+                             _host_first_blocks(cm.block_table_tensor[:B], qsl,
+                                                self.worker.host_tables))
+            self.noted(md, cm, qsl)
         return md
 
     def noted(self, md, cm, qsl: list[int]) -> None:
