@@ -120,10 +120,8 @@ def as_dict(rows, steps):
 @pytest.mark.parametrize("seed", range(6))
 def test_attribution_against_a_microsecond_grid(seed):
     ev, lo, hi, steps = trace(seed)
-    gpu = [(e["name"], float(e["ts"]), float(e["dur"])) for e in ev
-           if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset")]
     min_us = 15
-    r = ig.attribute(ev, gpu, lo, hi, steps, lambda e: e["name"] == STEP, min_us)
+    r = ig.attribute(ev, lo, hi, steps, lambda e: e["name"] == STEP, min_us)
     gaps, ended, during = brute(ev, lo, hi, steps, min_us)
     assert gaps and r["gaps_per_step"] * steps == pytest.approx(len(gaps))
     assert r["us_per_step"] * steps == pytest.approx(sum(b - a for a, b in gaps))
@@ -135,9 +133,7 @@ def test_every_seed_of_a_wider_sweep():
     """The same comparison over 60 more traces (ops nesting, ties in start)."""
     for seed in range(100, 160):
         ev, lo, hi, steps = trace(seed, steps=3)
-        gpu = [(e["name"], float(e["ts"]), float(e["dur"])) for e in ev
-               if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset")]
-        r = ig.attribute(ev, gpu, lo, hi, steps, lambda e: e["name"] == STEP, 15)
+        r = ig.attribute(ev, lo, hi, steps, lambda e: e["name"] == STEP, 15)
         _, ended, during = brute(ev, lo, hi, steps, 15)
         assert as_dict(r["ended_by"], steps) == {k: (c, float(u)) for k, (c, u) in ended.items()}
         assert as_dict(r["host_during"], steps) == {k: (c, float(u))
@@ -176,8 +172,7 @@ def test_hand_built_rules():
           {"ph": "X", "cat": "cpu_op", "name": "no_args", "ts": 305.5, "dur": 2.5, "pid": 1,
            "tid": 7, "args": None},
           _x("kernel", "late", 1200.0, 10.0, tid=3)]                     # gap [940, 1000): end
-    gpu = [(e["name"], float(e["ts"]), float(e.get("dur", 0))) for e in ev if e["cat"] == "kernel"]
-    r = ig.attribute(ev, gpu, 0.0, 1000.0, 1, lambda e: False, 10)
+    r = ig.attribute(ev, 0.0, 1000.0, 1, lambda e: False, 10)
     assert r["gaps_per_step"] == 4 and r["us_per_step"] == 30 + 40 + 40 + 60
     ended = {x["name"]: x["us_per_step"] for x in r["ended_by"]}
     assert ended == {"inner / cudaLaunchKernel (in the gap) / b": 30.0,
@@ -195,9 +190,7 @@ def test_a_doctored_attribution_is_caught():
     """The comparison above can fail: the launch of the kernel that ends a gap moved out of its
     op changes the recomputed key, and the tool's table no longer matches the old one."""
     ev, lo, hi, steps = trace(1)
-    gpu = [(e["name"], float(e["ts"]), float(e["dur"])) for e in ev
-           if e["cat"] in ("kernel", "gpu_memcpy", "gpu_memset")]
-    r = ig.attribute(ev, gpu, lo, hi, steps, lambda e: e["name"] == STEP, 15)
+    r = ig.attribute(ev, lo, hi, steps, lambda e: e["name"] == STEP, 15)
     for e in ev:                                 # every launch to another thread
         if e["cat"] == "cuda_runtime":
             e["tid"] = 99

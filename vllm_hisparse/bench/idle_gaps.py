@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import bisect
 
+from vllm_hisparse.bench.profile_tables import GPU_CATS
+
 HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
 AROUND_CATS = ("cpu_op", "user_annotation")
 
@@ -66,17 +68,15 @@ def _around(ops_by_tid: dict, launch: dict) -> str:
     return evs[best]["name"] if best is not None else "-"
 
 
-def attribute(events: list[dict], gpu: list[tuple[str, float, float]], lo: float, hi: float,
-              steps: int, skip, min_us: float = 20.0) -> dict:
-    """events: the trace's events; gpu: (name, start, duration) of its GPU events (every one, not
-    only the window's); [lo, hi): the decode window of ``steps`` steps; skip(event): host events
-    to leave out (the step annotations). Returns the ``idle`` summary: min_us, gaps and their µs a
-    step, ``ended_by`` and ``host_during`` tables (module docstring)."""
-    busy = [(s, s + d) for _, s, d in gpu if s < hi and s + d > lo]
-    gaps = gaps_of(busy, lo, hi, min_us)
-    gpu_ev = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                    key=lambda e: float(e["ts"]))
+def attribute(events: list[dict], lo: float, hi: float, steps: int, skip,
+              min_us: float = 20.0) -> dict:
+    """events: the trace's events; [lo, hi): the decode window of ``steps`` steps; skip(event):
+    host events to leave out (the step annotations). Returns the ``idle`` summary: min_us, gaps
+    and their µs a step, ``ended_by`` and ``host_during`` tables (module docstring)."""
+    gpu_ev = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: float(e["ts"]))
     gpu_starts = [float(e["ts"]) for e in gpu_ev]
+    busy = [(s, s + float(e.get("dur", 0))) for s, e in zip(gpu_starts, gpu_ev)]
+    gaps = gaps_of([(s, t) for s, t in busy if s < hi and t > lo], lo, hi, min_us)
     launches = {_corr(e): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and _corr(e) is not None}
     host = sorted((e for e in events if e.get("cat") in HOST_CATS and not skip(e)),

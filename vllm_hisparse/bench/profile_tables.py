@@ -3,6 +3,8 @@
 kernels by name per step, and two tables lined up name by name."""
 from __future__ import annotations
 
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")      # a torch trace's GPU events
+
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals (overlapping kernels count once)."""

@@ -32,9 +32,8 @@ import time
 import urllib.request
 
 from vllm_hisparse.bench.idle_gaps import attribute
-from vllm_hisparse.bench.profile_tables import diff, kernel_table, print_diff, union_us
+from vllm_hisparse.bench.profile_tables import GPU_CATS, diff, kernel_table, print_diff, union_us
 
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP = re.compile(r"^execute_context_(\d+)\(\d+\)_generation_(\d+)\(\d+\)$")
 
 
@@ -100,7 +99,7 @@ def summarize(events: list[dict], idle_min_us: float = 20.0) -> dict:
             "execute_host_us": {"median": statistics.median(host), "mean": statistics.fmean(host)},
             "gpu_busy_us_per_step": busy / n, "gpu_idle_us_per_step": (hi - lo - busy) / n,
             "kernels_per_step": len(inside) / n, "kernels": kernel_table(inside, n),
-            "idle": attribute(events, gpu, lo, hi, n, _step_annotation, idle_min_us)}
+            "idle": attribute(events, lo, hi, n, _step_annotation, idle_min_us)}
 
 
 def post(port: int, path: str, timeout: float = 600.0) -> None:
