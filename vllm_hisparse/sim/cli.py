@@ -1,7 +1,7 @@
 """`hisparse sim`: replay selection traces through the runtime's cache policies.
 
     hisparse sim [TRACE ...] --policies lru,fifo,random,belady,vanilla --k 64,128,256 \
-        --buffer 2k,4k --out DIR [--write-allocate on|off|both]
+        --buffer 2k,4k --out DIR [--write-allocate on|off|both] [--lookahead 0,0.5k]
 
 TRACE defaults to the small real trace shipped in the package. B (``--buffer``) is a multiple of k
 (``2k``) or an absolute unit count (``512``). Writes DIR/results.csv (layer "all" and one row per
@@ -30,6 +30,11 @@ def add_arguments(p) -> None:
                         "(resident_first's partial rows): multiples of k ('2k') or units; 0 = none "
                         "(default); with W > 0 write-allocate is of the unit leaving the window "
                         "(the new unit is in it)")
+    p.add_argument("--lookahead", default="0",
+                   help="comma list of lookaheads m: after each step, the indexer's next m "
+                        "candidates (ranks k .. k+m-1) are prefetched off the critical path "
+                        "(sim/engine.py); multiples of k ('0.5k') or units; 0 = none (default); "
+                        "needs traces recorded with k_max >= k + m")
     p.add_argument("--write-allocate", default="on", choices=["on", "off", "both"],
                    help="put each decoded token into the buffer as it is produced (default on)")
     p.add_argument("--warmup", type=int, default=32,
@@ -76,7 +81,8 @@ def parse_policies(spec: str) -> list[str]:
 
 
 def make_configs(ks: list[int], buffers: list[str], wa: str, k_max: int,
-                 windows: tuple[str, ...] = ("0",)) -> list[engine.Config]:
+                 windows: tuple[str, ...] = ("0",),
+                 lookaheads: tuple[str, ...] = ("0",)) -> list[engine.Config]:
     was = {"on": [True], "off": [False], "both": [True, False]}[wa]
     out = []
     for k in ks:
@@ -86,12 +92,20 @@ def make_configs(ks: list[int], buffers: list[str], wa: str, k_max: int,
             slots = parse_buffer(b, k)
             for ws in windows:
                 win = parse_buffer(ws, k, "--window")
-                for w in was:      # (with a window: the unit leaving it, engine.Config)
-                    if slots < k + w:
-                        raise SystemExit(f"--buffer {b} gives B={slots} for k={k}: B must hold one "
-                                         f"selection{' plus the new token' if w else ''}; use 2k "
-                                         f"or more")
-                    out.append(engine.Config(k, slots, w, win))
+                for ls in lookaheads:
+                    la = parse_buffer(ls, k, "--lookahead")
+                    if k + la > k_max:
+                        raise SystemExit(f"--lookahead {ls} gives {la} units at k={k}: the trace "
+                                         f"holds ranks up to {k_max}; record it with a larger "
+                                         f"k_max or give a smaller --lookahead")
+                    for w in was:      # (with a window: the unit leaving it, engine.Config)
+                        if slots < k + la + w:
+                            raise SystemExit(f"--buffer {b} gives B={slots} for k={k}"
+                                             f"{f' and lookahead {la}' if la else ''}: B must hold "
+                                             f"one selection{' and its prefetch' if la else ''}"
+                                             f"{' plus the new token' if w else ''}; use a larger "
+                                             f"--buffer")
+                        out.append(engine.Config(k, slots, w, win, la))
     return list(dict.fromkeys(out))
 
 
@@ -107,7 +121,8 @@ def run(args) -> int:
     plan = []
     for tr in traces:
         cfgs = make_configs(ks, buffers, args.write_allocate, tr.k_max,
-                            tuple(w for w in args.window.split(",") if w.strip()) or ("0",))
+                            tuple(w for w in args.window.split(",") if w.strip()) or ("0",),
+                            tuple(x for x in args.lookahead.split(",") if x.strip()) or ("0",))
         skipped = [k for k in ks if k > tr.k_max]
         if skipped:
             print(f"{tr.name}: k={','.join(map(str, skipped))} > its k_max={tr.k_max}, skipped")

@@ -47,6 +47,7 @@ class Config:
     slots: int
     write_allocate: bool = True
     window: int = 0
+    lookahead: int = 0
 
 
 @dataclass
@@ -54,13 +55,15 @@ class Replay:
     """Misses of one (trace, policy) replay.
 
     misses[c]: (steps, rows) int32 fetched units per step and trace row for configs[c];
-    selected[c]: (steps, rows) int32 valid selected units (the miss-rate denominator).
+    selected[c]: (steps, rows) int32 valid selected units (the miss-rate denominator);
+    prefetched[c]: (steps, rows) int32 units fetched by the lookahead (0 without one).
     """
     trace: Trace
     policy: str
     configs: list
     misses: list
     selected: list
+    prefetched: list
 
 
 class NextUse:
@@ -106,18 +109,26 @@ def replay(trace: Trace, policy: str, configs: list[Config], seed: int = 0, bar=
     """Run every config through ``policy``; ``bar`` (tqdm-like) is advanced by steps x groups."""
     misses = [None] * len(configs)
     selected = [None] * len(configs)
+    prefetched = [None] * len(configs)
     groups: dict[int, list[int]] = {}
     for i, c in enumerate(configs):
-        if c.k + c.write_allocate > c.slots:
-            raise ValueError(f"buffer B={c.slots} too small for k={c.k}: the hot buffer must hold one "
-                             f"selection{' plus the new token (write-allocate)' if c.write_allocate else ''}"
-                             f"; use --buffer 2k or more")
+        if c.k + c.lookahead + c.write_allocate > c.slots:
+            raise ValueError(f"buffer B={c.slots} too small for k={c.k}"
+                             f"{f' + lookahead {c.lookahead}' if c.lookahead else ''}: the hot buffer "
+                             f"must hold one selection"
+                             f"{' and its prefetch' if c.lookahead else ''}"
+                             f"{' plus the new token (write-allocate)' if c.write_allocate else ''}"
+                             f"; use a larger --buffer")
+        if c.k + c.lookahead > trace.k_max:
+            raise ValueError(f"--lookahead {c.lookahead} at k={c.k} needs ranks up to "
+                             f"{c.k + c.lookahead} of each selection; the trace {trace.name} holds "
+                             f"{trace.k_max} (record it with a larger k_max, or a smaller lookahead)")
         groups.setdefault(c.slots, []).append(i)
     for slots, idx in groups.items():
-        m, n = _replay_group(trace, policy, [configs[i] for i in idx], slots, seed, bar)
+        m, n, f = _replay_group(trace, policy, [configs[i] for i in idx], slots, seed, bar)
         for j, i in enumerate(idx):
-            misses[i], selected[i] = m[j], n[j]
-    return Replay(trace, policy, list(configs), misses, selected)
+            misses[i], selected[i], prefetched[i] = m[j], n[j], f[j]
+    return Replay(trace, policy, list(configs), misses, selected, prefetched)
 
 
 def _replay_group(trace, policy, cfgs, slots, seed, bar):
@@ -129,9 +140,16 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
     for j, c in enumerate(cfgs):
         sel[:, j * L:(j + 1) * L, :c.k] = trace.first_k(c.k)
     valid = (sel >= 0).sum(-1).astype(np.int32)       # the denominator: window hits included
+    mg = max(c.lookahead for c in cfgs)
+    pre = np.full((T, len(cfgs) * L, mg), -1, np.int64)    # ranks k .. k + lookahead - 1
+    for j, c in enumerate(cfgs):
+        pre[:, j * L:(j + 1) * L, :c.lookahead] = trace.positions[:, :, c.k:c.k + c.lookahead]
     for j, c in enumerate(cfgs):
         if c.window:
             sel[:, j * L:(j + 1) * L] = _outside_window(sel[:, j * L:(j + 1) * L], new_unit, c.window)
+            if mg:
+                pre[:, j * L:(j + 1) * L] = _outside_window(pre[:, j * L:(j + 1) * L], new_unit,
+                                                            c.window)
     R = sel.shape[1]
     kw = {}
     oracle = None
@@ -147,9 +165,12 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
         wa[j * L:(j + 1) * L] = c.write_allocate and not c.window
         exit_wa[j * L:(j + 1) * L] = c.write_allocate and bool(c.window)
         win[j * L:(j + 1) * L] = c.window
+    writes = int(bool(wa.any() or exit_wa.any()))        # a column for the written unit
     new_unit = torch.from_numpy(new_unit)
     sel_t = torch.from_numpy(sel)
     miss_count = torch.zeros(T, R, dtype=torch.int32)
+    pre_count = torch.zeros(T, R, dtype=torch.int32)
+    pre_t = torch.from_numpy(pre)
     for t in range(T):
         s = sel_t[t]
         is_new = wa & (s == new_unit[t])                          # selected and written this step
@@ -157,15 +178,21 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
         if t + 1 < T and new_unit[t + 1] == new_unit[t] + 1:    # one unit leaves the window
             gone = new_unit[t + 1] - win
             extra = torch.where(exit_wa & (gone >= 0), gone, extra)
-        _, miss = resolve(state, torch.cat([s, extra], 1).to(torch.int32), step=t)
+        cols = [s, extra] if writes else [s]
+        if mg:        # the prefetch in the same call: it takes victims like a miss, never a slot
+            p = pre_t[t]                                          # the step's selection holds
+            cols.append(torch.where(p == extra, -1, p))          # (the new unit written once)
+        _, miss = resolve(state, torch.cat(cols, 1).to(torch.int32), step=t)
         miss_count[t] = (miss[:, :kg] & ~is_new).sum(1, dtype=torch.int32)
+        pre_count[t] = miss[:, kg + writes:].sum(1, dtype=torch.int32)
         if oracle is not None:
             oracle.advance(t)
         if bar is not None:
             bar.update(1)
-    mc = miss_count.numpy()
+    mc, pc = miss_count.numpy(), pre_count.numpy()
     return ([mc[:, j * L:(j + 1) * L] for j in range(len(cfgs))],
-            [valid[:, j * L:(j + 1) * L] for j in range(len(cfgs))])
+            [valid[:, j * L:(j + 1) * L] for j in range(len(cfgs))],
+            [pc[:, j * L:(j + 1) * L] for j in range(len(cfgs))])
 
 
 def _outside_window(sel: np.ndarray, new_unit: np.ndarray, window: int) -> np.ndarray:

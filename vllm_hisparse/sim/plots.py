@@ -82,9 +82,11 @@ def plot_vs_buffer(rows: list[dict], path: str) -> str:
 
 
 def plot_all(out_dir: str, rows: list[dict], per_step: list[dict]) -> list[str]:
-    """The plots are of buffer sizes: only the runs without a window (or the smallest one)."""
+    """The plots are of buffer sizes: only the runs without a window or lookahead (or the
+    smallest ones)."""
     w = min((r.get("window", 0) for r in rows), default=0)
-    rows = [r for r in rows if r.get("window", 0) == w]
-    per_step = [r for r in per_step if r.get("window", 0) == w]
+    la = min((r.get("lookahead", 0) for r in rows), default=0)
+    rows = [r for r in rows if r.get("window", 0) == w and r.get("lookahead", 0) == la]
+    per_step = [r for r in per_step if r.get("window", 0) == w and r.get("lookahead", 0) == la]
     return [p for p in (plot_per_step(per_step, os.path.join(out_dir, "miss_per_step.png")),
                         plot_vs_buffer(rows, os.path.join(out_dir, "miss_vs_buffer.png"))) if p]

@@ -2,6 +2,9 @@
 
 miss_rate: misses / selected units per step, averaged over steps (and layers for layer "all").
 steady_miss_rate: the same over steps >= warmup only (the buffer has filled by then).
+prefetched: units the lookahead fetched off the critical path (engine.Config.lookahead), over all
+steps; steady_prefetch_rate: those per selected unit over steps >= warmup (the bytes the link
+carries beside the misses, as a share of the selection).
 """
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ import numpy as np
 
 from .engine import Replay
 
-COLUMNS = ["trace", "layer", "k", "buffer", "buffer_x_k", "window", "policy", "write_allocate",
-           "miss_rate", "steady_miss_rate", "misses", "selected", "steps"]
+COLUMNS = ["trace", "layer", "k", "buffer", "buffer_x_k", "window", "lookahead", "policy",
+           "write_allocate", "miss_rate", "steady_miss_rate", "misses", "selected", "prefetched",
+           "steady_prefetch_rate", "steps"]
 
 
 def _rate(m: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -25,19 +29,23 @@ def _rate(m: np.ndarray, n: np.ndarray) -> np.ndarray:
 def rows_of(rep: Replay, warmup: int) -> list[dict]:
     """One row per config for layer 'all' plus one per trace row (layer or layer x head)."""
     out = []
-    for c, m, n in zip(rep.configs, rep.misses, rep.selected):
+    for c, m, n, f in zip(rep.configs, rep.misses, rep.selected, rep.prefetched):
         rate = _rate(m, n)
         w = min(warmup, max(rate.shape[0] - 1, 0))
         base = dict(trace=rep.trace.name, k=c.k, buffer=c.slots, buffer_x_k=round(c.slots / c.k, 3),
-                    window=c.window, policy=rep.policy, write_allocate="on" if c.write_allocate else "off",
-                    steps=rate.shape[0])
+                    window=c.window, lookahead=c.lookahead, policy=rep.policy,
+                    write_allocate="on" if c.write_allocate else "off", steps=rate.shape[0])
         out.append(dict(base, layer="all", miss_rate=float(np.nanmean(rate)),
                         steady_miss_rate=float(np.nanmean(rate[w:])),
-                        misses=int(m.sum()), selected=int(n.sum())))
+                        misses=int(m.sum()), selected=int(n.sum()), prefetched=int(f.sum()),
+                        steady_prefetch_rate=float(f[w:].sum() / max(int(n[w:].sum()), 1))))
         for layer in range(rate.shape[1]):
             out.append(dict(base, layer=layer, miss_rate=float(np.nanmean(rate[:, layer])),
                             steady_miss_rate=float(np.nanmean(rate[w:, layer])),
-                            misses=int(m[:, layer].sum()), selected=int(n[:, layer].sum())))
+                            misses=int(m[:, layer].sum()), selected=int(n[:, layer].sum()),
+                            prefetched=int(f[:, layer].sum()),
+                            steady_prefetch_rate=float(f[w:, layer].sum()
+                                                       / max(int(n[w:, layer].sum()), 1))))
     return out
 
 
@@ -48,7 +56,7 @@ def per_step_of(rep: Replay) -> list[dict]:
         rate = np.nanmean(_rate(m, n), axis=1)
         for t, r in enumerate(rate):
             out.append(dict(trace=rep.trace.name, k=c.k, buffer=c.slots, window=c.window,
-                            policy=rep.policy,
+                            lookahead=c.lookahead, policy=rep.policy,
                             write_allocate="on" if c.write_allocate else "off", step=t,
                             miss_rate=float(r)))
     return out
@@ -67,17 +75,31 @@ def write_csv(path: str, rows: list[dict], columns: list[str] | None = None) -> 
 
 def summary(rows: list[dict]) -> str:
     """Steady miss rate (%) of layer 'all', averaged over traces: one line per (k, B, window,
-    write-allocate), one column per policy."""
+    lookahead, write-allocate), one column per policy; with a lookahead, a second table of the
+    units it prefetched (% of the selected ones)."""
     agg: dict = {}
+    pre: dict = {}
     for r in rows:
         if r["layer"] != "all":
             continue
-        key = (r["k"], r["buffer"], r.get("window", 0), r["write_allocate"])
+        key = (r["k"], r["buffer"], r.get("window", 0), r.get("lookahead", 0), r["write_allocate"])
         agg.setdefault(key, {}).setdefault(r["policy"], []).append(r["steady_miss_rate"])
+        pre.setdefault(key, {}).setdefault(r["policy"], []).append(r.get("steady_prefetch_rate", 0.0))
     policies = sorted({p for v in agg.values() for p in v})
-    lines = ["steady miss rate % (mean over traces)",
-             f"{'k':>5} {'B':>6} {'W':>6} {'wa':>3} " + " ".join(f"{p:>9}" for p in policies)]
-    for (k, b, w, wa), v in sorted(agg.items()):
-        cells = [f"{100 * np.mean(v[p]):9.2f}" if p in v else f"{'-':>9}" for p in policies]
-        lines.append(f"{k:>5} {b:>6} {w:>6} {wa:>3} " + " ".join(cells))
+    head = f"{'k':>5} {'B':>6} {'W':>6} {'L':>6} {'wa':>3} " + " ".join(f"{p:>9}" for p in policies)
+
+    def table(title, vals, keys):
+        lines = [title, head]
+        for key in keys:
+            k, b, w, la, wa = key
+            cells = [f"{100 * np.mean(vals[key][p]):9.2f}" if p in vals[key] else f"{'-':>9}"
+                     for p in policies]
+            lines.append(f"{k:>5} {b:>6} {w:>6} {la:>6} {wa:>3} " + " ".join(cells))
+        return lines
+
+    lines = table("steady miss rate % (mean over traces)", agg, sorted(agg))
+    ahead = sorted(k for k in pre if k[3])
+    if ahead:
+        lines += table("prefetched by the lookahead, % of the selected units (off the critical "
+                       "path; mean over traces)", pre, ahead)
     return "\n".join(lines)
