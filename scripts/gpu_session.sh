@@ -23,8 +23,10 @@
 #   bash scripts/gpu_session.sh OUT cap      # 32K in / 2K out at 1 request and at each backend's
 #       capacity: stock, elastic (BACKENDS=... for others; ~2.5 min stock, ~5 min per hisparse backend)
 #   bash scripts/gpu_session.sh OUT paper    # the paper's workload, 32K in / 8K out, at each backend's
-#       capacity: stock, elastic (BACKENDS=...; ~9 min for the two: give the call LIMIT + 30 s;
-#       SERVING_FLAGS="--load-format scaled_dummy": weights whose attention matters, in paper and 32k1)
+#       capacity: stock, elastic (BACKENDS=...; LIMIT covers every backend of the call: H100 util
+#       0.52, dummy weights ~9 min for the two; with SERVING_FLAGS="--load-format scaled_dummy"
+#       (weights whose attention matters, in paper and 32k1) stock ~4 min and elastic ~7 min with
+#       their starts: run them one backend a call, each with its own LIMIT)
 #   bash scripts/gpu_session.sh OUT reasoning  # 1K in / 12K out at each backend's capacity (issue 16;
 #                                            # OUTPUT_LEN=..., ~8 min)
 #   bash scripts/gpu_session.sh OUT 4k       # 4K / 512 at 1 and 64 requests, stock vs hisparse (~5 min)
