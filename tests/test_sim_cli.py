@@ -54,7 +54,7 @@ def test_sim_window_rows(tmp_path, capsys):
     (["--window", "-1"], "--window"),
     (["--buffer", "1k"], "B must hold"),
     (["--k", "a"], "--k"),
-    (["--k", "4096"], "no --k value fits"),
+    (["--k", "4096"], r"no --k \(\+ --lookahead\) value fits"),
     (["/nonexistent.npz"], "not found"),
 ])
 def test_cli_errors_name_the_flag(tmp_path, argv, match):

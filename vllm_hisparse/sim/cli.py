@@ -81,8 +81,11 @@ def parse_policies(spec: str) -> list[str]:
 
 
 def make_configs(ks: list[int], buffers: list[str], wa: str, k_max: int,
-                 windows: tuple[str, ...] = ("0",),
-                 lookaheads: tuple[str, ...] = ("0",)) -> list[engine.Config]:
+                 windows: tuple[str, ...] = ("0",), lookaheads: tuple[str, ...] = ("0",),
+                 skipped: list | None = None) -> list[engine.Config]:
+    """The configs of every (k, B, window, lookahead, write-allocate); a (k, lookahead) whose ranks
+    the trace does not hold (k + lookahead > k_max) is left out and, with ``skipped``, listed
+    there as (k, lookahead)."""
     was = {"on": [True], "off": [False], "both": [True, False]}[wa]
     out = []
     for k in ks:
@@ -95,9 +98,9 @@ def make_configs(ks: list[int], buffers: list[str], wa: str, k_max: int,
                 for ls in lookaheads:
                     la = parse_buffer(ls, k, "--lookahead")
                     if k + la > k_max:
-                        raise SystemExit(f"--lookahead {ls} gives {la} units at k={k}: the trace "
-                                         f"holds ranks up to {k_max}; record it with a larger "
-                                         f"k_max or give a smaller --lookahead")
+                        if skipped is not None and (k, la) not in skipped:
+                            skipped.append((k, la))
+                        continue
                     for w in was:      # (with a window: the unit leaving it, engine.Config)
                         if slots < k + la + w:
                             raise SystemExit(f"--buffer {b} gives B={slots} for k={k}"
@@ -120,16 +123,22 @@ def run(args) -> int:
     buffers = [b for b in args.buffer.split(",") if b.strip()]
     plan = []
     for tr in traces:
+        ahead: list = []
         cfgs = make_configs(ks, buffers, args.write_allocate, tr.k_max,
                             tuple(w for w in args.window.split(",") if w.strip()) or ("0",),
-                            tuple(x for x in args.lookahead.split(",") if x.strip()) or ("0",))
+                            tuple(x for x in args.lookahead.split(",") if x.strip()) or ("0",),
+                            ahead)
         skipped = [k for k in ks if k > tr.k_max]
         if skipped:
             print(f"{tr.name}: k={','.join(map(str, skipped))} > its k_max={tr.k_max}, skipped")
+        if ahead:
+            print(f"{tr.name}: " + ", ".join(f"k={k} + lookahead {la}" for k, la in ahead)
+                  + f" > its k_max={tr.k_max} (record it with a larger k_max), skipped")
         if cfgs:
             plan.append((tr, cfgs))
     if not plan:
-        raise SystemExit("hisparse sim: no --k value fits the traces' k_max; use smaller --k")
+        raise SystemExit("hisparse sim: no --k (+ --lookahead) value fits the traces' k_max; use "
+                         "a smaller --k or --lookahead")
     total = sum(tr.steps * len({c.slots for c in cfgs}) for tr, cfgs in plan) * len(names)
     from tqdm import tqdm
     bar = tqdm(total=total, unit="step", desc="sim", disable=args.no_progress)

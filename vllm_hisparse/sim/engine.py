@@ -23,6 +23,18 @@ on, the unit that ages out of the window at step t + 1 is written into the buffe
 (while its block is still held: one extra, last column, as above, never a miss; only where the
 context grows by one unit, as in a decode trace); off, it is not in the buffer (its next
 selection is a miss). Window hits count as selected units.
+
+Lookahead (``Config.lookahead`` = m units, default 0): after step t's selection, the indexer's
+next m candidates of step t (ranks k .. k + m - 1 of the trace, best first) resolve into the same
+buffer as a prefetch: the ones not resident are fetched off the step's critical path
+(``Replay.prefetched``, never misses) and may be hits at step t + 1. Models a copy that runs while
+the rest of the step computes; whether the link has the time is the caller's arithmetic
+(prefetched against missed units). They go in the step's one resolve call, after the selection
+(and the written unit), so they take victims as misses do and never the slot of a unit the step
+selected; under LRU they enter as the step's most recent (a prefetch that does not refresh
+recency, or enters at the LRU end, is not modelled), and under Bélády the oracle is no longer a
+bound (it must keep what is prefetched). Needs a trace recorded with k_max >= k + m, and B >= k +
+m (+1 with write-allocate).
 """
 from __future__ import annotations
 
@@ -42,7 +54,7 @@ from .trace import Trace
 class Config:
     """One simulated buffer: top-k size ``k`` (units), ``slots`` = B (units), write-allocate on/off
     (with a window: of the unit leaving it), a window of the ``window`` newest units resident
-    beside it (0: none)."""
+    beside it (0: none), the ``lookahead`` next candidates prefetched after each step (0: none)."""
     k: int
     slots: int
     write_allocate: bool = True
@@ -166,6 +178,10 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
         exit_wa[j * L:(j + 1) * L] = c.write_allocate and bool(c.window)
         win[j * L:(j + 1) * L] = c.window
     writes = int(bool(wa.any() or exit_wa.any()))        # a column for the written unit
+    if kg + writes + mg > slots:          # configs of one B, the widest k with the widest lookahead
+        raise ValueError(f"buffer B={slots}: one resolve call of k={kg}"
+                         f"{' + the new token' if writes else ''} + lookahead {mg} exceeds it; "
+                         f"replay these configs separately or use a larger --buffer")
     new_unit = torch.from_numpy(new_unit)
     sel_t = torch.from_numpy(sel)
     miss_count = torch.zeros(T, R, dtype=torch.int32)

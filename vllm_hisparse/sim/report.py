@@ -17,6 +17,15 @@ import numpy as np
 from . import trace as tracefmt
 
 
+def _key(r: dict) -> tuple[int, int, int, int]:
+    """(k, B, window, lookahead) of a results row (older files have no window / lookahead)."""
+    return (int(r["k"]), int(r["buffer"]), int(r.get("window") or 0), int(r.get("lookahead") or 0))
+
+
+def _extras(w: int, la: int) -> str:
+    return (f" + window {w}" if w else "") + (f" + lookahead {la}" if la else "")
+
+
 def load_rows(paths: list[str]) -> list[dict]:
     rows = []
     for p in paths:
@@ -29,16 +38,14 @@ def tables(rows: list[dict], new: str = "crf") -> str:
     out = []
     for wa in sorted({r["write_allocate"] for r in rows}, reverse=True):
         sub = [r for r in rows if r["write_allocate"] == wa]
-        for k, b, w in sorted({(int(r["k"]), int(r["buffer"]), int(r.get("window") or 0))
-                               for r in sub}):
+        for k, b, w, la in sorted({_key(r) for r in sub}):
             cell = {(r["trace"], r["policy"]): 100 * float(r["steady_miss_rate"])
-                    for r in sub if (int(r["k"]), int(r["buffer"]),
-                                     int(r.get("window") or 0)) == (k, b, w)}
+                    for r in sub if _key(r) == (k, b, w, la)}
             traces = sorted({t for t, _ in cell})
             pols = sorted({p for _, p in cell},
                           key=lambda p: -np.mean([cell.get((t, p), np.nan) for t in traces]))
             mean = {p: float(np.mean([cell[(t, p)] for t in traces if (t, p) in cell])) for p in pols}
-            win = f", window {w}" if w else ""
+            win = (f", window {w}" if w else "") + (f", lookahead {la}" if la else "")
             out.append(f"\n**k={k}, B={b} ({b / k:g}k){win}, write-allocate {wa}** — steady miss "
                        f"rate %\n")
             out.append("| trace | " + " | ".join(pols) + " |")
@@ -59,19 +66,19 @@ def tables(rows: list[dict], new: str = "crf") -> str:
 
 
 def compact(rows: list[dict], new: str = "crf") -> str:
-    """One table: a line per (k, B, window, write-allocate) with the mean over traces of every policy, the new
-    policy's gain over LRU (points) and its share of the LRU -> Bélády gap."""
+    """One table: a line per (k, B, window, lookahead, write-allocate) with the mean over traces of
+    every policy, the new policy's gain over LRU (points) and its share of the LRU -> Bélády gap."""
     agg: dict = {}
     for r in rows:
-        key = (int(r["k"]), int(r["buffer"]), int(r.get("window") or 0), r["write_allocate"])
+        key = (*_key(r), r["write_allocate"])
         agg.setdefault(key, {}).setdefault(r["policy"], []).append(100 * float(r["steady_miss_rate"]))
     pols = sorted({p for v in agg.values() for p in v},
                   key=lambda p: -np.mean([np.mean(v[p]) for v in agg.values() if p in v]))
     head = ["k", "B", "write-alloc"] + pols + [f"{new} gain (pts)", "% of LRU->Bélády gap"]
     out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for (k, b, w, wa), v in sorted(agg.items(), key=lambda kv: (kv[0][3] != "on", kv[0][:3])):
+    for (k, b, w, la, wa), v in sorted(agg.items(), key=lambda kv: (kv[0][4] != "on", kv[0][:4])):
         mean = {p: float(np.mean(v[p])) for p in v}
-        buf = f"{b} ({b / k:g}k)" + (f" + window {w}" if w else "")
+        buf = f"{b} ({b / k:g}k)" + _extras(w, la)
         cells = [str(k), buf, wa] + [f"{mean[p]:.2f}" if p in mean else "-" for p in pols]
         if {new, "lru", "belady"} <= set(mean) and mean["lru"] > mean["belady"]:
             gain = mean["lru"] - mean[new]
