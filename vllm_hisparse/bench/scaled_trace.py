@@ -1,8 +1,9 @@
 """Record selection traces from a random model at a trained model's scale: the Llama-3-8B shape's
 attention (32 query heads, 8 KV heads, head size 128, hidden 4096, its MLP), fewer layers,
 initialised as ``load_format=scaled_dummy`` initialises a served engine (``vllm/scaled_weights``:
-norms 1, the rest N(0, 0.02^2)), over random-token prompts: the selection the GPU's
-"attention-matters" runs make, on a CPU.
+norms 1, the rest N(0, 0.02^2)), over random-token prompts: the GPU's "attention-matters" weights'
+initialisation, on a CPU. Its selection churns more than the served engine's (teacher-forced over
+random tokens, few layers; docs/cache-policies.md compares them).
 
     python -m vllm_hisparse.bench.scaled_trace --layers 6 --context 6144 --steps 512 --out DIR
 
