@@ -7,17 +7,14 @@ import torch
 from vllm_hisparse.slots import engine as hot_buffer
 from vllm_hisparse.slots.engine import HotBufferState, resolve
 from vllm_hisparse.slots import make
-from vllm_hisparse.sim import engine, trace
+from vllm_hisparse.sim import engine
 
 STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def real():
-    t = trace.load(trace.default_trace_path())
-    t.positions, t.context_len = t.positions[:STEPS, :4, :16], t.context_len[:STEPS]
-    t.meta = dict(t.meta, k_max=16)
-    return t
+def real(shipped_trace_head):
+    return shipped_trace_head(STEPS, 4, 16)
 
 
 def replay_one_row(tr, layer, k, slots, policy, wa):

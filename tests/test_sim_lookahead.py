@@ -17,11 +17,8 @@ STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def real():
-    t = trace.load(trace.default_trace_path())
-    t.positions, t.context_len = t.positions[:STEPS, :4, :24], t.context_len[:STEPS]
-    t.meta = dict(t.meta, k_max=24)
-    return t
+def real(shipped_trace_head):
+    return shipped_trace_head(STEPS, 4, 24)
 
 
 def replay_one_row(tr, layer, k, m, slots, policy, wa, window=0):
