@@ -44,17 +44,3 @@ def pytest_collection_modifyitems(config, items):
         for mark, why in skip.items():
             if why and mark in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=why))
-
-
-@pytest.fixture(scope="session")
-def shipped_trace_head():
-    """``head(steps, rows, k)``: the first steps, trace rows and ranks of the package's shipped real
-    trace (a small, fast stand-in for the simulator's tests; meta k_max = k)."""
-    from vllm_hisparse.sim import trace
-
-    def head(steps: int, rows: int, k: int):
-        t = trace.load(trace.default_trace_path())
-        t.positions, t.context_len = t.positions[:steps, :rows, :k], t.context_len[:steps]
-        t.meta = dict(t.meta, k_max=k)
-        return t
-    return head

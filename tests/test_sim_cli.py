@@ -75,3 +75,38 @@ def test_report_gain_and_gap_share():
     table = report.compact(rows)
     assert "| 64 | 128 (2k) | on | 14.00 | 12.00 | 6.00 | +2.00 | 25.0% |" in table
     assert "belady < crf < lru; crf vs lru: +2.00 points, 25.0% of the LRU->Bélády gap" in report.tables(rows)
+
+
+def test_cli_lookahead_table_and_errors(tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["sim", "--policies", "lru", "--k", "8", "--buffer", "4k", "--lookahead", "0,1k",
+                 "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    assert "prefetched by the lookahead" in text
+    rows = {r["lookahead"]: r for r in csv.DictReader(open(out / "results.csv")) if r["layer"] == "all"}
+    assert set(rows) == {"0", "8"} and int(rows["0"]["prefetched"]) == 0 < int(rows["8"]["prefetched"])
+    assert int(rows["8"]["misses"]) < int(rows["0"]["misses"])
+    for argv, match in ((["--lookahead", "9999"], "--lookahead"), (["--lookahead", "xk"], "--lookahead"),
+                        (["--buffer", "2k", "--lookahead", "1k"], "and its prefetch")):
+        with pytest.raises(SystemExit, match=match):
+            main(["sim", "--k", "8", *argv, "--out", str(tmp_path), "--no-progress", "--no-plots"])
+    # a lookahead past the trace's ranks (k_max 256) is skipped with a line, the rest still runs
+    assert main(["sim", "--policies", "lru", "--k", "8,128", "--buffer", "4k", "--lookahead",
+                 "0,1k", "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    assert "k=128 + lookahead 128 > its k_max=256" not in capsys.readouterr().out
+    assert main(["sim", "--policies", "lru", "--k", "8,200", "--buffer", "4k", "--lookahead",
+                 "0,1k", "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    assert "k=200 + lookahead 200 > its k_max=256" in text
+    rows = {(r["k"], r["lookahead"]) for r in csv.DictReader(open(out / "results.csv"))}
+    assert rows == {("8", "0"), ("8", "8"), ("200", "0")}
+
+
+def test_report_keeps_lookaheads_apart():
+    from vllm_hisparse.sim import report
+    rows = [dict(trace="a", layer="all", k="32", buffer="128", write_allocate="on", policy="lru",
+                 lookahead=str(la), steady_miss_rate=str(v)) for la, v in ((0, 0.10), (16, 0.20))]
+    table = report.compact(rows)
+    assert "| 32 | 128 (4k) | on | 10.00 |" in table and "| 32 | 128 (4k) + lookahead 16 | on | 20.00 |" in table
+    text = report.tables(rows)
+    assert "B=128 (4k), write-allocate on" in text and "lookahead 16, write-allocate on" in text
