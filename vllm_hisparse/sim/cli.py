@@ -9,6 +9,7 @@ trace row), DIR/per_step.csv and two PNG plots; prints a summary table.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -88,27 +89,22 @@ def make_configs(ks: list[int], buffers: list[str], wa: str, k_max: int,
     there as (k, lookahead)."""
     was = {"on": [True], "off": [False], "both": [True, False]}[wa]
     out = []
-    for k in ks:
+    for k, b, ws, ls, w in itertools.product(ks, buffers, windows, lookaheads, was):
         if k > k_max:
             continue
-        for b in buffers:
-            slots = parse_buffer(b, k)
-            for ws in windows:
-                win = parse_buffer(ws, k, "--window")
-                for ls in lookaheads:
-                    la = parse_buffer(ls, k, "--lookahead")
-                    if k + la > k_max:
-                        if skipped is not None and (k, la) not in skipped:
-                            skipped.append((k, la))
-                        continue
-                    for w in was:      # (with a window: the unit leaving it, engine.Config)
-                        if slots < k + la + w:
-                            raise SystemExit(f"--buffer {b} gives B={slots} for k={k}"
-                                             f"{f' and lookahead {la}' if la else ''}: B must hold "
-                                             f"one selection{' and its prefetch' if la else ''}"
-                                             f"{' plus the new token' if w else ''}; use a larger "
-                                             f"--buffer")
-                        out.append(engine.Config(k, slots, w, win, la))
+        slots = parse_buffer(b, k)
+        win = parse_buffer(ws, k, "--window")
+        la = parse_buffer(ls, k, "--lookahead")
+        if k + la > k_max:
+            if skipped is not None and (k, la) not in skipped:
+                skipped.append((k, la))
+            continue
+        if slots < k + la + w:          # (with a window: w is the unit leaving it, engine.Config)
+            raise SystemExit(f"--buffer {b} gives B={slots} for k={k}"
+                             f"{f' and lookahead {la}' if la else ''}: B must hold one selection"
+                             f"{' and its prefetch' if la else ''}"
+                             f"{' plus the new token' if w else ''}; use a larger --buffer")
+        out.append(engine.Config(k, slots, w, win, la))
     return list(dict.fromkeys(out))
 
 

@@ -26,6 +26,11 @@ def _rate(m: np.ndarray, n: np.ndarray) -> np.ndarray:
         return np.where(n > 0, m / np.maximum(n, 1), np.nan)
 
 
+def _per_selected(f: np.ndarray, n: np.ndarray) -> float:
+    """Prefetched units per selected unit, over every step and row given."""
+    return float(f.sum() / max(int(n.sum()), 1))
+
+
 def rows_of(rep: Replay, warmup: int) -> list[dict]:
     """One row per config for layer 'all' plus one per trace row (layer or layer x head)."""
     out = []
@@ -38,14 +43,13 @@ def rows_of(rep: Replay, warmup: int) -> list[dict]:
         out.append(dict(base, layer="all", miss_rate=float(np.nanmean(rate)),
                         steady_miss_rate=float(np.nanmean(rate[w:])),
                         misses=int(m.sum()), selected=int(n.sum()), prefetched=int(f.sum()),
-                        steady_prefetch_rate=float(f[w:].sum() / max(int(n[w:].sum()), 1))))
+                        steady_prefetch_rate=_per_selected(f[w:], n[w:])))
         for layer in range(rate.shape[1]):
             out.append(dict(base, layer=layer, miss_rate=float(np.nanmean(rate[:, layer])),
                             steady_miss_rate=float(np.nanmean(rate[w:, layer])),
                             misses=int(m[:, layer].sum()), selected=int(n[:, layer].sum()),
                             prefetched=int(f[:, layer].sum()),
-                            steady_prefetch_rate=float(f[w:, layer].sum()
-                                                       / max(int(n[w:, layer].sum()), 1))))
+                            steady_prefetch_rate=_per_selected(f[w:, layer], n[w:, layer])))
     return out
 
 
