@@ -247,8 +247,9 @@ case "$part" in
     # each backend's servers pooled: mean TPOT, its range, against the first backend's
     python3 -m vllm_hisparse.bench.server_spread "$out/32k/serving.csv"
     p0=/tmp/serving/profile-$(echo ${BACKENDS:-stock} | cut -d, -f1).json
-    for f in /tmp/serving/profile-*.json; do [ -f "$p0" ] && [ "$f" != "$p0" ] && \
-      python3 -m vllm_hisparse.bench.served_profile diff "$p0" "$f" --top 12; done ;;
+    # (no profile without SPROFILE: the step ends 0, not the failed test's 1)
+    if [ -f "$p0" ]; then for f in /tmp/serving/profile-*.json; do if [ "$f" != "$p0" ]; then
+      python3 -m vllm_hisparse.bench.served_profile diff "$p0" "$f" --top 12; fi; done; fi ;;
   profile)
     # where a decode step's time goes, backend by backend, in one process each (bench.step_profile):
     # wall ms a step over STEPS steps, then PSTEPS steps under the torch profiler (kernels a step,
