@@ -68,11 +68,13 @@ class LatentImpl:
         self._static = vc.compilation_config.static_forward_context
         self._layer: int | None = None
         assert self.topk_indices_buffer is not None
-        self.hisparse_worker = worker.find(vc) or LatentWorker.start(
-            vc, row, self.topk_indices_buffer.shape[1], dtype)
-        if torch.cuda.is_available():   # the pool is on the GPU: check what it leaves vLLM
-            kv_room.install()
-        return self.hisparse_worker
+        found = worker.find(vc)
+        if found is None:
+            found = LatentWorker.start(vc, row, self.topk_indices_buffer.shape[1], dtype)
+            if torch.cuda.is_available():   # the pool is on the GPU: check what it leaves vLLM
+                kv_room.install()
+        self.hisparse_worker = found
+        return found
 
     def _layer_index(self) -> int:
         """This impl's layer (vLLM passes do_kv_cache_update no layer): found once by name in the

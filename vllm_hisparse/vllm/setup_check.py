@@ -54,15 +54,15 @@ def prepare_config(vllm_config) -> None:
         raise Refused(f"hisparse: indexer={cfg.indexer!r} needs an MLA model with a DSA indexer "
                       f"(DeepSeek-V3.2 style, docs/dsa.md); this model is not MLA: use "
                       f"\"quest\"")
-    if mc is not None and not gpu_pools.sparse_possible(cfg, mc.max_model_len):
-        cfg.check_layers(mc.get_num_layers(pc))     # a wrong setting is refused all the same
-        serve_as_stock(vllm_config, cfg, mc.max_model_len)  # whatever stock serves (dtypes...)
-        return
+    if mc is not None:
+        cfg.check_layers(mc.get_num_layers(pc))     # refused whether or not a request can be sparse
+        if not gpu_pools.sparse_possible(cfg, mc.max_model_len):
+            serve_as_stock(vllm_config, cfg, mc.max_model_len)  # whatever stock serves (dtypes...)
+            return
     check_kv_cache_dtype(cfg, cc)
     if mc is not None:
         if getattr(mc, "is_encoder_decoder", False):
             raise Refused(f"hisparse: encoder-decoder models are not supported; {SUPPORTED}")
-        cfg.check_layers(mc.get_num_layers(pc))
         cfg = deployment_of(vllm_config).cfg        # auto sizes filled in
     dc = getattr(vllm_config, "device_config", None)
     if getattr(dc, "device_type", None) == "cuda" and getattr(vllm_config, "use_v2_model_runner",
