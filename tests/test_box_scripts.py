@@ -137,3 +137,44 @@ def test_box_setup(tmp_path, ok):
         assert r.returncode == 0 and r.stdout.startswith("after setup: 1 ") and "u" in r.stdout
     else:
         assert r.returncode == 1 and r.stdout == f"setting up {out}\nbuild failed\n"
+
+
+@needs_bash
+def test_gpu_setup_sourced_again_skips_its_python_checks(tmp_path):
+    """scripts/gpu_setup.sh sourced by a chain, then by the scripts it runs (children inherit
+    HISPARSE_GPU_SETUP): the extension's two Python checks run once per tree, again for another
+    tree, and always under NO_VLLM (the kernels-only build, which exports nothing)."""
+    bin_, site, log = tmp_path / "bin", tmp_path / "site", tmp_path / "calls"
+    bin_.mkdir()
+    (site / "vllm").mkdir(parents=True)
+    for name, body in (("python3", 'echo "$*" >> "$FAKE_ARGS"; exit 0\n'),
+                       ("nvidia-smi", "echo 'GPU, 1 MiB, 0'\n")):
+        p = bin_ / name
+        p.write_text("#!/bin/sh\n" + body)
+        p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    for tree in ("a", "b"):
+        (tmp_path / tree / "scripts").mkdir(parents=True)
+        shutil.copy(os.path.join(ROOT, "scripts", "gpu_setup.sh"), tmp_path / tree / "scripts")
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", FAKE_ARGS=str(log),
+               GPU_SITE=str(site))
+    env.pop("HISPARSE_GPU_SETUP", None)
+
+    def run(script):
+        log.write_text("")
+        r = subprocess.run(["bash", "-c", script], cwd=tmp_path / "a", env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout, len(log.read_text().splitlines())
+
+    out, calls = run("source scripts/gpu_setup.sh o1")
+    assert calls == 2
+    out, calls = run('source scripts/gpu_setup.sh o1 > /dev/null; : > "$FAKE_ARGS"; '
+                     'bash -c "source scripts/gpu_setup.sh o2"')
+    assert calls == 0 and "checked when this tree was set up" in out
+    out, calls = run('source scripts/gpu_setup.sh o1 > /dev/null; : > "$FAKE_ARGS"; '
+                     'cd ../b && bash -c "source scripts/gpu_setup.sh o2"')
+    assert calls == 2, "another tree is checked again"
+    out, calls = run('source scripts/gpu_setup.sh o1 > /dev/null; : > "$FAKE_ARGS"; '
+                     'NO_VLLM=1 bash -c "source scripts/gpu_setup.sh o2"')
+    assert calls == 2, "NO_VLLM checks the build every time"
+    assert (site / "vllm_hisparse-0.1.0.dist-info" / "entry_points.txt").exists()
