@@ -147,15 +147,14 @@ def _replay_group(trace, policy, cfgs, slots, seed, bar):
     L, T = trace.layers, trace.steps
     kg = max(c.k for c in cfgs)
     U = trace.max_units()
+    mg = max(c.lookahead for c in cfgs)
     sel = np.full((T, len(cfgs) * L, kg), -1, np.int64)
+    pre = np.full((T, len(cfgs) * L, mg), -1, np.int64)    # ranks k .. k + lookahead - 1
     new_unit = (trace.context_len.astype(np.int64) - 1) // trace.unit
     for j, c in enumerate(cfgs):
         sel[:, j * L:(j + 1) * L, :c.k] = trace.first_k(c.k)
-    valid = (sel >= 0).sum(-1).astype(np.int32)       # the denominator: window hits included
-    mg = max(c.lookahead for c in cfgs)
-    pre = np.full((T, len(cfgs) * L, mg), -1, np.int64)    # ranks k .. k + lookahead - 1
-    for j, c in enumerate(cfgs):
         pre[:, j * L:(j + 1) * L, :c.lookahead] = trace.positions[:, :, c.k:c.k + c.lookahead]
+    valid = (sel >= 0).sum(-1).astype(np.int32)       # the denominator: window hits included
     for j, c in enumerate(cfgs):
         if c.window:
             sel[:, j * L:(j + 1) * L] = _outside_window(sel[:, j * L:(j + 1) * L], new_unit, c.window)

@@ -22,8 +22,8 @@ def _key(r: dict) -> tuple[int, int, int, int]:
     return (int(r["k"]), int(r["buffer"]), int(r.get("window") or 0), int(r.get("lookahead") or 0))
 
 
-def _extras(w: int, la: int) -> str:
-    return (f" + window {w}" if w else "") + (f" + lookahead {la}" if la else "")
+def _extras(w: int, la: int, sep: str = " +") -> str:
+    return (f"{sep} window {w}" if w else "") + (f"{sep} lookahead {la}" if la else "")
 
 
 def load_rows(paths: list[str]) -> list[dict]:
@@ -45,7 +45,7 @@ def tables(rows: list[dict], new: str = "crf") -> str:
             pols = sorted({p for _, p in cell},
                           key=lambda p: -np.mean([cell.get((t, p), np.nan) for t in traces]))
             mean = {p: float(np.mean([cell[(t, p)] for t in traces if (t, p) in cell])) for p in pols}
-            win = (f", window {w}" if w else "") + (f", lookahead {la}" if la else "")
+            win = _extras(w, la, ",")
             out.append(f"\n**k={k}, B={b} ({b / k:g}k){win}, write-allocate {wa}** — steady miss "
                        f"rate %\n")
             out.append("| trace | " + " | ".join(pols) + " |")

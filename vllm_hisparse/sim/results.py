@@ -40,16 +40,13 @@ def rows_of(rep: Replay, warmup: int) -> list[dict]:
         base = dict(trace=rep.trace.name, k=c.k, buffer=c.slots, buffer_x_k=round(c.slots / c.k, 3),
                     window=c.window, lookahead=c.lookahead, policy=rep.policy,
                     write_allocate="on" if c.write_allocate else "off", steps=rate.shape[0])
-        out.append(dict(base, layer="all", miss_rate=float(np.nanmean(rate)),
-                        steady_miss_rate=float(np.nanmean(rate[w:])),
-                        misses=int(m.sum()), selected=int(n.sum()), prefetched=int(f.sum()),
-                        steady_prefetch_rate=_per_selected(f[w:], n[w:])))
-        for layer in range(rate.shape[1]):
-            out.append(dict(base, layer=layer, miss_rate=float(np.nanmean(rate[:, layer])),
-                            steady_miss_rate=float(np.nanmean(rate[w:, layer])),
-                            misses=int(m[:, layer].sum()), selected=int(n[:, layer].sum()),
-                            prefetched=int(f[:, layer].sum()),
-                            steady_prefetch_rate=_per_selected(f[w:, layer], n[w:, layer])))
+        # layer "all" takes every trace row's column, a layer row its own
+        for layer, col in [("all", slice(None))] + [(i, i) for i in range(rate.shape[1])]:
+            out.append(dict(base, layer=layer, miss_rate=float(np.nanmean(rate[:, col])),
+                            steady_miss_rate=float(np.nanmean(rate[w:, col])),
+                            misses=int(m[:, col].sum()), selected=int(n[:, col].sum()),
+                            prefetched=int(f[:, col].sum()),
+                            steady_prefetch_rate=_per_selected(f[w:, col], n[w:, col])))
     return out
 
 
