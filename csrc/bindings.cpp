@@ -8,7 +8,7 @@ void resolve_lru(const torch::Tensor& selection, torch::Tensor& slot_unit, torch
                  const torch::Tensor& host, const torch::Tensor& host_page_table,
                  torch::Tensor& device_locs, int64_t io_chunk_bytes);
 void write_through(torch::Tensor& host, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tok,
-                   const torch::Tensor& page, const torch::Tensor& off);
+                   const torch::Tensor& page, const torch::Tensor& off, int64_t max_blocks);
 torch::Tensor uva_view(const torch::Tensor& host);
 void select_resolve(const torch::Tensor& scores, const torch::Tensor& seq, const torch::Tensor& num_full,
                     const torch::Tensor& hot, const torch::Tensor& rows, const torch::Tensor& block_table,
@@ -22,7 +22,7 @@ TORCH_LIBRARY(hisparse, m) {
       "resolve_lru(Tensor selection, Tensor(a!) slot_unit, Tensor(b!) unit_slot, Tensor(c!) lru_order, "
       "Tensor slot_map, Tensor(d!) buffer, Tensor host, Tensor host_page_table, Tensor(e!) device_locs, "
       "int io_chunk_bytes=64) -> ()");
-  m.def("write_through(Tensor(a!) host, Tensor k, Tensor v, Tensor tok, Tensor page, Tensor off) -> ()");
+  m.def("write_through(Tensor(a!) host, Tensor k, Tensor v, Tensor tok, Tensor page, Tensor off, int max_blocks=0) -> ()");
   m.def("uva_view(Tensor(a) host) -> Tensor(a)");
   m.def(
       "select_resolve(Tensor scores, Tensor seq, Tensor num_full, Tensor hot, Tensor rows, Tensor block_table, "

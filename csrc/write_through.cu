@@ -1,5 +1,6 @@
 // Torch launcher of WRITE-THROUGH: checks every input, picks the current stream, one launch.
-// No host synchronisation and no allocation: capturable in a CUDA graph.
+// No host synchronisation and no allocation: capturable in a CUDA graph. max_blocks > 0 caps the grid
+// (the prefill's write-behind on a side stream: PCIe-bound, so a few CTAs beside the compute stream's).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/all.h>
@@ -39,14 +40,14 @@ void check_index(const torch::Tensor& t, const char* name, int64_t n, const torc
 }
 
 template <typename V>
-void launch(cudaStream_t st, int sms, const uint8_t* k, const uint8_t* v, int64_t ks, int64_t vs, int64_t T,
+void launch(cudaStream_t st, int64_t cap, const uint8_t* k, const uint8_t* v, int64_t ks, int64_t vs, int64_t T,
             const int64_t* tok, const int64_t* page, const int64_t* off, int64_t n, uint8_t* host,
             int64_t pages, int64_t P, int64_t row_bytes) {
   const int64_t nvec = row_bytes / (int64_t)sizeof(V);
   const int64_t total = n * 2 * nvec;
   const int threads = hisparse::kWriteThroughThreads;
-  // Enough blocks to cover the rows once, capped at 8 per SM (the loop strides over the rest).
-  const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, (int64_t)sms * 8);
+  // Enough blocks to cover the rows once, capped (the loop strides over the rest).
+  const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, cap);
   if (total + blocks * threads <= (int64_t)UINT32_MAX) {
     hisparse::write_through_kernel<V, uint32_t><<<(unsigned)blocks, threads, 0, st>>>(
         k, v, ks, vs, T, tok, page, off, (uint32_t)n, host, pages, P, (uint32_t)nvec);
@@ -60,7 +61,7 @@ void launch(cudaStream_t st, int sms, const uint8_t* k, const uint8_t* v, int64_
 }  // namespace
 
 void write_through(torch::Tensor& host, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tok,
-                   const torch::Tensor& page, const torch::Tensor& off) {
+                   const torch::Tensor& page, const torch::Tensor& off, int64_t max_blocks) {
   TORCH_CHECK(k.is_cuda(), "write_through: k must be a CUDA tensor, got ", k.device());
   const auto dev = k.device();
   const c10::cuda::CUDAGuard guard(dev);
@@ -78,12 +79,14 @@ void write_through(torch::Tensor& host, const torch::Tensor& k, const torch::Ten
   check_index(tok, "tok", n, dev);
   check_index(page, "page", n, dev);
   check_index(off, "off", n, dev);
+  TORCH_CHECK(max_blocks >= 0, "write_through: max_blocks must be >= 0 (0 = 8 per SM), got ", max_blocks);
   uint8_t* hptr = hisparse::device_address(host, "write_through", "host");
   const int64_t es = host.element_size(), row_bytes = Hkv * D * es, T = k.size(0);
   if (n == 0 || row_bytes == 0 || T == 0 || host.size(0) == 0) return;
 
   cudaStream_t st = at::cuda::getCurrentCUDAStream();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t cap = max_blocks > 0 ? std::min<int64_t>(max_blocks, (int64_t)sms * 8) : (int64_t)sms * 8;
   const auto* kptr = static_cast<const uint8_t*>(k.data_ptr());
   const auto* vptr = static_cast<const uint8_t*>(v.data_ptr());
   const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es;
@@ -99,10 +102,10 @@ void write_through(torch::Tensor& host, const torch::Tensor& k, const torch::Ten
   const int64_t* pp = page.data_ptr<int64_t>();
   const int64_t* op = off.data_ptr<int64_t>();
   switch (vec) {
-    case 16: launch<int4>(st, sms, kptr, vptr, ks, vs, T, tp, pp, op, n, hptr, pages, P, row_bytes); break;
-    case 8: launch<int2>(st, sms, kptr, vptr, ks, vs, T, tp, pp, op, n, hptr, pages, P, row_bytes); break;
-    case 4: launch<int32_t>(st, sms, kptr, vptr, ks, vs, T, tp, pp, op, n, hptr, pages, P, row_bytes); break;
-    case 2: launch<int16_t>(st, sms, kptr, vptr, ks, vs, T, tp, pp, op, n, hptr, pages, P, row_bytes); break;
-    default: launch<int8_t>(st, sms, kptr, vptr, ks, vs, T, tp, pp, op, n, hptr, pages, P, row_bytes); break;
+    case 16: launch<int4>(st, cap, kptr, vptr, ks, vs, T, tp, pp, op, n, hptr, pages, P, row_bytes); break;
+    case 8: launch<int2>(st, cap, kptr, vptr, ks, vs, T, tp, pp, op, n, hptr, pages, P, row_bytes); break;
+    case 4: launch<int32_t>(st, cap, kptr, vptr, ks, vs, T, tp, pp, op, n, hptr, pages, P, row_bytes); break;
+    case 2: launch<int16_t>(st, cap, kptr, vptr, ks, vs, T, tp, pp, op, n, hptr, pages, P, row_bytes); break;
+    default: launch<int8_t>(st, cap, kptr, vptr, ks, vs, T, tp, pp, op, n, hptr, pages, P, row_bytes); break;
   }
 }

@@ -121,7 +121,7 @@ def test_op_registered():
 
 
 # ---- CUDA: the op against the reference ---------------------------------------------------------
-def _run_case(gen, n, Hkv, D, dtype, layout, where, P=4):
+def _run_case(gen, n, Hkv, D, dtype, layout, where, P=4, max_blocks=0):
     T = n + 5
     pages = _pool_for(n, P)
     k, v = _sources(gen, T, Hkv, D, dtype, layout)
@@ -131,7 +131,7 @@ def _run_case(gen, n, Hkv, D, dtype, layout, where, P=4):
     host = _host(pages, P, Hkv, D, dtype)
     host = host.pin_memory() if where == "pinned" else host.cuda()
     kc, vc = _to_cuda_keep_strides(k), _to_cuda_keep_strides(v)
-    wt.write_through(host, kc, vc, tok.cuda(), page.cuda(), off.cuda())
+    wt.write_through(host, kc, vc, tok.cuda(), page.cuda(), off.cuda(), max_blocks=max_blocks)
     torch.cuda.synchronize()
     assert torch.equal(_bytes(host), _bytes(exp)), "host bytes differ from the reference"
     assert _untouched(host, page, off)
@@ -162,6 +162,15 @@ def test_cuda_sizes(where, n, Hkv, D, dtype):
     _run_case(_gen(), n, Hkv, D, dtype, "fused", where, P=16)
 
 
+@pytest.mark.cuda
+@pytest.mark.ext
+@pytest.mark.parametrize("max_blocks", [1, 3, 32, 10**6])
+@pytest.mark.parametrize("n", [257, 1500])
+def test_cuda_capped_grid_writes_the_same_bytes(max_blocks, n):
+    """max_blocks (core/write_behind.py's side stream) caps the grid; the loop covers the rest."""
+    _run_case(_gen(), n, 8, 128, torch.bfloat16, "fused", "pinned", P=16, max_blocks=max_blocks)
+
+
 # Each bad call runs in a fresh interpreter: inside the pytest process these calls crashed it
 # (segfault, twice on the H200) while a fresh process raised cleanly
 # (scripts/probes/gpu_error_paths.py); a crash now fails only its case, with the output.
@@ -172,6 +181,8 @@ BAD_CALLS = {   # case: (the call, the message it must raise)
     "k_layout": ("wt.write_through(pinned, kt, k, idx, idx, idx)",
                  r"k's \(Hkv, D\) block must be contiguous"),
     "off_on_cpu": ("wt.write_through(pinned, k, k, idx, idx, idx.cpu())", "off must be"),
+    "max_blocks": ("wt.write_through(pinned, k, k, idx, idx, idx, max_blocks=-1)",
+                   "max_blocks must be >= 0"),
 }
 BAD_CALL_SCRIPT = """
 import torch

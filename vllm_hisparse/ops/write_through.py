@@ -20,12 +20,12 @@ def _has_op() -> bool:
 
 if _has_op():
     @torch.library.register_fake("hisparse::write_through")
-    def _write_through_fake(host, k, v, tok, page, off):
+    def _write_through_fake(host, k, v, tok, page, off, max_blocks=0):
         return None
 
 
 def write_through(host: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: torch.Tensor,
-                  page: torch.Tensor, off: torch.Tensor) -> None:
+                  page: torch.Tensor, off: torch.Tensor, max_blocks: int = 0) -> None:
     """k[tok[i]] -> host[page[i], 0, off[i]] and v[tok[i]] -> host[page[i], 1, off[i]], in place.
 
     host: (pages, 2, P, Hkv, D) one layer of the pool, contiguous; pinned CPU memory (or, for tests,
@@ -35,6 +35,8 @@ def write_through(host: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: tor
     tok, page, off: (n,) int64 on k's device; destinations distinct; page[i] < 0 = padding (no-op);
           n == 0 launches nothing. Out-of-range indices are invalid (the kernel skips them rather
           than store outside the pool; the reference raises).
+    max_blocks: CUDA only, > 0 caps the kernel's grid (default 0: 8 blocks an SM); the bytes
+          written are the same (a grid-stride loop). core/write_behind.py caps it on its side stream.
     CUDA path: one launch on the current stream, no host sync, no allocation. The host sees the
     bytes once that stream's work before it is done (an event or a synchronize).
     """
@@ -45,6 +47,6 @@ def write_through(host: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tok: tor
                 f"write_through: k is on {k.device} but the CUDA op hisparse::write_through is not "
                 f"available ({why}). Build the extension (`make build`); there is no slow fallback "
                 f"for CUDA tensors.")
-        torch.ops.hisparse.write_through(host, k, v, tok, page, off)
+        torch.ops.hisparse.write_through(host, k, v, tok, page, off, max_blocks)
         return
     reference.write_through(host, k, v, tok, page, off)
