@@ -79,7 +79,13 @@ class Driver:
             self._full_step(ids, seq, bt)
         else:
             self._step(ids, qsl, seq, bt, torch.cat(slots).to(self.dev))
-        for rid in ids:                          # what the scheduler frees, nobody may read
+        self.free(ids)
+
+    def free(self, ids):
+        """What the scheduler frees after a step, nobody may read: poisoned (after the prefill's
+        write-behind stream, as vLLM's next forward overwrites them after the plan joins it)."""
+        self.rt.write_behind.join()
+        for rid in ids:
             keep = self.keep.get(rid) if self.cfg.resident_first else 0
             lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid], keep)
             for kv in self.kv:
@@ -118,14 +124,14 @@ class Driver:
 
 
 def run(host_tier: bool, dense_layers=(0,), dense_pool_gib=0.0, quest_rows=0, split=False,
-        full=False, policy="lru", resident_first=False, spills=None):
+        full=False, policy="lru", resident_first=False, spills=None, driver=None):
     """spills: {decode step i: request ids the scheduler spills before it, or (id, keep) pairs
-    for a partial spill} (resident_first)."""
+    for a partial spill} (resident_first). driver: the Driver class (tests/test_write_behind.py)."""
     cfg = HiSparseConfig(top_k=24, device_buffer_size=32, page_size=P, dense_layers=dense_layers,
                          min_context=40, host_pool_gib=0.01, host_tier=host_tier,
                          dense_pool_gib=dense_pool_gib, quest_rows=quest_rows,
                          split_dense_decode=split, policy=policy, resident_first=resident_first)
-    d = Driver(cfg, rows=5, full=full)
+    d = (driver or Driver)(cfg, rows=5, full=full)
     # "short" finishes below min_context (dense all its life); "grow" turns sparse at 40 tokens
     prompts = {"a": 150, "b": 93, "short": 20, "c": 61, "grow": 9}
     for rid, n in prompts.items():

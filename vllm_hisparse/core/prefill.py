@@ -63,14 +63,15 @@ def _plan_writes(rt, steps: list[ReqStep], block_table: torch.Tensor,
     dev, P = rt.device, rt.P
     tok_l = [t for s in steps for t in range(s.t0, s.t1)]
     T = slot_mapping.shape[0]
+    slots = slot_mapping.to(dev).long()
     if tok_l == list(range(T)):
-        wr_tok, sm = None, slot_mapping.to(dev).long()
+        wr_tok, sm = None, slots
     elif tok_l == list(range(len(tok_l))):          # the first tokens (vLLM pads at the tail)
         wr_tok = torch.arange(len(tok_l), device=dev)
-        sm = slot_mapping[:len(tok_l)].to(dev).long()
+        sm = slots[:len(tok_l)]
     else:
         wr_tok = rt.h2d(tok_l, torch.int64)
-        sm = slot_mapping.to(dev).long()[wr_tok]
+        sm = slots[wr_tok]
     plan = StepPlan(steps, block_table, sm // P, sm % P, wr_tok)
     # The indexer's state and host write-through cover the tokens of sparse requests (vectorised
     # over the requests: this runs every step, so its host time must not grow by a Python loop
@@ -92,6 +93,9 @@ def _plan_writes(rt, steps: list[ReqStep], block_table: torch.Tensor,
             plan.host_tok = tok_d
             plan.host_page = rt.host_pt.table[rows_d, pos_d // P].long()
             plan.host_off = pos_d % P
+            if rt.write_behind.stream is not None:    # its source: the cache's K row (write_kv)
+                s = slots[tok_d]
+                plan.host_src = s + s // P * P
             if rt.dpool is not None:
                 plan.dpool_page = rt.dense_pt.table[rows_d, pos_d // P].long()
     return plan
@@ -124,8 +128,9 @@ def layer(rt, layer: int, plan: StepPlan, q: torch.Tensor, k: torch.Tensor, v: t
         _dense(rt, plan.dense_res, q, kv, scale, out)
         _dense(rt, plan.dense_pool, q, dp, scale, out)
         return
-    if host is not None and plan.host_tok is not None:
-        write_through(host, k, v, plan.host_tok, plan.host_page, plan.host_off)
+    if host is not None and plan.host_tok is not None:      # on a side stream (core/write_behind)
+        rt.write_behind.write(host, kv, plan.host_src, k, v, plan.host_tok, plan.host_page,
+                              plan.host_off)
     if not dense_layer and plan.ix_upd is not None:
         rt.ix.update(layer, plan.ix_upd, k if plan.ix_tok is None else k[plan.ix_tok])
     _dense(rt, plan.dense_res if dense_layer else plan.dense_sparse, q, kv, scale, out)
@@ -153,8 +158,10 @@ def attend_from_host(rt, fr: list[ReqStep], bt: torch.Tensor, q: torch.Tensor, k
     reads the pinned pool itself, so the write-through kernels queued before (earlier steps'
     tokens of these pages) must have run: the stream is synchronised first (the plan copies
     without syncs, and vLLM's asynchronous scheduling runs this while the last step may still
-    be on the GPU). One-token rows go through the same kernel as the other decode rows."""
+    be on the GPU), and so are the side stream's (core/write_behind.py). One-token rows go
+    through the same kernel as the other decode rows."""
     if rt.device.type == "cuda":
+        rt.write_behind.join()
         torch.cuda.current_stream(rt.device).synchronize()
     pages, table = sl.gather_pages(
         kv, host, [bt[s.idx] for s in fr],

@@ -9,6 +9,7 @@ first, per layer: core/give_back.py), RESOLVE's ``hits`` / ``misses`` of the hot
 policy's) and ``resident_units`` (selected pages taken through the block table instead), so
 ``miss_rate`` = misses / every selected page. Gauges: pools, live requests and their residency
 (core/residency.py ``residency_summary``). Host time of the plan and the layers.
+``write_behind_writes``: prefill write-throughs issued on the side stream (core/write_behind.py).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def stats_dict(rt) -> dict:
     s["host_pages_used"] = rt.host_pages_used
     s["dense_pool_pages_used"] = rt.dpool.used_pages if rt.dpool is not None else 0
     s["live_requests"] = len(rt.reqs)
+    s["write_behind_writes"] = rt.write_behind.writes
     s.update(residency_summary(rt.cfg, {rid: (r.start, r.num_prompt, r.keep)
                                         for rid, r in rt.reqs.items() if r.sparse}))
     # host (CPU) time spent in plan / forward_layer, totals over all steps

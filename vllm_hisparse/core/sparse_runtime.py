@@ -31,6 +31,7 @@ from vllm_hisparse.core.residency import is_sparse_request
 from vllm_hisparse.core.staging import HostToDevice
 from vllm_hisparse.core.steady_step import SteadyStep
 from vllm_hisparse.core.step_plan import ReqStep, StepPlan
+from vllm_hisparse.core.write_behind import WriteBehind
 
 
 @dataclass
@@ -74,6 +75,7 @@ class SparseRuntime:
         self.U = -(-max_model_len // self.P)
         self.device = torch.device(device)
         self.h2d = HostToDevice(self.device)     # per-step metadata, without waiting for the GPU
+        self.write_behind = WriteBehind(self.device)     # prefill write-through on a side stream
         self.num_layers = num_layers
         self.dense_layers = set(cfg.dense_layers)
         host_layers = dep.host_layers
@@ -248,6 +250,7 @@ class SparseRuntime:
         """req_ids: the B requests in row order; query_start_loc: B+1 token offsets; seq_lens: B
         lengths with this step's tokens; block_table (B, W); slot_mapping (T,). All host work is
         here, once per step (forward_layer syncs nothing); one-token rows form the decode batch."""
+        self.write_behind.join()             # the last steps' host writes before this step's work
         self.steady.forget()
         steps, pages = step_requests.req_steps(self, req_ids, query_start_loc, seq_lens,
                                                    block_table)
@@ -269,6 +272,7 @@ class SparseRuntime:
         (0..n-1, padding after them), N >= n its padded size; block_table (>= n, W) int32 on the
         device, read only when a request turns sparse. Fills decode batch N for full_layer."""
         t0 = time.perf_counter()
+        self.write_behind.join()
         db = self._batch(N)
         if not self.steady.advance(self, req_ids, seq_lens, db):
             steps, pages = step_requests.req_steps(self, req_ids, list(range(len(req_ids) + 1)),

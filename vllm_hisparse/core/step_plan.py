@@ -50,6 +50,7 @@ class StepPlan:
     host_tok: torch.Tensor | None = None       # (n,) tokens written through to the host pool
     host_page: torch.Tensor | None = None      # (n,) their host pages
     host_off: torch.Tensor | None = None       # (n,) their offsets in the page
+    host_src: torch.Tensor | None = None       # (n,) their K rows in the cache's (N*2*P) rows
     dense_sparse: DenseGroup | None = None     # dense rows of sparse layers
     dense_res: DenseGroup | None = None        # dense layers: requests with every page on the GPU
     dense_freed: list[ReqStep] = field(default_factory=list)  # prefill rows whose pages left the
