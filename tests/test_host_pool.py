@@ -35,6 +35,21 @@ def test_random_alloc_free_never_double_never_leak():
     assert pool.used_pages == 0 and pool.free_pages == 50 and pool.owners() == []
 
 
+def test_ensure_hands_out_the_pages_one_pop_at_a_time_would():
+    """ensure takes the free list's tail in one slice: the pages and their order are what
+    popping them one at a time gives (runs that compare engines rely on the same page ids)."""
+    pool = make_pool(pages=60)
+    rng = random.Random(torch.randint(0, 2**31, ()).item())
+    free = list(pool._free)
+    for key in range(12):
+        tokens = rng.randrange(1, 20)
+        want = [free.pop() for _ in range(pool.pages_for(tokens))]
+        assert pool.ensure(key, tokens) == want and pool._free == free
+        if rng.random() < 0.4:
+            free.extend(reversed(pool._owned[key]))
+            pool.free(key)
+
+
 def test_assigned_pages_counted_once_however_many_hold_them():
     """Scheduler-assigned lists (pages shared between keys, lists replaced): used_pages == the
     distinct pages the live keys hold (a plain set here), kept as lists come and go."""

@@ -236,8 +236,9 @@ class HostKVPool:
                 del self._owned[key]
             raise HostPoolFull(f"host KV pool full: request {key!r} needs {need} more pages of "
                                f"{self.page_size} tokens, {len(self._free)} free of {self.num_pages}")
-        for _ in range(max(need, 0)):
-            pages.append(self._free.pop())
+        if need > 0:                     # what `need` pops from the free list's end would give
+            pages.extend(reversed(self._free[-need:]))
+            del self._free[-need:]
         return pages
 
     def free(self, key) -> int:

@@ -61,16 +61,16 @@ def _plan_writes(rt, steps: list[ReqStep], block_table: torch.Tensor,
     """Cache slots, indexer updates and host write-through of the tokens of the rows
     `steps` (the prefill rows; the decode batch writes its own)."""
     dev, P = rt.device, rt.P
-    tok_l = [t for s in steps for t in range(s.t0, s.t1)]
     T = slot_mapping.shape[0]
     slots = slot_mapping.to(dev).long()
-    if tok_l == list(range(T)):
+    n = _leading(steps)             # the rows' tokens are 0..n-1 in order (a 32K prompt: no list)
+    if n == T:
         wr_tok, sm = None, slots
-    elif tok_l == list(range(len(tok_l))):          # the first tokens (vLLM pads at the tail)
-        wr_tok = torch.arange(len(tok_l), device=dev)
-        sm = slots[:len(tok_l)]
+    elif n is not None:                              # the first tokens (vLLM pads at the tail)
+        wr_tok = torch.arange(n, device=dev)
+        sm = slots[:n]
     else:
-        wr_tok = rt.h2d(tok_l, torch.int64)
+        wr_tok = rt.h2d(np.concatenate([np.arange(s.t0, s.t1, dtype=np.int64) for s in steps]))
         sm = slots[wr_tok]
     plan = StepPlan(steps, block_table, sm // P, sm % P, wr_tok)
     # The indexer's state and host write-through cover the tokens of sparse requests (vectorised
@@ -99,6 +99,16 @@ def _plan_writes(rt, steps: list[ReqStep], block_table: torch.Tensor,
             if rt.dpool is not None:
                 plan.dpool_page = rt.dense_pt.table[rows_d, pos_d // P].long()
     return plan
+
+
+def _leading(steps: list[ReqStep]) -> int | None:
+    """n when the rows' tokens, row after row, are 0, 1, .., n-1; else None."""
+    n = 0
+    for s in steps:
+        if s.t0 != n:
+            return None
+        n = s.t1
+    return n
 
 
 def ship(rt, arrays: list, named: dict) -> tuple[list, dict]:
