@@ -79,12 +79,11 @@ class Driver:
             self._full_step(ids, seq, bt)
         else:
             self._step(ids, qsl, seq, bt, torch.cat(slots).to(self.dev))
+        self.rt.end_step()                       # the adapter's wait_for_save
         self.free(ids)
 
     def free(self, ids):
-        """What the scheduler frees after a step, nobody may read: poisoned (after the prefill's
-        write-behind stream, as vLLM's next forward overwrites them after the plan joins it)."""
-        self.rt.write_behind.join()
+        """What the scheduler frees after a step, nobody may read: poisoned."""
         for rid in ids:
             keep = self.keep.get(rid) if self.cfg.resident_first else 0
             lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid], keep)

@@ -2,11 +2,13 @@
 the paged cache and joined before anything reads the host pool.
 
 On the CPU a deferred twin stands in for the side stream: its writes run only at ``join``, reading
-the cache then (as the stream would, later). The test driver poisons the blocks the scheduler frees
-only after the next step's plan, where vLLM's next forward would first overwrite them. Every
-layer's output of every step must equal resident mode's bit for bit. Negative controls: the same
-twin with the freed blocks poisoned right after the step (a write that reads the cache too late),
-and a twin whose join does nothing (readers before the writes): both must differ.
+the cache then (as the stream would, later). The test driver ends each step as the adapter does
+(``end_step``: vLLM's wait_for_save) and poisons the blocks the scheduler frees after the next
+step's plan. Every layer's output of every step must equal resident mode's bit for bit. Negative
+controls: the same twin with the step's end joining nothing and the freed blocks poisoned right
+after it (a write that reads the cache too late), and a twin whose join does nothing (readers
+before the writes): both must differ. On the GPU: the side stream's bytes against the reference,
+with the cache produced late on the compute stream and the index tensors' memory reused at once.
 """
 from __future__ import annotations
 
@@ -70,15 +72,11 @@ class LateFree(Driver):
 
 
 class EarlyFree(Driver):
-    """Freed blocks poisoned right after the step, before the write-behind is joined."""
+    """Freed blocks poisoned right after the step, the step's end joining nothing."""
 
-    def free(self, ids):
-        pending = self.rt.write_behind.join
-        self.rt.write_behind.join = lambda: None
-        try:
-            super().free(ids)
-        finally:
-            self.rt.write_behind.join = pending
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.rt.end_step = lambda: None
 
 
 def _differs(outs, ref) -> bool:
@@ -114,13 +112,12 @@ def test_control_join_that_waits_for_nothing_differs(monkeypatch):
     assert stats["misses"] > 0 and _differs(outs, res)
 
 
-def test_synchronous_write_is_the_same_run(monkeypatch):
-    """HISPARSE_WRITE_BEHIND=0 (and any CPU run): no side stream, nothing deferred, the outputs
-    of the write-behind run's twin."""
+def test_knob_turns_it_off(monkeypatch):
+    """HISPARSE_WRITE_BEHIND=0: no side stream anywhere (the CPU has none either way)."""
     monkeypatch.setenv(wb.ENV, "0")
-    outs, stats = run(True, driver=LateFree)
-    res, _ = shared_run(False)
-    assert not _differs(outs, res) and stats["write_behind_writes"] == 0
+    assert not wb.enabled() and wb.WriteBehind("cpu").stream is None
+    monkeypatch.delenv(wb.ENV)
+    assert wb.enabled()
 
 
 def test_knob_refuses_other_values(monkeypatch):
@@ -133,21 +130,45 @@ def test_knob_refuses_other_values(monkeypatch):
 @pytest.mark.parametrize("n", [1, 37, 5000])
 def test_cuda_side_stream_bytes_equal_reference(n):
     """The side stream's write from the cache rows equals the reference's from k / v, bytes exact,
-    after join; the compute stream's later work waits for it."""
+    after join. The cache is filled late on the compute stream (behind a ~20 ms spin), so a side
+    stream that did not wait for it would copy zeros; the index tensors are dropped and their
+    memory filled with junk right after the write, so one the allocator handed back too early
+    would send rows elsewhere."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     N, P, Hkv, D, pages = 64, 16, 8, 128, 512
-    kv = torch.randn(N, 2, P, Hkv, D, generator=g).to(torch.bfloat16).cuda()
+    data = torch.randn(N, 2, P, Hkv, D, generator=g).to(torch.bfloat16)
     slot = torch.randperm(N * P, generator=g)[:n]              # the tokens' cache slots
-    k, v = kv[slot // P, 0, slot % P], kv[slot // P, 1, slot % P]
+    k, v = data[slot // P, 0, slot % P], data[slot // P, 1, slot % P]
     dst = torch.randperm(pages * P, generator=g)[:n]
     page, off = dst // P, dst % P
     ref = torch.full((pages, 2, P, Hkv, D), 7, dtype=torch.bfloat16)
-    reference.write_through(ref, k.cpu(), v.cpu(), torch.arange(n), page, off)
+    reference.write_through(ref, k, v, torch.arange(n), page, off)
     host = torch.full_like(ref, 7).pin_memory()
+    kv = torch.zeros(N, 2, P, Hkv, D, dtype=torch.bfloat16, device="cuda")
+    staged = data.cuda()
+    idx = [(slot + slot // P * P).cuda(), page.cuda(), off.cuda()]
+    torch.cuda.synchronize()
     w = wb.WriteBehind("cuda", on=True)
-    src = (slot + slot // P * P).cuda()
-    w.write(host, kv, src, k, v, torch.arange(n, device="cuda"), page.cuda(), off.cuda())
+    torch.cuda._sleep(40_000_000)                      # the compute stream busy for a while
+    kv.copy_(staged)
+    w.write(host, kv, idx[0], None, None, None, idx[1], idx[2])
     assert w.pending and w.writes == 1
+    del idx
+    junk = [torch.full((n,), 3, dtype=torch.int64, device="cuda") for _ in range(3)]
     w.join()
     torch.cuda.current_stream().synchronize()
     assert torch.equal(host.view(torch.int16), ref.view(torch.int16))
+    assert all(int(j[0]) == 3 for j in junk)
+
+
+def test_connector_wait_for_save_ends_the_step():
+    """vLLM calls the KV connector's wait_for_save as each step's forward context exits: that is
+    where the GQA worker joins the write-behind (SparseRuntime.end_step)."""
+    from types import SimpleNamespace
+
+    from vllm_hisparse.vllm.connector_worker import ConnectorWorker
+    ended = []
+    cw = ConnectorWorker.__new__(ConnectorWorker)
+    cw.worker = SimpleNamespace(get_runtime=lambda: SimpleNamespace(end_step=lambda: ended.append(1)))
+    cw.wait_for_save()
+    assert ended == [1]

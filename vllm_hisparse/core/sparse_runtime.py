@@ -296,6 +296,12 @@ class SparseRuntime:
         self._body(layer)(self, layer, self._batch(N), q, k, v, kv, block_table, scale, out)
         self._host_s["full_layers"] += time.perf_counter() - t0
 
+    def end_step(self) -> None:
+        """The step's forward is queued: the compute stream waits for its write-behind (the
+        adapter's wait_for_save). vLLM may zero or copy blocks it freed (and the host may read
+        the pool) before the next step's plan, so the side stream is not left reading them."""
+        self.write_behind.join()
+
     def _body(self, layer: int):                  # the decode body of a layer
         return decode_body.dense_layer if layer in self.dense_layers else decode_body.sparse_layer
 

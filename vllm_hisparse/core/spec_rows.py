@@ -133,5 +133,4 @@ def multi_layer(rt, layer: int, p: StepPlan, q: torch.Tensor, k: torch.Tensor, v
     sr = p.spec if layer not in rt.dense_layers else None
     prefill.layer(rt, layer, p if sr is None else sr.sparse_plan, q, k, v, kv, scale, out)
     if sr is not None:
-        rt.write_behind.join()      # RESOLVE may fetch a page this step completed (write_behind)
         attend(rt, layer, sr, q, kv, scale, out)

@@ -11,14 +11,15 @@ later), not from the layer's k / v: those may live in vLLM's CUDA-graph pool (a 
 which the next graph piece reuses without asking the caching allocator. The side stream waits for
 the compute stream's work so far, runs the kernel with a capped grid (it is bound by PCIe, not by
 SMs: ``MAX_BLOCKS`` CTAs leave the rest to the compute stream), and the allocator is told that it
-still reads the plan's index tensors (``record_stream``). The cache rows stay until the request's
-blocks are freed or given back, which later steps do after their plan's ``join``.
+still reads the plan's index tensors (``record_stream``).
 
-Everything that reads the host pool, or writes cache blocks this stream may still read, waits for
-the side stream first (``join``): the next step's plan (SparseRuntime.plan / plan_full, before any
-of its copies or kernels), the slow path that reads the pool from the host
-(prefill.attend_from_host), and the verify rows' RESOLVE in the step that wrote them
-(spec_rows.multi_layer). The bytes are the same kernel's; only the stream and the source differ.
+The compute stream waits for the side stream (``join``) at the end of every step's forward
+(SparseRuntime.end_step, from the KV connector's wait_for_save: vLLM zeroes or copies blocks it
+freed before the next step's plan, and may reuse them then), at the next plan (plan / plan_full),
+and before the slow path that reads the pool from the host (prefill.attend_from_host). Within a
+step nothing reads what it writes: decode and verify rows select complete pages written in earlier
+steps and read the step's own tokens from the cache. The bytes are the same kernel's; only the
+stream and the source differ.
 
 Off (``HISPARSE_WRITE_BEHIND=0``, for A/B runs), on the CPU, with a cache that is not contiguous,
 and while a CUDA graph is being captured: the write-through reads k / v on the current stream, as

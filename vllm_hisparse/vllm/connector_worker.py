@@ -76,6 +76,11 @@ class ConnectorWorker:
         # vLLM replays the step's FULL graph (which calls no backend code)
         self.worker.plan()
 
+    def wait_for_save(self) -> None:
+        # as the step's forward context exits: its host write-behind joined on the compute stream
+        # (core/write_behind.py), before vLLM touches the blocks it frees
+        self.worker.get_runtime().end_step()
+
     def _drop(self, rt, rid: str, report: bool = True) -> None:
         if rt.finish(rid):
             self.worker.rows.unbind(rid)
