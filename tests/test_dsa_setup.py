@@ -92,6 +92,8 @@ REFUSED = [
      "device_buffer_size=128 must be >= (num_speculative_tokens + 1) x top_k = (2 + 1) x 64 = 192"
      " for DSA speculative decoding; set device_buffer_size=192"),
     ({"parallel_config__tensor_parallel_size": 2}, None, "tensor_parallel_size=2"),
+    ({"parallel_config__prefill_context_parallel_size": 2}, None,
+     "prefill_context_parallel_size=2 is not supported with indexer 'dsa' yet"),
     ({"model_config__hf_config": SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64)}, None,
      "no DSA indexer"),
     ({}, {"host_pool_gib": 0.001}, "host_pool_gib=0.001 cannot hold one request of "

@@ -100,6 +100,9 @@ def test_an_engine_that_cannot_be_sparse_is_stock_vllm(monkeypatch):
 @pytest.mark.parametrize("over, words", [
     ({"model_config__is_encoder_decoder": True}, "encoder-decoder"),
     ({"parallel_config__pipeline_parallel_size": 2}, "pipeline"),
+    ({"parallel_config__prefill_context_parallel_size": 2},
+     r"prefill_context_parallel_size=2 \(context parallelism\) is not supported; set it to 1"),
+    ({"parallel_config__decode_context_parallel_size": 4}, "decode_context_parallel_size=4"),
 ])
 def test_unsupported_setups_fail_with_what_is_supported(over, words):
     from vllm_hisparse.vllm.setup_check import prepare_config

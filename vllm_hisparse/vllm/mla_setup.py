@@ -86,7 +86,9 @@ def check_mla(cfg: HiSparseConfig, vllm_config) -> None:
     for name, value in (("pipeline_parallel_size", pc.pipeline_parallel_size),
                         ("tensor_parallel_size", pc.tensor_parallel_size),
                         ("decode_context_parallel_size",
-                         getattr(pc, "decode_context_parallel_size", 1))):
+                         getattr(pc, "decode_context_parallel_size", 1)),
+                        ("prefill_context_parallel_size",
+                         getattr(pc, "prefill_context_parallel_size", 1))):
         if value > 1:
             raise Refused(f"hisparse: {name}={value} is not supported with indexer 'dsa' yet "
                           f"(one GPU); set it to 1")

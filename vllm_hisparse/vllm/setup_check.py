@@ -73,6 +73,10 @@ def prepare_config(vllm_config) -> None:
                       "verified with; start vLLM with VLLM_USE_V2_MODEL_RUNNER=0")
     if pc.pipeline_parallel_size > 1:
         raise Refused(f"hisparse: pipeline parallelism is not supported; {SUPPORTED}")
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if getattr(pc, name, 1) > 1:         # a rank's non-local tokens carry slot -1
+            raise Refused(f"hisparse: {name}={getattr(pc, name)} (context parallelism) is not "
+                          f"supported; set it to 1 ({SUPPORTED})")
     why = graph_mode.blocker(vllm_config)
     if cfg.full_decode_graphs and why:
         raise Refused(f"hisparse: full_decode_graphs=true cannot run: {why}")
