@@ -82,13 +82,20 @@ class Driver:
         self.rt.end_step()                       # the adapter's wait_for_save
         self.free(ids)
 
-    def free(self, ids):
-        """What the scheduler frees after a step, nobody may read: poisoned."""
+    def freed_blocks(self, ids) -> list[torch.Tensor]:
+        """The blocks the scheduler frees after a step, request by request."""
+        out = []
         for rid in ids:
             keep = self.keep.get(rid) if self.cfg.resident_first else 0
             lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid], keep)
+            out.append(self.blocks[rid][lo:hi].long())
+        return out
+
+    def free(self, ids):
+        """What the scheduler frees after a step, nobody may read: poisoned."""
+        for blocks in self.freed_blocks(ids):
             for kv in self.kv:
-                kv[self.blocks[rid][lo:hi].long()] = float("nan")
+                kv[blocks] = float("nan")
 
     def _full_step(self, ids, seq, bt):
         n = len(ids)

@@ -18,11 +18,11 @@ import torch
 from vllm_hisparse.core import sparse_runtime
 from vllm_hisparse.core import write_behind as wb
 from vllm_hisparse.ops import reference
-from test_sparse_runtime_exact import SPILLS, Driver, freed_pages, run, shared_run
+from test_sparse_runtime_exact import SPILLS, Driver, run, shared_run
 
 
 class Deferred(wb.WriteBehind):
-    """The side stream's twin on the CPU: writes queued, run at join (``joins=False``: never)."""
+    """The side stream's twin on the CPU: writes queued, run at join (never: ``joins_run`` off)."""
     joins_run = True
 
     def __init__(self, device, on=None):
@@ -65,10 +65,7 @@ class LateFree(Driver):
         return planned
 
     def free(self, ids):
-        for rid in ids:
-            keep = self.keep.get(rid) if self.cfg.resident_first else 0
-            lo, hi = freed_pages(self.cfg, self.lens[rid], self.prompt[rid], keep)
-            self.late.append(self.blocks[rid][lo:hi].long())
+        self.late += self.freed_blocks(ids)
 
 
 class EarlyFree(Driver):
@@ -97,7 +94,8 @@ def test_deferred_writes_equal_resident(monkeypatch, full, resident_first, spill
 
 
 def test_control_write_reading_freed_blocks_differs(monkeypatch):
-    """The deferred writes with the blocks poisoned right after the step: the host copy takes NaN."""
+    """The deferred writes with the blocks poisoned right after the step: the host copy gets
+    NaN."""
     monkeypatch.setattr(sparse_runtime, "WriteBehind", Deferred)
     outs, _ = run(True, driver=EarlyFree)
     res, _ = shared_run(False)
@@ -169,6 +167,7 @@ def test_connector_wait_for_save_ends_the_step():
     from vllm_hisparse.vllm.connector_worker import ConnectorWorker
     ended = []
     cw = ConnectorWorker.__new__(ConnectorWorker)
-    cw.worker = SimpleNamespace(get_runtime=lambda: SimpleNamespace(end_step=lambda: ended.append(1)))
+    rt = SimpleNamespace(end_step=lambda: ended.append(1))
+    cw.worker = SimpleNamespace(get_runtime=lambda: rt)
     cw.wait_for_save()
     assert ended == [1]

@@ -95,7 +95,7 @@ def _plan_writes(rt, steps: list[ReqStep], block_table: torch.Tensor,
             plan.host_off = pos_d % P
             if rt.write_behind.stream is not None:    # its source: the cache's K row (write_kv)
                 s = slots[tok_d]
-                plan.host_src = s + s // P * P
+                plan.host_src = sl.cache_row(s // P, s % P, P)
             if rt.dpool is not None:
                 plan.dpool_page = rt.dense_pt.table[rows_d, pos_d // P].long()
     return plan

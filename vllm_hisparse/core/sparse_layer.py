@@ -13,6 +13,12 @@ import torch
 from vllm_hisparse.ops.fp8 import as_bytes
 
 
+def cache_row(blk: torch.Tensor, off: torch.Tensor, P: int) -> torch.Tensor:
+    """The row of (block, offset) among a contiguous cache's (N*2*P, Hkv, D) rows: its K there,
+    its V P rows later (write_kv's stores; core/write_behind.py's reads)."""
+    return torch.add(off, blk, alpha=2 * P)
+
+
 def write_kv(kv: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tok: torch.Tensor | None,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Store K/V of tokens ``tok`` (all T tokens when None) of k/v (T, Hkv, D) at blocks ``blk`` and
@@ -28,7 +34,7 @@ def write_kv(kv: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, tok: torch.
         P = kv.shape[2]
         k, v = as_bytes(k), as_bytes(v)
         rows = as_bytes(kv).view(-1, *kv.shape[3:])
-        r = torch.add(off, blk, alpha=2 * P)
+        r = cache_row(blk, off, P)
         rows.index_copy_(0, r, k)
         rows[P:].index_copy_(0, r, v)
         return

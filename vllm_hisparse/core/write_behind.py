@@ -6,9 +6,9 @@ in 1,292 ms against stock's 1,203 ms; 79 of the 89 ms were ``write_through_kerne
 stream (64 launches, ~4.3 GB at PCIe rate), while the GPU's SMs could run the next layers.
 
 Here a prefill row's write-through reads its K/V rows from the paged cache, where write_kv has just
-stored the same bytes (the cache's (N*2*P) rows: K of (block b, offset o) at row 2Pb + o, V P rows
-later), not from the layer's k / v: those may live in vLLM's CUDA-graph pool (a PIECEWISE step),
-which the next graph piece reuses without asking the caching allocator. The side stream waits for
+stored the same bytes (the cache's (N*2*P) rows: sparse_layer.cache_row), not from the layer's
+k / v: those may live in vLLM's CUDA-graph pool (a PIECEWISE step), which the next graph piece
+reuses without asking the caching allocator. The side stream waits for
 the compute stream's work so far, runs the kernel with a capped grid (it is bound by PCIe, not by
 SMs: ``MAX_BLOCKS`` CTAs leave the rest to the compute stream), and the allocator is told that it
 still reads the plan's index tensors (``record_stream``).
@@ -48,7 +48,7 @@ class WriteBehind:
         self.stream = (torch.cuda.Stream(self.device)
                        if on and self.device.type == "cuda" else None)
         self.pending = False             # side-stream work not yet joined by the compute stream
-        self.writes = self.joins = 0     # side-stream launches / joins that waited (stats)
+        self.writes = 0                  # side-stream launches (stats: write_behind_writes)
 
     def write(self, host: torch.Tensor, kv: torch.Tensor, src: torch.Tensor | None,
               k: torch.Tensor, v: torch.Tensor, tok: torch.Tensor, page: torch.Tensor,
@@ -79,4 +79,3 @@ class WriteBehind:
         if self.pending and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             self.pending = False
-            self.joins += 1
